@@ -1,0 +1,9 @@
+.PHONY: install train test lint bench
+install:
+	python -m pip install -e '.[test]'
+train:
+	torchrun --nproc-per-node 4 -m isp_comm.train
+test:
+	python -m pytest -q
+lint:
+	ruff check . && ruff format --check .

@@ -1,0 +1,16 @@
+"""isp-comm: InternEvo-style ISP (weight + sequence parallel) communication for PyTorch."""
+
+from isp_comm.communicator import ISPCommunicator, find_blocks
+from isp_comm.config import ISPConfig
+from isp_comm.errors import HookOrderError, ISPCommTimeout
+from isp_comm.groups import ParallelGroups
+
+__all__ = [
+    "HookOrderError",
+    "ISPCommTimeout",
+    "ISPCommunicator",
+    "ISPConfig",
+    "ParallelGroups",
+    "find_blocks",
+]
+__version__ = "0.1.0"

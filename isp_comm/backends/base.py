@@ -1,0 +1,54 @@
+"""The collective interface every backend implements, and its handle type.
+
+Backends know bytes, groups and deadlines; they know nothing of blocks or models.
+Every collective takes its group and buffers explicitly and returns a handle whose
+``wait(timeout_s)`` raises :class:`~isp_comm.errors.ISPCommTimeout` past the deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+
+class Handle(Protocol):
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class CompletedHandle:
+    """Handle of a collective that finished when it was issued (e.g. a group of one)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class Backend(Protocol):
+    """How bytes move between the ranks of a group."""
+
+    name: str
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        """``out`` (numel = group size x inp.numel()) receives every rank's ``inp``, rank-major."""
+        ...
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        """``out`` receives the sum over ranks of chunk ``group rank`` of ``inp`` (rank-major)."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
+        """In-place sum over the group."""
+        ...
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        """Chunk ``j`` of ``inp`` goes to rank ``j``; chunk ``i`` of ``out`` comes from rank ``i``."""
+        ...
+
+    def barrier(self, group: ProcessGroup, timeout_s: float) -> None: ...
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer this backend can communicate from/into (shared memory for symm)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,252 @@
+"""ISPCommunicator: WHAT is wrapped. Finds the blocks, shards their linears, wires the rest."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isp_comm.backends import make_backend
+from isp_comm.config import ISPConfig
+from isp_comm.groups import ParallelGroups
+from isp_comm.hooks.engine import BlockEngine, Phase
+from isp_comm.hooks.scheduler import SchedulerHook
+from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
+from isp_comm.units import BlockUnit, ReplicatedParam
+
+log = logging.getLogger("isp_comm")
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks: the ``ModuleList`` of same-typed modules that
+    contain linear layers and hold the most parameters."""
+    best, best_params = None, -1
+    for mod in model.modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if len({type(m) for m in mod}) != 1 or isinstance(mod[0], nn.Linear):
+            continue
+        if not any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = mod, n
+    if best is None:
+        raise ValueError(
+            f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList "
+            "of same-typed modules containing nn.Linear layers; pass blocks= explicitly"
+        )
+    return best
+
+
+def _wrapped_marker(fn: Any) -> bool:
+    return getattr(fn, "_isp_comm_wrapped", False)
+
+
+class ISPCommunicator:
+    """Wraps a llama-class model in place for ISP weight parallelism.
+
+    Every ``nn.Linear`` weight and bias inside the blocks becomes this rank's dim-0
+    shard (a parameter of the same name); everything else stays replicated. Create the
+    optimizer *after* wrapping, on ``model.parameters()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: ParallelGroups,
+        config: ISPConfig | None = None,
+        *,
+        blocks: Sequence[nn.Module] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        self.config = config = config or ISPConfig()
+        if not isinstance(config, ISPConfig):
+            raise TypeError(f"config must be an ISPConfig, got {type(config).__name__}")
+        self.model, self.groups = model, groups
+        block_list = list(find_blocks(model) if blocks is None else blocks)
+        self._validate(model, block_list)
+        names = {m: n for n, m in model.named_modules()}
+
+        n_ckpt = round(config.activation_checkpointing * len(block_list))
+        units: list[BlockUnit] = []
+        in_blocks: set[int] = set()
+        for i, block in enumerate(block_list):
+            linears = [(names[m], m) for m in block.modules() if isinstance(m, nn.Linear)]
+            sharded = {id(p) for _, m in linears for p in m.parameters(recurse=False)}
+            replicated = [
+                ReplicatedParam(m, pn, p)
+                for m in block.modules()
+                for pn, p in m.named_parameters(recurse=False)
+                if id(p) not in sharded
+            ]
+            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank)
+            units.append(unit)
+            in_blocks |= {id(s) for s in unit.shards}
+        self.units = units
+        replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
+
+        self.backend = make_backend(config.backend)
+        alloc = functools.partial(self._alloc, device=units[0].device)
+        gdt = [(config.param_dtype or u.dtype, u.gathered_numel) for u in units]
+        rdt = [(config.reduce_dtype or config.param_dtype or u.dtype, u.gathered_numel) for u in units]
+        self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size)
+        self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
+        self.rs_buffers = ReduceScatterBuffers(self._plan, alloc, pooled=config.memory_pool)
+        self.engine = BlockEngine(units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all)
+        if groups.rank == 0:
+            log.info(self._plan.describe())
+
+        self._orig_forwards: list[tuple[nn.Module, Any]] = []
+        for unit in units:
+            self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
+        self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
+        self._closed = False
+
+    # ---- construction helpers ----------------------------------------------------------
+    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.backend.empty(numel, dtype, device)
+
+    @staticmethod
+    def _validate(model: nn.Module, blocks: list[nn.Module]) -> None:
+        if not blocks:
+            raise ValueError("the block list is empty: ISP needs at least one transformer block")
+        for i, b in enumerate(blocks):
+            if not isinstance(b, nn.Module):
+                raise TypeError(f"block {i} is a {type(b).__name__}, not an nn.Module")
+            if _wrapped_marker(b.__dict__.get("forward")):
+                raise ValueError("this model is already wrapped by an ISPCommunicator (close() it first)")
+            if not any(isinstance(m, nn.Linear) for m in b.modules()):
+                raise ValueError(f"block {i} ({type(b).__name__}) has no nn.Linear layers to shard")
+        devices = {p.device for p in model.parameters()}
+        if len(devices) > 1:
+            raise ValueError(f"model parameters are on several devices {sorted(map(str, devices))}")
+        for name, p in model.named_parameters():
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise ValueError(f"parameter {name} has unsupported dtype {p.dtype} (use {_SUPPORTED_DTYPES})")
+
+    def _wrap_forward(self, unit: BlockUnit, checkpointed: bool) -> None:
+        block = unit.block
+        orig = block.forward
+        engine = self.engine
+
+        def isp_forward(*args: Any, **kwargs: Any) -> Any:
+            return engine.block_forward(unit, orig, args, kwargs)
+
+        if checkpointed:
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                if not torch.is_grad_enabled():
+                    return isp_forward(*args, **kwargs)
+                return checkpoint(isp_forward, *args, use_reentrant=False, **kwargs)
+        else:
+            forward = isp_forward
+        forward._isp_comm_wrapped = True  # type: ignore[attr-defined]
+        self._orig_forwards.append((block, block.__dict__.get("forward")))
+        block.forward = forward
+
+    # ---- public API ---------------------------------------------------------------------
+    def scheduler_hook(self) -> SchedulerHook:
+        """Hooks for a training loop: before/after forward, before/after backward."""
+        return SchedulerHook(self.engine)
+
+    def memory_plan(self) -> MemoryPlan:
+        """Slot sizes per dtype, which block sets them, and the pool's total bytes."""
+        return self._plan
+
+    def record_events(self, enabled: bool = True) -> list[tuple[str, int, str]]:
+        """Start (or stop) recording (kind, block, phase) events: gathers, computes, reduces."""
+        self.engine.events = [] if enabled else None
+        return self.engine.events
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters of communication and memory since wrapping."""
+        c = self.engine.counters
+        return {
+            "all_gathers": c.all_gathers,
+            "reduce_scatters": c.reduce_scatters,
+            "all_reduces": c.all_reduces,
+            "bytes_gathered": c.bytes_gathered,
+            "bytes_reduced": c.bytes_reduced,
+            "bytes_moved": c.bytes_gathered + c.bytes_reduced,
+            "exposed_comm_s": c.exposed_comm_s,
+            "outstanding_handles": self.engine.outstanding(),
+            "pool_bytes": self._plan.pool_bytes if self.config.memory_pool else 0,
+            "live_gathered_bytes": self.pool.live_bytes,
+            "peak_live_gathered_bytes": self.pool.peak_live_bytes,
+            "slots_held": self.pool.held(),
+            "slot_fallbacks": self.pool.fallbacks,
+            "rs_buffers_in_use": self.rs_buffers.in_use,
+            "rs_buffers_peak": self.rs_buffers.peak_in_use,
+        }
+
+    def _check_idle(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: the communicator is closed")
+        if self.engine.phase is Phase.BACKWARD:
+            raise RuntimeError(f"{what} must not be called during backward")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unpadded state dict with the original keys and shapes (collective)."""
+        self._check_idle("full_state_dict()")
+        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for unit in self.units:
+            rank_major = torch.empty(unit.gathered_numel, dtype=unit.dtype, device=unit.device)
+            self.engine._wait(
+                self.backend.all_gather(rank_major, unit.flat_shard, self.groups.wp_group),
+                f"full_state_dict gather of block {unit.index}",
+            )
+            slot = torch.empty_like(rank_major)
+            unit.copy_out(rank_major, slot)
+            for sp, full in zip(unit.params, unit.full_views(slot)):
+                sd[sp.fqn] = full.clone()
+        return sd
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
+        self._check_idle("load_full_state_dict()")
+        sharded = {sp.fqn: (unit, sp) for unit in self.units for sp in unit.params}
+        own = self.model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        if missing:
+            raise ValueError(f"state dict lacks {len(missing)} keys, e.g. {missing[:3]}")
+        for key, target in own.items():
+            src = state_dict[key]
+            if key in sharded:
+                unit, sp = sharded[key]
+                if tuple(src.shape) != tuple(sp.shape):
+                    raise ValueError(f"{key}: expected shape {tuple(sp.shape)}, got {tuple(src.shape)}")
+                lo = unit.wp_rank * sp.chunk_rows
+                unit.shard_view(unit.flat_shard, sp).copy_(src[lo : lo + sp.valid_rows])
+            else:
+                if src.shape != target.shape:
+                    raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(src.shape)}")
+                target.copy_(src)
+
+    def close(self) -> None:
+        """Drain communication, restore the blocks' forwards and free the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        self._root_handle.remove()
+        for block, fwd in self._orig_forwards:
+            if fwd is None:
+                del block.forward
+            else:
+                block.forward = fwd
+        self.pool.close()
+        self.rs_buffers.close()
+        self.backend.close()

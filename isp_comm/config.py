@@ -1,0 +1,82 @@
+"""ISPConfig: every knob of the ISP engine, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BACKENDS = ("torch", "auto")
+_GRANULARITIES = ("block", "module")
+
+
+@dataclass(kw_only=True)
+class ISPConfig:
+    """Configuration of an :class:`~isp_comm.ISPCommunicator`."""
+
+    overlap: bool = True
+    """Prefetch the next block's weights and reduce-scatter gradients asynchronously.
+    With ``False`` every collective is issued when needed and waited at once (useful
+    to measure what overlap buys)."""
+
+    activation_checkpointing: float = 0.0
+    """Fraction of blocks, from the first, whose activations are recomputed in
+    backward (non-reentrant ``torch.utils.checkpoint``): ``round(r * n_blocks)``."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the gathered weights and of the blocks' compute (e.g. ``torch.bfloat16``).
+    ``None`` keeps the parameters' own dtype. Master shards stay in their dtype."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Dtype in which weight gradients are reduce-scattered. ``None`` means
+    ``param_dtype`` (as FSDP2 does)."""
+
+    memory_pool: bool = True
+    """Gather blocks into a fixed pool of ``n_slots`` buffers sized by the largest
+    block (MaxPool). ``False`` allocates per gather (for comparison)."""
+
+    n_slots: int = 2
+    """Number of gathered-block slots in the pool (at least 2: one computing, one
+    prefetching)."""
+
+    max_inflight_reduce_scatter: int = 2
+    """Reduce-scatters in flight at once; an older one is waited before a new one is
+    issued, which bounds gradient-buffer memory."""
+
+    backend: str = "auto"
+    """Collective backend: ``"torch"`` (torch.distributed), ``"symm"`` (symmetric
+    memory) or ``"auto"`` (the best one available)."""
+
+    comm_granularity: str = "block"
+    """``"block"``: one all-gather and one reduce-scatter per block (flat buffer);
+    ``"module"``: one collective per linear layer."""
+
+    timeout_s: float = 300.0
+    """Deadline for every wait on communication."""
+
+    debug_delay_s: float = 0.0
+    """Test-only: before issuing a collective, sleep a random time in
+    ``[0, debug_delay_s)`` drawn from a per-rank generator, to show that timing
+    cannot change results."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.activation_checkpointing) <= 1.0:
+            raise ValueError(f"activation_checkpointing must be in [0, 1], got {self.activation_checkpointing}")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"{name} must be one of {_FLOAT_DTYPES} or None, got {dtype}")
+        if isinstance(self.n_slots, bool) or not isinstance(self.n_slots, int) or self.n_slots < 2:
+            raise ValueError(f"n_slots must be an integer >= 2, got {self.n_slots!r}")
+        k = self.max_inflight_reduce_scatter
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.comm_granularity not in _GRANULARITIES:
+            raise ValueError(f"comm_granularity must be one of {_GRANULARITIES}, got {self.comm_granularity!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.debug_delay_s < 0:
+            raise ValueError(f"debug_delay_s must be >= 0, got {self.debug_delay_s}")

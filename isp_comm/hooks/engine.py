@@ -1,0 +1,362 @@
+"""WHEN weights are gathered and gradients reduced: the per-block schedule.
+
+Forward: block i waits for its gather, issues block i+1's, computes, releases its slot.
+Backward (reverse): ``PreBackward`` of block i waits for block i's re-gather and issues
+block i-1's; ``UnshardBlock``'s backward (all of block i's weight gradients exist)
+packs them, issues one reduce-scatter and frees the slot. A callback queued on the
+autograd engine drains the reduce-scatters when the whole backward has finished.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from isp_comm.backends.base import Handle
+from isp_comm.hooks.autograd import PreBackward, UnshardBlock
+from isp_comm.hooks.casting import cast_floats, map_tensors
+from isp_comm.units import BlockUnit
+
+
+class Phase(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+class UnitState(Enum):
+    SHARDED = auto()  # no slot
+    GATHERING = auto()  # slot held, collective in flight
+    GATHERED = auto()  # slot holds the full weights
+
+
+@dataclass
+class _UnitRuntime:
+    state: UnitState = UnitState.SHARDED
+    slot: int = -1
+    region: torch.Tensor | None = None
+    handle: Handle | None = None
+    staging: torch.Tensor | None = None
+    saved_views: bool = False  # the last forward saved views of the slot for backward
+
+
+@dataclass
+class _InflightReduce:
+    unit: BlockUnit
+    pair: tuple[torch.Tensor, torch.Tensor]
+    out: torch.Tensor
+    handle: Handle
+
+
+@dataclass
+class CommCounters:
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+    bytes_gathered: int = 0
+    bytes_reduced: int = 0
+    exposed_comm_s: float = 0.0
+
+
+class BlockEngine:
+    """Drives the units through the slot pool and the backend; owned by the communicator."""
+
+    def __init__(self, units, groups, backend, config, pool, rs_buffers, replicated) -> None:
+        self.units: list[BlockUnit] = units
+        self.groups = groups
+        self.backend = backend
+        self.config = config
+        self.pool = pool
+        self.rs_buffers = rs_buffers
+        self.replicated: list[nn.Parameter] = replicated
+        self.counters = CommCounters()
+        self.phase = Phase.IDLE
+        self.events: list[tuple[str, int, str]] | None = None
+        self._rt = [_UnitRuntime() for _ in units]
+        self._pending: set[int] = set()
+        self._reduces: deque[_InflightReduce] = deque()
+        self._callback_queued = False
+        self._stash: dict[nn.Parameter, torch.Tensor] = {}
+        self._send: dict[torch.dtype, torch.Tensor] = {}
+        self._rep_flat: dict[torch.dtype, torch.Tensor] = {}
+        self._staging_owner: int | None = None
+        self._delay_rng = random.Random(groups.rank) if config.debug_delay_s > 0 else None
+
+    # ---- dtypes -------------------------------------------------------------------
+    def gather_dtype(self, unit: BlockUnit) -> torch.dtype:
+        return self.config.param_dtype or unit.dtype
+
+    def reduce_dtype(self, unit: BlockUnit) -> torch.dtype:
+        return self.config.reduce_dtype or self.gather_dtype(unit)
+
+    # ---- waiting ------------------------------------------------------------------
+    def _wait(self, handle: Handle, what: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            handle.wait(self.config.timeout_s)
+        except Exception as exc:
+            raise type(exc)(f"{what} (rank {self.groups.rank}): {exc}") from exc
+        self.counters.exposed_comm_s += time.perf_counter() - t0
+
+    def _delay(self) -> None:
+        if self._delay_rng is not None:
+            time.sleep(self._delay_rng.random() * self.config.debug_delay_s)
+
+    def _event(self, kind: str, index: int) -> None:
+        if self.events is not None:
+            self.events.append((kind, index, self.phase.name.lower()))
+
+    # ---- gathers ------------------------------------------------------------------
+    def _start_gather(self, unit: BlockUnit) -> bool:
+        """Issue ``unit``'s all-gather into a free slot; False when no slot is free."""
+        rt = self._rt[unit.index]
+        assert rt.state is UnitState.SHARDED
+        dt = self.gather_dtype(unit)
+        preferred = rt.slot if rt.slot >= 0 else unit.index % self.config.n_slots
+        strict = self.phase is Phase.BACKWARD and rt.saved_views
+        slot = self.pool.free_slot(dt, preferred, strict)
+        if slot is None:
+            return False
+        if self._staging_owner is not None:  # one landing buffer: finish the gather using it
+            self._finish_gather(self.units[self._staging_owner])
+        n = unit.gathered_numel
+        region = self.pool.acquire(dt, slot, unit.index, n, unit.index % self.config.n_slots)
+        send = unit.flat_shard
+        if dt != unit.dtype:
+            buf = self._send.get(dt)
+            if buf is None or buf.numel() < unit.shard_numel:
+                buf = self._send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+            send = buf[: unit.shard_numel]
+            send.copy_(unit.flat_shard)
+        self._delay()
+        wp_group = self.groups.wp_group
+        if unit.wp_size == 1:
+            with torch.autograd._unsafe_preserve_version_counter(region):
+                handle = self.backend.all_gather(region, send, wp_group)
+            rt.staging = None
+        else:
+            rt.staging = self.pool.staging(dt, n)
+            handle = self.backend.all_gather(rt.staging, send, wp_group)
+            self._staging_owner = unit.index
+        rt.state, rt.slot, rt.region, rt.handle = UnitState.GATHERING, slot, region, handle
+        self.counters.all_gathers += 1
+        self.counters.bytes_gathered += n * dt.itemsize
+        self._event("all_gather", unit.index)
+        if not self.config.overlap:
+            self._finish_gather(unit)
+        return True
+
+    def _finish_gather(self, unit: BlockUnit) -> None:
+        rt = self._rt[unit.index]
+        if rt.state is not UnitState.GATHERING:
+            return
+        self._wait(rt.handle, f"all-gather of block {unit.index}")
+        if rt.staging is not None:
+            with torch.autograd._unsafe_preserve_version_counter(rt.region):
+                unit.copy_out(rt.staging, rt.region)
+            rt.staging = None
+            self._staging_owner = None
+        rt.state, rt.handle = UnitState.GATHERED, None
+
+    def ensure_gathered(self, unit: BlockUnit) -> torch.Tensor:
+        rt = self._rt[unit.index]
+        if rt.state is UnitState.SHARDED and not self._start_gather(unit):
+            dt = self.gather_dtype(unit)
+            owners = [self.pool.owner(dt, i) for i in range(self.config.n_slots)]
+            raise RuntimeError(
+                f"isp-comm: block {unit.index} needs slot {rt.slot} but the slots are held by "
+                f"blocks {owners}; blocks must run in the order of the block list"
+            )
+        self._finish_gather(unit)
+        assert rt.region is not None
+        return rt.region
+
+    def prefetch(self, index: int) -> None:
+        if not self.config.overlap or not 0 <= index < len(self.units):
+            return
+        if self._rt[index].state is UnitState.SHARDED and not self._start_gather(self.units[index]):
+            self._pending.add(index)
+
+    def release(self, unit: BlockUnit) -> None:
+        rt = self._rt[unit.index]
+        if rt.state is UnitState.SHARDED:
+            return
+        self._finish_gather(unit)
+        self.pool.release(self.gather_dtype(unit), rt.slot, unit.index, unit.gathered_numel)
+        rt.state, rt.region = UnitState.SHARDED, None
+        for i in sorted(self._pending):
+            if self._rt[i].state is not UnitState.SHARDED or self._start_gather(self.units[i]):
+                self._pending.discard(i)
+
+    # ---- forward ------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        """Forward begins: stash replicated grads of earlier micro-steps, fetch block 0."""
+        if torch.is_grad_enabled() and self.phase is Phase.IDLE:
+            for p in self.replicated:
+                if p.grad is not None and p not in self._stash:
+                    self._stash[p] = p.grad
+                    p.grad = None
+            self.phase = Phase.FORWARD
+        if self.units:
+            self.prefetch(0)
+
+    def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        recompute = torch._C._current_autograd_node() is not None
+        rt = self._rt[unit.index]
+        if recompute:
+            self._enter_backward()
+            region = self.ensure_gathered(unit)
+            self.prefetch(unit.index - 1)
+        else:
+            region = self.ensure_gathered(unit)
+            self.prefetch(unit.index + 1)
+            rt.saved_views = torch.is_grad_enabled()
+        self._event("compute", unit.index)
+        grad = torch.is_grad_enabled() and unit.requires_grad
+        if grad:
+            views = UnshardBlock.apply(unit.shards[0], self, unit, region)
+        else:
+            views = [v.detach() for v in unit.full_views(region)]
+        dtype = self.config.param_dtype
+        unit.swap_in(list(views))
+        casted = []
+        if dtype is not None:
+            for rp in unit.replicated:
+                if rp.param.dtype != dtype:
+                    rp.module._parameters[rp.name] = rp.param.to(dtype)
+                    casted.append(rp)
+            args, kwargs = cast_floats((args, kwargs), dtype)
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            unit.swap_out()
+            for rp in casted:
+                rp.module._parameters[rp.name] = rp.param
+        if recompute:
+            return out
+        self.release(unit)
+        if torch.is_grad_enabled():
+            out = self._mark_pre_backward(unit, out)
+        return out
+
+    def _mark_pre_backward(self, unit: BlockUnit, out: Any) -> Any:
+        tensors: list[torch.Tensor] = []
+        map_tensors(out, lambda t: tensors.append(t) if t.requires_grad else None)
+        if not tensors:
+            return out
+        marked = iter(PreBackward.apply(self, unit, *tensors))
+        return map_tensors(out, lambda t: next(marked) if t.requires_grad else t)
+
+    # ---- backward -----------------------------------------------------------------
+    def _enter_backward(self) -> None:
+        self.phase = Phase.BACKWARD
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+
+    def pre_backward(self, unit: BlockUnit) -> None:
+        self._enter_backward()
+        self.ensure_gathered(unit)
+        self.prefetch(unit.index - 1)
+        self._event("compute", unit.index)
+
+    def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self._enter_backward()
+        while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
+            self._complete_reduce(self._reduces.popleft())
+        dt = self.reduce_dtype(unit)
+        pair = self.rs_buffers.acquire(dt, unit.gathered_numel)
+        inp, out = pair[0][: unit.gathered_numel], pair[1][: unit.shard_numel]
+        unit.pack_grads(grads, inp)
+        self.release(unit)
+        self._delay()
+        handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
+        self.counters.reduce_scatters += 1
+        self.counters.bytes_reduced += inp.numel() * dt.itemsize
+        self._event("reduce_scatter", unit.index)
+        self._reduces.append(_InflightReduce(unit, pair, out, handle))
+        if not self.config.overlap:
+            self._complete_reduce(self._reduces.popleft())
+
+    def _complete_reduce(self, r: _InflightReduce) -> None:
+        self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
+        if self.groups.replica_size > 1:
+            self._delay()
+            self.counters.all_reduces += 1
+            h = self.backend.all_reduce(r.out, self.groups.replica_group)
+            self._wait(h, f"replica all-reduce of block {r.unit.index}")
+        r.out.div_(self.groups.world_size)
+        r.unit.accumulate_grad(r.out)
+        self.rs_buffers.release(self.reduce_dtype(r.unit), r.pair)
+
+    def end_backward(self) -> None:
+        """Drain reduce-scatters, average replicated grads, return to IDLE. Idempotent."""
+        if self.phase is not Phase.BACKWARD:
+            return
+        while self._reduces:
+            self._complete_reduce(self._reduces.popleft())
+        self._pending.clear()
+        for unit in self.units:  # blocks whose weights got no gradient still hold slots
+            self.release(unit)
+        self._reduce_replicated()
+        self.phase = Phase.IDLE
+        self._callback_queued = False
+
+    def _reduce_replicated(self) -> None:
+        params = [p for p in self.replicated if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        world = self.groups.world_size
+        for dt, ps in by_dtype.items():
+            if world > 1:
+                total = sum(p.numel() for p in ps)
+                flat = self._rep_flat.get(dt)
+                if flat is None:
+                    flat = self._rep_flat[dt] = torch.empty(total, dtype=dt, device=ps[0].device)
+                off = 0
+                for p in ps:
+                    piece = flat[off : off + p.numel()].view_as(p)
+                    piece.copy_(p.grad) if p.grad is not None else piece.zero_()
+                    off += p.numel()
+                self._delay()
+                self.counters.all_reduces += 1
+                self._wait(self.backend.all_reduce(flat, self.groups.world_group), "all-reduce of replicated gradients")
+                flat.div_(world)
+                off = 0
+                for p in ps:
+                    piece = flat[off : off + p.numel()].view_as(p)
+                    off += p.numel()
+                    if p.grad is None:
+                        p.grad = piece.clone()
+                    else:
+                        p.grad.copy_(piece)
+            for p in ps:
+                old = self._stash.pop(p, None)
+                if old is not None and p.grad is not None:
+                    p.grad = old.add_(p.grad)
+                elif old is not None:
+                    p.grad = old
+        self._stash.clear()
+
+    # ---- introspection ---------------------------------------------------------------
+    def outstanding(self) -> int:
+        gathers = sum(rt.state is UnitState.GATHERING for rt in self._rt)
+        return gathers + len(self._reduces)
+
+    def close(self) -> None:
+        if self.phase is Phase.BACKWARD:
+            self.end_backward()
+        for unit in self.units:
+            self.release(unit)
+        self._send.clear()
+        self._rep_flat.clear()

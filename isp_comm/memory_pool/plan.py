@@ -1,0 +1,74 @@
+"""MaxPool sizing: one slot size per dtype, the largest any block needs, fixed at wrap time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the all-gather pool and the reduce-scatter buffers hold, computed once."""
+
+    n_slots: int
+    slot_numel: dict[torch.dtype, int]
+    """Elements of one gathered-block slot, per gather dtype."""
+    slot_set_by: dict[torch.dtype, int]
+    """Index of the block that sets each dtype's slot size (the largest)."""
+    staging_numel: dict[torch.dtype, int]
+    """Elements of the rank-major all-gather landing buffer (0 when wp == 1)."""
+    rs_numel: dict[torch.dtype, int]
+    """Elements of one reduce-scatter input buffer, per reduce dtype."""
+    rs_buffers: int
+    """Reduce-scatter buffers (= max in-flight reduce-scatters)."""
+    wp_size: int
+    pool_bytes: int = field(init=False)
+    """Slots plus staging plus reduce-scatter buffers, in bytes."""
+
+    def __post_init__(self) -> None:
+        def nbytes(d: dict[torch.dtype, int]) -> int:
+            return sum(n * dt.itemsize for dt, n in d.items())
+
+        rs_out = sum(-(-n // self.wp_size) * dt.itemsize for dt, n in self.rs_numel.items())
+        total = (
+            self.n_slots * nbytes(self.slot_numel)
+            + nbytes(self.staging_numel)
+            + self.rs_buffers * (nbytes(self.rs_numel) + rs_out)
+        )
+        object.__setattr__(self, "pool_bytes", total)
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.n_slots} slots x {n} {str(dt).removeprefix('torch.')} (set by block {self.slot_set_by[dt]})"
+            for dt, n in self.slot_numel.items()
+        ]
+        return f"isp-comm memory plan: {'; '.join(parts)}; pool {self.pool_bytes / 2**20:.2f} MiB"
+
+
+def make_plan(
+    gathered: list[tuple[torch.dtype, int]],
+    reduce: list[tuple[torch.dtype, int]],
+    n_slots: int,
+    rs_buffers: int,
+    wp_size: int,
+) -> MemoryPlan:
+    """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel."""
+    slot: dict[torch.dtype, int] = {}
+    set_by: dict[torch.dtype, int] = {}
+    for i, (dt, n) in enumerate(gathered):
+        if n > slot.get(dt, -1):
+            slot[dt], set_by[dt] = n, i
+    rs: dict[torch.dtype, int] = {}
+    for dt, n in reduce:
+        rs[dt] = max(rs.get(dt, 0), n)
+    staging = {dt: (n if wp_size > 1 else 0) for dt, n in slot.items()}
+    return MemoryPlan(
+        n_slots=n_slots,
+        slot_numel=slot,
+        slot_set_by=set_by,
+        staging_numel=staging,
+        rs_numel=rs,
+        rs_buffers=rs_buffers,
+        wp_size=wp_size,
+    )

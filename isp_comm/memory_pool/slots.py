@@ -1,0 +1,123 @@
+"""WHERE gathered bytes land: a fixed set of slots, one block per slot at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from isp_comm.memory_pool.plan import MemoryPlan
+
+Alloc = Callable[[int, torch.dtype], torch.Tensor]
+
+
+class SlotPool:
+    """``n_slots`` gathered-block buffers per dtype, plus one staging buffer.
+
+    [Note: slot lifetime] A slot is owned by one block from ``acquire`` to ``release``.
+    Autograd may hold views of a slot for a block's backward (saved weights); the
+    engine re-gathers that block into the *same* slot before its backward, so those
+    views see the right bytes again. With ``pooled=False`` each acquire allocates and
+    release drops the buffer (for comparison), but the capacity rule is the same.
+    """
+
+    def __init__(self, plan: MemoryPlan, alloc: Alloc, pooled: bool) -> None:
+        self.plan = plan
+        self._alloc = alloc
+        self._pooled = pooled
+        self._slots: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._owner: dict[torch.dtype, list[int | None]] = {}
+        self._staging: dict[torch.dtype, torch.Tensor | None] = {}
+        for dt, n in plan.slot_numel.items():
+            self._slots[dt] = [alloc(n, dt) if pooled else None for _ in range(plan.n_slots)]
+            self._owner[dt] = [None] * plan.n_slots
+            sn = plan.staging_numel[dt]
+            self._staging[dt] = alloc(sn, dt) if pooled and sn else None
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.fallbacks = 0
+
+    def owner(self, dtype: torch.dtype, slot: int) -> int | None:
+        return self._owner[dtype][slot]
+
+    def free_slot(self, dtype: torch.dtype, preferred: int, strict: bool) -> int | None:
+        """The preferred slot when free; else (unless ``strict``) any free one."""
+        owners = self._owner[dtype]
+        if owners[preferred] is None:
+            return preferred
+        if strict:
+            return None
+        for i, o in enumerate(owners):
+            if o is None:
+                return i
+        return None
+
+    def acquire(self, dtype: torch.dtype, slot: int, block: int, numel: int, preferred: int) -> torch.Tensor:
+        owners = self._owner[dtype]
+        assert owners[slot] is None, f"slot {slot} is held by block {owners[slot]}"
+        owners[slot] = block
+        if slot != preferred:
+            self.fallbacks += 1
+        buf = self._slots[dtype][slot]
+        if buf is None:
+            buf = self._alloc(numel, dtype)
+            self._slots[dtype][slot] = buf
+        self.live_bytes += numel * dtype.itemsize
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        return buf[:numel]
+
+    def release(self, dtype: torch.dtype, slot: int, block: int, numel: int) -> None:
+        owners = self._owner[dtype]
+        assert owners[slot] == block, f"block {block} releases slot {slot} held by {owners[slot]}"
+        owners[slot] = None
+        self.live_bytes -= numel * dtype.itemsize
+        if not self._pooled:
+            self._slots[dtype][slot] = None
+
+    def staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._staging[dtype]
+        if buf is None or not self._pooled:
+            return self._alloc(numel, dtype)
+        return buf[:numel]
+
+    def held(self) -> int:
+        return sum(o is not None for owners in self._owner.values() for o in owners)
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._staging.clear()
+
+
+class ReduceScatterBuffers:
+    """``k`` reusable (input, output) buffer pairs per reduce dtype; bounds in-flight RS."""
+
+    def __init__(self, plan: MemoryPlan, alloc: Alloc, pooled: bool) -> None:
+        self._plan = plan
+        self._alloc = alloc
+        self._pooled = pooled
+        self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dt, n in plan.rs_numel.items():
+            out_n = -(-n // plan.wp_size)
+            self._free[dt] = [(alloc(n, dt), alloc(out_n, dt)) for _ in range(plan.rs_buffers)] if pooled else []
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def acquire(self, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A free (input, output) pair at least ``numel`` / ``numel // wp`` long; the
+        caller slices it and hands the same pair back to ``release``."""
+        out_n = numel // self._plan.wp_size
+        if self._pooled:
+            inp, out = self._free[dtype].pop()
+        else:
+            inp, out = self._alloc(numel, dtype), self._alloc(out_n, dtype)
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return inp, out
+
+    def release(self, dtype: torch.dtype, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.in_use -= 1
+        if self._pooled:
+            self._free[dtype].append(pair)
+
+    def close(self) -> None:
+        self._free.clear()

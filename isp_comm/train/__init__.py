@@ -1,0 +1,1 @@
+"""isp-train: the main job (a reference llama trained with ISP under torchrun)."""

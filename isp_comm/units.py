@@ -1,0 +1,186 @@
+"""A block's linear parameters as one flat shard: layout, padding, views into a slot.
+
+[Note: layouts]
+Every sharded parameter ``p`` (an ``nn.Linear`` weight or bias, shape ``(out, *rest)``)
+is split along dim 0 into ``wp`` chunks of ``chunk = ceil(out / wp)`` rows, the last
+ones zero-padded (as FSDP2 pads). Rank ``r``'s chunks of all the block's parameters,
+concatenated, are its *flat shard* of ``S`` elements; the user-visible shard parameters
+are views of it, so the all-gather input needs no copy.
+
+* The all-gather output is *rank-major*: ``[rank 0's flat shard | rank 1's | ...]``.
+* A gathered *slot* is *param-major*: parameter ``p`` occupies
+  ``[wp * off_p, wp * (off_p + n_p))`` as its padded full tensor, so the module's
+  weight is a plain contiguous view of the slot. Rank-major to param-major is one
+  ``split_with_sizes_copy``; gradients go the other way with one ``_chunk_cat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """Where one parameter lives in the flat shard and in a gathered slot."""
+
+    module: nn.Module
+    name: str  # attribute on ``module``: "weight" or "bias"
+    fqn: str  # key in the model's state dict
+    shape: torch.Size  # full, unpadded shape
+    chunk_rows: int  # rows per rank, padded
+    valid_rows: int  # rows this rank really holds (<= chunk_rows, may be 0)
+    offset: int  # start in the flat shard
+
+    @property
+    def inner(self) -> int:
+        return self.shape[1:].numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.chunk_rows * self.inner
+
+    @property
+    def full_numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def shard_shape(self) -> torch.Size:
+        return torch.Size((self.valid_rows, *self.shape[1:]))
+
+
+@dataclass(frozen=True)
+class ReplicatedParam:
+    """A parameter inside a block that stays whole on every rank (e.g. a norm weight)."""
+
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+
+
+class BlockUnit:
+    """One transformer block's sharded parameters: the unit of gather and reduce-scatter."""
+
+    def __init__(
+        self,
+        index: int,
+        block: nn.Module,
+        linears: list[tuple[str, nn.Linear]],
+        replicated: list[ReplicatedParam],
+        wp_size: int,
+        wp_rank: int,
+    ) -> None:
+        self.index = index
+        self.block = block
+        self.wp_size = wp_size
+        self.wp_rank = wp_rank
+        self.replicated = replicated
+        layouts: list[ShardedParam] = []
+        full: list[torch.Tensor] = []
+        offset = 0
+        for fqn_prefix, linear in linears:
+            for name in ("weight", "bias"):
+                p = getattr(linear, name, None)
+                if p is None:
+                    continue
+                out = p.shape[0]
+                chunk = -(-out // wp_size)
+                valid = max(0, min(chunk, out - wp_rank * chunk))
+                sp = ShardedParam(linear, name, f"{fqn_prefix}.{name}", p.shape, chunk, valid, offset)
+                layouts.append(sp)
+                full.append(p)
+                offset += sp.shard_numel
+        self.params = tuple(layouts)
+        self.shard_numel = offset
+        dtypes = {p.dtype for p in full}
+        devices = {p.device for p in full}
+        if len(dtypes) != 1:
+            raise ValueError(f"block {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
+        if len(devices) != 1:
+            raise ValueError(f"block {index} has parameters on several devices {devices}")
+        self.dtype = dtypes.pop()
+        self.device = devices.pop()
+        self.requires_grad = any(p.requires_grad for p in full)
+        self.flat_shard = torch.zeros(offset, dtype=self.dtype, device=self.device)
+        self.shards: tuple[nn.Parameter, ...] = ()
+        self._install_shards(full)
+        self.grad_flat: torch.Tensor | None = None
+
+    # ---- construction -------------------------------------------------------------
+    def _install_shards(self, full: list[torch.Tensor]) -> None:
+        """Copy this rank's rows into the flat shard and register shard parameters."""
+        shards = []
+        for sp, p in zip(self.params, full):
+            view = self.shard_view(self.flat_shard, sp)
+            if p.device.type != "meta":
+                lo = self.wp_rank * sp.chunk_rows
+                with torch.no_grad():
+                    view.copy_(p.detach()[lo : lo + sp.valid_rows])
+            shard = nn.Parameter(view, requires_grad=p.requires_grad)
+            sp.module._parameters[sp.name] = shard
+            shards.append(shard)
+        self.shards = tuple(shards)
+
+    @staticmethod
+    def shard_view(flat: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
+        return flat[sp.offset : sp.offset + sp.valid_rows * sp.inner].view(sp.shard_shape)
+
+    # ---- gathered layout ------------------------------------------------------------
+    @property
+    def gathered_numel(self) -> int:
+        return self.wp_size * self.shard_numel
+
+    def copy_out(self, rank_major: torch.Tensor, slot: torch.Tensor) -> None:
+        """Rank-major all-gather output -> param-major slot (see the layouts note)."""
+        w = self.wp_size
+        outs = [slot[w * sp.offset : w * (sp.offset + sp.shard_numel)].view(w, -1) for sp in self.params]
+        torch.split_with_sizes_copy(
+            rank_major[: self.gathered_numel].view(w, self.shard_numel),
+            [sp.shard_numel for sp in self.params],
+            dim=1,
+            out=outs,
+        )
+
+    def full_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        """The unpadded full parameters as views of a param-major slot."""
+        w = self.wp_size
+        return [slot[w * sp.offset : w * sp.offset + sp.full_numel].view(sp.shape) for sp in self.params]
+
+    def pack_grads(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> None:
+        """Full gradients -> rank-major reduce-scatter input (padding rows zero)."""
+        filled = [
+            g if g is not None else torch.zeros(sp.shape, dtype=out.dtype, device=out.device)
+            for g, sp in zip(grads, self.params)
+        ]
+        flat_2d = [g.reshape(g.shape[0], -1) for g in filled]
+        torch._chunk_cat(flat_2d, dim=0, num_chunks=self.wp_size, out=out[: self.gathered_numel].view(self.wp_size, -1))
+
+    # ---- module attributes ------------------------------------------------------------
+    def swap_in(self, tensors: list[torch.Tensor]) -> None:
+        for sp, t in zip(self.params, tensors):
+            sp.module._parameters[sp.name] = t
+
+    def swap_out(self) -> None:
+        for sp, shard in zip(self.params, self.shards):
+            sp.module._parameters[sp.name] = shard
+
+    def accumulate_grad(self, reduced: torch.Tensor) -> None:
+        """Add a reduced flat gradient shard into the shard parameters' ``.grad``.
+
+        [Note: grad aliasing] A shard's ``.grad`` is a view of ``grad_flat`` (one
+        buffer per block, allocated once), so after ``zero_grad(set_to_none=True)`` the
+        next step writes into the same memory.
+        """
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros_like(self.flat_shard)
+        for sp, shard in zip(self.params, self.shards):
+            if not shard.requires_grad:
+                continue
+            piece = self.shard_view(reduced, sp)
+            if shard.grad is None:
+                shard.grad = self.shard_view(self.grad_flat, sp)
+                shard.grad.copy_(piece)
+            else:
+                shard.grad.add_(piece)

@@ -1,0 +1,1 @@
+"""Reference llama-class models used by the examples, tests and benchmarks."""

@@ -1,0 +1,84 @@
+"""Run a function on several CPU ranks (gloo) from plain pytest, with a deadline.
+
+Each rank is a spawned process with one intra-op thread; the function's return
+values come back in rank order, and any rank's exception fails the caller with that
+rank's traceback. Past ``timeout_s`` every rank is killed and the test fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        out = fn(rank, world, *args)
+        # bytes, not tensors: torch would share tensors through /dev/shm and file
+        # descriptors that die with this process
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - the traceback is the point
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(out) + len(errors) < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(world)) - set(out))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s}s")
+                try:
+                    rank, status, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    if dead and errors == []:
+                        # give the others a moment to report, then fail
+                        time.sleep(1.0)
+                        if results.empty():
+                            codes = [procs[r].exitcode for r in dead]
+                            raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
+                    continue
+                if status == "ok":
+                    out[rank] = pickle.loads(value)
+                else:
+                    errors.append(f"--- rank {rank} ---\n{value}")
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError("a rank failed:\n" + "\n".join(errors))
+        return [out[r] for r in range(world)]

@@ -1,0 +1,162 @@
+"""Every user mistake raises a specific error (single process, world of one)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isp_comm import HookOrderError, ISPCommunicator, ISPConfig, ParallelGroups, find_blocks
+from models.llama import LlamaConfig, build
+from tests.distributed import run_ranks
+
+
+@pytest.fixture(scope="module")
+def world1():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0, world_size=1)
+        try:
+            yield ParallelGroups.create(wp_size=1)
+        finally:
+            dist.destroy_process_group()
+
+
+def tiny() -> nn.Module:
+    return build(LlamaConfig(n_layers=2, hidden=16, ffn_hidden=24, n_heads=2, n_kv_heads=1, vocab_size=11))
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(activation_checkpointing=1.5), "activation_checkpointing"),
+        (dict(n_slots=1), "n_slots"),
+        (dict(max_inflight_reduce_scatter=0), "max_inflight_reduce_scatter"),
+        (dict(backend="mpi"), "backend"),
+        (dict(comm_granularity="layer"), "comm_granularity"),
+        (dict(param_dtype=torch.int8), "param_dtype"),
+        (dict(reduce_dtype=torch.float64), "reduce_dtype"),
+        (dict(timeout_s=0), "timeout_s"),
+        (dict(debug_delay_s=-1), "debug_delay_s"),
+    ],
+)
+def test_config_errors(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        ISPConfig(**kw)
+
+
+def test_config_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        ISPConfig(True)  # type: ignore[misc]
+
+
+def test_groups_need_init() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    with pytest.raises(ValueError, match="init_process_group"):
+        ParallelGroups.create(wp_size=1)
+
+
+def _bad_groups(rank: int, world: int) -> list[str]:
+    msgs = []
+    for kw in (dict(wp_size=3), dict(wp_size=0), dict(wp_size=2, sp_size=4), dict(wp_size=1.5)):
+        try:
+            ParallelGroups.create(**kw)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    g = ParallelGroups.create(wp_size=2, sp_size=1)
+    assert (g.wp_size, g.sp_size, g.replica_size, g.wp_rank) == (2, 1, 1, rank)
+    return msgs
+
+
+@pytest.mark.timeout(60)
+def test_group_size_errors() -> None:
+    msgs = run_ranks(_bad_groups, 2, timeout_s=50)[0]
+    assert len(msgs) == 4
+    assert "does not divide the world size 2" in msgs[0]
+    assert ">= 1" in msgs[1]
+    assert "sp_size=4 does not divide" in msgs[2]
+    assert "must be an int" in msgs[3]
+
+
+def test_no_block_list(world1) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="could not find the transformer blocks"):
+        ISPCommunicator(model, world1)
+
+
+def test_empty_block_list(world1) -> None:
+    with pytest.raises(ValueError, match="block list is empty"):
+        ISPCommunicator(tiny(), world1, blocks=[])
+
+
+def test_block_without_linear(world1) -> None:
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="has no nn.Linear"):
+        ISPCommunicator(model, world1, blocks=[model[0]])
+
+
+def test_wrap_twice(world1) -> None:
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    with pytest.raises(ValueError, match="already wrapped"):
+        ISPCommunicator(model, world1)
+    comm.close()
+
+
+def test_mixed_devices_and_dtypes(world1) -> None:
+    model = tiny().double()
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ISPCommunicator(model, world1)
+    model = tiny()
+    model.layers[0].mlp.up_proj.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="mixes parameter dtypes"):
+        ISPCommunicator(model, world1)
+
+
+def test_wrong_types(world1) -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        ISPCommunicator("model", world1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ParallelGroups"):
+        ISPCommunicator(tiny(), object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ISPConfig"):
+        ISPCommunicator(tiny(), world1, {"overlap": True})  # type: ignore[arg-type]
+
+
+def test_hooks_out_of_order(world1) -> None:
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    hook = comm.scheduler_hook()
+    with pytest.raises(HookOrderError, match="after_backward"):
+        hook.after_backward()
+    with pytest.raises(HookOrderError):
+        hook.before_backward()
+    hook.before_forward()
+    with pytest.raises(HookOrderError, match="before_forward"):
+        hook.before_forward()
+    loss = model(torch.randint(0, 11, (1, 5))).sum()
+    hook.after_forward()
+    hook.before_backward()
+    loss.backward()
+    with pytest.raises(ValueError):  # HookOrderError is also a ValueError
+        hook.before_forward()
+    hook.after_backward()
+    comm.close()
+
+
+def test_find_blocks_picks_the_layer_list() -> None:
+    model = tiny()
+    assert find_blocks(model) is model.layers
+
+
+def test_close_restores_forward(world1) -> None:
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    assert "forward" in model.layers[0].__dict__
+    comm.close()
+    assert "forward" not in model.layers[0].__dict__
+    out = model(torch.randint(0, 11, (1, 3)))  # wp=1: the shards are the full weights
+    assert out.shape == (1, 3, 11)
