@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from models.llama import build
 from tests.distributed import run_ranks
 from tests.parity import Case, batches, loss_fn, train_isp
-from models.llama import build
 
 
 def _schedule_worker(rank: int, world: int, ckpt: float) -> dict:

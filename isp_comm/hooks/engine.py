@@ -47,6 +47,8 @@ class _UnitRuntime:
     handle: Handle | None = None
     staging: torch.Tensor | None = None
     saved_views: bool = False  # the last forward saved views of the slot for backward
+    swapped: list | None = None  # in-block replicated params cast for compute, while swapped in
+    reduced: bool = False  # this backward already reduce-scattered the block
 
 
 @dataclass
@@ -89,6 +91,7 @@ class BlockEngine:
         self._send: dict[torch.dtype, torch.Tensor] = {}
         self._rep_flat: dict[torch.dtype, torch.Tensor] = {}
         self._staging_owner: int | None = None
+        self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
         self._delay_rng = random.Random(groups.rank) if config.debug_delay_s > 0 else None
 
     # ---- dtypes -------------------------------------------------------------------
@@ -209,40 +212,67 @@ class BlockEngine:
         if self.units:
             self.prefetch(0)
 
-    def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        recompute = torch._C._current_autograd_node() is not None
+    def _swap_in(self, unit: BlockUnit, region: torch.Tensor) -> None:
+        """Point the block's linears at full views of its slot (and cast in-block
+        replicated params to ``param_dtype``). With grad enabled the views come out of
+        an ``UnshardBlock`` node, whose backward marks the end of the block's backward."""
         rt = self._rt[unit.index]
-        if recompute:
-            self._enter_backward()
-            region = self.ensure_gathered(unit)
-            self.prefetch(unit.index - 1)
-        else:
-            region = self.ensure_gathered(unit)
-            self.prefetch(unit.index + 1)
-            rt.saved_views = torch.is_grad_enabled()
-        self._event("compute", unit.index)
-        grad = torch.is_grad_enabled() and unit.requires_grad
-        if grad:
-            views = UnshardBlock.apply(unit.shards[0], self, unit, region)
+        assert rt.swapped is None, f"block {unit.index} is already swapped in"
+        if torch.is_grad_enabled() and unit.requires_grad:
+            views = list(UnshardBlock.apply(unit.shards[0], self, unit, region))
         else:
             views = [v.detach() for v in unit.full_views(region)]
+        unit.swap_in(views)
         dtype = self.config.param_dtype
-        unit.swap_in(list(views))
-        casted = []
-        if dtype is not None:
-            for rp in unit.replicated:
-                if rp.param.dtype != dtype:
-                    rp.module._parameters[rp.name] = rp.param.to(dtype)
-                    casted.append(rp)
-            args, kwargs = cast_floats((args, kwargs), dtype)
+        rt.swapped = [rp for rp in unit.replicated if dtype is not None and rp.param.dtype != dtype]
+        for rp in rt.swapped:
+            rp.module._parameters[rp.name] = rp.param.to(dtype)
+
+    def _swap_out(self, unit: BlockUnit) -> None:
+        rt = self._rt[unit.index]
+        if rt.swapped is None:
+            return
+        unit.swap_out()
+        for rp in rt.swapped:
+            rp.module._parameters[rp.name] = rp.param
+        rt.swapped = None
+
+    def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The block's forward, wrapped. Also runs for a recompute in backward when the
+        checkpoint sits outside this wrapper (ours, or one around ``Module.__call__``)."""
+        rt = self._rt[unit.index]
+        out_dtype = None
+        if self.config.param_dtype is not None:
+            if unit.index == 0:  # the dtype the rest of the model works in
+                floats: list[torch.dtype] = []
+                map_tensors((args, kwargs), lambda t: floats.append(t.dtype) if t.is_floating_point() else None)
+                self._outer_dtype = floats[0] if floats else None
+            if unit.index == len(self.units) - 1:
+                out_dtype = self._outer_dtype
+            args, kwargs = cast_floats((args, kwargs), self.config.param_dtype)
+        if torch._C._current_autograd_node() is not None:  # recompute inside backward
+            self._enter_backward()
+            if rt.swapped is not None:  # swapped in for this block's backward already
+                return orig(*args, **kwargs)
+            region = self.ensure_gathered(unit)
+            self.prefetch(unit.index - 1)
+            self._swap_in(unit, region)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self._swap_out(unit)
+        region = self.ensure_gathered(unit)
+        self.prefetch(unit.index + 1)
+        rt.saved_views = torch.is_grad_enabled()
+        rt.reduced = False
+        self._event("compute", unit.index)
+        self._swap_in(unit, region)
         try:
             out = orig(*args, **kwargs)
         finally:
-            unit.swap_out()
-            for rp in casted:
-                rp.module._parameters[rp.name] = rp.param
-        if recompute:
-            return out
+            self._swap_out(unit)
+        if out_dtype is not None:
+            out = cast_floats(out, out_dtype)
         self.release(unit)
         if torch.is_grad_enabled():
             out = self._mark_pre_backward(unit, out)
@@ -264,13 +294,22 @@ class BlockEngine:
             Variable._execution_engine.queue_callback(self.end_backward)
 
     def pre_backward(self, unit: BlockUnit) -> None:
+        """Block ``unit``'s backward is next: its weights stay swapped in until its
+        gradients exist, so a recompute that calls the block's original forward
+        directly (a checkpoint inside the wrapper, as transformers does) sees them."""
         self._enter_backward()
-        self.ensure_gathered(unit)
+        region = self.ensure_gathered(unit)
         self.prefetch(unit.index - 1)
         self._event("compute", unit.index)
+        with torch.enable_grad():
+            self._swap_in(unit, region)
 
     def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._enter_backward()
+        rt = self._rt[unit.index]
+        assert not rt.reduced, f"block {unit.index}'s gradients were produced twice in one backward"
+        rt.reduced = True
+        self._swap_out(unit)
         while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
             self._complete_reduce(self._reduces.popleft())
         dt = self.reduce_dtype(unit)
@@ -306,7 +345,9 @@ class BlockEngine:
             self._complete_reduce(self._reduces.popleft())
         self._pending.clear()
         for unit in self.units:  # blocks whose weights got no gradient still hold slots
+            self._swap_out(unit)
             self.release(unit)
+            self._rt[unit.index].reduced = False
         self._reduce_replicated()
         self.phase = Phase.IDLE
         self._callback_queued = False
