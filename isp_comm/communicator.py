@@ -25,15 +25,14 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated transformer blocks: the ``ModuleList`` of same-typed modules that
-    contain linear layers and hold the most parameters."""
+    """The transformer blocks: the ``ModuleList`` whose every entry holds linear layers
+    (types may differ, e.g. alternating attention and MLP blocks) with the most
+    parameters in all."""
     best, best_params = None, -1
     for mod in model.modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
             continue
-        if len({type(m) for m in mod}) != 1 or isinstance(mod[0], nn.Linear):
-            continue
-        if not any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+        if not all(not isinstance(b, nn.Linear) and any(isinstance(m, nn.Linear) for m in b.modules()) for b in mod):
             continue
         n = sum(p.numel() for p in mod.parameters())
         if n > best_params:
@@ -41,7 +40,7 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     if best is None:
         raise ValueError(
             f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList "
-            "of same-typed modules containing nn.Linear layers; pass blocks= explicitly"
+            "whose entries contain nn.Linear layers; pass blocks= explicitly"
         )
     return best
 
@@ -77,6 +76,7 @@ class ISPCommunicator:
         block_list = list(find_blocks(model) if blocks is None else blocks)
         self._validate(model, block_list)
         names = {m: n for n, m in model.named_modules()}
+        device = self._target_device(model)
 
         n_ckpt = round(config.activation_checkpointing * len(block_list))
         units: list[BlockUnit] = []
@@ -90,10 +90,11 @@ class ISPCommunicator:
                 for pn, p in m.named_parameters(recurse=False)
                 if id(p) not in sharded
             ]
-            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank)
+            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank, device)
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
+        self._materialize_rest(model, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
         self.backend = make_backend(config.backend)
@@ -118,6 +119,29 @@ class ISPCommunicator:
         return self.backend.empty(numel, dtype, device)
 
     @staticmethod
+    def _target_device(model: nn.Module) -> torch.device:
+        real = {p.device for p in model.parameters() if p.device.type != "meta"}
+        if real:
+            return real.pop()
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @staticmethod
+    @torch.no_grad()
+    def _materialize_rest(model: nn.Module, device: torch.device) -> None:
+        """Parameters still on meta (outside the blocks' linears): module by module,
+        ``reset_parameters()`` where the module has one, zeros otherwise (load real
+        values with ``load_full_state_dict``)."""
+        for mod in model.modules():
+            if not any(p.device.type == "meta" for p in mod.parameters(recurse=False)):
+                continue
+            mod.to_empty(device=device, recurse=False)
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+            else:
+                for p in mod.parameters(recurse=False):
+                    p.zero_()
+
+    @staticmethod
     def _validate(model: nn.Module, blocks: list[nn.Module]) -> None:
         if not blocks:
             raise ValueError("the block list is empty: ISP needs at least one transformer block")
@@ -128,7 +152,7 @@ class ISPCommunicator:
                 raise ValueError("this model is already wrapped by an ISPCommunicator (close() it first)")
             if not any(isinstance(m, nn.Linear) for m in b.modules()):
                 raise ValueError(f"block {i} ({type(b).__name__}) has no nn.Linear layers to shard")
-        devices = {p.device for p in model.parameters()}
+        devices = {p.device for p in model.parameters() if p.device.type != "meta"}
         if len(devices) > 1:
             raise ValueError(f"model parameters are on several devices {sorted(map(str, devices))}")
         for name, p in model.named_parameters():

@@ -8,7 +8,6 @@ import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BACKENDS = ("torch", "auto")
-_GRANULARITIES = ("block", "module")
 
 
 @dataclass(kw_only=True)
@@ -45,12 +44,8 @@ class ISPConfig:
     issued, which bounds gradient-buffer memory."""
 
     backend: str = "auto"
-    """Collective backend: ``"torch"`` (torch.distributed), ``"symm"`` (symmetric
-    memory) or ``"auto"`` (the best one available)."""
-
-    comm_granularity: str = "block"
-    """``"block"``: one all-gather and one reduce-scatter per block (flat buffer);
-    ``"module"``: one collective per linear layer."""
+    """Collective backend: ``"torch"`` (torch.distributed) or ``"auto"`` (the best
+    one available)."""
 
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""
@@ -74,8 +69,6 @@ class ISPConfig:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
-        if self.comm_granularity not in _GRANULARITIES:
-            raise ValueError(f"comm_granularity must be one of {_GRANULARITIES}, got {self.comm_granularity!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.debug_delay_s < 0:

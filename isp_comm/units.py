@@ -71,6 +71,7 @@ class BlockUnit:
         replicated: list[ReplicatedParam],
         wp_size: int,
         wp_rank: int,
+        device: torch.device,
     ) -> None:
         self.index = index
         self.block = block
@@ -95,29 +96,33 @@ class BlockUnit:
         self.params = tuple(layouts)
         self.shard_numel = offset
         dtypes = {p.dtype for p in full}
-        devices = {p.device for p in full}
         if len(dtypes) != 1:
             raise ValueError(f"block {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
-        if len(devices) != 1:
-            raise ValueError(f"block {index} has parameters on several devices {devices}")
         self.dtype = dtypes.pop()
-        self.device = devices.pop()
+        self.device = device
         self.requires_grad = any(p.requires_grad for p in full)
         self.flat_shard = torch.zeros(offset, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
-        self._install_shards(full)
+        self._install_shards()
         self.grad_flat: torch.Tensor | None = None
 
     # ---- construction -------------------------------------------------------------
-    def _install_shards(self, full: list[torch.Tensor]) -> None:
-        """Copy this rank's rows into the flat shard and register shard parameters."""
+    def _install_shards(self) -> None:
+        """Copy this rank's rows into the flat shard and register shard parameters.
+
+        A linear still on the meta device is materialised alone (``reset_parameters``)
+        just before its rows are taken, so at most one full linear exists at a time."""
         shards = []
-        for sp, p in zip(self.params, full):
+        for sp in self.params:
+            p = sp.module._parameters[sp.name]  # a meta bias is real once its weight was
+            if p.device.type == "meta":
+                sp.module.to_empty(device=self.device, recurse=False)
+                sp.module.reset_parameters()
+                p = sp.module._parameters[sp.name]
             view = self.shard_view(self.flat_shard, sp)
-            if p.device.type != "meta":
-                lo = self.wp_rank * sp.chunk_rows
-                with torch.no_grad():
-                    view.copy_(p.detach()[lo : lo + sp.valid_rows])
+            lo = self.wp_rank * sp.chunk_rows
+            with torch.no_grad():
+                view.copy_(p.detach()[lo : lo + sp.valid_rows])
             shard = nn.Parameter(view, requires_grad=p.requires_grad)
             sp.module._parameters[sp.name] = shard
             shards.append(shard)

@@ -7,13 +7,15 @@ micro-batches; the ISP run feeds each rank its own slice and averages like DDP.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import LlamaConfig, build
+from models.llama import MLP, LlamaConfig, RMSNorm, build
 
 # Uneven on purpose: ffn 50 and head-dim 6 pad at wp 3 and 4; one KV head (k/v out 6)
 # leaves rank 3 of wp=4 with zero rows.
@@ -30,8 +32,72 @@ class Case:
     seq: int = 7
     batch_per_rank: int = 2
 
+    model: str = "llama"  # or "hetero"
+
     def model_config(self) -> LlamaConfig:
         return LlamaConfig(**TINY, bias=self.bias)
+
+    def build(self) -> torch.nn.Module:
+        if self.model == "hetero":
+            return build_hetero(self.bias)
+        return build(self.model_config())
+
+
+class AttnBlock(nn.Module):
+    """Attention only (no rotary): q/k/v/o with GQA."""
+
+    def __init__(self, hidden: int, heads: int, kv: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv, hidden // heads
+        self.norm = RMSNorm(hidden)
+        self.q = nn.Linear(hidden, hidden, bias=bias)
+        self.k = nn.Linear(hidden, kv * self.hd, bias=bias)
+        self.v = nn.Linear(hidden, kv * self.hd, bias=bias)
+        self.o = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k = self.k(h).view(b, s, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.heads // self.kv, 1)
+        v = self.v(h).view(b, s, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.heads // self.kv, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, hidden: int, ffn: int, bias: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden)
+        self.mlp = MLP(LlamaConfig(**{**TINY, "ffn_hidden": ffn}, bias=bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Hetero(nn.Module):
+    """Alternating attention-only and MLP-only blocks; the last block twice as wide."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        h, V = TINY["hidden"], TINY["vocab_size"]
+        self.embed = nn.Embedding(V, h)
+        self.blocks = nn.ModuleList(
+            [AttnBlock(h, 6, 2, bias), MLPBlock(h, 51, bias), AttnBlock(h, 6, 2, bias), MLPBlock(h, 102, bias)]
+        )
+        self.norm = RMSNorm(h)
+        self.head = nn.Linear(h, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def build_hetero(bias: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return Hetero(bias)
 
 
 def make_optim(name: str, params) -> torch.optim.Optimizer:
@@ -59,7 +125,7 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_reference(case: Case, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = build(case.model_config())
+    model = case.build()
     opt = make_optim(case.optim, model.parameters())
     losses = []
     for step in batches(case, world):
@@ -75,11 +141,20 @@ def train_reference(case: Case, world: int) -> tuple[dict[str, torch.Tensor], li
 
 
 def train_isp(
-    case: Case, rank: int, world: int, wp: int, **config_kw
+    case: Case,
+    rank: int,
+    world: int,
+    wp: int,
+    model: nn.Module | None = None,
+    on_step: Callable[[ISPCommunicator], None] | None = None,
+    after_wrap: Callable[[ISPCommunicator], None] | None = None,
+    **config_kw,
 ) -> tuple[dict[str, torch.Tensor], list[float], dict]:
-    model = build(case.model_config())
+    model = case.build() if model is None else model
     groups = ParallelGroups.create(wp_size=wp, sp_size=1)
     comm = ISPCommunicator(model, groups, ISPConfig(activation_checkpointing=case.ckpt, **config_kw))
+    if after_wrap is not None:
+        after_wrap(comm)
     opt = make_optim(case.optim, model.parameters())
     hook = comm.scheduler_hook()
     losses = []
@@ -95,6 +170,8 @@ def train_isp(
             total += loss.detach()
         opt.step()
         opt.zero_grad()
+        if on_step is not None:
+            on_step(comm)
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
     sd = comm.full_state_dict()

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tests.distributed import run_ranks
+from isp_comm.testing import run_ranks
 from tests.parity import Case, max_diff, train_isp, train_reference
 
 # fp32 with identical data: the only differences are summation order (per-rank partial

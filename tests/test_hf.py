@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from tests.distributed import run_ranks
+from isp_comm.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

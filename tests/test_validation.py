@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from isp_comm import HookOrderError, ISPCommunicator, ISPConfig, ParallelGroups, find_blocks
+from isp_comm.testing import run_ranks
 from models.llama import LlamaConfig, build
-from tests.distributed import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,6 @@ def tiny() -> nn.Module:
         (dict(n_slots=1), "n_slots"),
         (dict(max_inflight_reduce_scatter=0), "max_inflight_reduce_scatter"),
         (dict(backend="mpi"), "backend"),
-        (dict(comm_granularity="layer"), "comm_granularity"),
         (dict(param_dtype=torch.int8), "param_dtype"),
         (dict(reduce_dtype=torch.float64), "reduce_dtype"),
         (dict(timeout_s=0), "timeout_s"),

@@ -17,19 +17,21 @@ class SlotPool:
     [Note: slot lifetime] A slot is owned by one block from ``acquire`` to ``release``.
     Autograd may hold views of a slot for a block's backward (saved weights); the
     engine re-gathers that block into the *same* slot before its backward, so those
-    views see the right bytes again. With ``pooled=False`` each acquire allocates and
-    release drops the buffer (for comparison), but the capacity rule is the same.
+    views see the right bytes again. With ``pooled=False`` (for comparison) a slot's
+    storage is allocated on acquire and freed on release (resized to 0, as FSDP2
+    frees unsharded parameters, so the saved views stay valid handles); the capacity
+    rule is the same.
     """
 
     def __init__(self, plan: MemoryPlan, alloc: Alloc, pooled: bool) -> None:
         self.plan = plan
         self._alloc = alloc
         self._pooled = pooled
-        self._slots: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._slots: dict[torch.dtype, list[torch.Tensor]] = {}
         self._owner: dict[torch.dtype, list[int | None]] = {}
         self._staging: dict[torch.dtype, torch.Tensor | None] = {}
         for dt, n in plan.slot_numel.items():
-            self._slots[dt] = [alloc(n, dt) if pooled else None for _ in range(plan.n_slots)]
+            self._slots[dt] = [alloc(n if pooled else 0, dt) for _ in range(plan.n_slots)]
             self._owner[dt] = [None] * plan.n_slots
             sn = plan.staging_numel[dt]
             self._staging[dt] = alloc(sn, dt) if pooled and sn else None
@@ -59,9 +61,10 @@ class SlotPool:
         if slot != preferred:
             self.fallbacks += 1
         buf = self._slots[dtype][slot]
-        if buf is None:
-            buf = self._alloc(numel, dtype)
-            self._slots[dtype][slot] = buf
+        if not self._pooled:
+            storage = buf.untyped_storage()
+            storage.resize_(numel * dtype.itemsize)
+            buf = torch.empty(0, dtype=dtype, device=buf.device).set_(storage, 0, (numel,))
         self.live_bytes += numel * dtype.itemsize
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         return buf[:numel]
@@ -72,7 +75,7 @@ class SlotPool:
         owners[slot] = None
         self.live_bytes -= numel * dtype.itemsize
         if not self._pooled:
-            self._slots[dtype][slot] = None
+            self._slots[dtype][slot].untyped_storage().resize_(0)
 
     def staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._staging[dtype]

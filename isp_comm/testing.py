@@ -1,4 +1,4 @@
-"""Run a function on several CPU ranks (gloo) from plain pytest, with a deadline.
+"""Run a function on several CPU ranks (gloo) from pytest or a script, with a deadline.
 
 Each rank is a spawned process with one intra-op thread; the function's return
 values come back in rank order, and any rank's exception fails the caller with that
