@@ -158,3 +158,27 @@ def test_wrapping_frees_unsharded_weights() -> None:
         # lazily by the OS until touched: RSS must drop by well over a third of the
         # blocks' bytes.
         assert dropped > 0.35 * block_bytes, (dropped, block_bytes, pool)
+
+
+def _capacity_worker(rank: int, world: int) -> None:
+    model = Case(model="hetero").build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=1), ISPConfig(n_slots=2))
+    eng, units = comm.engine, comm.units
+    eng.ensure_gathered(units[0])
+    eng.ensure_gathered(units[1])
+    before = comm.stats()["all_gathers"]
+    eng.prefetch(2)  # home slot 0 is held by block 0, slot 1 by block 1
+    assert comm.stats()["all_gathers"] == before and comm.stats()["slots_held"] == 2
+    eng.release(units[0])
+    assert comm.stats()["all_gathers"] == before + 1 and comm.stats()["slots_held"] == 2
+    eng.release(units[1])
+    eng.release(units[2])
+    assert comm.stats()["slots_held"] == 0
+    comm.close()
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_waits_for_a_free_slot() -> None:
+    # A prefetch that would need a third live slot is deferred, not allocated, and is
+    # issued as soon as a slot is released (world of one, driving the engine directly).
+    run_ranks(_capacity_worker, 1, timeout_s=50)
