@@ -97,7 +97,7 @@ class ISPCommunicator:
         self._materialize_rest(model, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
-        self.backend = make_backend(config.backend)
+        self.backend = make_backend(config.backend, device, config.timeout_s)
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(config.param_dtype or u.dtype, u.gathered_numel) for u in units]
         rdt = [(config.reduce_dtype or config.param_dtype or u.dtype, u.gathered_numel) for u in units]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("torch", "auto")
+_BACKENDS = ("torch", "symm", "auto")
 
 
 @dataclass(kw_only=True)
@@ -44,8 +44,9 @@ class ISPConfig:
     issued, which bounds gradient-buffer memory."""
 
     backend: str = "auto"
-    """Collective backend: ``"torch"`` (torch.distributed) or ``"auto"`` (the best
-    one available)."""
+    """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
+    ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host)
+    or ``"auto"`` (symm for CPU parameters, torch otherwise)."""
 
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""

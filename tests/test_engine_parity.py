@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
+from isp_comm.backends.symm_cpu import HOST_ENV
 from isp_comm.testing import run_ranks
 from tests.parity import Case, max_diff, train_isp, train_reference
 
@@ -52,3 +54,22 @@ def test_parity_replicas_and_no_overlap() -> None:
     cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
     _check(run_ranks(_parity_worker, 4, 2, cases, {}, timeout_s=180))
     _check(run_ranks(_parity_worker, 2, 2, cases, {"overlap": False, "memory_pool": False}, timeout_s=180))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_parity_symm_backend(world: int) -> None:
+    _check(run_ranks(_parity_worker, world, world, CASES[::4], {"backend": "symm"}, timeout_s=280))
+
+
+def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
+    # ranks 0,1 on "host0" and 2,3 on "host1": the WP groups {0,1} and {2,3} use shared
+    # memory, the replica groups {0,2}, {1,3} and the world fall back to gloo.
+    os.environ[HOST_ENV] = f"host{rank // 2}"
+    return _parity_worker(rank, world, 2, cases, {"backend": "symm"})
+
+
+@pytest.mark.timeout(200)
+def test_parity_symm_two_host_simulation() -> None:
+    cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
+    _check(run_ranks(_two_host_worker, 4, cases, timeout_s=180))

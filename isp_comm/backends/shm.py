@@ -1,0 +1,131 @@
+"""POSIX shared-memory segments and cross-process flags, for the CPU symmetric backend.
+
+[Note: segment lifetime] Segments are created with mode 0600 under a name that carries
+the creating job's pid and a random token (``isp_<pid>_<token>_...``), mapped by every
+peer and unlinked as soon as all have mapped them: the mappings stay valid, and
+nothing is left in /dev/shm even if a rank is killed later. ``multiprocessing.
+shared_memory`` is not used because before Python 3.13 its resource tracker may unlink
+segments it does not own.
+
+[Note: publication order] A flag is published with a sequentially consistent atomic
+store and read with an acquire load (libatomic's ``__atomic_store_8`` /
+``__atomic_load_8``), so data copied before a flag store (large copies may use
+non-temporal stores) is visible to a peer that has read the flag, on x86 and on weak
+memory models alike. Without libatomic, a lock round trip (a locked RMW, a full fence
+on x86) precedes a plain store.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import ctypes
+import ctypes.util
+import mmap
+import os
+import threading
+
+import numpy as np
+import torch
+
+_SEQ_CST, _ACQUIRE = 5, 2
+PREFIX = "isp_"
+
+
+def segment_name(pid: int, token: str, *parts: object) -> str:
+    return "_".join([f"{PREFIX}{pid}", token, *map(str, parts)])
+
+
+class Segment:
+    """One mapped shared-memory segment."""
+
+    def __init__(self, name: str, nbytes: int, create: bool) -> None:
+        self.name = name
+        self.nbytes = max(nbytes, 8)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.nbytes)
+            self._map = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.bytes = torch.from_numpy(self.array)
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.bytes = None  # type: ignore[assignment]
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view still exports the buffer; the GC unmaps it
+            pass
+
+
+class Flags:
+    """``n`` int64 flags, one per 64-byte line, over a shared segment."""
+
+    STRIDE = 8  # int64s per cache line
+
+    def __init__(self, seg: Segment, n: int) -> None:
+        assert seg.nbytes >= n * self.STRIDE * 8
+        self._words = seg.array.view(np.int64)
+        self._base = seg.array.ctypes.data
+        lib = ctypes.util.find_library("atomic")
+        self._store = self._load = None
+        if lib:
+            atomic = ctypes.CDLL(lib)
+            self._store = getattr(atomic, "__atomic_store_8")
+            self._store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+            self._load = getattr(atomic, "__atomic_load_8")
+            self._load.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            self._load.restype = ctypes.c_uint64
+        self._fence = threading.Lock()
+
+    def _addr(self, i: int) -> int:
+        return self._base + i * self.STRIDE * 8
+
+    def store(self, i: int, value: int) -> None:
+        if self._store is not None:
+            self._store(self._addr(i), value, _SEQ_CST)
+        else:
+            with self._fence:
+                pass
+            self._words[i * self.STRIDE] = value
+
+    def load(self, i: int) -> int:
+        if self._load is not None:
+            return int(self._load(self._addr(i), _ACQUIRE))
+        return int(self._words[i * self.STRIDE])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """isp-comm segments in ``shm_dir`` whose creating process no longer exists."""
+    out = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].split("_", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            out.append(name)
+    return out

@@ -1,0 +1,305 @@
+"""CPU symmetric-memory collectives: every rank of a group on one host maps the same
+POSIX shared-memory buffers, so a collective is a few memcpys and two flag rounds.
+
+Per group: a control segment of flags (``ready[r]``, ``done[r]``; rank r alone writes
+its own) and one scratch segment per rank. A collective with epoch ``e``:
+
+1. wait until every peer's ``done >= e - 1`` (nobody still reads my scratch: the
+   slot-reuse guard uses monotonically increasing epochs, never a modular counter);
+2. copy my input into my scratch, publish ``ready = e``;
+3. wait until every peer's ``ready >= e``; read what I need from peers' scratch
+   (reductions sum in fixed rank order, in fp32 for bf16/fp16: deterministic);
+4. publish ``done = e``.
+
+Collectives run in FIFO order on one worker thread per backend (the copies release
+the GIL), so they overlap the caller's compute. Every wait spins briefly, then yields
+and sleeps with backoff, and has a deadline that names the ranks that did not arrive.
+Groups whose ranks are on different hosts use ``TorchBackend`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from isp_comm.backends.base import CompletedHandle, Handle
+from isp_comm.backends.shm import Flags, Segment, segment_name
+from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.errors import ISPCommTimeout
+
+log = logging.getLogger("isp_comm")
+HOST_ENV = "ISP_COMM_HOST_ID"  # overrides the host identity (tests simulate two hosts)
+_MIN_SCRATCH = 1 << 16
+
+
+def host_id() -> str:
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+class SymmHandle:
+    __slots__ = ("_done", "_error", "what")
+
+    def __init__(self, what: str) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.what = what
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._done.wait(timeout_s):
+            raise ISPCommTimeout(f"{self.what} did not complete within {timeout_s:.1f}s")
+        if self._error is not None:
+            raise self._error
+
+
+@dataclass
+class _Group:
+    ranks: tuple[int, ...]
+    me: int
+    token: str
+    pids: list[int]
+    ctrl: Segment
+    flags: Flags
+    scratch: list[Segment] = field(default_factory=list)
+    capacity: int = 0
+    generation: int = 0
+    epoch: int = 0
+    acc: torch.Tensor | None = None  # fp32 accumulator for bf16/fp16 reductions
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class SymmCpuBackend:
+    """Shared-memory collectives for CPU tensors of ranks on one host."""
+
+    name = "symm"
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+        self._fallback = TorchBackend()
+        self._groups: dict[tuple[int, ...], _Group | None] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run, name="isp-symm", daemon=True)
+        self._worker.start()
+        self._last: SymmHandle | None = None
+        self._closed = False
+
+    # ---- group set-up (collective over the group, in the calling thread) ------------
+    def _group(self, group: ProcessGroup, nbytes: int) -> _Group | None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in self._groups:
+            self._groups[ranks] = self._setup(group, ranks)
+        g = self._groups[ranks]
+        if g is not None and nbytes > g.capacity:
+            self._grow(group, g, nbytes)
+        return g
+
+    def _setup(self, group: ProcessGroup, ranks: tuple[int, ...]) -> _Group | None:
+        infos: list = [None] * len(ranks)
+        dist.all_gather_object(infos, (host_id(), os.getpid(), secrets.token_hex(4)), group=group)
+        if len({h for h, _, _ in infos}) > 1:
+            log.warning("isp-comm: group %s spans hosts; using torch.distributed for it", list(ranks))
+            return None
+        me = ranks.index(dist.get_rank())
+        pids, token = [p for _, p, _ in infos], infos[0][2]
+        name = segment_name(pids[0], token, "ctrl")
+        nbytes = 2 * len(ranks) * Flags.STRIDE * 8
+        ctrl = Segment(name, nbytes, create=True) if me == 0 else None
+        dist.barrier(group=group)
+        if ctrl is None:
+            ctrl = Segment(name, nbytes, create=False)
+        dist.barrier(group=group)
+        if me == 0:
+            Segment.unlink(name)
+        return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 2 * len(ranks)))
+
+    def _grow(self, group: ProcessGroup, g: _Group, nbytes: int) -> None:
+        """Collectively replace every rank's scratch by a larger one (sizes agree on
+        all ranks because every rank issues the same collectives)."""
+        self._drain()
+        cap = max(_MIN_SCRATCH, 1 << (nbytes - 1).bit_length())
+        g.generation += 1
+        names = [segment_name(g.pids[r], g.token, "scratch", r, g.generation) for r in range(g.size)]
+        mine = Segment(names[g.me], cap, create=True)
+        dist.barrier(group=group)
+        new = [mine if r == g.me else Segment(names[r], cap, create=False) for r in range(g.size)]
+        dist.barrier(group=group)
+        Segment.unlink(names[g.me])
+        for seg in g.scratch:
+            seg.close()
+        g.scratch, g.capacity = new, cap
+
+    # ---- collectives ------------------------------------------------------------------
+    def _submit(self, kind: str, group: ProcessGroup, out, inp, nbytes: int) -> Handle:
+        if self._closed:
+            raise RuntimeError("the symmetric-memory backend is closed")
+        g = self._group(group, nbytes)
+        if g is None and kind == "barrier":
+            self._fallback.barrier(group, self.timeout_s)
+            return CompletedHandle()
+        if g is None:
+            return getattr(self._fallback, kind)(*(t for t in (out, inp) if t is not None), group)
+        if g.size == 1:
+            if kind != "all_reduce":
+                out.copy_(inp.reshape(out.shape))
+            return CompletedHandle()
+        g.epoch += 1
+        h = SymmHandle(f"{kind.replace('_', '-')} (symm) over ranks {list(g.ranks)}")
+        self._queue.put((kind, g, g.epoch, out, inp, h))
+        self._last = h
+        return h
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        return self._submit("all_gather", group, out, inp, inp.numel() * inp.element_size())
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        return self._submit("reduce_scatter", group, out, inp, inp.numel() * inp.element_size())
+
+    def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
+        return self._submit("all_reduce", group, tensor, None, tensor.numel() * tensor.element_size())
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        return self._submit("all_to_all", group, out, inp, inp.numel() * inp.element_size())
+
+    def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
+        self._submit("barrier", group, None, None, 0).wait(timeout_s)
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    # ---- worker -----------------------------------------------------------------------
+    def _run(self) -> None:
+        failed: BaseException | None = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, g, epoch, out, inp, h = item
+            if failed is not None:  # peers are out of step after a failure: fail fast
+                h._finish(failed)
+                continue
+            try:
+                getattr(self, "_do_" + kind)(g, epoch, out, inp)
+                h._finish()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                failed = exc
+                h._finish(exc)
+
+    def _wait_flags(self, g: _Group, base: int, target: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause, spins = 2e-6, 0
+        while True:
+            missing = [r for r in range(g.size) if g.flags.load(base + r) < target]
+            if not missing:
+                return
+            spins += 1
+            if spins < 32:
+                os.sched_yield()
+                continue
+            if time.monotonic() > deadline:
+                late = [g.ranks[r] for r in missing]
+                raise ISPCommTimeout(
+                    f"{what} (symm, epoch {target}): ranks {late} of group {list(g.ranks)} did not arrive "
+                    f"within {self.timeout_s:.1f}s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _exchange(self, g: _Group, epoch: int, what: str, src: torch.Tensor | None) -> list[torch.Tensor]:
+        """Steps 1-3: publish ``src`` in my scratch; return every rank's scratch bytes."""
+        self._wait_flags(g, g.size, epoch - 1, what + " (peers still reading)")
+        if src is not None and src.numel():
+            flat = src.reshape(-1)
+            g.scratch[g.me].bytes[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
+        g.flags.store(g.me, epoch)
+        self._wait_flags(g, 0, epoch, what)
+        return [s.bytes for s in g.scratch]
+
+    def _done(self, g: _Group, epoch: int) -> None:
+        g.flags.store(g.size + g.me, epoch)
+
+    def _do_all_gather(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n = inp.numel()
+        peers = self._exchange(g, epoch, "all-gather", inp)
+        flat_out = out.view(-1)
+        for r, buf in enumerate(peers):
+            flat_out[r * n : (r + 1) * n].copy_(buf[: n * inp.element_size()].view(inp.dtype))
+        self._done(g, epoch)
+
+    def _sum_chunks(self, g: _Group, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Sum in rank order; bf16/fp16 accumulate in fp32."""
+        if out.dtype in (torch.float32, torch.float64) or not out.is_floating_point():
+            out.copy_(chunks[0])
+            for c in chunks[1:]:
+                out.add_(c)
+            return
+        if g.acc is None or g.acc.numel() < out.numel():
+            g.acc = torch.empty(out.numel(), dtype=torch.float32)
+        acc = g.acc[: out.numel()]
+        acc.copy_(chunks[0])
+        for c in chunks[1:]:
+            acc.add_(c)
+        out.copy_(acc)
+
+    def _do_reduce_scatter(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n = out.numel()
+        peers = self._exchange(g, epoch, "reduce-scatter", inp)
+        isz = inp.element_size()
+        chunks = [buf[g.me * n * isz : (g.me + 1) * n * isz].view(inp.dtype) for buf in peers]
+        if n:
+            self._sum_chunks(g, chunks, out.view(-1))
+        self._done(g, epoch)
+
+    def _do_all_reduce(self, g: _Group, epoch: int, tensor: torch.Tensor, _inp: None) -> None:
+        n, isz = tensor.numel(), tensor.element_size()
+        peers = self._exchange(g, epoch, "all-reduce", tensor)
+        if n:
+            flat = tensor.view(-1)
+            self._sum_chunks(g, [buf[: n * isz].view(tensor.dtype) for buf in peers], flat)
+        self._done(g, epoch)
+
+    def _do_all_to_all(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n, isz = inp.numel() // g.size, inp.element_size()
+        peers = self._exchange(g, epoch, "all-to-all", inp)
+        flat_out = out.view(-1)
+        for r, buf in enumerate(peers):
+            flat_out[r * n : (r + 1) * n].copy_(buf[g.me * n * isz : (g.me + 1) * n * isz].view(inp.dtype))
+        self._done(g, epoch)
+
+    def _do_barrier(self, g: _Group, epoch: int, _out: None, _inp: None) -> None:
+        self._exchange(g, epoch, "barrier", None)
+        self._done(g, epoch)
+
+    # ---- teardown ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        if self._last is not None:
+            self._last.wait(self.timeout_s)
+            self._last = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join(timeout=self.timeout_s)
+        for g in self._groups.values():
+            if g is not None:
+                for seg in (g.ctrl, *g.scratch):
+                    seg.close()
+        self._groups.clear()
+        self._fallback.close()

@@ -1,0 +1,168 @@
+"""One contract for every backend: results equal gloo's, odd sizes, aliasing, reuse."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from isp_comm.backends import SymmCpuBackend, TorchBackend
+from isp_comm.backends.symm_cpu import HOST_ENV
+from isp_comm.errors import ISPCommTimeout
+from isp_comm.testing import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 7, 1000, 4099)
+TIMEOUT = 60.0
+
+
+def _make(name: str):
+    return TorchBackend() if name == "torch" else SymmCpuBackend(timeout_s=TIMEOUT)
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _check_reduce(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, gloo: torch.Tensor) -> None:
+    if dtype == torch.float32:
+        # fp32: gloo and the backend may add in different orders: a few ulps of the sum.
+        torch.testing.assert_close(got, gloo, rtol=1e-6, atol=1e-6)
+    else:
+        # bf16/fp16: compare with the exact (fp64) sum: at most one rounding of the
+        # result plus one of each input's conversion, i.e. a few units of the last place.
+        eps = torch.finfo(dtype).eps
+        assert ((got.double() - exact).abs() <= 4 * eps * exact.abs() + 4 * eps).all()
+
+
+def _contract_worker(rank: int, world: int, name: str) -> int:
+    backend = _make(name)
+    group = dist.new_group(list(range(world)))
+    checks = 0
+    for salt, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
+        inp = _data(rank, n, dtype, salt)
+        # all-gather: bitwise equal to gloo
+        out, ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+        backend.all_gather(out, inp, group).wait(TIMEOUT)
+        dist.all_gather_into_tensor(ref, inp, group=group)
+        assert torch.equal(out, ref), (dtype, n)
+        # all-gather whose input is a view of its output (in place)
+        inplace = torch.empty(world * n, dtype=dtype)
+        inplace[rank * n : (rank + 1) * n] = inp
+        backend.all_gather(inplace, inplace[rank * n : (rank + 1) * n], group).wait(TIMEOUT)
+        assert torch.equal(inplace, ref), (dtype, n)
+        # reduce-scatter
+        big = _data(rank, world * n, dtype, salt + 500)
+        rs, rs_ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        backend.reduce_scatter(rs, big, group).wait(TIMEOUT)
+        dist.reduce_scatter_tensor(rs_ref, big, group=group)
+        exact = sum(_data(r, world * n, dtype, salt + 500).double() for r in range(world))
+        _check_reduce(rs, exact[rank * n : (rank + 1) * n], dtype, rs_ref)
+        # all-reduce
+        ar = inp.clone()
+        backend.all_reduce(ar, group).wait(TIMEOUT)
+        ar_ref = inp.clone()
+        dist.all_reduce(ar_ref, group=group)
+        _check_reduce(ar, sum(_data(r, n, dtype, salt).double() for r in range(world)), dtype, ar_ref)
+        # all-to-all
+        a2a, a2a_ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+        backend.all_to_all(a2a, big, group).wait(TIMEOUT)
+        dist.all_to_all_single(a2a_ref, big, group=group)
+        assert torch.equal(a2a, a2a_ref), (dtype, n)
+        checks += 5
+    backend.barrier(group, TIMEOUT)
+    backend.close()
+    return checks
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["torch", "symm"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_backend_contract(name: str, world: int) -> None:
+    counts = run_ranks(_contract_worker, world, name, timeout_s=180)
+    assert counts == [5 * len(DTYPES) * len(SIZES)] * world
+
+
+def _back_to_back_worker(rank: int, world: int, name: str) -> None:
+    # 200 collectives issued without waiting, random sizes, random per-rank delays:
+    # a fast rank must never overwrite a buffer a slow peer is still reading.
+    backend = _make(name)
+    group = dist.group.WORLD
+    rng = random.Random(7)  # same sequence of sizes on every rank
+    delay = random.Random(rank)
+    pending = []
+    for i in range(200):
+        n = rng.choice((1, 13, 4096, 30001))
+        if delay.random() < 0.3:
+            time.sleep(delay.random() * 0.003)
+        if i % 2 == 0:
+            inp = torch.full((n,), float(rank * 1000 + i))
+            out = torch.empty(world * n)
+            pending.append(("ag", i, n, out, backend.all_gather(out, inp, group)))
+        else:
+            inp = torch.arange(world * n, dtype=torch.float32) + i
+            out = torch.empty(n)
+            pending.append(("rs", i, n, out, backend.reduce_scatter(out, inp, group)))
+    for kind, i, n, out, h in pending:
+        h.wait(TIMEOUT)
+        if kind == "ag":
+            want = torch.cat([torch.full((n,), float(r * 1000 + i)) for r in range(world)])
+        else:
+            want = (torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + i) * world
+        assert torch.equal(out, want), (kind, i, n)
+    backend.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["torch", "symm"])
+def test_back_to_back_with_delays(name: str) -> None:
+    run_ranks(_back_to_back_worker, 4, name, timeout_s=110)
+
+
+def _two_host_worker(rank: int, world: int) -> bool:
+    os.environ[HOST_ENV] = f"host{rank // 2}"  # ranks 0,1 on host0; 2,3 on host1
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3]), dist.new_group([0, 1, 2, 3])]
+    mine = groups[rank // 2]
+    for group, members in ((mine, 2), (groups[2], 4)):
+        out = torch.empty(members * 3)
+        backend.all_gather(out, torch.full((3,), float(rank)), group).wait(TIMEOUT)
+        first = 0 if members == 4 else rank - rank % 2
+        assert torch.equal(out, torch.arange(first, first + members).float().repeat_interleave(3))
+    used_symm = backend._groups[(rank - rank % 2, rank - rank % 2 + 1)] is not None
+    fell_back = backend._groups[(0, 1, 2, 3)] is None
+    backend.close()
+    return used_symm and fell_back
+
+
+@pytest.mark.timeout(60)
+def test_group_across_hosts_falls_back_to_torch() -> None:
+    assert all(run_ranks(_two_host_worker, 4, timeout_s=50))
+
+
+def _stalled_peer_worker(rank: int, world: int) -> str:
+    backend = SymmCpuBackend(timeout_s=2.0)
+    group = dist.group.WORLD
+    out = torch.empty(world * 4)
+    backend.all_gather(out, torch.ones(4), group).wait(10)  # set-up done: segments mapped
+    if rank == 1:  # never joins the next collective
+        backend.close()
+        return ""
+    t0 = time.monotonic()
+    with pytest.raises(ISPCommTimeout) as info:
+        backend.all_gather(out, torch.ones(4), group).wait(10)
+    backend.close()
+    return f"{time.monotonic() - t0:.2f} {info.value}"
+
+
+@pytest.mark.timeout(60)
+def test_stalled_peer_times_out_naming_it() -> None:
+    msg = run_ranks(_stalled_peer_worker, 2, timeout_s=40)[0]
+    elapsed, text = msg.split(" ", 1)
+    assert 1.9 < float(elapsed) < 5.0, msg  # the 2 s deadline, plus a little
+    assert "all-gather" in text and "ranks [1]" in text, msg
