@@ -80,6 +80,12 @@ class _Group:
     acc: torch.Tensor | None = None  # fp32 accumulator for bf16/fp16 reductions
 
     @property
+    def spin_budget(self) -> int:
+        """Yields before sleeping: a waiting rank must not take the core a peer copies
+        on when the group's ranks outnumber the cores."""
+        return 1000 if self.size <= (os.cpu_count() or 1) else 200
+
+    @property
     def size(self) -> int:
         return len(self.ranks)
 
@@ -202,13 +208,13 @@ class SymmCpuBackend:
 
     def _wait_flags(self, g: _Group, base: int, target: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
-        pause, spins = 2e-6, 0
+        pause, spins = 5e-5, 0
         while True:
             missing = [r for r in range(g.size) if g.flags.load(base + r) < target]
             if not missing:
                 return
             spins += 1
-            if spins < 32:
+            if spins < g.spin_budget:
                 os.sched_yield()
                 continue
             if time.monotonic() > deadline:

@@ -1,0 +1,93 @@
+"""All-gather and reduce-scatter: gloo against the CPU symmetric-memory backend.
+
+    python bench/collectives.py [--sizes-mib 1 8 64] [--worlds 2 4] [--reps 7]
+
+Size = the all-gather output and the reduce-scatter input per rank. The memcpy bound
+is every rank copying that many bytes at the same time, measured in the same run.
+Each time is the median over repetitions of the slowest rank. Prints a markdown
+table and writes bench/results/collectives.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from isp_comm.backends import SymmCpuBackend, TorchBackend  # noqa: E402
+from isp_comm.testing import run_ranks  # noqa: E402
+
+MIB = 2**20
+
+
+def _time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    return statistics.median(times[1:])  # the first is warm-up
+
+
+def _worker(rank: int, world: int, sizes: list[int], reps: int) -> list[dict]:
+    group = dist.new_group(list(range(world)))
+    backends = {"gloo": TorchBackend(), "symm": SymmCpuBackend(timeout_s=120)}
+    rows = []
+    for size in sizes:
+        n = size // 4 // world
+        full, shard = torch.randn(world * n), torch.randn(n)
+        out_full, out_shard = torch.empty(world * n), torch.empty(n)
+        src = torch.randn(world * n)
+        row = {"world": world, "mib": size / MIB, "memcpy": _time(lambda o=out_full, s=src: o.copy_(s), reps)}
+        for name, b in backends.items():
+            ag = lambda b=b, o=out_full, i=shard: b.all_gather(o, i, group).wait(120)  # noqa: E731
+            rs = lambda b=b, o=out_shard, i=full: b.reduce_scatter(o, i, group).wait(120)  # noqa: E731
+            row[f"ag_{name}"] = _time(ag, reps)
+            row[f"rs_{name}"] = _time(rs, reps)
+        rows.append(row)
+    for b in backends.values():
+        b.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    sizes = [int(s * MIB) for s in args.sizes_mib]
+    rows = []
+    for world in args.worlds:
+        rows += run_ranks(_worker, world, sizes, args.reps, timeout_s=1800)[0]
+    ms = 1e3
+    print(
+        "| world | MiB | AG gloo ms | AG symm ms | AG gloo/symm | RS gloo ms | RS symm ms | RS gloo/symm "
+        "| memcpy ms | AG symm/memcpy | RS symm/memcpy |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['world']} | {r['mib']:g} | {r['ag_gloo'] * ms:.2f} | {r['ag_symm'] * ms:.2f} | "
+            f"{r['ag_gloo'] / r['ag_symm']:.1f}x | {r['rs_gloo'] * ms:.2f} | {r['rs_symm'] * ms:.2f} | "
+            f"{r['rs_gloo'] / r['rs_symm']:.1f}x | {r['memcpy'] * ms:.2f} | {r['ag_symm'] / r['memcpy']:.2f} | "
+            f"{r['rs_symm'] / r['memcpy']:.2f} |"
+        )
+    os.makedirs("bench/results", exist_ok=True)
+    with open("bench/results/collectives.json", "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""isp-comm's symmetric-memory collectives inside PyTorch FSDP2.
+
+FSDP2 lets a user replace its all-gather and reduce-scatter through the public
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks; the classes
+here implement those interfaces on an isp-comm backend::
+
+    for m in [*blocks, model]:
+        fully_shard(m)
+    symm = use_symm_collectives([*blocks, model])   # after fully_shard, before training
+    ...
+    symm.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from isp_comm.backends import Backend, SymmCpuBackend
+
+
+class BackendAllGather(AllGather):
+    """FSDP2 all-gather on an isp-comm backend (completes before returning)."""
+
+    def __init__(self, backend: Backend, timeout_s: float) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self.backend.all_gather(output_tensor, input_tensor, group).wait(self.timeout_s)
+        return None
+
+
+class BackendReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter on an isp-comm backend: SUM, or AVG as a sum and a divide."""
+
+    def __init__(self, backend: Backend, timeout_s: float) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"isp-comm's reduce-scatter supports SUM and AVG, got {op}")
+        self.backend.reduce_scatter(output_tensor, input_tensor, group).wait(self.timeout_s)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(dist.get_world_size(group))
+        return None
+
+
+def use_symm_collectives(modules: Iterable[FSDPModule], timeout_s: float = 300.0) -> SymmCpuBackend:
+    """Route the all-gathers and reduce-scatters of these ``fully_shard``-ed modules
+    through one CPU symmetric-memory backend; ``close()`` it when training ends."""
+    backend = SymmCpuBackend(timeout_s)
+    ag, rs = BackendAllGather(backend, timeout_s), BackendReduceScatter(backend, timeout_s)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise TypeError(f"{type(m).__name__} is not an FSDP2 module: call fully_shard on it first")
+        m.set_custom_all_gather(ag)
+        m.set_custom_reduce_scatter(rs)
+    return backend
