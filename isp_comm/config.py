@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("torch", "symm", "auto")
+_BACKENDS = ("torch", "symm", "nvshmem", "auto")
 
 
 @dataclass(kw_only=True)
@@ -45,8 +45,9 @@ class ISPConfig:
 
     backend: str = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
-    ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host)
-    or ``"auto"`` (symm for CPU parameters, torch otherwise)."""
+    ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
+    on CPU, ``torch.distributed._symmetric_memory`` on CUDA), ``"nvshmem"``
+    (nvshmem4py, CUDA) or ``"auto"`` (symm where available, torch otherwise)."""
 
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""

@@ -58,8 +58,9 @@ def test_parity_replicas_and_no_overlap() -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_parity_symm_backend(world: int) -> None:
-    _check(run_ranks(_parity_worker, world, world, CASES[::4], {"backend": "symm"}, timeout_s=280))
+def test_parity_torch_backend(world: int) -> None:
+    # The matrix above runs the default backend ("auto": shared memory on CPU).
+    _check(run_ranks(_parity_worker, world, world, CASES[::4], {"backend": "torch"}, timeout_s=280))
 
 
 def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:

@@ -4,19 +4,37 @@ from __future__ import annotations
 
 import torch
 
+from isp_comm.backends import cuda_symm, nvshmem_backend
 from isp_comm.backends.base import Backend, CompletedHandle, Handle
 from isp_comm.backends.symm_cpu import SymmCpuBackend
 from isp_comm.backends.torch_backend import TorchBackend
 
 
 def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
-    """The backend named in ``ISPConfig.backend`` for parameters on ``device``."""
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    """The backend named in ``ISPConfig.backend`` for parameters on ``device``.
+
+    ``"symm"``: POSIX shared memory on CPU, torch symmetric memory on CUDA;
+    ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm where available, else torch."""
+    if name == "torch":
         return TorchBackend()
+    if device.type == "cpu":
+        if name == "nvshmem":
+            raise ValueError("backend 'nvshmem' needs CUDA parameters")
+        return SymmCpuBackend(timeout_s) if name in ("symm", "auto") else _unknown(name)
+    if name == "nvshmem":
+        if not nvshmem_backend.available():
+            raise ValueError("backend 'nvshmem' needs nvshmem4py (pip install isp-comm[gpu]) and CUDA")
+        return nvshmem_backend.NvshmemBackend(timeout_s)
     if name in ("symm", "auto"):
-        if device.type != "cpu":
-            raise ValueError(f"backend 'symm' supports CPU tensors in this build, got device {device}")
-        return SymmCpuBackend(timeout_s)
+        if cuda_symm.available():
+            return cuda_symm.CudaSymmBackend(timeout_s)
+        if name == "symm":
+            raise ValueError(f"no symmetric-memory backend for device {device}")
+        return TorchBackend()
+    return _unknown(name)
+
+
+def _unknown(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}")
 
 
