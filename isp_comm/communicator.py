@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,20 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
             "whose entries contain nn.Linear layers; pass blocks= explicitly"
         )
     return best
+
+
+def _refuse_stale_optimizers(model: nn.Module) -> None:
+    """An optimizer built before wrapping holds the full parameters that wrapping
+    replaces by shards: it would silently train nothing. Refuse it now."""
+    params = {id(p) for p in model.parameters()}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer) and any(
+            id(p) in params for g in obj.param_groups for p in g["params"]
+        ):
+            raise ValueError(
+                f"a {type(obj).__name__} optimizer already holds this model's parameters; wrapping replaces "
+                "them by shards, so create the optimizer after wrapping, on model.parameters()"
+            )
 
 
 def _wrapped_marker(fn: Any) -> bool:
@@ -152,6 +167,7 @@ class ISPCommunicator:
                 raise ValueError("this model is already wrapped by an ISPCommunicator (close() it first)")
             if not any(isinstance(m, nn.Linear) for m in b.modules()):
                 raise ValueError(f"block {i} ({type(b).__name__}) has no nn.Linear layers to shard")
+        _refuse_stale_optimizers(model)
         devices = {p.device for p in model.parameters() if p.device.type != "meta"}
         if len(devices) > 1:
             raise ValueError(f"model parameters are on several devices {sorted(map(str, devices))}")

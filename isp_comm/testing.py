@@ -38,8 +38,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, resul
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results."""
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0, may_die: frozenset[int] = frozenset()
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results.
+
+    Ranks in ``may_die`` are allowed to exit without a result (fault-injection tests);
+    their result is their exit code."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,6 +57,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         deadline = time.monotonic() + timeout_s
         try:
             while len(out) + len(errors) < world:
+                for r in may_die:
+                    if r not in out and procs[r].exitcode not in (None, 0):
+                        out[r] = procs[r].exitcode
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(world)) - set(out))
@@ -60,6 +68,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                     rank, status, value = results.get(timeout=min(left, 1.0))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    dead = [r for r in dead if r not in may_die]
                     if dead and errors == []:
                         # give the others a moment to report, then fail
                         time.sleep(1.0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import CompletedHandle, Handle
-from isp_comm.backends.shm import Flags, Segment, segment_name
+from isp_comm.backends.shm import Flags, Segment, pid_alive, segment_name
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout
 
@@ -209,6 +209,7 @@ class SymmCpuBackend:
     def _wait_flags(self, g: _Group, base: int, target: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         pause, spins = 5e-5, 0
+        next_probe = time.monotonic() + 0.1
         while True:
             missing = [r for r in range(g.size) if g.flags.load(base + r) < target]
             if not missing:
@@ -217,12 +218,18 @@ class SymmCpuBackend:
             if spins < g.spin_budget:
                 os.sched_yield()
                 continue
-            if time.monotonic() > deadline:
-                late = [g.ranks[r] for r in missing]
+            now = time.monotonic()
+            late = [g.ranks[r] for r in missing]
+            if now > deadline:
                 raise ISPCommTimeout(
                     f"{what} (symm, epoch {target}): ranks {late} of group {list(g.ranks)} did not arrive "
                     f"within {self.timeout_s:.1f}s"
                 )
+            if now > next_probe:  # a dead peer (same host: its pid is visible) fails at once
+                next_probe = now + 0.1
+                dead = [g.ranks[r] for r in missing if not pid_alive(g.pids[r])]
+                if dead:
+                    raise ISPCommTimeout(f"{what} (symm, epoch {target}): ranks {dead} of group {list(g.ranks)} died")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 

@@ -17,15 +17,17 @@ class TorchHandle:
 
     __slots__ = ("_work", "_what")
 
-    def __init__(self, work: dist.Work, what: str) -> None:
+    def __init__(self, work: dist.Work, what: str, group: ProcessGroup) -> None:
         self._work = work
-        self._what = what
+        self._what = f"{what} over ranks {dist.get_process_group_ranks(group)}"
 
     def wait(self, timeout_s: float) -> None:
         try:
             self._work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:  # gloo/NCCL report timeouts and dead peers this way
-            raise ISPCommTimeout(f"{self._what} did not complete within {timeout_s:.1f}s: {exc}") from exc
+            raise ISPCommTimeout(
+                f"{self._what} failed or passed its {timeout_s:.1f}s deadline (a peer died or stalled): {exc}"
+            ) from exc
 
 
 def _single(group: ProcessGroup) -> bool:
@@ -41,25 +43,25 @@ class TorchBackend:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        return TorchHandle(dist.all_gather_single(out, inp, group=group, async_op=True), "all-gather")
+        return TorchHandle(dist.all_gather_single(out, inp, group=group, async_op=True), "all-gather", group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
         work = dist.reduce_scatter_single(out, inp, group=group, async_op=True)
-        return TorchHandle(work, "reduce-scatter")
+        return TorchHandle(work, "reduce-scatter", group)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             return CompletedHandle()
-        return TorchHandle(dist.all_reduce(tensor, group=group, async_op=True), "all-reduce")
+        return TorchHandle(dist.all_reduce(tensor, group=group, async_op=True), "all-reduce", group)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp)
             return CompletedHandle()
-        return TorchHandle(dist.all_to_all_single(out, inp, group=group, async_op=True), "all-to-all")
+        return TorchHandle(dist.all_to_all_single(out, inp, group=group, async_op=True), "all-to-all", group)
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         if not _single(group):

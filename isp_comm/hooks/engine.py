@@ -92,6 +92,7 @@ class BlockEngine:
         self._rep_flat: dict[torch.dtype, torch.Tensor] = {}
         self._staging_owner: int | None = None
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
+        self._failed = False  # a collective failed: peers are gone, never wait again
         self._delay_rng = random.Random(groups.rank) if config.debug_delay_s > 0 else None
 
     # ---- dtypes -------------------------------------------------------------------
@@ -107,6 +108,7 @@ class BlockEngine:
         try:
             handle.wait(self.config.timeout_s)
         except Exception as exc:
+            self._failed = True
             raise type(exc)(f"{what} (rank {self.groups.rank}): {exc}") from exc
         self.counters.exposed_comm_s += time.perf_counter() - t0
 
@@ -395,9 +397,18 @@ class BlockEngine:
         return gathers + len(self._reduces)
 
     def close(self) -> None:
-        if self.phase is Phase.BACKWARD:
-            self.end_backward()
-        for unit in self.units:
-            self.release(unit)
+        if self._failed:  # abandon in-flight collectives: their peers are gone
+            for unit, rt in zip(self.units, self._rt):
+                self._swap_out(unit)
+                if rt.state is not UnitState.SHARDED:
+                    self.pool.release(self.gather_dtype(unit), rt.slot, unit.index, unit.gathered_numel)
+                rt.state, rt.handle, rt.region = UnitState.SHARDED, None, None
+            self._reduces.clear()
+            self._staging_owner = None
+        else:
+            if self.phase is Phase.BACKWARD:
+                self.end_backward()
+            for unit in self.units:
+                self.release(unit)
         self._send.clear()
         self._rep_flat.clear()

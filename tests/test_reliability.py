@@ -1,0 +1,149 @@
+"""Faults: a killed rank fails the others fast and clearly; nothing is left behind;
+timing never changes results; stale segments can be cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from isp_comm import ISPCommTimeout
+from isp_comm.backends.shm import Segment, segment_name, stale_segments
+from isp_comm.testing import run_ranks
+from tests.parity import Case, batches, loss_fn, train_isp
+
+DEADLINE = 4.0
+
+
+def _kill_worker(rank: int, world: int, backend: str, where: str) -> str:
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+
+    case = Case(steps=3)
+    model = case.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend=backend, timeout_s=DEADLINE))
+    if rank == 1:
+        block = model.layers[1]
+        if where == "forward":
+            block.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        else:
+
+            def arm(_m, _i, out: torch.Tensor) -> None:
+                out.register_hook(lambda _g: os.kill(os.getpid(), signal.SIGKILL))
+
+            block.register_forward_hook(arm)
+    t0 = time.monotonic()
+    try:
+        for step in batches(case, world):
+            for x, y in step:
+                loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    except ISPCommTimeout as exc:
+        return f"{time.monotonic() - t0:.2f} {exc}"
+    finally:
+        comm.close() if rank != 1 else None
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_killed_rank_fails_survivors_fast(backend: str, where: str) -> None:
+    res = run_ranks(_kill_worker, 3, backend, where, timeout_s=100, may_die=frozenset({1}))
+    assert res[1] == -signal.SIGKILL
+    for msg in (res[0], res[2]):
+        elapsed, text = msg.split(" ", 1)
+        assert float(elapsed) < DEADLINE + 5, msg  # within the deadline plus a few seconds
+        assert "block" in text and ("all-gather" in text or "reduce-scatter" in text), msg
+        if backend == "symm":
+            assert "ranks [1]" in text, msg  # names who did not arrive
+
+
+def _same_seed_worker(rank: int, world: int, backend: str) -> list[float]:
+    return train_isp(Case(optim="adamw", micro=2, ckpt=0.5), rank, world, world, backend=backend)[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_same_seed_is_bitwise_identical(backend: str) -> None:
+    a = run_ranks(_same_seed_worker, 3, backend, timeout_s=100)
+    b = run_ranks(_same_seed_worker, 3, backend, timeout_s=100)
+    assert a == b
+
+
+def test_cleanup_removes_only_stale_segments() -> None:
+    # a dead pid: spawn a process and wait for it, so its pid is (almost surely) free
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale_name = segment_name(dead.pid, "deadbeef", "scratch", 0, 1)
+    live_name = segment_name(os.getpid(), "cafecafe", "scratch", 0, 1)
+    stale, live = Segment(stale_name, 64, create=True), Segment(live_name, 64, create=True)
+    try:
+        assert stale_name in stale_segments() and live_name not in stale_segments()
+        res = subprocess.run(
+            [sys.executable, "-m", "isp_comm.cli", "cleanup"], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stderr
+        assert stale_name in res.stdout
+        assert not os.path.exists(f"/dev/shm/{stale_name}") and os.path.exists(f"/dev/shm/{live_name}")
+    finally:
+        stale.close(), live.close()
+        Segment.unlink(stale_name), Segment.unlink(live_name)
+
+
+def _stale_optimizer_worker(rank: int, world: int) -> str:
+    from isp_comm import ISPCommunicator, ParallelGroups
+
+    model = Case().build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # created before wrapping: stale
+    try:
+        ISPCommunicator(model, ParallelGroups.create(wp_size=world))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        del opt
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_created_before_wrapping_is_refused() -> None:
+    for msg in run_ranks(_stale_optimizer_worker, 2, timeout_s=50):
+        assert "optimizer" in msg and "after wrapping" in msg, msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_torchrun_job_with_killed_rank_exits_nonzero(backend: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    cmd += ["tests/scripts/kill_job.py", backend]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": "."})
+    assert res.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert not _processes_running("tests/scripts/kill_job.py"), "orphaned ranks"
+
+
+def _processes_running(needle: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_long_run_does_not_grow(backend: str) -> None:
+    # The suite's short version of bench/long_run.py (300 steps there).
+    from bench.long_run import long_run_worker
+
+    for r in run_ranks(long_run_worker, 2, 100, backend, timeout_s=100):
+        assert r["growth_pct"] < 2.0, r
+        assert r["constant"] and r["max_outstanding"] == 0 and r["shm_max"] == 0, r
