@@ -18,6 +18,8 @@ from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
+from isp_comm.sequence_parallel import DistributedAttention, kv_repeats
+from isp_comm.sequence_parallel.hf import apply_hf_sequence_parallel, is_hf_model
 from isp_comm.units import BlockUnit, ReplicatedParam
 
 log = logging.getLogger("isp_comm")
@@ -92,6 +94,12 @@ class ISPCommunicator:
         self._validate(model, block_list)
         names = {m: n for n, m in model.named_modules()}
         device = self._target_device(model)
+        self.backend = make_backend(config.backend, device, config.timeout_s)
+        try:  # before anything is sharded: a refused SP set-up leaves the model as it was
+            self._undo_sp = self._apply_sequence_parallel() if groups.sp_size > 1 else None
+        except Exception:
+            self.backend.close()
+            raise
 
         n_ckpt = round(config.activation_checkpointing * len(block_list))
         units: list[BlockUnit] = []
@@ -112,7 +120,6 @@ class ISPCommunicator:
         self._materialize_rest(model, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
-        self.backend = make_backend(config.backend, device, config.timeout_s)
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(config.param_dtype or u.dtype, u.gathered_numel) for u in units]
         rdt = [(config.reduce_dtype or config.param_dtype or u.dtype, u.gathered_numel) for u in units]
@@ -130,6 +137,31 @@ class ISPCommunicator:
         self._closed = False
 
     # ---- construction helpers ----------------------------------------------------------
+    def _apply_sequence_parallel(self):
+        """Attention goes through all-to-all over the SP group: transformers models via
+        their attention registry, other models via modules exposing ``attention_fn``
+        (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``."""
+        sp_group, timeout = self.groups.sp_group, self.config.timeout_s
+        if is_hf_model(self.model):
+            return apply_hf_sequence_parallel(self.model, sp_group, self.backend, timeout)
+        hooked = [m for m in self.model.modules() if callable(getattr(m, "attention_fn", None))]
+        if not hooked:
+            raise ValueError(
+                "sp_size > 1 but the model exposes no attention hook: give its attention modules an "
+                "attention_fn(q, k, v) attribute (see models/llama.py) or use a supported transformers model"
+            )
+        previous = []
+        for m in hooked:
+            kv_repeats(m.n_heads, m.n_kv_heads, self.groups.sp_size)
+            previous.append((m, m.attention_fn))
+            m.attention_fn = DistributedAttention(m.attention_fn, sp_group, self.backend, timeout)
+
+        def undo() -> None:
+            for m, fn in previous:
+                m.attention_fn = fn
+
+        return undo
+
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.backend.empty(numel, dtype, device)
 
@@ -282,6 +314,8 @@ class ISPCommunicator:
         self._closed = True
         self.engine.close()
         self._root_handle.remove()
+        if self._undo_sp is not None:
+            self._undo_sp()
         for block, fwd in self._orig_forwards:
             if fwd is None:
                 del block.forward

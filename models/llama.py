@@ -71,10 +71,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention on [batch, heads, seq, head_dim]; k/v may have fewer (GQA) heads."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
+    """GQA attention. ``attention_fn`` is the swappable core (a library may replace it,
+    e.g. by a sequence-parallel one); ``n_heads`` / ``n_kv_heads`` describe it."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.attention_fn = causal_attention
         self.head_dim = cfg.hidden // cfg.n_heads
         self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -84,12 +96,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = self.attention_fn(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,0 +1,68 @@
+"""All-to-all as an autograd function, through an isp-comm backend.
+
+``all_to_all(tensors, scatter_dim, gather_dim, ...)`` splits each tensor into ``sp``
+chunks along ``scatter_dim``, sends chunk ``j`` to rank ``j`` of the group and
+concatenates what arrives along ``gather_dim``. Its backward is the same exchange with
+the two dims swapped. All tensors' exchanges are issued before the first is waited,
+so q, k and v travel together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from isp_comm.backends.base import Backend
+
+
+def _exchange(
+    tensors: tuple[torch.Tensor, ...],
+    scatter: int,
+    gather: int,
+    group: ProcessGroup,
+    backend: Backend,
+    timeout_s: float,
+) -> tuple[torch.Tensor, ...]:
+    sp = dist.get_world_size(group)
+    pending = []
+    for t in tensors:
+        if t.shape[scatter] % sp:
+            raise ValueError(f"dim {scatter} of size {t.shape[scatter]} does not split over {sp} ranks")
+        send = torch.stack(t.chunk(sp, dim=scatter)).contiguous()  # [sp, ...chunk]
+        recv = torch.empty_like(send)
+        pending.append((recv, backend.all_to_all(recv.view(-1), send.view(-1), group)))
+    out = []
+    for recv, handle in pending:
+        handle.wait(timeout_s)
+        out.append(torch.cat(recv.unbind(0), dim=gather))
+    return tuple(out)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, scatter: int, gather: int, group, backend, timeout_s: float, *tensors: torch.Tensor):
+        ctx.args = (scatter, gather, group, backend, timeout_s)
+        return _exchange(tensors, scatter, gather, group, backend, timeout_s)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        scatter, gather, group, backend, timeout_s = ctx.args
+        back = _exchange(tuple(g.contiguous() for g in grads), gather, scatter, group, backend, timeout_s)
+        return (None, None, None, None, None, *back)
+
+
+def all_to_all(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    scatter_dim: int,
+    gather_dim: int,
+    group: ProcessGroup,
+    backend: Backend,
+    timeout_s: float = 300.0,
+) -> tuple[torch.Tensor, ...]:
+    """Differentiable all-to-all of several tensors over ``group`` (see module doc)."""
+    if dist.get_world_size(group) == 1:
+        return tuple(tensors)
+    return _AllToAll.apply(scatter_dim, gather_dim, group, backend, timeout_s, *tensors)

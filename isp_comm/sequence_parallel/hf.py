@@ -1,0 +1,75 @@
+"""Sequence parallel for transformers' llama-class models, through their
+attention-function registry (no module of the model is replaced).
+
+Supported: decoder-only models whose attention layers call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)``
+with ``[batch, heads, seq, head_dim]`` tensors and rotary positions from
+``position_ids``: ``SUPPORTED_MODEL_TYPES``. Anything else is refused with a
+``ValueError`` rather than trained wrongly. Attention is causal over the whole
+sequence; padding masks are not supported under SP (each rank must feed a contiguous,
+unpadded chunk of the sequences).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from isp_comm.backends.base import Backend
+from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def apply_hf_sequence_parallel(
+    model: nn.Module, sp_group: ProcessGroup, backend: Backend, timeout_s: float
+) -> Callable[[], None]:
+    """Route ``model``'s attention through a registered SP attention function; returns
+    the function that undoes it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"sequence parallel supports transformers model types {SUPPORTED_MODEL_TYPES}, not {cfg.model_type!r}"
+        )
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    kv_repeats(n_heads, n_kv, dist.get_world_size(sp_group))  # raises when heads do not split
+
+    def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_kw):
+        def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            rep = q.shape[1] // k.shape[1]
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout)
+
+        out = DistributedAttention(local, sp_group, backend, timeout_s)(query, key, value)
+        return out.transpose(1, 2).contiguous(), None
+
+    key = f"isp_sp_{id(model):x}"
+    AttentionInterface.register(key, attention)
+    AttentionMaskInterface.register(key, sdpa_mask)
+    previous = cfg._attn_implementation
+    cfg._attn_implementation = key
+
+    def undo() -> None:
+        cfg._attn_implementation = previous
+        AttentionInterface._global_mapping.pop(key, None)
+        AttentionMaskInterface._global_mapping.pop(key, None)
+
+    return undo
