@@ -17,6 +17,7 @@ from isp_comm.config import ISPConfig
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
+from isp_comm.hooks.trace import Tracer
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
 from isp_comm.sequence_parallel import DistributedAttention, kv_repeats
 from isp_comm.sequence_parallel.hf import apply_hf_sequence_parallel, is_hf_model
@@ -117,6 +118,7 @@ class ISPCommunicator:
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
+        self._sharded = {sp.fqn: (unit, sp) for unit in units for sp in unit.params}
         self._materialize_rest(model, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
@@ -241,6 +243,15 @@ class ISPCommunicator:
         self.engine.events = [] if enabled else None
         return self.engine.events
 
+    def start_trace(self) -> None:
+        """Record compute and communication spans from now on (see ``trace_spans``)."""
+        self.engine.tracer = Tracer()
+
+    def stop_trace(self) -> list[tuple[str, str, float, float]]:
+        """Stop recording; the (lane, name, start_s, end_s) spans since ``start_trace``."""
+        tracer, self.engine.tracer = self.engine.tracer, None
+        return list(tracer.spans) if tracer is not None else []
+
     def stats(self) -> dict[str, float | int]:
         """Counters of communication and memory since wrapping."""
         c = self.engine.counters
@@ -269,27 +280,43 @@ class ISPCommunicator:
             raise RuntimeError(f"{what} must not be called during backward")
 
     @torch.no_grad()
+    def gather_full(self, unit: BlockUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full tensors from per-parameter shard-shaped tensors of ``unit`` (e.g. the
+        shards themselves, or optimizer states shaped like them). Collective over WP."""
+        flat = torch.zeros(unit.shard_numel, dtype=shards[0].dtype, device=unit.device)
+        for sp, t in zip(unit.params, shards):
+            unit.shard_view(flat, sp).copy_(t)
+        rank_major = torch.empty(unit.gathered_numel, dtype=flat.dtype, device=unit.device)
+        what = f"gather of block {unit.index}"
+        self.engine._wait(self.backend.all_gather(rank_major, flat, self.groups.wp_group), what)
+        slot = torch.empty_like(rank_major)
+        unit.copy_out(rank_major, slot)
+        return [full.clone() for full in unit.full_views(slot)]
+
+    def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor shaped like sharded parameter ``fqn``."""
+        unit, sp = self._sharded[fqn]
+        lo = unit.wp_rank * sp.chunk_rows
+        return full[lo : lo + sp.valid_rows]
+
+    def is_sharded(self, fqn: str) -> bool:
+        return fqn in self._sharded
+
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unpadded state dict with the original keys and shapes (collective)."""
         self._check_idle("full_state_dict()")
         sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for unit in self.units:
-            rank_major = torch.empty(unit.gathered_numel, dtype=unit.dtype, device=unit.device)
-            self.engine._wait(
-                self.backend.all_gather(rank_major, unit.flat_shard, self.groups.wp_group),
-                f"full_state_dict gather of block {unit.index}",
-            )
-            slot = torch.empty_like(rank_major)
-            unit.copy_out(rank_major, slot)
-            for sp, full in zip(unit.params, unit.full_views(slot)):
-                sd[sp.fqn] = full.clone()
+            for sp, full in zip(unit.params, self.gather_full(unit, list(unit.shards))):
+                sd[sp.fqn] = full
         return sd
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
         self._check_idle("load_full_state_dict()")
-        sharded = {sp.fqn: (unit, sp) for unit in self.units for sp in unit.params}
+        sharded = self._sharded
         own = self.model.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         if missing:
@@ -300,8 +327,7 @@ class ISPCommunicator:
                 unit, sp = sharded[key]
                 if tuple(src.shape) != tuple(sp.shape):
                     raise ValueError(f"{key}: expected shape {tuple(sp.shape)}, got {tuple(src.shape)}")
-                lo = unit.wp_rank * sp.chunk_rows
-                unit.shard_view(unit.flat_shard, sp).copy_(src[lo : lo + sp.valid_rows])
+                unit.shard_view(unit.flat_shard, sp).copy_(self.shard_of(key, src))
             else:
                 if src.shape != target.shape:
                     raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(src.shape)}")

@@ -1,44 +1,153 @@
-"""The main job runs under torchrun and its loss falls; bad flags fail with one line."""
+"""The main job: its contract (metrics, trace, timeline, resume), checkpoints that
+reshard, and one-line errors."""
 
 from __future__ import annotations
 
-import re
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+from isp_comm.testing import run_ranks
+
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 
 
-@pytest.mark.timeout(150)
-def test_isp_train_loss_falls() -> None:
-    args = [
-        "-m",
-        "isp_comm.train",
-        "--steps",
-        "30",
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--batch",
-        "4",
-        "--seq",
-        "32",
-        "--lr",
-        "1e-2",
-    ]
-    res = subprocess.run(TORCHRUN + args, capture_output=True, text=True, timeout=140)
+def torchrun(n: int, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    return subprocess.run(cmd + ["-m", "isp_comm.train", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out: str) -> dict[int, float]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+@pytest.mark.timeout(240)
+def test_contract_outputs_and_loss_falls(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    res = torchrun(4, "--steps", "30", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", res.stdout)]
-    assert len(losses) >= 3, res.stdout
-    assert losses[-1] < losses[0] - 1.0, losses  # from ~ln(256) = 5.5 towards the chain's entropy
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, 31))
+    assert curve[30] < curve[1] - 1.5, curve  # from ~ln(256) towards the chain's entropy
+    with open(os.path.join(out, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {"compute", "all-gather", "reduce-scatter"} <= {e["cat"] for e in spans}
+    assert os.path.getsize(os.path.join(out, "timeline.png")) > 10_000
+    # isp-timeline redraws an existing trace
+    png = str(tmp_path / "again.png")
+    res = subprocess.run(
+        [sys.executable, "-m", "isp_comm.train.timeline", os.path.join(out, "trace.json"), "-o", png],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0 and os.path.getsize(png) > 10_000, res.stderr
 
 
-@pytest.mark.timeout(60)
-def test_isp_train_bad_flag() -> None:
-    res = subprocess.run([sys.executable, "-m", "isp_comm.train", "--steps", "0"], capture_output=True, text=True)
+@pytest.mark.timeout(240)
+def test_resume_gives_identical_losses(tmp_path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert torchrun(2, *SMALL, "--steps", "8", "--out", a).returncode == 0
+    assert torchrun(2, *SMALL, "--steps", "4", "--out", b).returncode == 0
+    res = torchrun(2, *SMALL, "--steps", "8", "--out", b, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert losses(a) == losses(b)  # bitwise: the same trajectory, interrupted or not
+
+
+def _save_worker(rank: int, world: int, out: str) -> dict:
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.train import checkpoint
+    from tests.parity import Case, batches, loss_fn
+
+    case = Case(optim="adamw", bias=True)
+    model = case.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in batches(case, world)[:2]:
+        x, y = step[0]
+        loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step(), opt.zero_grad()
+    checkpoint.save(out, 2, comm, opt)
+    sd, osd = comm.full_state_dict(), checkpoint.full_optimizer_state(comm, opt)
+    comm.close()
+    return {"model": sd, "optim": osd}
+
+
+def _load_worker(rank: int, world: int, out: str) -> dict:
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.train import checkpoint
+    from tests.parity import Case
+
+    model = Case(optim="adamw", bias=True).build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = checkpoint.load(checkpoint.latest(out), comm, opt)
+    sd, osd = comm.full_state_dict(), checkpoint.full_optimizer_state(comm, opt)
+    comm.close()
+    return {"step": step, "model": sd, "optim": osd}
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_reshards_from_wp2_to_wp4(tmp_path) -> None:
+    out = str(tmp_path)
+    saved = run_ranks(_save_worker, 2, out, timeout_s=100)[0]
+    for loaded in run_ranks(_load_worker, 4, out, timeout_s=100):
+        assert loaded["step"] == 2
+        for k, v in saved["model"].items():
+            assert torch.equal(v, loaded["model"][k]), k
+        for name, states in saved["optim"].items():
+            for key, v in states.items():
+                assert torch.equal(v, loaded["optim"][name][key]), (name, key)
+
+
+def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
     assert res.returncode != 0
-    assert "--steps must be >= 1" in res.stderr
-    assert "Traceback" not in res.stderr
+    # torchrun's launcher reports the failed job with its own traceback (outside our
+    # code, printed once); no rank may print one from isp-comm's code.
+    ours = [ln for ln in res.stderr.splitlines() if 'File "' in ln and ("isp_comm" in ln or "models" in ln)]
+    assert not ours, res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if "isp-train: error" in ln]
+    assert len(lines) == 1 and text in lines[0], res.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
+        (["--data", "/nonexistent/file.txt"], "no such file"),
+    ],
+)
+def test_bad_flags_fail_with_one_line(args: list[str], text: str) -> None:
+    res = torchrun(2, *args, timeout=100)
+    _one_line_error(res, text)
+
+
+@pytest.mark.timeout(120)
+def test_bad_data_fails_with_one_line(tmp_path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _one_line_error(torchrun(2, "--data", str(empty), timeout=100), "holds no tokens")
+    short = tmp_path / "short.txt"
+    short.write_text("hello")
+    _one_line_error(torchrun(2, "--data", str(short), "--seq", "64", timeout=100), "longer than the data")
+
+
+@pytest.mark.timeout(200)
+def test_text_data_and_toml_config(tmp_path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'steps = 3\nlayers = 2\nhidden = 32\nheads = 4\nkv_heads = 2\nout = "{tmp_path / "out"}"\n')
+    res = torchrun(2, "--config", str(cfg), "--data", str(text), "--seq", "16", "--batch", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(losses(str(tmp_path / "out"))) == [1, 2, 3]

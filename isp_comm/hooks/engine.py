@@ -24,6 +24,7 @@ from torch.autograd import Variable
 from isp_comm.backends.base import Handle
 from isp_comm.hooks.autograd import PreBackward, UnshardBlock
 from isp_comm.hooks.casting import cast_floats, map_tensors
+from isp_comm.hooks.trace import Tracer
 from isp_comm.units import BlockUnit
 
 
@@ -46,6 +47,8 @@ class _UnitRuntime:
     region: torch.Tensor | None = None
     handle: Handle | None = None
     staging: torch.Tensor | None = None
+    issued_at: float = 0.0  # perf_counter when the gather was issued (tracing)
+    backward_at: float = 0.0  # perf_counter when the block's backward began (tracing)
     saved_views: bool = False  # the last forward saved views of the slot for backward
     swapped: list | None = None  # in-block replicated params cast for compute, while swapped in
     reduced: bool = False  # this backward already reduce-scattered the block
@@ -57,6 +60,7 @@ class _InflightReduce:
     pair: tuple[torch.Tensor, torch.Tensor]
     out: torch.Tensor
     handle: Handle
+    issued_at: float
 
 
 @dataclass
@@ -83,6 +87,7 @@ class BlockEngine:
         self.counters = CommCounters()
         self.phase = Phase.IDLE
         self.events: list[tuple[str, int, str]] | None = None
+        self.tracer: Tracer | None = None
         self._rt = [_UnitRuntime() for _ in units]
         self._pending: set[int] = set()
         self._reduces: deque[_InflightReduce] = deque()
@@ -103,14 +108,18 @@ class BlockEngine:
         return self.config.reduce_dtype or self.gather_dtype(unit)
 
     # ---- waiting ------------------------------------------------------------------
-    def _wait(self, handle: Handle, what: str) -> None:
+    def _wait(self, handle: Handle, what: str) -> float:
         t0 = time.perf_counter()
         try:
             handle.wait(self.config.timeout_s)
         except Exception as exc:
             self._failed = True
             raise type(exc)(f"{what} (rank {self.groups.rank}): {exc}") from exc
-        self.counters.exposed_comm_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.counters.exposed_comm_s += t1 - t0
+        if self.tracer is not None and t1 - t0 > 1e-5:
+            self.tracer.add("wait", what, t0, t1)
+        return t1
 
     def _delay(self) -> None:
         if self._delay_rng is not None:
@@ -155,6 +164,7 @@ class BlockEngine:
         rt.state, rt.slot, rt.region, rt.handle = UnitState.GATHERING, slot, region, handle
         self.counters.all_gathers += 1
         self.counters.bytes_gathered += n * dt.itemsize
+        rt.issued_at = time.perf_counter()
         self._event("all_gather", unit.index)
         if not self.config.overlap:
             self._finish_gather(unit)
@@ -164,7 +174,9 @@ class BlockEngine:
         rt = self._rt[unit.index]
         if rt.state is not UnitState.GATHERING:
             return
-        self._wait(rt.handle, f"all-gather of block {unit.index}")
+        done = self._wait(rt.handle, f"all-gather of block {unit.index}")
+        if self.tracer is not None:
+            self.tracer.add("all-gather", f"block {unit.index}", rt.issued_at, done)
         if rt.staging is not None:
             with torch.autograd._unsafe_preserve_version_counter(rt.region):
                 unit.copy_out(rt.staging, rt.region)
@@ -269,10 +281,13 @@ class BlockEngine:
         rt.reduced = False
         self._event("compute", unit.index)
         self._swap_in(unit, region)
+        t0 = time.perf_counter()
         try:
             out = orig(*args, **kwargs)
         finally:
             self._swap_out(unit)
+        if self.tracer is not None:
+            self.tracer.add("compute", f"forward block {unit.index}", t0, time.perf_counter())
         if out_dtype is not None:
             out = cast_floats(out, out_dtype)
         self.release(unit)
@@ -303,6 +318,7 @@ class BlockEngine:
         region = self.ensure_gathered(unit)
         self.prefetch(unit.index - 1)
         self._event("compute", unit.index)
+        self._rt[unit.index].backward_at = time.perf_counter()
         with torch.enable_grad():
             self._swap_in(unit, region)
 
@@ -312,6 +328,8 @@ class BlockEngine:
         assert not rt.reduced, f"block {unit.index}'s gradients were produced twice in one backward"
         rt.reduced = True
         self._swap_out(unit)
+        if self.tracer is not None and rt.backward_at:
+            self.tracer.add("compute", f"backward block {unit.index}", rt.backward_at, time.perf_counter())
         while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
             self._complete_reduce(self._reduces.popleft())
         dt = self.reduce_dtype(unit)
@@ -324,12 +342,14 @@ class BlockEngine:
         self.counters.reduce_scatters += 1
         self.counters.bytes_reduced += inp.numel() * dt.itemsize
         self._event("reduce_scatter", unit.index)
-        self._reduces.append(_InflightReduce(unit, pair, out, handle))
+        self._reduces.append(_InflightReduce(unit, pair, out, handle, time.perf_counter()))
         if not self.config.overlap:
             self._complete_reduce(self._reduces.popleft())
 
     def _complete_reduce(self, r: _InflightReduce) -> None:
-        self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
+        done = self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
+        if self.tracer is not None:
+            self.tracer.add("reduce-scatter", f"block {r.unit.index}", r.issued_at, done)
         if self.groups.replica_size > 1:
             self._delay()
             self.counters.all_reduces += 1
@@ -373,7 +393,12 @@ class BlockEngine:
                     off += p.numel()
                 self._delay()
                 self.counters.all_reduces += 1
-                self._wait(self.backend.all_reduce(flat, self.groups.world_group), "all-reduce of replicated gradients")
+                t0 = time.perf_counter()
+                done = self._wait(
+                    self.backend.all_reduce(flat, self.groups.world_group), "all-reduce of replicated gradients"
+                )
+                if self.tracer is not None:
+                    self.tracer.add("all-reduce", "replicated gradients", t0, done)
                 flat.div_(world)
                 off = 0
                 for p in ps:

@@ -1,83 +1,103 @@
-"""``torchrun --nproc-per-node N -m isp_comm.train``: train the reference llama with ISP."""
+"""``torchrun --nproc-per-node N -m isp_comm.train``: train the reference llama with ISP.
+
+Writes ``OUT/metrics.jsonl`` (one object per optimizer step), ``OUT/trace.json`` and
+``OUT/timeline.png`` (the last steps' compute and communication per rank) and DCP
+checkpoints under ``OUT/checkpoints``; ``--resume`` continues from the latest one.
+"""
 
 from __future__ import annotations
 
-import argparse
+import json
+import math
 import os
+import resource
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from isp_comm.train.data import batch_at, markov_corpus, unigram_entropy
+from isp_comm.train import checkpoint
+from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config
+from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
+from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="isp-train", description=__doc__)
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    p.add_argument("--wp", type=int, default=0, help="weight-parallel size (0: world size)")
-    p.add_argument("--batch", type=int, default=8, help="global batch, sequences")
-    p.add_argument("--seq", type=int, default=64, help="sequence length")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=128, help="model width")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--ckpt", type=float, default=0.0, help="activation checkpointing ratio")
-    p.add_argument("--no-overlap", action="store_true", help="wait for every collective at once")
-    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq", "layers", "hidden", "log_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step <= cfg.warmup:
+        return cfg.lr * step / max(cfg.warmup, 1)
+    frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
-        dist.init_process_group("gloo")
+def run(cfg: TrainConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        if rank == 0:
-            print(
-                f"isp-train: error: --batch {args.batch} must be divisible by the world size {world}", file=sys.stderr
-            )
-        dist.destroy_process_group()
-        return 2
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden=args.hidden,
-        ffn_hidden=args.hidden * 8 // 3,
-        n_layers=args.layers,
-        n_heads=8,
-        n_kv_heads=2,
-        max_seq_len=args.seq,
+    tokens, vocab = load_tokens(cfg.data)
+    if tokens.numel() < cfg.seq + 2:
+        raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
+    if world % cfg.sp:
+        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
+    dp, sp_rank, dp_rank = world // cfg.sp, rank % cfg.sp, rank // cfg.sp
+    if cfg.batch % dp:
+        raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {dp}")
+    if cfg.seq % cfg.sp:
+        raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
+    mcfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden=cfg.hidden,
+        ffn_hidden=cfg.hidden * 8 // 3,
+        n_layers=cfg.layers,
+        n_heads=cfg.heads,
+        n_kv_heads=cfg.kv_heads,
+        max_seq_len=cfg.seq,
     )
-    model = build(cfg, seed=0)
-    groups = ParallelGroups.create(wp_size=args.wp or world, sp_size=1)
-    comm = ISPCommunicator(model, groups, ISPConfig(overlap=not args.no_overlap, activation_checkpointing=args.ckpt))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    with torch.device("meta"):
+        model = build(mcfg, seed=cfg.seed)
+    groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
+    icfg = ISPConfig(
+        overlap=cfg.overlap,
+        memory_pool=cfg.memory_pool,
+        activation_checkpointing=cfg.ckpt,
+        backend=cfg.backend,
+        param_dtype=torch.bfloat16 if cfg.bf16 else None,
+        reduce_dtype=torch.float32 if cfg.bf16 else None,
+    )
+    comm = ISPCommunicator(model, groups, icfg)
+    comm.load_full_state_dict(build(mcfg, seed=cfg.seed).state_dict())  # same weights on every WP size
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     hook = comm.scheduler_hook()
-    tokens = markov_corpus(200_000, cfg.vocab_size)
+    os.makedirs(cfg.out, exist_ok=True)
+    start = 0
+    if cfg.resume:
+        path = checkpoint.latest(cfg.out)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {cfg.out}/checkpoints")
+        start = checkpoint.load(path, comm, opt)
+    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
     if rank == 0:
-        n_params = sum(p.numel() for p in build(cfg).parameters())
-        print(
-            f"isp-train: world {world}, wp {groups.wp_size}, {n_params / 1e6:.2f}M params"
-            f", unigram entropy {unigram_entropy(tokens, cfg.vocab_size):.3f} nats"
+        n_params = sum(v.numel() for v in build(mcfg).state_dict().values())
+        tqdm.write(
+            f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
+            f"{n_params / 1e6:.2f}M params, data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
-    t0 = time.perf_counter()
-    per_rank = args.batch // world
-    for step in range(1, args.steps + 1):
-        x, y = batch_at(tokens, step, args.batch, args.seq)
-        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
+    per, lo, hi = cfg.batch // dp, sp_rank * cfg.seq // cfg.sp, (sp_rank + 1) * cfg.seq // cfg.sp
+    positions = torch.arange(lo, hi)
+    t_start, tokens_done, last = time.perf_counter(), 0, {}
+    for step in range(start + 1, cfg.steps + 1):
+        if cfg.trace and step == max(start + 1, cfg.steps - 2):
+            comm.start_trace()
+        t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        x, y = batch_at(tokens, step, cfg.batch, cfg.seq)
+        xs, ys = x[dp_rank * per : (dp_rank + 1) * per, lo:hi], y[dp_rank * per : (dp_rank + 1) * per, lo:hi]
         hook.before_forward()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(model(xs, position_ids=positions).flatten(0, 1).float(), ys.flatten())
         hook.before_backward()
         loss.backward()
         hook.after_backward()
@@ -85,15 +105,70 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         avg = loss.detach().clone()
         dist.all_reduce(avg)
-        if rank == 0 and (step % args.log_every == 0 or step == 1):
-            s = comm.stats()
-            el = time.perf_counter() - t0
-            print(
-                f"step {step:4d}  loss {avg.item() / world:.4f}  {step * args.batch * args.seq / el:8.0f} tok/s  "
-                f"exposed comm {100 * s['exposed_comm_s'] / el:4.1f}%",
-                flush=True,
+        dt = time.perf_counter() - t0
+        tokens_done += cfg.batch * cfg.seq
+        s = comm.stats()
+        last = {
+            "step": step,
+            "loss": avg.item() / world,
+            "lr": lr_at(cfg, step),
+            "tokens_per_s": tokens_done / (time.perf_counter() - t_start),
+            "step_s": dt,
+            "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
+            "pool_bytes": s["pool_bytes"],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if metrics is not None:
+            metrics.write(json.dumps(last) + "\n")
+            metrics.flush()
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{last['loss']:.3f}",
+            tok_s=f"{last['tokens_per_s']:.0f}",
+            comm=f"{last['exposed_comm_pct']:.0f}%",
+            pool=f"{s['pool_bytes'] / 2**20:.1f}MiB",
+            rss=f"{last['peak_rss_mib']:.0f}MiB",
+        )
+        if rank == 0 and (step % cfg.log_every == 0 or step == start + 1):
+            tqdm.write(
+                f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
+                f"exposed comm {last['exposed_comm_pct']:4.1f}%"
             )
+        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+            checkpoint.save(cfg.out, step, comm, opt)
+    bar.close()
+    local_spans = comm.stop_trace()
+    if start < cfg.steps:
+        checkpoint.save(cfg.out, cfg.steps, comm, opt)
+    spans: list = [None] * world
+    dist.all_gather_object(spans, local_spans)
     comm.close()
+    if rank == 0:
+        if cfg.trace and any(spans):
+            write_trace(os.path.join(cfg.out, "trace.json"), spans)
+            draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
+        metrics.close()
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(as_dict(cfg), f, indent=1)
+        if last:
+            print(
+                f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
+                f"peak RSS {last['peak_rss_mib']:.0f} MiB/rank; outputs in {cfg.out}"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)  # exits 2 with one line on a bad flag
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+        dist.init_process_group("gloo")
+    try:
+        run(cfg)
+    except ValueError as exc:
+        dist.destroy_process_group()
+        fail(str(exc))
     dist.destroy_process_group()
     return 0
 

@@ -36,3 +36,24 @@ def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> tuple[tor
     starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=g)
     win = torch.stack([tokens[s : s + seq + 1] for s in starts.tolist()])
     return win[:, :-1], win[:, 1:]
+
+
+def load_tokens(path: str) -> tuple[torch.Tensor, int]:
+    """Tokens and vocabulary size: the embedded corpus when ``path`` is empty, else a
+    text file (bytes are tokens) or a pre-tokenized ``.npy`` / ``.bin`` (uint16)."""
+    import numpy as np
+
+    if not path:
+        return markov_corpus(200_000, 256), 256
+    if path.endswith(".npy"):
+        arr = np.load(path).reshape(-1)
+    elif path.endswith(".bin"):
+        arr = np.fromfile(path, dtype=np.uint16)
+    else:
+        with open(path, "rb") as f:
+            arr = np.frombuffer(f.read(), dtype=np.uint8)
+    if arr.size == 0:
+        raise ValueError(f"--data {path}: the file holds no tokens")
+    tokens = torch.from_numpy(arr.astype(np.int64))
+    vocab = 256 if arr.dtype == np.uint8 else int(tokens.max()) + 1
+    return tokens, vocab

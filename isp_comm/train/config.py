@@ -1,0 +1,139 @@
+"""isp-train's configuration: one typed dataclass, from a TOML file and/or CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, fields
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything the main job can be told; each field is also a ``--flag``."""
+
+    steps: int = 300
+    """Optimizer steps to train (with --resume: the total to reach)."""
+    out: str = "runs/isp-train"
+    """Directory for metrics.jsonl, trace.json, timeline.png and checkpoints."""
+    data: str = ""
+    """Training data: a text file (byte-level tokens) or pre-tokenized .npy/.bin
+    (uint16); empty = the embedded synthetic corpus."""
+    layers: int = 4
+    """Transformer blocks of the reference llama."""
+    hidden: int = 128
+    """Model width."""
+    heads: int = 8
+    """Attention heads."""
+    kv_heads: int = 2
+    """Key/value heads."""
+    seq: int = 64
+    """Sequence length."""
+    batch: int = 8
+    """Global batch, in sequences."""
+    wp: int = 0
+    """Weight-parallel size (0: world size / sp)."""
+    sp: int = 1
+    """Sequence-parallel size."""
+    backend: str = "auto"
+    """Collective backend: torch, symm or auto."""
+    overlap: bool = True
+    """Prefetch gathers and reduce-scatter asynchronously."""
+    memory_pool: bool = True
+    """Gather blocks into the fixed slot pool."""
+    ckpt: float = 0.0
+    """Activation checkpointing ratio."""
+    bf16: bool = False
+    """Compute in bfloat16 (fp32 master weights, fp32 gradient reduction)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup: int = 10
+    """Linear warm-up steps, then cosine decay to lr / 10."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    seed: int = 0
+    """Model initialisation seed."""
+    log_every: int = 10
+    """Print a line every N steps."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --out."""
+    trace: bool = True
+    """Record the compute/communication timeline (trace.json, timeline.png)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "sp", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("wp", "warmup", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.ckpt <= 1.0:
+            raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.backend not in ("torch", "symm", "auto"):
+            raise ValueError(f"--backend must be torch, symm or auto, got {self.backend!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
+            raise ValueError("--hidden / --heads must be an even head size and --heads a multiple of --kv-heads")
+        if self.data and not os.path.isfile(self.data):
+            raise ValueError(f"--data {self.data}: no such file")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line, printed by rank 0 only (every rank parses the flags)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        fail(message)
+
+
+def fail(message: str) -> None:
+    """Exit 2 with one line, printed by rank 0. The other ranks leave a moment later,
+    so that torchrun, which stops the job at the first failed rank, lets rank 0 print."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"isp-train: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(1.0)
+    raise SystemExit(2)
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """CLI flags over an optional ``--config FILE.toml`` over the defaults."""
+    p = _Parser(prog="isp-train", description="Train the reference llama with ISP (run under torchrun).")
+    p.add_argument("--config", default="", help="TOML file with any of the fields below")
+    for f in fields(TrainConfig):
+        kind = type(f.default)
+        if kind is bool:
+            p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(f"--{_flag(f.name)}", type=kind, default=None)
+    args = p.parse_args(argv)
+    values: dict = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as fh:
+                values = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            p.error(f"--config {args.config}: {exc}")
+        known = {f.name for f in fields(TrainConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            p.error(f"--config {args.config}: unknown keys {unknown}")
+    values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    try:
+        return TrainConfig(**values)
+    except (ValueError, TypeError) as exc:
+        p.error(str(exc))
+    raise AssertionError("unreachable")
+
+
+def as_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
