@@ -55,6 +55,19 @@ def test_contract_outputs_and_loss_falls(tmp_path) -> None:
 def test_resume_gives_identical_losses(tmp_path) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert torchrun(2, *SMALL, "--steps", "8", "--out", a).returncode == 0
+    # isp-export: the last checkpoint as a plain state dict for the unwrapped model
+    pt = str(tmp_path / "model.pt")
+    res = subprocess.run(
+        [sys.executable, "-m", "isp_comm.train.export", os.path.join(a, "checkpoints"), "-o", pt],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    from models.llama import LlamaConfig, build
+
+    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
+    plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape
     assert torchrun(2, *SMALL, "--steps", "4", "--out", b).returncode == 0
     res = torchrun(2, *SMALL, "--steps", "8", "--out", b, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
