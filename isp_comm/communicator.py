@@ -144,8 +144,12 @@ class ISPCommunicator:
         their attention registry, other models via modules exposing ``attention_fn``
         (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``."""
         sp_group, timeout = self.groups.sp_group, self.config.timeout_s
+
+        def trace() -> Tracer | None:
+            return self.engine.tracer
+
         if is_hf_model(self.model):
-            return apply_hf_sequence_parallel(self.model, sp_group, self.backend, timeout)
+            return apply_hf_sequence_parallel(self.model, sp_group, self.backend, timeout, trace)
         hooked = [m for m in self.model.modules() if callable(getattr(m, "attention_fn", None))]
         if not hooked:
             raise ValueError(
@@ -156,7 +160,7 @@ class ISPCommunicator:
         for m in hooked:
             kv_repeats(m.n_heads, m.n_kv_heads, self.groups.sp_size)
             previous.append((m, m.attention_fn))
-            m.attention_fn = DistributedAttention(m.attention_fn, sp_group, self.backend, timeout)
+            m.attention_fn = DistributedAttention(m.attention_fn, sp_group, self.backend, timeout, trace)
 
         def undo() -> None:
             for m, fn in previous:

@@ -150,7 +150,8 @@ def _stalled_peer_worker(rank: int, world: int) -> str:
     group = dist.group.WORLD
     out = torch.empty(world * 4)
     backend.all_gather(out, torch.ones(4), group).wait(10)  # set-up done: segments mapped
-    if rank == 1:  # never joins the next collective
+    if rank == 1:  # alive, but never joins the next collective
+        time.sleep(6)
         backend.close()
         return ""
     t0 = time.monotonic()

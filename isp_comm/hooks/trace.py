@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-LANES = ("compute", "all-gather", "reduce-scatter", "all-reduce", "wait")
+LANES = ("compute", "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "wait")
 
 
 class Tracer:

@@ -9,6 +9,8 @@ so q, k and v travel together.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
+from isp_comm.hooks.trace import Tracer
 
 
 def _exchange(
@@ -25,8 +28,10 @@ def _exchange(
     group: ProcessGroup,
     backend: Backend,
     timeout_s: float,
+    trace: Callable[[], Tracer | None] | None,
 ) -> tuple[torch.Tensor, ...]:
     sp = dist.get_world_size(group)
+    t0 = time.perf_counter()
     pending = []
     for t in tensors:
         if t.shape[scatter] % sp:
@@ -38,20 +43,23 @@ def _exchange(
     for recv, handle in pending:
         handle.wait(timeout_s)
         out.append(torch.cat(recv.unbind(0), dim=gather))
+    tracer = trace() if trace is not None else None
+    if tracer is not None:
+        tracer.add("all-to-all", f"{len(tensors)} tensors", t0, time.perf_counter())
     return tuple(out)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, scatter: int, gather: int, group, backend, timeout_s: float, *tensors: torch.Tensor):
-        ctx.args = (scatter, gather, group, backend, timeout_s)
-        return _exchange(tensors, scatter, gather, group, backend, timeout_s)
+    def forward(ctx: Any, scatter: int, gather: int, group, backend, timeout_s: float, trace, *tensors: torch.Tensor):
+        ctx.args = (scatter, gather, group, backend, timeout_s, trace)
+        return _exchange(tensors, scatter, gather, group, backend, timeout_s, trace)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        scatter, gather, group, backend, timeout_s = ctx.args
-        back = _exchange(tuple(g.contiguous() for g in grads), gather, scatter, group, backend, timeout_s)
-        return (None, None, None, None, None, *back)
+        scatter, gather, group, backend, timeout_s, trace = ctx.args
+        back = _exchange(tuple(g.contiguous() for g in grads), gather, scatter, group, backend, timeout_s, trace)
+        return (None, None, None, None, None, None, *back)
 
 
 def all_to_all(
@@ -61,8 +69,10 @@ def all_to_all(
     group: ProcessGroup,
     backend: Backend,
     timeout_s: float = 300.0,
+    trace: Callable[[], Tracer | None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Differentiable all-to-all of several tensors over ``group`` (see module doc)."""
+    """Differentiable all-to-all of several tensors over ``group`` (see module doc);
+    ``trace`` returns the tracer to record the exchange's span in, if any."""
     if dist.get_world_size(group) == 1:
         return tuple(tensors)
-    return _AllToAll.apply(scatter_dim, gather_dim, group, backend, timeout_s, *tensors)
+    return _AllToAll.apply(scatter_dim, gather_dim, group, backend, timeout_s, trace, *tensors)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
+from isp_comm.hooks.trace import Tracer
 from isp_comm.sequence_parallel.all_to_all import all_to_all
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,9 +37,16 @@ def kv_repeats(n_heads: int, n_kv_heads: int, sp: int) -> int:
 class DistributedAttention:
     """Wraps a local attention ``fn(q, k, v) -> out`` ([b, h, s, d] each) for SP."""
 
-    def __init__(self, local_attention: LocalAttention, sp_group: ProcessGroup, backend: Backend, timeout_s: float):
+    def __init__(
+        self,
+        local_attention: LocalAttention,
+        sp_group: ProcessGroup,
+        backend: Backend,
+        timeout_s: float = 300.0,
+        trace: Callable[[], Tracer | None] | None = None,
+    ):
         self.local = local_attention
-        self.group, self.backend, self.timeout_s = sp_group, backend, timeout_s
+        self.group, self.backend, self.timeout_s, self.trace = sp_group, backend, timeout_s, trace
         self.sp = dist.get_world_size(sp_group)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -46,7 +54,7 @@ class DistributedAttention:
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # heads scattered, sequence gathered: every rank sees the whole sequence
-        q, k, v = all_to_all((q, k, v), 1, 2, self.group, self.backend, self.timeout_s)
+        q, k, v = all_to_all((q, k, v), 1, 2, self.group, self.backend, self.timeout_s, self.trace)
         out = self.local(q, k, v)
-        (out,) = all_to_all((out,), 2, 1, self.group, self.backend, self.timeout_s)
+        (out,) = all_to_all((out,), 2, 1, self.group, self.backend, self.timeout_s, self.trace)
         return out

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
+from isp_comm.hooks.trace import Tracer
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -35,7 +36,11 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def apply_hf_sequence_parallel(
-    model: nn.Module, sp_group: ProcessGroup, backend: Backend, timeout_s: float
+    model: nn.Module,
+    sp_group: ProcessGroup,
+    backend: Backend,
+    timeout_s: float,
+    trace: Callable[[], Tracer | None] | None = None,
 ) -> Callable[[], None]:
     """Route ``model``'s attention through a registered SP attention function; returns
     the function that undoes it."""
@@ -58,7 +63,7 @@ def apply_hf_sequence_parallel(
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout)
 
-        out = DistributedAttention(local, sp_group, backend, timeout_s)(query, key, value)
+        out = DistributedAttention(local, sp_group, backend, timeout_s, trace)(query, key, value)
         return out.transpose(1, 2).contiguous(), None
 
     key = f"isp_sp_{id(model):x}"

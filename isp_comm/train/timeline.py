@@ -16,6 +16,7 @@ COLORS = {
     "all-gather": "#f58518",
     "reduce-scatter": "#54a24b",
     "all-reduce": "#b279a2",
+    "all-to-all": "#72b7b2",
     "wait": "#e45756",
 }
 
