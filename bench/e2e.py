@@ -1,0 +1,159 @@
+"""End to end: isp-comm against FSDP2 and single-process training, in one run.
+
+    python bench/e2e.py [--steps 7] [--warmup 2] [--layers 8] [--worlds 2 4]
+
+The reference llama (default about 30M parameters: 8 layers, hidden 512, FFN 1408,
+16/4 heads, vocab 8192), sequence 256, global batch 4 sequences, AdamW, the same
+seed and data for every run. Step time is the median over the steps after warm-up
+(slowest rank); exposed communication is the share of the step the training thread
+waited on isp-comm's collectives (FSDP2 does not report it). Prints a markdown table
+and writes bench/results/e2e.json. Peak RSS is each process's high-water mark (VmHWM)
+since it started training set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from isp_comm.testing import run_ranks  # noqa: E402
+from models.llama import LlamaConfig, build  # noqa: E402
+
+SEQ, BATCH, CORES = 256, 4, os.cpu_count() or 1
+
+
+def model_config(layers: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=8192, hidden=512, ffn_hidden=1408, n_layers=layers, n_heads=16, n_kv_heads=4, max_seq_len=SEQ
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 8192, (BATCH, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS (ru_maxrss would carry the launcher's peak)
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+
+
+def _train(model, steps: int, rank: int, world: int, comm=None) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    times, exposed, losses = [], [], []
+    per = BATCH // world
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        c0 = comm.stats()["exposed_comm_s"] if comm else 0.0
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        avg = loss.detach().clone()
+        if world > 1:
+            t = torch.tensor([dt])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dt = t.item()
+            dist.all_reduce(avg)
+        times.append(dt)
+        exposed.append(((comm.stats()["exposed_comm_s"] - c0) / dt) if comm else float("nan"))
+        losses.append(avg.item() / world)
+    return {
+        "times": times,
+        "exposed": exposed,
+        "losses": losses,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def _worker(rank: int, world: int, kind: str, layers: int, steps: int) -> dict:
+    torch.set_num_threads(max(1, CORES // world))
+    _reset_peak()
+    model = build(model_config(layers), seed=0)
+    comm = backend = None
+    if kind.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        mods = [*model.layers, model]
+        for m in mods:
+            fully_shard(m)
+        if kind == "fsdp2+symm":
+            from isp_comm.integrations.fsdp2 import use_symm_collectives
+
+            backend = use_symm_collectives(mods)
+    else:
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend=kind.split(":")[1]))
+    out = _train(model, steps, rank, world, comm)
+    if comm is not None:
+        comm.close()
+    if backend is not None:
+        backend.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args()
+    torch.set_num_threads(CORES)
+    _reset_peak()
+    rows = [{"run": "single process", "world": 1, **_train(build(model_config(args.layers), seed=0), args.steps, 0, 1)}]
+    for world in args.worlds:
+        for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm"):
+            res = run_ranks(_worker, world, kind, args.layers, args.steps, timeout_s=3600)
+            rows.append({"run": kind, "world": world, **res[0], "peak_rss_mib": max(r["peak_rss_mib"] for r in res)})
+    w = args.warmup
+    ref = rows[0]
+    ref_t = statistics.median(ref["times"][w:])
+    fsdp = {r["world"]: statistics.median(r["times"][w:]) for r in rows if r["run"] == "fsdp2"}
+    print(
+        f"{args.layers} layers, seq {SEQ}, global batch {BATCH}, AdamW, {args.steps - w} measured steps, "
+        f"{CORES} cores\n"
+    )
+    print(
+        "| run | world | step s (median) | vs single | vs FSDP2 same world | peak RSS/rank MiB | exposed comm "
+        "| final loss | loss - single |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        t = statistics.median(r["times"][w:])
+        r["median_step_s"] = t
+        vs_fsdp = f"{t / fsdp[r['world']]:.2f}x" if r["world"] in fsdp else "-"
+        exp = statistics.median(r["exposed"][w:])
+        exp_s = "-" if exp != exp else f"{100 * exp:.0f}%"
+        print(
+            f"| {r['run']} | {r['world']} | {t:.3f} | {t / ref_t:.2f}x | {vs_fsdp} | {r['peak_rss_mib']:.0f} | "
+            f"{exp_s} | {r['losses'][-1]:.5f} | {r['losses'][-1] - ref['losses'][-1]:+.1e} |"
+        )
+    os.makedirs("bench/results", exist_ok=True)
+    with open("bench/results/e2e.json", "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
