@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 class TrainConfig:
     """Everything the main job can be told; each field is also a ``--flag``."""
 
-    steps: int = 300
+    steps: int = 600
     """Optimizer steps to train (with --resume: the total to reach)."""
     out: str = "runs/isp-train"
     """Directory for metrics.jsonl, trace.json, timeline.png and checkpoints."""
