@@ -104,7 +104,9 @@ def _worker(rank: int, world: int, kind: str, layers: int, steps: int) -> dict:
 
             backend = use_symm_collectives(mods)
     else:
-        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend=kind.split(":")[1]))
+        backend_name, _, outer = kind.split(":")[1].partition("+")
+        cfg = ISPConfig(backend=backend_name, shard_outer_params=outer == "outer")
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), cfg)
     out = _train(model, steps, rank, world, comm)
     if comm is not None:
         comm.close()
@@ -124,7 +126,7 @@ def main() -> None:
     _reset_peak()
     rows = [{"run": "single process", "world": 1, **_train(build(model_config(args.layers), seed=0), args.steps, 0, 1)}]
     for world in args.worlds:
-        for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm"):
+        for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm", "isp:symm+outer"):
             res = run_ranks(_worker, world, kind, args.layers, args.steps, timeout_s=3600)
             rows.append({"run": kind, "world": world, **res[0], "peak_rss_mib": max(r["peak_rss_mib"] for r in res)})
     w = args.warmup

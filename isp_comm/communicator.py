@@ -118,7 +118,16 @@ class ISPCommunicator:
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
-        self._sharded = {sp.fqn: (unit, sp) for unit in units for sp in unit.params}
+        self.root = None
+        if config.shard_outer_params:
+            inside = {id(m) for b in block_list for m in b.modules()}
+            owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
+            if owners:
+                self.root = BlockUnit(-1, model, owners, [], groups.wp_size, groups.wp_rank, device, names=None)
+                in_blocks |= {id(s) for s in self.root.shards}
+        self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
+        for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
+            self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
         self._materialize_rest(model, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
@@ -128,7 +137,9 @@ class ISPCommunicator:
         self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size)
         self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
         self.rs_buffers = ReduceScatterBuffers(self._plan, alloc, pooled=config.memory_pool)
-        self.engine = BlockEngine(units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all)
+        self.engine = BlockEngine(
+            units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all, self.root
+        )
         if groups.rank == 0:
             log.info(self._plan.describe())
 
@@ -136,7 +147,13 @@ class ISPCommunicator:
         for unit in units:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
+        self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._closed = False
+
+    @property
+    def sharded_units(self) -> list[BlockUnit]:
+        """The blocks, then the outer parameters' unit when they are sharded."""
+        return [*self.units, *([self.root] if self.root is not None else [])]
 
     # ---- construction helpers ----------------------------------------------------------
     def _apply_sequence_parallel(self):
@@ -311,9 +328,13 @@ class ISPCommunicator:
         """The full, unpadded state dict with the original keys and shapes (collective)."""
         self._check_idle("full_state_dict()")
         sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for unit in self.units:
-            for sp, full in zip(unit.params, self.gather_full(unit, list(unit.shards))):
+        for unit in self.sharded_units:
+            fulls = self.gather_full(unit, list(unit.shards))
+            for sp, full in zip(unit.params, fulls):
                 sd[sp.fqn] = full
+            for _, _, i, fqn in unit.aliases:
+                if fqn in sd:
+                    sd[fqn] = fulls[i]
         return sd
 
     @torch.no_grad()
@@ -344,6 +365,7 @@ class ISPCommunicator:
         self._closed = True
         self.engine.close()
         self._root_handle.remove()
+        self._root_post_handle.remove()
         if self._undo_sp is not None:
             self._undo_sp()
         for block, fwd in self._orig_forwards:

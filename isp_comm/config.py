@@ -31,6 +31,12 @@ class ISPConfig:
     """Dtype in which weight gradients are reduce-scattered. ``None`` means
     ``param_dtype`` (as FSDP2 does)."""
 
+    shard_outer_params: bool = False
+    """Also shard the parameters outside the blocks (embedding, final norm, head)
+    along dim 0 across the WP group: gathered once per step outside the slot pool and
+    reduce-scattered like a block, so their gradients and optimizer state are sharded
+    too. ``False`` keeps them replicated and all-reduces their gradients."""
+
     memory_pool: bool = True
     """Gather blocks into a fixed pool of ``n_slots`` buffers sized by the largest
     block (MaxPool). ``False`` allocates per gather (for comparison)."""

@@ -67,12 +67,16 @@ class BlockUnit:
         self,
         index: int,
         block: nn.Module,
-        linears: list[tuple[str, nn.Linear]],
+        owners: list[tuple[str, nn.Module]],
         replicated: list[ReplicatedParam],
         wp_size: int,
         wp_rank: int,
         device: torch.device,
+        names: tuple[str, ...] | None = ("weight", "bias"),
     ) -> None:
+        """``owners``: (fqn prefix, module) whose direct parameters called ``names``
+        (all of them when ``None``) are sharded. A parameter owned by several modules
+        (tied weights) is sharded once and appears in every owner."""
         self.index = index
         self.block = block
         self.wp_size = wp_size
@@ -80,16 +84,25 @@ class BlockUnit:
         self.replicated = replicated
         layouts: list[ShardedParam] = []
         full: list[torch.Tensor] = []
+        self.aliases: list[tuple[nn.Module, str, int, str]] = []  # (module, name, index in params, fqn)
+        seen: dict[int, int] = {}
         offset = 0
-        for fqn_prefix, linear in linears:
-            for name in ("weight", "bias"):
-                p = getattr(linear, name, None)
-                if p is None:
+        for fqn_prefix, module in owners:
+            for name, p in list(module._parameters.items()):
+                if p is None or (names is not None and name not in names):
                     continue
+                if id(p) in seen:
+                    fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
+                    self.aliases.append((module, name, seen[id(p)], fqn))
+                    continue
+                if p.dim() == 0:
+                    raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
                 out = p.shape[0]
                 chunk = -(-out // wp_size)
                 valid = max(0, min(chunk, out - wp_rank * chunk))
-                sp = ShardedParam(linear, name, f"{fqn_prefix}.{name}", p.shape, chunk, valid, offset)
+                fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
+                sp = ShardedParam(module, name, fqn, p.shape, chunk, valid, offset)
+                seen[id(p)] = len(layouts)
                 layouts.append(sp)
                 full.append(p)
                 offset += sp.shard_numel
@@ -117,7 +130,12 @@ class BlockUnit:
             p = sp.module._parameters[sp.name]  # a meta bias is real once its weight was
             if p.device.type == "meta":
                 sp.module.to_empty(device=self.device, recurse=False)
-                sp.module.reset_parameters()
+                if hasattr(sp.module, "reset_parameters"):
+                    sp.module.reset_parameters()
+                else:  # no initialiser: zeros until load_full_state_dict
+                    with torch.no_grad():
+                        for q in sp.module.parameters(recurse=False):
+                            q.zero_()
                 p = sp.module._parameters[sp.name]
             view = self.shard_view(self.flat_shard, sp)
             lo = self.wp_rank * sp.chunk_rows
@@ -127,6 +145,8 @@ class BlockUnit:
             sp.module._parameters[sp.name] = shard
             shards.append(shard)
         self.shards = tuple(shards)
+        for module, name, i, _ in self.aliases:
+            module._parameters[name] = shards[i]
 
     @staticmethod
     def shard_view(flat: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
@@ -166,10 +186,14 @@ class BlockUnit:
     def swap_in(self, tensors: list[torch.Tensor]) -> None:
         for sp, t in zip(self.params, tensors):
             sp.module._parameters[sp.name] = t
+        for module, name, i, _ in self.aliases:
+            module._parameters[name] = tensors[i]
 
     def swap_out(self) -> None:
         for sp, shard in zip(self.params, self.shards):
             sp.module._parameters[sp.name] = shard
+        for module, name, i, _ in self.aliases:
+            module._parameters[name] = self.shards[i]
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         """Add a reduced flat gradient shard into the shard parameters' ``.grad``.

@@ -74,3 +74,11 @@ def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
 def test_parity_symm_two_host_simulation() -> None:
     cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
     _check(run_ranks(_two_host_worker, 4, cases, timeout_s=180))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, backend", [(2, "symm"), (3, "torch"), (4, "symm")])
+def test_parity_with_outer_params_sharded(world: int, backend: str) -> None:
+    # Embedding, final norm and head sharded along dim 0 (vocab 37 pads at wp 2 and 4).
+    kw = {"shard_outer_params": True, "backend": backend}
+    _check(run_ranks(_parity_worker, world, world, CASES[::3], kw, timeout_s=280))

@@ -45,7 +45,7 @@ def test_all_to_all_round_trip_and_backward(backend: str) -> None:
     run_ranks(_a2a_worker, 3, backend, timeout_s=50)
 
 
-def _model(kind: str):
+def _model(kind: str, tied: bool = False):
     if kind == "llama":
         return build(LlamaConfig(**SP_CFG))
     import transformers
@@ -78,12 +78,13 @@ def _data(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _sp_worker(rank: int, world: int, sp: int, wp: int, kind: str) -> float:
+def _sp_worker(rank: int, world: int, sp: int, wp: int, kind: str, outer: bool = False, tied: bool = False) -> float:
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
-    ref = _model(kind)
+    ref = _model(kind, tied)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    model = _model(kind)
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp, sp_size=sp), ISPConfig())
+    model = _model(kind, tied)
+    groups = ParallelGroups.create(wp_size=wp, sp_size=sp)
+    comm = ISPCommunicator(model, groups, ISPConfig(shard_outer_params=outer))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     lo, hi = sp_rank * SEQ // sp, (sp_rank + 1) * SEQ // sp
     for x, y in _data(dp):
@@ -105,6 +106,16 @@ def test_sp_wp_parity(kind: str, sp: int, wp: int) -> None:
         pytest.importorskip("transformers")
     # 8 heads over 2 KV heads: at sp = 4 the KV heads are repeated (GQA, SP > KV heads).
     for err in run_ranks(_sp_worker, 4, sp, wp, kind, timeout_s=180):
+        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind, tied", [("llama", False), ("hf", False), ("hf", True)])
+def test_sp_wp_parity_with_embedding_and_head_sharded(kind: str, tied: bool) -> None:
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    # tied: the head's weight is the embedding's; it is sharded once and used by both.
+    for err in run_ranks(_sp_worker, 4, 2, 2, kind, True, tied, timeout_s=180):
         assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
 
 

@@ -76,8 +76,10 @@ class CommCounters:
 class BlockEngine:
     """Drives the units through the slot pool and the backend; owned by the communicator."""
 
-    def __init__(self, units, groups, backend, config, pool, rs_buffers, replicated) -> None:
+    def __init__(self, units, groups, backend, config, pool, rs_buffers, replicated, root=None) -> None:
         self.units: list[BlockUnit] = units
+        self.root: BlockUnit | None = root  # parameters outside the blocks, when sharded
+        self._root_region: torch.Tensor | None = None
         self.groups = groups
         self.backend = backend
         self.config = config
@@ -225,6 +227,40 @@ class BlockEngine:
             self.phase = Phase.FORWARD
         if self.units:
             self.prefetch(0)
+        if self.root is not None:
+            self._root_forward()
+
+    def _root_forward(self) -> None:
+        """Gather the outer parameters (embedding, head, ...) for this forward, outside
+        the slot pool; they stay gathered until their gradients exist."""
+        root = self.root
+        if self._root_region is None:
+            rank_major = torch.empty(root.gathered_numel, dtype=root.dtype, device=root.device)
+            self._delay()
+            handle = self.backend.all_gather(rank_major, root.flat_shard, self.groups.wp_group)
+            self.counters.all_gathers += 1
+            self.counters.bytes_gathered += rank_major.numel() * rank_major.element_size()
+            t0 = time.perf_counter()
+            done = self._wait(handle, "all-gather of the parameters outside the blocks")
+            if self.tracer is not None:
+                self.tracer.add("all-gather", "outer parameters", t0, done)
+            region = torch.empty_like(rank_major)
+            root.copy_out(rank_major, region)
+            self._root_region = region
+        if torch.is_grad_enabled() and root.requires_grad:
+            views = list(UnshardBlock.apply(root.shards[0], self, root, self._root_region))
+        else:
+            views = [v.detach() for v in root.full_views(self._root_region)]
+        root.swap_in(views)
+
+    def root_post_forward(self) -> None:
+        """Forward done: the model's outer parameters are shards again (autograd keeps
+        the gathered views it saved); without a backward to come, free them now."""
+        if self.root is None:
+            return
+        self.root.swap_out()
+        if not torch.is_grad_enabled():
+            self._root_region = None
 
     def _swap_in(self, unit: BlockUnit, region: torch.Tensor) -> None:
         """Point the block's linears at full views of its slot (and cast in-block
@@ -324,6 +360,9 @@ class BlockEngine:
 
     def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._enter_backward()
+        if unit is self.root:
+            self._post_backward_root(grads)
+            return
         rt = self._rt[unit.index]
         assert not rt.reduced, f"block {unit.index}'s gradients were produced twice in one backward"
         rt.reduced = True
@@ -346,6 +385,22 @@ class BlockEngine:
         if not self.config.overlap:
             self._complete_reduce(self._reduces.popleft())
 
+    def _post_backward_root(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        root = self.root
+        while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
+            self._complete_reduce(self._reduces.popleft())
+        inp = torch.empty(root.gathered_numel, dtype=root.dtype, device=root.device)
+        out = torch.empty(root.shard_numel, dtype=root.dtype, device=root.device)
+        root.pack_grads(grads, inp)
+        self._root_region = None
+        self._delay()
+        handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
+        self.counters.reduce_scatters += 1
+        self.counters.bytes_reduced += inp.numel() * inp.element_size()
+        self._reduces.append(_InflightReduce(root, (inp, out), out, handle, time.perf_counter()))
+        if not self.config.overlap:
+            self._complete_reduce(self._reduces.popleft())
+
     def _complete_reduce(self, r: _InflightReduce) -> None:
         done = self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
         if self.tracer is not None:
@@ -357,7 +412,8 @@ class BlockEngine:
             self._wait(h, f"replica all-reduce of block {r.unit.index}")
         r.out.div_(self.groups.world_size)
         r.unit.accumulate_grad(r.out)
-        self.rs_buffers.release(self.reduce_dtype(r.unit), r.pair)
+        if r.unit is not self.root:  # the root's buffers are its own, not the pool's
+            self.rs_buffers.release(self.reduce_dtype(r.unit), r.pair)
 
     def end_backward(self) -> None:
         """Drain reduce-scatters, average replicated grads, return to IDLE. Idempotent."""
@@ -370,6 +426,7 @@ class BlockEngine:
             self._swap_out(unit)
             self.release(unit)
             self._rt[unit.index].reduced = False
+        self._root_region = None
         self._reduce_replicated()
         self.phase = Phase.IDLE
         self._callback_queued = False
@@ -437,3 +494,6 @@ class BlockEngine:
                 self.release(unit)
         self._send.clear()
         self._rep_flat.clear()
+        self._root_region = None
+        if self.root is not None:
+            self.root.swap_out()

@@ -27,7 +27,7 @@ def full_optimizer_state(comm: ISPCommunicator, opt: torch.optim.Optimizer) -> d
     """Parameter name -> {state key: full tensor} (collective over the WP group)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     names = {p: n for n, p in comm.model.named_parameters()}
-    for unit in comm.units:
+    for unit in comm.sharded_units:
         first = opt.state.get(unit.shards[0], {})
         for key in sorted(first):
             if torch.is_tensor(first[key]) and first[key].dim() > 0:

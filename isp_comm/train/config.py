@@ -44,6 +44,8 @@ class TrainConfig:
     """Prefetch gathers and reduce-scatter asynchronously."""
     memory_pool: bool = True
     """Gather blocks into the fixed slot pool."""
+    shard_outer: bool = False
+    """Also shard the embedding, final norm and head across the WP group."""
     ckpt: float = 0.0
     """Activation checkpointing ratio."""
     bf16: bool = False
