@@ -11,7 +11,6 @@ table and writes bench/results/collectives.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,10 +21,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import MIB, save_results  # noqa: E402
 from isp_comm.backends import SymmCpuBackend, TorchBackend  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-
-MIB = 2**20
 
 
 def _time(fn, reps: int) -> float:
@@ -84,9 +82,7 @@ def main() -> None:
             f"{r['rs_gloo'] / r['rs_symm']:.1f}x | {r['memcpy'] * ms:.2f} | {r['ag_symm'] / r['memcpy']:.2f} | "
             f"{r['rs_symm'] / r['memcpy']:.2f} |"
         )
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/collectives.json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    save_results("collectives", args, rows)
 
 
 if __name__ == "__main__":

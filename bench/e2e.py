@@ -14,7 +14,6 @@ since it started training set-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import MIB, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
@@ -43,16 +43,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randint(0, 8192, (BATCH, SEQ + 1), generator=g)
     return x[:, :-1], x[:, 1:]
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS (ru_maxrss would carry the launcher's peak)
-
-
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
 
 
 def _train(model, steps: int, rank: int, world: int, comm=None) -> dict:
@@ -84,13 +74,13 @@ def _train(model, steps: int, rank: int, world: int, comm=None) -> dict:
         "times": times,
         "exposed": exposed,
         "losses": losses,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": proc_status_bytes("VmHWM") / MIB,
     }
 
 
 def _worker(rank: int, world: int, kind: str, layers: int, steps: int) -> dict:
     torch.set_num_threads(max(1, CORES // world))
-    _reset_peak()
+    reset_peak_rss()
     model = build(model_config(layers), seed=0)
     comm = backend = None
     if kind.startswith("fsdp2"):
@@ -123,7 +113,7 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     torch.set_num_threads(CORES)
-    _reset_peak()
+    reset_peak_rss()
     rows = [{"run": "single process", "world": 1, **_train(build(model_config(args.layers), seed=0), args.steps, 0, 1)}]
     for world in args.worlds:
         for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm", "isp:symm+outer"):
@@ -152,9 +142,7 @@ def main() -> None:
             f"| {r['run']} | {r['world']} | {t:.3f} | {t / ref_t:.2f}x | {vs_fsdp} | {r['peak_rss_mib']:.0f} | "
             f"{exp_s} | {r['losses'][-1]:.5f} | {r['losses'][-1] - ref['losses'][-1]:+.1e} |"
         )
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/e2e.json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    save_results("e2e", args, rows)
 
 
 if __name__ == "__main__":

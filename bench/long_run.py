@@ -10,12 +10,12 @@ isp-comm segments in /dev/shm. Prints a markdown table; writes bench/results/lon
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import proc_status_bytes, save_results  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from tests.parity import Case, train_isp  # noqa: E402
 
@@ -23,8 +23,7 @@ WARMUP = 20
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return proc_status_bytes("VmRSS")
 
 
 def _shm() -> int:
@@ -74,9 +73,7 @@ def main() -> None:
             f"| {r['rank']} | {r['rss_warm'] / 2**20:.1f} | {r['rss_end'] / 2**20:.1f} | {r['growth_pct']:+.2f}% | "
             f"{'yes' if r['constant'] else 'NO'} | {r['max_outstanding']} | {r['shm_max']} |"
         )
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/long_run.json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    save_results("long_run", args, rows)
 
 
 if __name__ == "__main__":

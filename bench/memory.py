@@ -11,7 +11,6 @@ writes bench/results/memory.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,19 +19,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import MIB, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
-
-MIB = 2**20
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _worker(rank: int, world: int, layers: int, pool: bool, steps: int, seq: int, batch: int) -> dict:
@@ -43,9 +33,8 @@ def _worker(rank: int, world: int, layers: int, pool: bool, steps: int, seq: int
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # no param-sized temporaries
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     g = torch.Generator().manual_seed(rank)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _status("VmRSS")
+    reset_peak_rss()
+    base = proc_status_bytes("VmRSS")
     pinned = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -69,7 +58,7 @@ def _worker(rank: int, world: int, layers: int, pool: bool, steps: int, seq: int
         "layers": layers,
         "pool": pool,
         "rank": rank,
-        "peak_rss": _status("VmHWM"),
+        "peak_rss": proc_status_bytes("VmHWM"),
         "rss_after_wrap": base,
         "param_bytes": shard_bytes,
         "saved_bytes": saved_peak,
@@ -108,9 +97,7 @@ def main() -> None:
             f"{r['optim_bytes'] / MIB:.0f} | {r['saved_bytes'] / MIB:.0f} | "
             f"{r['pool_bytes'] / MIB:.0f} | {r['full_block_bytes'] / MIB:.0f} |"
         )
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/memory.json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    save_results("memory", args, rows)
 
 
 if __name__ == "__main__":
