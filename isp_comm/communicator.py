@@ -123,7 +123,14 @@ class ISPCommunicator:
             inside = {id(m) for b in block_list for m in b.modules()}
             owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
             if owners:
-                self.root = BlockUnit(-1, model, owners, [], groups.wp_size, groups.wp_rank, device, names=None)
+                # embeddings split along the hidden dim, the rest (head: vocab) along dim 0; a
+                # weight tied to a linear follows the linear
+                in_linear = {id(p) for _, m in owners if isinstance(m, nn.Linear) for p in m.parameters(False)}
+                dim1 = frozenset(
+                    id(m.weight) for _, m in owners if isinstance(m, nn.Embedding) and id(m.weight) not in in_linear
+                )
+                wp, rank = groups.wp_size, groups.wp_rank
+                self.root = BlockUnit(-1, model, owners, [], wp, rank, device, names=None, dim1=dim1)
                 in_blocks |= {id(s) for s in self.root.shards}
         self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
@@ -148,6 +155,11 @@ class ISPCommunicator:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
+        self._chunk_check = None
+        if groups.sp_size > 1:
+            self._chunk_check = model.register_forward_pre_hook(
+                self._check_sequence_chunks, with_kwargs=True, prepend=True
+            )
         self._closed = False
 
     @property
@@ -184,6 +196,25 @@ class ISPCommunicator:
                 m.attention_fn = fn
 
         return undo
+
+    def _check_sequence_chunks(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Every rank of an SP group must feed an equal chunk (seq_len / sp tokens): a
+        ``ValueError`` here beats a hang or a shape error inside attention."""
+        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if x is None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or x.dim() < 2:
+            return
+        sp = self.groups.sp_size
+        mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
+        every = torch.empty(sp, dtype=torch.int64, device=x.device)
+        self.engine._wait(self.backend.all_gather(every, mine, self.groups.sp_group), "sequence chunk check")
+        lengths = every.tolist()
+        if len(set(lengths)) != 1:
+            raise ValueError(
+                f"sequence chunks differ across the sequence-parallel group: {lengths} tokens; the sequence "
+                f"length ({sum(lengths)}) must be divisible by sp_size={sp} and every rank feed an equal chunk"
+            )
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.backend.empty(numel, dtype, device)
@@ -312,13 +343,12 @@ class ISPCommunicator:
         self.engine._wait(self.backend.all_gather(rank_major, flat, self.groups.wp_group), what)
         slot = torch.empty_like(rank_major)
         unit.copy_out(rank_major, slot)
-        return [full.clone() for full in unit.full_views(slot)]
+        return [full.clone(memory_format=torch.contiguous_format) for full in unit.full_views(slot)]
 
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full tensor shaped like sharded parameter ``fqn``."""
+        """This rank's piece of a full tensor shaped like sharded parameter ``fqn``."""
         unit, sp = self._sharded[fqn]
-        lo = unit.wp_rank * sp.chunk_rows
-        return full[lo : lo + sp.valid_rows]
+        return sp.rows_of(full, unit.wp_rank)
 
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self._sharded
@@ -366,6 +396,8 @@ class ISPCommunicator:
         self.engine.close()
         self._root_handle.remove()
         self._root_post_handle.remove()
+        if self._chunk_check is not None:
+            self._chunk_check.remove()
         if self._undo_sp is not None:
             self._undo_sp()
         for block, fwd in self._orig_forwards:

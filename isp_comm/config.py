@@ -32,8 +32,9 @@ class ISPConfig:
     ``param_dtype`` (as FSDP2 does)."""
 
     shard_outer_params: bool = False
-    """Also shard the parameters outside the blocks (embedding, final norm, head)
-    along dim 0 across the WP group: gathered once per step outside the slot pool and
+    """Also shard the parameters outside the blocks across the WP group (embeddings
+    along the hidden dim, the head and the rest along dim 0, a tied embedding with its
+    head along the vocab): gathered once per step outside the slot pool and
     reduce-scattered like a block, so their gradients and optimizer state are sharded
     too. ``False`` keeps them replicated and all-reduces their gradients."""
 

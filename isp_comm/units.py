@@ -3,9 +3,12 @@
 [Note: layouts]
 Every sharded parameter ``p`` (an ``nn.Linear`` weight or bias, shape ``(out, *rest)``)
 is split along dim 0 into ``wp`` chunks of ``chunk = ceil(out / wp)`` rows, the last
-ones zero-padded (as FSDP2 pads). Rank ``r``'s chunks of all the block's parameters,
-concatenated, are its *flat shard* of ``S`` elements; the user-visible shard parameters
-are views of it, so the all-gather input needs no copy.
+ones zero-padded (as FSDP2 pads). A 2-D parameter sharded along dim 1 (an embedding
+split over its hidden dim) is laid out as its transpose: "rows" are then its columns,
+and every view handed out is transposed back, so users see the usual shapes.
+Rank ``r``'s chunks of all the block's parameters, concatenated, are its *flat shard*
+of ``S`` elements; the user-visible shard parameters are views of it, so the
+all-gather input needs no copy.
 
 * The all-gather output is *rank-major*: ``[rank 0's flat shard | rank 1's | ...]``.
 * A gathered *slot* is *param-major*: parameter ``p`` occupies
@@ -33,10 +36,20 @@ class ShardedParam:
     chunk_rows: int  # rows per rank, padded
     valid_rows: int  # rows this rank really holds (<= chunk_rows, may be 0)
     offset: int  # start in the flat shard
+    dim: int = 0  # the dim split over ranks (0, or 1 for a 2-D parameter)
+
+    @property
+    def rows_shape(self) -> torch.Size:
+        """The shape whose dim 0 is split: ``shape``, or its transpose when ``dim`` is 1."""
+        return self.shape if self.dim == 0 else torch.Size((self.shape[1], self.shape[0]))
+
+    def user(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor laid out as ``rows_shape`` seen in the parameter's own shape."""
+        return t if self.dim == 0 else t.t()
 
     @property
     def inner(self) -> int:
-        return self.shape[1:].numel()
+        return self.rows_shape[1:].numel()
 
     @property
     def shard_numel(self) -> int:
@@ -48,7 +61,14 @@ class ShardedParam:
 
     @property
     def shard_shape(self) -> torch.Size:
-        return torch.Size((self.valid_rows, *self.shape[1:]))
+        """This rank's piece, laid out as ``rows_shape``."""
+        return torch.Size((self.valid_rows, *self.rows_shape[1:]))
+
+    def rows_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s piece of a full tensor, in the parameter's own shape."""
+        size = self.shape[self.dim]
+        lo = min(rank * self.chunk_rows, size)
+        return full.narrow(self.dim, lo, min(self.chunk_rows, size - lo))
 
 
 @dataclass(frozen=True)
@@ -73,10 +93,12 @@ class BlockUnit:
         wp_rank: int,
         device: torch.device,
         names: tuple[str, ...] | None = ("weight", "bias"),
+        dim1: frozenset[int] = frozenset(),
     ) -> None:
         """``owners``: (fqn prefix, module) whose direct parameters called ``names``
         (all of them when ``None``) are sharded. A parameter owned by several modules
-        (tied weights) is sharded once and appears in every owner."""
+        (tied weights) is sharded once and appears in every owner. Parameters whose
+        ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0."""
         self.index = index
         self.block = block
         self.wp_size = wp_size
@@ -97,11 +119,13 @@ class BlockUnit:
                     continue
                 if p.dim() == 0:
                     raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
-                out = p.shape[0]
+                dim = 1 if id(p) in dim1 else 0
+                assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
+                out = p.shape[dim]
                 chunk = -(-out // wp_size)
                 valid = max(0, min(chunk, out - wp_rank * chunk))
                 fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
-                sp = ShardedParam(module, name, fqn, p.shape, chunk, valid, offset)
+                sp = ShardedParam(module, name, fqn, p.shape, chunk, valid, offset, dim)
                 seen[id(p)] = len(layouts)
                 layouts.append(sp)
                 full.append(p)
@@ -138,9 +162,8 @@ class BlockUnit:
                             q.zero_()
                 p = sp.module._parameters[sp.name]
             view = self.shard_view(self.flat_shard, sp)
-            lo = self.wp_rank * sp.chunk_rows
             with torch.no_grad():
-                view.copy_(p.detach()[lo : lo + sp.valid_rows])
+                view.copy_(sp.rows_of(p.detach(), self.wp_rank))
             shard = nn.Parameter(view, requires_grad=p.requires_grad)
             sp.module._parameters[sp.name] = shard
             shards.append(shard)
@@ -150,7 +173,8 @@ class BlockUnit:
 
     @staticmethod
     def shard_view(flat: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
-        return flat[sp.offset : sp.offset + sp.valid_rows * sp.inner].view(sp.shard_shape)
+        """``sp``'s piece of a flat shard, in the parameter's own shape."""
+        return sp.user(flat[sp.offset : sp.offset + sp.valid_rows * sp.inner].view(sp.shard_shape))
 
     # ---- gathered layout ------------------------------------------------------------
     @property
@@ -171,7 +195,7 @@ class BlockUnit:
     def full_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
         """The unpadded full parameters as views of a param-major slot."""
         w = self.wp_size
-        return [slot[w * sp.offset : w * sp.offset + sp.full_numel].view(sp.shape) for sp in self.params]
+        return [sp.user(slot[w * sp.offset : w * sp.offset + sp.full_numel].view(sp.rows_shape)) for sp in self.params]
 
     def pack_grads(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> None:
         """Full gradients -> rank-major reduce-scatter input (padding rows zero)."""
@@ -179,7 +203,7 @@ class BlockUnit:
             g if g is not None else torch.zeros(sp.shape, dtype=out.dtype, device=out.device)
             for g, sp in zip(grads, self.params)
         ]
-        flat_2d = [g.reshape(g.shape[0], -1) for g in filled]
+        flat_2d = [sp.user(g).reshape(sp.rows_shape[0], -1) for g, sp in zip(filled, self.params)]
         torch._chunk_cat(flat_2d, dim=0, num_chunks=self.wp_size, out=out[: self.gathered_numel].view(self.wp_size, -1))
 
     # ---- module attributes ------------------------------------------------------------

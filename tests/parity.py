@@ -32,9 +32,11 @@ class Case:
     seq: int = 7
     batch_per_rank: int = 2
 
-    model: str = "llama"  # or "hetero"
+    model: str = "llama"  # or "hetero", or "narrow" (hidden 18: pads when split over 4)
 
     def model_config(self) -> LlamaConfig:
+        if self.model == "narrow":
+            return LlamaConfig(**{**TINY, "hidden": 18, "n_heads": 3}, bias=self.bias)
         return LlamaConfig(**TINY, bias=self.bias)
 
     def build(self) -> torch.nn.Module:

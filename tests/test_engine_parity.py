@@ -79,6 +79,29 @@ def test_parity_symm_two_host_simulation() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, backend", [(2, "symm"), (3, "torch"), (4, "symm")])
 def test_parity_with_outer_params_sharded(world: int, backend: str) -> None:
-    # Embedding, final norm and head sharded along dim 0 (vocab 37 pads at wp 2 and 4).
+    # Embedding sharded along the hidden dim, final norm and head along dim 0 (vocab 37
+    # pads at wp 2 and 4).
     kw = {"shard_outer_params": True, "backend": backend}
     _check(run_ranks(_parity_worker, world, world, CASES[::3], kw, timeout_s=280))
+
+
+def _outer_dims_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
+    def shapes(comm) -> None:  # hidden 18 over 4 ranks: 5, 5, 5, 3 columns; vocab 37: 10, 10, 10, 7 rows
+        model = comm.model
+        assert model.embed.weight.shape == (37, 5 if rank < 3 else 3), model.embed.weight.shape
+        assert model.lm_head.weight.shape == (10 if rank < 3 else 7, 18), model.lm_head.weight.shape
+
+    out = []
+    for case in cases:
+        ref_sd, ref_losses = train_reference(case, world)
+        sd, losses, _ = train_isp(case, rank, world, world, after_wrap=shapes, shard_outer_params=True)
+        out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_embedding_split_along_hidden_with_padding() -> None:
+    # The embedding's gradient must be reduce-scattered along the dim it is split on
+    # (InternEvo's dim-1 mistake would break parity here, and the padded columns).
+    cases = [Case(model="narrow"), Case(model="narrow", optim="adamw", micro=3, ckpt=0.5, bias=True)]
+    _check(run_ranks(_outer_dims_worker, 4, cases, timeout_s=180))
