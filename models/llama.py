@@ -32,8 +32,18 @@ class LlamaConfig:
     """Rotary embedding base."""
     max_seq_len: int = 2048
     """Longest sequence the rotary tables cover."""
+    qkv_layout: str = "separate"
+    """Projections and what the attention core receives: ``"separate"`` (q, k, v
+    linears; ``attention_fn(q, k, v)``), ``"q_kv"`` (q and one kv linear;
+    ``attention_fn(q, kv)`` with kv ``[b, 2, kv_heads, s, d]``) or ``"qkv"`` (one
+    linear; ``attention_fn(qkv)`` with qkv ``[b, 3, heads, s, d]``, needs
+    ``n_kv_heads == n_heads``)."""
 
     def __post_init__(self) -> None:
+        if self.qkv_layout not in ("separate", "q_kv", "qkv"):
+            raise ValueError(f"qkv_layout must be 'separate', 'q_kv' or 'qkv', got {self.qkv_layout!r}")
+        if self.qkv_layout == "qkv" and self.n_kv_heads != self.n_heads:
+            raise ValueError("qkv_layout='qkv' needs n_kv_heads == n_heads")
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -71,12 +81,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on [batch, heads, seq, head_dim]; k/v may have fewer (GQA) heads."""
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention on [batch, heads, seq, head_dim]; k/v may have fewer (GQA) heads.
+    ``(q, kv)`` and ``(qkv,)`` take the packed forms of ``LlamaConfig.qkv_layout``;
+    ``cu_seqlens`` (document boundaries, 0 ... seq) keeps attention inside documents."""
+    if k is None:
+        q, k, v = q.unbind(1)
+    elif v is None:
+        k, v = k.unbind(1)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if cu_seqlens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    cuts = cu_seqlens.tolist()
+    docs = [(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+    return torch.cat([F.scaled_dot_product_attention(*d, is_causal=True) for d in docs], dim=2)
 
 
 class Attention(nn.Module):
@@ -87,19 +112,43 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.attention_fn = causal_attention
-        self.head_dim = cfg.hidden // cfg.n_heads
-        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * self.head_dim, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.hidden, bias=cfg.bias)
+        self.head_dim = hd = cfg.hidden // cfg.n_heads
+        self.layout = cfg.qkv_layout
+        q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        if self.layout == "qkv":
+            self.qkv_proj = nn.Linear(cfg.hidden, 3 * q_out, bias=cfg.bias)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden, q_out, bias=cfg.bias)
+            if self.layout == "q_kv":
+                self.kv_proj = nn.Linear(cfg.hidden, 2 * kv_out, bias=cfg.bias)
+            else:
+                self.k_proj = nn.Linear(cfg.hidden, kv_out, bias=cfg.bias)
+                self.v_proj = nn.Linear(cfg.hidden, kv_out, bias=cfg.bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _heads(self, y: torch.Tensor, parts: int, heads: int) -> torch.Tensor:
+        """[b, s, parts * heads * d] -> [b, parts, heads, s, d]."""
+        b, s, _ = y.shape
+        return y.view(b, s, parts, heads, self.head_dim).permute(0, 2, 3, 1, 4)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.attention_fn(q, k, v)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if self.layout == "qkv":
+            q, k, v = self._heads(self.qkv_proj(x), 3, self.n_heads).unbind(1)
+            qkv = torch.stack((apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), dim=1)
+            o = self.attention_fn(qkv, **kw)
+        elif self.layout == "q_kv":
+            q = apply_rope(self._heads(self.q_proj(x), 1, self.n_heads)[:, 0], cos, sin)
+            k, v = self._heads(self.kv_proj(x), 2, self.n_kv_heads).unbind(1)
+            o = self.attention_fn(q, torch.stack((apply_rope(k, cos, sin), v), dim=1), **kw)
+        else:
+            q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            o = self.attention_fn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, **kw)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -122,8 +171,10 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -136,13 +187,20 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.hidden)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits. ``cu_seqlens``: boundaries of the documents packed into each row
+        (over the whole sequence, 0 ... seq); ``position_ids`` then restart per document."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = rope_tables(self.cfg, position_ids)
         h = self.embed(input_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cu_seqlens)
         return self.lm_head(self.norm(h))
 
 

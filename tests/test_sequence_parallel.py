@@ -45,53 +45,78 @@ def test_all_to_all_round_trip_and_backward(backend: str) -> None:
     run_ranks(_a2a_worker, 3, backend, timeout_s=50)
 
 
-def _model(kind: str, tied: bool = False):
+def _model(kind: str, tied: bool = False, **overrides):
+    cfg = {**SP_CFG, **overrides}
     if kind == "llama":
-        return build(LlamaConfig(**SP_CFG))
+        return build(LlamaConfig(**cfg))
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=37,
-        hidden_size=48,
-        intermediate_size=50,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["ffn_hidden"],
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=cfg["n_heads"],
+        num_key_value_heads=cfg["n_kv_heads"],
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
-    cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model
 
 
-def _logits(kind: str, model, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def _logits(kind: str, model, x: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
     if kind == "llama":
-        return model(x, position_ids=pos)
-    return model(input_ids=x, position_ids=pos[None]).logits
+        return model(x, position_ids=pos, cu_seqlens=cu)
+    extra = {} if cu is None else {"cu_seq_lens_q": cu}
+    return model(input_ids=x, position_ids=pos[None], **extra).logits
 
 
-def _data(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(dp: int, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     n = dp * PER_GROUP
     return [
-        (torch.randint(0, 37, (n, SEQ), generator=g), torch.randint(0, 37, (n, SEQ), generator=g)) for _ in range(STEPS)
+        (torch.randint(0, 37, (n, seq), generator=g), torch.randint(0, 37, (n, seq), generator=g)) for _ in range(STEPS)
     ]
 
 
-def _sp_worker(rank: int, world: int, sp: int, wp: int, kind: str, outer: bool = False, tied: bool = False) -> float:
+# Packed documents of 3, 8 and 5 tokens: every boundary but one falls inside a rank's
+# chunk at sp 2 and 4, so attention must cross chunks and stop at documents.
+DOCS = (3, 8, 5)
+
+
+def _sp_worker(
+    rank: int, world: int, sp: int, wp: int, kind: str, outer: bool = False, tied: bool = False, opts=None
+) -> float:
+    """ISP training on chunks vs single-process training on whole sequences; with
+    ``varlen`` the rows pack ``DOCS`` and the reference runs every document alone."""
+    opts = dict(opts or {})
+    varlen = opts.pop("varlen", False)
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
-    ref = _model(kind, tied)
+    ref = _model(kind, tied, **opts)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    model = _model(kind, tied)
+    model = _model(kind, tied, **opts)
     groups = ParallelGroups.create(wp_size=wp, sp_size=sp)
     comm = ISPCommunicator(model, groups, ISPConfig(shard_outer_params=outer))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lo, hi = sp_rank * SEQ // sp, (sp_rank + 1) * SEQ // sp
-    for x, y in _data(dp):
+    seq = sum(DOCS) if varlen else SEQ
+    cu = torch.tensor([0, *DOCS]).cumsum(0) if varlen else None
+    pos = torch.cat([torch.arange(n) for n in DOCS]) if varlen else torch.arange(seq)
+    lo, hi = sp_rank * seq // sp, (sp_rank + 1) * seq // sp
+    for x, y in _data(dp, seq):
         xs, ys = x.chunk(dp)[dp_rank][:, lo:hi], y.chunk(dp)[dp_rank][:, lo:hi]
-        loss_fn(_logits(kind, model, xs, torch.arange(lo, hi)), ys).backward()
+        loss_fn(_logits(kind, model, xs, pos[lo:hi], cu), ys).backward()
         opt.step(), opt.zero_grad()
-        loss_fn(_logits(kind, ref, x, torch.arange(SEQ)), y).backward()
+        if varlen:
+            bounds = cu.tolist()
+            docs = [_logits(kind, ref, x[:, a:b], torch.arange(b - a)) for a, b in zip(bounds, bounds[1:])]
+            ref_logits = torch.cat(docs, dim=1)
+        else:
+            ref_logits = _logits(kind, ref, x, pos)
+        loss_fn(ref_logits, y).backward()
         ropt.step(), ropt.zero_grad()
     err = max_diff(comm.full_state_dict(), ref.state_dict())
     comm.close()
@@ -116,6 +141,29 @@ def test_sp_wp_parity_with_embedding_and_head_sharded(kind: str, tied: bool) -> 
         pytest.importorskip("transformers")
     # tied: the head's weight is the embedding's; it is sharded once and used by both.
     for err in run_ranks(_sp_worker, 4, 2, 2, kind, True, tied, timeout_s=180):
+        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "layout, sp, wp, kv",
+    [("qkv", 2, 2, 8), ("qkv", 4, 2, 8), ("q_kv", 4, 2, 2), ("q_kv", 2, 4, 2)],
+)
+def test_packed_qkv_parity(layout: str, sp: int, wp: int, kv: int) -> None:
+    # packed qkv travels as one all-to-all; q_kv with 2 KV heads at sp 4 repeats them.
+    for err in run_ranks(
+        _sp_worker, 4, sp, wp, "llama", False, False, {"qkv_layout": layout, "n_kv_heads": kv}, timeout_s=180
+    ):
+        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind, sp, wp", [("llama", 2, 2), ("llama", 4, 1), ("hf", 4, 2), ("hf", 2, 4)])
+def test_varlen_packed_parity(kind: str, sp: int, wp: int) -> None:
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    # packed documents under SP train exactly like each document run alone
+    for err in run_ranks(_sp_worker, 4, sp, wp, kind, False, False, {"varlen": True}, timeout_s=180):
         assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
 
 
@@ -148,3 +196,56 @@ def test_sp_refuses_what_it_cannot_split(kind: str, msg: str) -> None:
         pytest.importorskip("transformers")
     for text in run_ranks(_bad_heads_worker, 4, kind, timeout_s=50):
         assert msg in text, text
+
+
+def _bad_input_worker(rank: int, world: int, case: str) -> str:
+    kind = "hf" if case == "hf-packed-positions" else "llama"
+    model = _model(kind)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig())
+    x = torch.randint(0, 37, (1, 4))
+    try:
+        if case == "uneven-chunks":  # a 7-token sequence cut 4 + 3
+            model(x[:, : 4 - rank], position_ids=torch.arange(4 * rank, 4 * rank + 4 - rank))
+        elif case == "bad-cu-seqlens":  # boundaries end at 6, the sequence has 8 tokens
+            model(x, position_ids=torch.arange(4), cu_seqlens=torch.tensor([0, 2, 6]))
+        else:  # packed documents announced by restarting positions only
+            model(input_ids=x, position_ids=torch.tensor([[0, 1, 0, 1]]))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        comm.close()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "case, msg",
+    [
+        ("uneven-chunks", "must be divisible by sp_size=2"),
+        ("bad-cu-seqlens", "cu_seqlens must increase from 0 to the sequence length 8"),
+        ("hf-packed-positions", "pass cu_seq_lens_q"),
+    ],
+)
+def test_sp_refuses_bad_sequences(case: str, msg: str) -> None:
+    if case.startswith("hf"):
+        pytest.importorskip("transformers")
+    for text in run_ranks(_bad_input_worker, 2, case, timeout_s=50):
+        assert msg in text, text
+
+
+def test_local_attention_varlen_and_packed_forms() -> None:
+    # single process: varlen equals each document alone, packed forms equal separate
+    from isp_comm.sequence_parallel.local import local_attention
+    from models.llama import causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, *DOCS]).cumsum(0)
+    alone = torch.cat([causal_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cu, cu[1:])], 2)
+    torch.testing.assert_close(local_attention(q, k, v, cu), alone, rtol=0, atol=1e-6)  # same kernel, per doc
+    torch.testing.assert_close(causal_attention(q, k, v, cu), alone, rtol=0, atol=0)
+    torch.testing.assert_close(causal_attention(torch.stack((q, k, v), 1)), causal_attention(q, k, v), rtol=0, atol=0)
+    kv = torch.stack((k[:, :2], v[:, :2]), 1)
+    torch.testing.assert_close(causal_attention(q, kv), causal_attention(q, k[:, :2], v[:, :2]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cu_seqlens must increase"):
+        local_attention(q, k, v, torch.tensor([0, 9, 9, 16]))

@@ -2,9 +2,9 @@
 
 ``all_to_all(tensors, scatter_dim, gather_dim, ...)`` splits each tensor into ``sp``
 chunks along ``scatter_dim``, sends chunk ``j`` to rank ``j`` of the group and
-concatenates what arrives along ``gather_dim``. Its backward is the same exchange with
-the two dims swapped. All tensors' exchanges are issued before the first is waited,
-so q, k and v travel together.
+concatenates what arrives along ``gather_dim`` (one dim for all tensors, or one per
+tensor). Its backward is the same exchange with the two dims swapped. All tensors'
+exchanges are issued before the first is waited, so q, k and v travel together.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from isp_comm.hooks.trace import Tracer
 
 def _exchange(
     tensors: tuple[torch.Tensor, ...],
-    scatter: int,
-    gather: int,
+    scatter: tuple[int, ...],
+    gather: tuple[int, ...],
     group: ProcessGroup,
     backend: Backend,
     timeout_s: float,
@@ -33,16 +33,16 @@ def _exchange(
     sp = dist.get_world_size(group)
     t0 = time.perf_counter()
     pending = []
-    for t in tensors:
-        if t.shape[scatter] % sp:
-            raise ValueError(f"dim {scatter} of size {t.shape[scatter]} does not split over {sp} ranks")
-        send = torch.stack(t.chunk(sp, dim=scatter)).contiguous()  # [sp, ...chunk]
+    for t, dim in zip(tensors, scatter):
+        if t.shape[dim] % sp:
+            raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {sp} ranks")
+        send = torch.stack(t.chunk(sp, dim=dim)).contiguous()  # [sp, ...chunk]
         recv = torch.empty_like(send)
         pending.append((recv, backend.all_to_all(recv.view(-1), send.view(-1), group)))
     out = []
-    for recv, handle in pending:
+    for (recv, handle), dim in zip(pending, gather):
         handle.wait(timeout_s)
-        out.append(torch.cat(recv.unbind(0), dim=gather))
+        out.append(torch.cat(recv.unbind(0), dim=dim))
     tracer = trace() if trace is not None else None
     if tracer is not None:
         tracer.add("all-to-all", f"{len(tensors)} tensors", t0, time.perf_counter())
@@ -51,7 +51,16 @@ def _exchange(
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, scatter: int, gather: int, group, backend, timeout_s: float, trace, *tensors: torch.Tensor):
+    def forward(
+        ctx: Any,
+        scatter: tuple[int, ...],
+        gather: tuple[int, ...],
+        group,
+        backend,
+        timeout_s: float,
+        trace,
+        *tensors: torch.Tensor,
+    ):
         ctx.args = (scatter, gather, group, backend, timeout_s, trace)
         return _exchange(tensors, scatter, gather, group, backend, timeout_s, trace)
 
@@ -64,8 +73,8 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(
     tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
-    scatter_dim: int,
-    gather_dim: int,
+    scatter_dim: int | tuple[int, ...],
+    gather_dim: int | tuple[int, ...],
     group: ProcessGroup,
     backend: Backend,
     timeout_s: float = 300.0,
@@ -75,4 +84,9 @@ def all_to_all(
     ``trace`` returns the tracer to record the exchange's span in, if any."""
     if dist.get_world_size(group) == 1:
         return tuple(tensors)
-    return _AllToAll.apply(scatter_dim, gather_dim, group, backend, timeout_s, trace, *tensors)
+    n = len(tensors)
+    scatter = (scatter_dim,) * n if isinstance(scatter_dim, int) else tuple(scatter_dim)
+    gather = (gather_dim,) * n if isinstance(gather_dim, int) else tuple(gather_dim)
+    if len(scatter) != n or len(gather) != n:
+        raise ValueError(f"{n} tensors need {n} scatter and gather dims, got {scatter} and {gather}")
+    return _AllToAll.apply(scatter, gather, group, backend, timeout_s, trace, *tensors)

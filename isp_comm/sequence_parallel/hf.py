@@ -7,7 +7,10 @@ with ``[batch, heads, seq, head_dim]`` tensors and rotary positions from
 ``position_ids``: ``SUPPORTED_MODEL_TYPES``. Anything else is refused with a
 ``ValueError`` rather than trained wrongly. Attention is causal over the whole
 sequence; padding masks are not supported under SP (each rank must feed a contiguous,
-unpadded chunk of the sequences).
+unpadded chunk of the sequences). Packed documents: pass transformers' flash-attention
+keyword ``cu_seq_lens_q`` (boundaries over the whole sequence, the same on every rank)
+to the model's forward; the local attention is flash-attn on CUDA when installed,
+``scaled_dot_product_attention`` otherwise.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
 from isp_comm.hooks.trace import Tracer
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
+from isp_comm.sequence_parallel.local import local_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -56,14 +59,19 @@ def apply_hf_sequence_parallel(
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     kv_repeats(n_heads, n_kv, dist.get_world_size(sp_group))  # raises when heads do not split
 
-    def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_kw):
-        def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            rep = q.shape[1] // k.shape[1]
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout)
+    def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        cu_seqlens = kw.get("cu_seq_lens_q")
+        pos = kw.get("position_ids")
+        if cu_seqlens is None and pos is not None and pos.shape[-1] > 1 and bool((pos.diff(dim=-1) != 1).any()):
+            raise ValueError(
+                "position_ids restart inside the chunk (packed documents): under sequence parallel pass "
+                "cu_seq_lens_q with the document boundaries of the whole sequence"
+            )
 
-        out = DistributedAttention(local, sp_group, backend, timeout_s, trace)(query, key, value)
+        def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+            return local_attention(q, k, v, cu_seqlens, scale=scaling, dropout=dropout)
+
+        out = DistributedAttention(local, sp_group, backend, timeout_s, trace)(query, key, value, cu_seqlens=cu_seqlens)
         return out.transpose(1, 2).contiguous(), None
 
     key = f"isp_sp_{id(model):x}"
