@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -19,9 +20,9 @@ from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.trace import Tracer
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
-from isp_comm.sequence_parallel import DistributedAttention, kv_repeats
-from isp_comm.sequence_parallel.hf import apply_hf_sequence_parallel, is_hf_model
+from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
 from isp_comm.units import BlockUnit, ReplicatedParam
+from isp_comm.vocab_parallel import VocabParallelHead, WPComm, find_output_head, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
 
@@ -82,6 +83,7 @@ class ISPCommunicator:
         config: ISPConfig | None = None,
         *,
         blocks: Sequence[nn.Module] | None = None,
+        head: nn.Module | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -118,9 +120,17 @@ class ISPCommunicator:
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
+        self.vocab_unit = None
+        if config.vocab_parallel:
+            head = find_output_head(model, head, block_list)
+            g = groups
+            self.vocab_unit = BlockUnit(-2, head, [(names[head], head)], [], g.wp_size, g.wp_rank, device, ("weight",))
+            in_blocks |= {id(s) for s in self.vocab_unit.shards}
         self.root = None
         if config.shard_outer_params:
             inside = {id(m) for b in block_list for m in b.modules()}
+            if self.vocab_unit is not None:
+                inside.add(id(self.vocab_unit.block))
             owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
             if owners:
                 # embeddings split along the hidden dim, the rest (head: vocab) along dim 0; a
@@ -149,6 +159,14 @@ class ISPCommunicator:
         )
         if groups.rank == 0:
             log.info(self._plan.describe())
+        self._head_forward = None
+        if self.vocab_unit is not None:
+            vu = self.vocab_unit
+            self.engine.vocab_shards = list(vu.shards)
+            wp_comm = WPComm(groups.wp_group, groups.wp_size, groups.wp_rank, self.backend, self.engine._wait)
+            self._vocab = (wp_comm, groups.wp_rank * vu.params[0].chunk_rows)
+            self._head_forward = vu.block.__dict__.get("forward")
+            vu.block.forward = VocabParallelHead(vu.block, self._vocab[1], wp_comm)
 
         self._orig_forwards: list[tuple[nn.Module, Any]] = []
         for unit in units:
@@ -157,64 +175,36 @@ class ISPCommunicator:
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._chunk_check = None
         if groups.sp_size > 1:
-            self._chunk_check = model.register_forward_pre_hook(
-                self._check_sequence_chunks, with_kwargs=True, prepend=True
-            )
+            g = groups
+
+            def check(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+                check_sequence_chunks(args, kwargs, g.sp_group, g.sp_size, self.backend, self.engine._wait)
+
+            self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
         self._closed = False
 
     @property
     def sharded_units(self) -> list[BlockUnit]:
-        """The blocks, then the outer parameters' unit when they are sharded."""
-        return [*self.units, *([self.root] if self.root is not None else [])]
+        """The blocks, then the outer parameters' unit and the vocab-parallel head's,
+        when they exist."""
+        return [*self.units, *(u for u in (self.root, self.vocab_unit) if u is not None)]
 
     # ---- construction helpers ----------------------------------------------------------
-    def _apply_sequence_parallel(self):
-        """Attention goes through all-to-all over the SP group: transformers models via
-        their attention registry, other models via modules exposing ``attention_fn``
-        (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``."""
-        sp_group, timeout = self.groups.sp_group, self.config.timeout_s
-
+    def _apply_sequence_parallel(self) -> Callable[[], None]:
         def trace() -> Tracer | None:
             return self.engine.tracer
 
-        if is_hf_model(self.model):
-            return apply_hf_sequence_parallel(self.model, sp_group, self.backend, timeout, trace)
-        hooked = [m for m in self.model.modules() if callable(getattr(m, "attention_fn", None))]
-        if not hooked:
-            raise ValueError(
-                "sp_size > 1 but the model exposes no attention hook: give its attention modules an "
-                "attention_fn(q, k, v) attribute (see models/llama.py) or use a supported transformers model"
-            )
-        previous = []
-        for m in hooked:
-            kv_repeats(m.n_heads, m.n_kv_heads, self.groups.sp_size)
-            previous.append((m, m.attention_fn))
-            m.attention_fn = DistributedAttention(m.attention_fn, sp_group, self.backend, timeout, trace)
+        g = self.groups
+        return apply_sequence_parallel(self.model, g.sp_group, g.sp_size, self.backend, self.config.timeout_s, trace)
 
-        def undo() -> None:
-            for m, fn in previous:
-                m.attention_fn = fn
-
-        return undo
-
-    def _check_sequence_chunks(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Every rank of an SP group must feed an equal chunk (seq_len / sp tokens): a
-        ``ValueError`` here beats a hang or a shape error inside attention."""
-        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if x is None:
-            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is None or x.dim() < 2:
-            return
-        sp = self.groups.sp_size
-        mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
-        every = torch.empty(sp, dtype=torch.int64, device=x.device)
-        self.engine._wait(self.backend.all_gather(every, mine, self.groups.sp_group), "sequence chunk check")
-        lengths = every.tolist()
-        if len(set(lengths)) != 1:
-            raise ValueError(
-                f"sequence chunks differ across the sequence-parallel group: {lengths} tokens; the sequence "
-                f"length ({sum(lengths)}) must be divisible by sp_size={sp} and every rank feed an equal chunk"
-            )
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """This rank's mean cross-entropy over its own tokens: ``F.cross_entropy`` on
+        ordinary logits, the vocab-parallel loss on the head's vocab-sharded logits
+        when ``ISPConfig(vocab_parallel=True)``."""
+        if self.vocab_unit is None:
+            return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+        wp_comm, vocab_start = self._vocab
+        return vocab_parallel_cross_entropy(logits, labels, wp_comm, vocab_start, ignore_index)
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.backend.empty(numel, dtype, device)
@@ -398,6 +388,11 @@ class ISPCommunicator:
         self._root_post_handle.remove()
         if self._chunk_check is not None:
             self._chunk_check.remove()
+        if self.vocab_unit is not None:
+            if self._head_forward is None:
+                del self.vocab_unit.block.forward
+            else:
+                self.vocab_unit.block.forward = self._head_forward
         if self._undo_sp is not None:
             self._undo_sp()
         for block, fwd in self._orig_forwards:

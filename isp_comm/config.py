@@ -38,6 +38,13 @@ class ISPConfig:
     reduce-scattered like a block, so their gradients and optimizer state are sharded
     too. ``False`` keeps them replicated and all-reduces their gradients."""
 
+    vocab_parallel: bool = False
+    """Split the output head's weight along the vocab over the WP group and never
+    gather it: the head returns vocab-sharded logits ``[wp, batch, seq, vocab/wp]``
+    for every token of the WP group, and :meth:`ISPCommunicator.cross_entropy` gives
+    each rank's loss from them (see :mod:`isp_comm.vocab_parallel`). For large
+    vocabularies; the head must be an ``nn.Linear`` without bias, not tied."""
+
     memory_pool: bool = True
     """Gather blocks into a fixed pool of ``n_slots`` buffers sized by the largest
     block (MaxPool). ``False`` allocates per gather (for comparison)."""

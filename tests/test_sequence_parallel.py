@@ -95,12 +95,13 @@ def _sp_worker(
     ``varlen`` the rows pack ``DOCS`` and the reference runs every document alone."""
     opts = dict(opts or {})
     varlen = opts.pop("varlen", False)
+    vocab_parallel = opts.pop("vocab_parallel", False)
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
     ref = _model(kind, tied, **opts)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     model = _model(kind, tied, **opts)
     groups = ParallelGroups.create(wp_size=wp, sp_size=sp)
-    comm = ISPCommunicator(model, groups, ISPConfig(shard_outer_params=outer))
+    comm = ISPCommunicator(model, groups, ISPConfig(shard_outer_params=outer, vocab_parallel=vocab_parallel))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seq = sum(DOCS) if varlen else SEQ
     cu = torch.tensor([0, *DOCS]).cumsum(0) if varlen else None
@@ -108,7 +109,12 @@ def _sp_worker(
     lo, hi = sp_rank * seq // sp, (sp_rank + 1) * seq // sp
     for x, y in _data(dp, seq):
         xs, ys = x.chunk(dp)[dp_rank][:, lo:hi], y.chunk(dp)[dp_rank][:, lo:hi]
-        loss_fn(_logits(kind, model, xs, pos[lo:hi], cu), ys).backward()
+        logits = _logits(kind, model, xs, pos[lo:hi], cu)
+        if vocab_parallel:  # every token of the WP group against this rank's vocab rows, never all 37
+            chunk = -(-37 // wp)
+            rows = min(chunk, 37 - (rank % wp) * chunk)
+            assert logits.shape == (wp, *xs.shape, rows), logits.shape
+        comm.cross_entropy(logits, ys).backward()
         opt.step(), opt.zero_grad()
         if varlen:
             bounds = cu.tolist()

@@ -169,8 +169,15 @@ def test_text_data_and_toml_config(tmp_path) -> None:
 @pytest.mark.timeout(200)
 def test_sequence_parallel_run_traces_all_to_all(tmp_path) -> None:
     out = str(tmp_path / "sp")
-    res = torchrun(4, *SMALL, "--steps", "3", "--sp", "2", "--wp", "2", "--shard-outer", "--out", out)
+    res = torchrun(
+        4, *SMALL, "--steps", "3", "--sp", "2", "--wp", "2", "--shard-outer", "--vocab-parallel", "--out", out
+    )
     assert res.returncode == 0, res.stderr[-3000:]
+    with open(os.path.join(out, "run.json")) as f:
+        shapes = json.load(f)["rank0_shapes"]
+    vocab, hidden = shapes["embed.weight"][0], 2 * shapes["embed.weight"][1]  # embedding: hidden split
+    assert shapes["lm_head.weight"] == [-(-vocab // 2), hidden]  # head: vocab split
+    assert shapes["norm.weight"] == [hidden // 2]
     with open(os.path.join(out, "trace.json")) as f:
         cats = {e["cat"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
     assert {"compute", "all-gather", "reduce-scatter", "all-to-all"} <= cats

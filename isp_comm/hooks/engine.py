@@ -86,6 +86,7 @@ class BlockEngine:
         self.pool = pool
         self.rs_buffers = rs_buffers
         self.replicated: list[nn.Parameter] = replicated
+        self.vocab_shards: list[nn.Parameter] = []  # grads summed over WP by their own backward
         self.counters = CommCounters()
         self.phase = Phase.IDLE
         self.events: list[tuple[str, int, str]] | None = None
@@ -96,7 +97,7 @@ class BlockEngine:
         self._callback_queued = False
         self._stash: dict[nn.Parameter, torch.Tensor] = {}
         self._send: dict[torch.dtype, torch.Tensor] = {}
-        self._rep_flat: dict[torch.dtype, torch.Tensor] = {}
+        self._rep_flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._staging_owner: int | None = None
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
         self._failed = False  # a collective failed: peers are gone, never wait again
@@ -220,7 +221,7 @@ class BlockEngine:
     def root_pre_forward(self) -> None:
         """Forward begins: stash replicated grads of earlier micro-steps, fetch block 0."""
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
-            for p in self.replicated:
+            for p in (*self.replicated, *self.vocab_shards):
                 if p.grad is not None and p not in self._stash:
                     self._stash[p] = p.grad
                     p.grad = None
@@ -432,46 +433,56 @@ class BlockEngine:
         self._callback_queued = False
 
     def _reduce_replicated(self) -> None:
-        params = [p for p in self.replicated if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+        """Average the gradients autograd left whole: replicated parameters over the
+        world; vocab-parallel head shards (already summed over WP in their backward)
+        over the replica group. Earlier micro-steps' stashed grads are added back."""
         world = self.groups.world_size
-        for dt, ps in by_dtype.items():
-            if world > 1:
-                total = sum(p.numel() for p in ps)
-                flat = self._rep_flat.get(dt)
-                if flat is None:
-                    flat = self._rep_flat[dt] = torch.empty(total, dtype=dt, device=ps[0].device)
-                off = 0
+        for params, group, size, what in (
+            (self.replicated, self.groups.world_group, world, "replicated gradients"),
+            (self.vocab_shards, self.groups.replica_group, self.groups.replica_size, "vocab-parallel head gradients"),
+        ):
+            params = [p for p in params if p.requires_grad]
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dt, ps in by_dtype.items():
+                if world > 1:
+                    self._average(ps, dt, group, size, world, what)
                 for p in ps:
-                    piece = flat[off : off + p.numel()].view_as(p)
-                    piece.copy_(p.grad) if p.grad is not None else piece.zero_()
-                    off += p.numel()
-                self._delay()
-                self.counters.all_reduces += 1
-                t0 = time.perf_counter()
-                done = self._wait(
-                    self.backend.all_reduce(flat, self.groups.world_group), "all-reduce of replicated gradients"
-                )
-                if self.tracer is not None:
-                    self.tracer.add("all-reduce", "replicated gradients", t0, done)
-                flat.div_(world)
-                off = 0
-                for p in ps:
-                    piece = flat[off : off + p.numel()].view_as(p)
-                    off += p.numel()
-                    if p.grad is None:
-                        p.grad = piece.clone()
-                    else:
-                        p.grad.copy_(piece)
-            for p in ps:
-                old = self._stash.pop(p, None)
-                if old is not None and p.grad is not None:
-                    p.grad = old.add_(p.grad)
-                elif old is not None:
-                    p.grad = old
+                    old = self._stash.pop(p, None)
+                    if old is not None and p.grad is not None:
+                        p.grad = old.add_(p.grad)
+                    elif old is not None:
+                        p.grad = old
         self._stash.clear()
+
+    def _average(self, ps: list[nn.Parameter], dt: torch.dtype, group, size: int, world: int, what: str) -> None:
+        """Sum ``ps``' grads over ``group`` (one flat all-reduce) and divide by ``world``."""
+        total = sum(p.numel() for p in ps)
+        flat = self._rep_flat.get((what, dt))
+        if flat is None:
+            flat = self._rep_flat[(what, dt)] = torch.empty(total, dtype=dt, device=ps[0].device)
+        off = 0
+        for p in ps:
+            piece = flat[off : off + p.numel()].view_as(p)
+            piece.copy_(p.grad) if p.grad is not None else piece.zero_()
+            off += p.numel()
+        if size > 1:
+            self._delay()
+            self.counters.all_reduces += 1
+            t0 = time.perf_counter()
+            done = self._wait(self.backend.all_reduce(flat, group), f"all-reduce of {what}")
+            if self.tracer is not None:
+                self.tracer.add("all-reduce", what, t0, done)
+        flat.div_(world)
+        off = 0
+        for p in ps:
+            piece = flat[off : off + p.numel()].view_as(p)
+            off += p.numel()
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
 
     # ---- introspection ---------------------------------------------------------------
     def outstanding(self) -> int:

@@ -1,8 +1,9 @@
 """``torchrun --nproc-per-node N -m isp_comm.train``: train the reference llama with ISP.
 
 Writes ``OUT/metrics.jsonl`` (one object per optimizer step), ``OUT/trace.json`` and
-``OUT/timeline.png`` (the last steps' compute and communication per rank) and DCP
-checkpoints under ``OUT/checkpoints``; ``--resume`` continues from the latest one.
+``OUT/timeline.png`` (the last steps' compute and communication per rank),
+``OUT/run.json`` (the flags and rank 0's parameter shard shapes) and DCP checkpoints
+under ``OUT/checkpoints``; ``--resume`` continues from the latest one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
@@ -62,6 +62,8 @@ def run(cfg: TrainConfig) -> None:
         overlap=cfg.overlap,
         memory_pool=cfg.memory_pool,
         activation_checkpointing=cfg.ckpt,
+        shard_outer_params=cfg.shard_outer,
+        vocab_parallel=cfg.vocab_parallel,
         backend=cfg.backend,
         param_dtype=torch.bfloat16 if cfg.bf16 else None,
         reduce_dtype=torch.float32 if cfg.bf16 else None,
@@ -78,7 +80,10 @@ def run(cfg: TrainConfig) -> None:
             raise ValueError(f"--resume: no checkpoint in {cfg.out}/checkpoints")
         start = checkpoint.load(path, comm, opt)
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
-    if rank == 0:
+    if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
+        shards = {k: list(v.shape) for k, v in model.state_dict().items()}
+        with open(os.path.join(cfg.out, "run.json"), "w") as f:
+            json.dump({"config": as_dict(cfg), "world": world, "rank0_shapes": shards}, f, indent=1)
         n_params = sum(v.numel() for v in build(mcfg).state_dict().values())
         tqdm.write(
             f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
@@ -97,7 +102,7 @@ def run(cfg: TrainConfig) -> None:
         x, y = batch_at(tokens, step, cfg.batch, cfg.seq)
         xs, ys = x[dp_rank * per : (dp_rank + 1) * per, lo:hi], y[dp_rank * per : (dp_rank + 1) * per, lo:hi]
         hook.before_forward()
-        loss = F.cross_entropy(model(xs, position_ids=positions).flatten(0, 1).float(), ys.flatten())
+        loss = comm.cross_entropy(model(xs, position_ids=positions).float(), ys)
         hook.before_backward()
         loss.backward()
         hook.after_backward()

@@ -46,6 +46,8 @@ class TrainConfig:
     """Gather blocks into the fixed slot pool."""
     shard_outer: bool = False
     """Also shard the embedding, final norm and head across the WP group."""
+    vocab_parallel: bool = False
+    """Split the output head along the vocab and compute the loss vocab-parallel."""
     ckpt: float = 0.0
     """Activation checkpointing ratio."""
     bf16: bool = False

@@ -1,0 +1,159 @@
+"""Vocab-parallel output head and cross-entropy, for large vocabularies.
+
+With ``ISPConfig(vocab_parallel=True)`` the head's weight is split along the vocab
+over the WP group and never gathered. Its forward all-gathers the hidden states of
+the WP group's tokens instead (``[wp, batch, seq, hidden]``, much smaller than a
+``vocab x hidden`` weight) and returns *vocab-sharded logits*
+``[wp, batch, seq, my vocab rows]``: every token of the group against this rank's
+slice of the vocabulary. :func:`vocab_parallel_cross_entropy` turns them into this
+rank's loss (the mean over its own tokens, as ``F.cross_entropy`` would give) with
+three small collectives over token vectors; full logits never exist anywhere.
+
+[Note: gradients] Rank ``r``'s loss depends on every rank's vocab slice, so in
+backward each rank first all-gathers the others' upstream gradients of their own
+tokens' losses. The head shard's gradient is then the sum over the whole WP group
+(no reduce-scatter needed, only the replica all-reduce and the world average the
+engine applies to ``vocab_shards``); the hidden states' gradient is partial per vocab
+slice and is reduce-scattered back to the tokens' owners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from isp_comm.backends.base import Backend, Handle
+
+Wait = Callable[[Handle, str], Any]
+
+
+class WPComm:
+    """The WP group, its backend and the engine's deadline-keeping wait."""
+
+    def __init__(self, group: ProcessGroup, size: int, rank: int, backend: Backend, wait: Wait) -> None:
+        self.group, self.size, self.rank, self.backend, self.wait = group, size, rank, backend, wait
+
+    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        t = t.contiguous()
+        if self.size == 1:
+            return t[None]
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        self.wait(self.backend.all_gather(out.view(-1), t.view(-1), self.group), what)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        t = t.contiguous()
+        if self.size == 1:
+            return t[0]
+        out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
+        self.wait(self.backend.reduce_scatter(out.view(-1), t.view(-1), self.group), what)
+        return out
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        t = t.contiguous()
+        if self.size > 1:
+            self.wait(self.backend.all_reduce(t.view(-1), self.group), what)
+        return t
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every WP rank's tokens, stacked on a new dim 0; backward: the sum of
+    the partial gradients, each rank keeping its own tokens'."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: WPComm) -> torch.Tensor:
+        ctx.comm = comm
+        return comm.all_gather(x, "all-gather of hidden states for the vocab-parallel head")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return ctx.comm.reduce_scatter(grad, "reduce-scatter of the vocab-parallel head's input gradient"), None
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int, comm: WPComm
+    ) -> torch.Tensor:
+        # logits [wp, n, v_local]; labels [wp, n] (every rank's tokens)
+        wp, n, v_local = logits.shape
+        lf = logits.float()
+        local_max = lf.amax(-1) if v_local else torch.full((wp, n), float("-inf"), device=lf.device)
+        gmax = comm.all_gather(local_max, "all-gather of vocab-parallel logit maxima").amax(0)
+        exp = (lf - gmax[..., None]).exp_()
+        in_range = (labels >= vocab_start) & (labels < vocab_start + v_local)
+        idx = (labels - vocab_start).clamp(0, max(v_local - 1, 0))
+        target = lf.gather(-1, idx[..., None])[..., 0] - gmax if v_local else torch.zeros_like(gmax)
+        sums = torch.stack((exp.sum(-1), target * in_range))
+        sumexp, target = comm.all_reduce(sums, "all-reduce of vocab-parallel softmax sums").unbind(0)
+        valid = labels != ignore_index
+        losses = (sumexp.log() - target) * valid  # [wp, n], the same on every rank
+        mine = valid[comm.rank]
+        count = mine.sum()
+        exp.div_(sumexp[..., None])  # the local slice of the softmax, kept for backward
+        ctx.save_for_backward(exp, in_range, idx, valid, count)
+        ctx.comm, ctx.dtype = comm, logits.dtype
+        return losses[comm.rank].sum() / count
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        softmax, in_range, idx, valid, count = ctx.saved_tensors
+        comm: WPComm = ctx.comm
+        mine = (grad / count).to(softmax.dtype).expand(valid.shape[1]) * valid[comm.rank]
+        every = comm.all_gather(mine, "all-gather of vocab-parallel loss gradients")  # [wp, n]
+        g = softmax * every[..., None]
+        if g.shape[-1]:
+            g.scatter_add_(-1, idx[..., None], -(every * in_range)[..., None])
+        return g.to(ctx.dtype), None, None, None, None
+
+
+class VocabParallelHead:
+    """The forward installed on the output head (an ``nn.Linear`` without bias whose
+    weight is this rank's vocab rows ``[vocab_start, vocab_start + rows)``)."""
+
+    def __init__(self, head: nn.Linear, vocab_start: int, comm: WPComm) -> None:
+        self.head, self.vocab_start, self.comm = head, vocab_start, comm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_all = _GatherTokens.apply(x, self.comm) if self.comm.size > 1 else x[None]
+        return F.linear(x_all, self.head.weight.to(x.dtype))
+
+
+def find_output_head(model: nn.Module, head: nn.Module | None, blocks: list[nn.Module]) -> nn.Linear:
+    """The head to split: ``head`` if given, else transformers' output embeddings,
+    else the last ``nn.Linear`` outside the blocks; ``ValueError`` if it cannot be."""
+    if head is None and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
+    if head is None:
+        inside = {id(m) for b in blocks for m in b.modules()}
+        outside = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+        head = outside[-1] if outside else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError("vocab_parallel needs the output head as an nn.Linear: pass head=")
+    if head.bias is not None:
+        raise ValueError("vocab_parallel supports an output head without bias")
+    if any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(False)):
+        raise ValueError("vocab_parallel does not support a head tied to the embedding")
+    return head
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, comm: WPComm, vocab_start: int, ignore_index: int = -100
+) -> torch.Tensor:
+    """This rank's mean cross-entropy over its own (non-ignored) tokens, from the
+    vocab-sharded logits ``[wp, *tokens, my vocab rows]`` of :class:`VocabParallelHead`
+    and this rank's ``labels`` (``tokens`` shaped)."""
+    wp = logits.shape[0]
+    if tuple(logits.shape[1:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"vocab-sharded logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}: "
+            "expected logits [wp, *labels.shape, vocab rows]"
+        )
+    flat = logits.reshape(wp, -1, logits.shape[-1])
+    every = comm.all_gather(labels.reshape(-1), "all-gather of labels")
+    return _VocabParallelCE.apply(flat, every, vocab_start, ignore_index, comm)
