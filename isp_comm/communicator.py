@@ -151,7 +151,8 @@ class ISPCommunicator:
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(config.param_dtype or u.dtype, u.gathered_numel) for u in units]
         rdt = [(config.reduce_dtype or config.param_dtype or u.dtype, u.gathered_numel) for u in units]
-        self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size)
+        landing = config.comm_granularity == "block"
+        self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size, landing)
         self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
         self.rs_buffers = ReduceScatterBuffers(self._plan, alloc, pooled=config.memory_pool)
         self.engine = BlockEngine(

@@ -45,6 +45,12 @@ class ISPConfig:
     each rank's loss from them (see :mod:`isp_comm.vocab_parallel`). For large
     vocabularies; the head must be an ``nn.Linear`` without bias, not tied."""
 
+    comm_granularity: str = "block"
+    """``"block"``: one all-gather and one reduce-scatter per block (flat, through a
+    landing buffer). ``"module"``: one collective per sharded parameter (weight, bias)
+    of every linear, each landing straight in its place in the slot; more, smaller
+    collectives and no landing copy. The outer parameters are always one collective."""
+
     memory_pool: bool = True
     """Gather blocks into a fixed pool of ``n_slots`` buffers sized by the largest
     block (MaxPool). ``False`` allocates per gather (for comparison)."""
@@ -83,6 +89,8 @@ class ISPConfig:
         k = self.max_inflight_reduce_scatter
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
+        if self.comm_granularity not in ("block", "module"):
+            raise ValueError(f"comm_granularity must be 'block' or 'module', got {self.comm_granularity!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if not self.timeout_s > 0:

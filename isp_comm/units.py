@@ -206,6 +206,27 @@ class BlockUnit:
         flat_2d = [sp.user(g).reshape(sp.rows_shape[0], -1) for g, sp in zip(filled, self.params)]
         torch._chunk_cat(flat_2d, dim=0, num_chunks=self.wp_size, out=out[: self.gathered_numel].view(self.wp_size, -1))
 
+    def param_major_slices(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+        """Per parameter: its padded full region of a param-major buffer, and the slice
+        of the flat shard it gathers from / reduces into (``comm_granularity="module"``:
+        an all-gather of that slice of every rank lands exactly on the region)."""
+        w = self.wp_size
+        return [
+            (buf[w * sp.offset : w * (sp.offset + sp.shard_numel)], slice(sp.offset, sp.offset + sp.shard_numel))
+            for sp in self.params
+        ]
+
+    def pack_grads_param_major(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> None:
+        """Full gradients -> param-major reduce-scatter input (padding rows zero)."""
+        for (region, _), g, sp in zip(self.param_major_slices(out), grads, self.params):
+            rows = region.view(self.wp_size * sp.chunk_rows, -1)
+            n = sp.rows_shape[0]
+            if g is None:
+                rows.zero_()
+                continue
+            rows[:n].copy_(sp.user(g).reshape(n, -1))
+            rows[n:].zero_()
+
     # ---- module attributes ------------------------------------------------------------
     def swap_in(self, tensors: list[torch.Tensor]) -> None:
         for sp, t in zip(self.params, tensors):

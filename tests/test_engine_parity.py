@@ -105,3 +105,30 @@ def test_embedding_split_along_hidden_with_padding() -> None:
     # (InternEvo's dim-1 mistake would break parity here, and the padded columns).
     cases = [Case(model="narrow"), Case(model="narrow", optim="adamw", micro=3, ckpt=0.5, bias=True)]
     _check(run_ranks(_outer_dims_worker, 4, cases, timeout_s=180))
+
+
+def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tuple]:
+    out = []
+    for case in [Case(), Case(optim="adamw", micro=3, ckpt=0.5, bias=True)]:
+        ref_sd, ref_losses = train_reference(case, world)
+        kw = {"comm_granularity": "module", "backend": backend}
+
+        def no_landing(comm) -> None:
+            assert set(comm.memory_plan().staging_numel.values()) == {0}
+
+        sd, losses, stats = train_isp(case, rank, world, world, after_wrap=no_landing, **kw)
+        # one collective per weight (and bias) of the 7 linears of each of the 3 blocks:
+        # gathered once in forward and once in backward, reduced once, per micro-step
+        per_pass = 3 * 7 * (2 if case.bias else 1)
+        passes = case.steps * case.micro
+        assert stats["all_gathers"] == 2 * per_pass * passes, stats
+        assert stats["reduce_scatters"] == per_pass * passes, stats
+        out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world, backend", [(2, "symm"), (3, "torch"), (4, "symm")])
+def test_parity_module_granularity(world: int, backend: str) -> None:
+    # one collective per parameter, landing in the slot directly (no landing buffer)
+    _check(run_ranks(_module_granularity_worker, world, backend, timeout_s=180))

@@ -36,6 +36,7 @@ def tiny() -> nn.Module:
         (dict(n_slots=1), "n_slots"),
         (dict(max_inflight_reduce_scatter=0), "max_inflight_reduce_scatter"),
         (dict(backend="mpi"), "backend"),
+        (dict(comm_granularity="linear"), "comm_granularity"),
         (dict(param_dtype=torch.int8), "param_dtype"),
         (dict(reduce_dtype=torch.float64), "reduce_dtype"),
         (dict(timeout_s=0), "timeout_s"),

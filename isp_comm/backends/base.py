@@ -7,6 +7,7 @@ Every collective takes its group and buffers explicitly and returns a handle who
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -22,6 +23,20 @@ class CompletedHandle:
 
     def wait(self, timeout_s: float) -> None:
         return None
+
+
+class HandleGroup:
+    """Several collectives waited as one, under one deadline."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self._handles = handles
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for h in self._handles:
+            h.wait(max(deadline - time.monotonic(), 0.0))
 
 
 class Backend(Protocol):

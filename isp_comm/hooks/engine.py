@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from isp_comm.backends.base import Handle
+from isp_comm.backends.base import Handle, HandleGroup
 from isp_comm.hooks.autograd import PreBackward, UnshardBlock
 from isp_comm.hooks.casting import cast_floats, map_tensors
 from isp_comm.hooks.trace import Tracer
@@ -47,6 +47,7 @@ class _UnitRuntime:
     region: torch.Tensor | None = None
     handle: Handle | None = None
     staging: torch.Tensor | None = None
+    landing: Any = None  # version-counter guard while peers write the slot directly (module granularity)
     issued_at: float = 0.0  # perf_counter when the gather was issued (tracing)
     backward_at: float = 0.0  # perf_counter when the block's backward began (tracing)
     saved_views: bool = False  # the last forward saved views of the slot for backward
@@ -156,16 +157,25 @@ class BlockEngine:
             send.copy_(unit.flat_shard)
         self._delay()
         wp_group = self.groups.wp_group
+        n_collectives = 1
         if unit.wp_size == 1:
             with torch.autograd._unsafe_preserve_version_counter(region):
                 handle = self.backend.all_gather(region, send, wp_group)
             rt.staging = None
+        elif self.config.comm_granularity == "module":
+            # [Note: direct landing] peers write the slot itself, possibly from another
+            # thread; the views autograd saved from it must not see a version bump
+            rt.landing = torch.autograd._unsafe_preserve_version_counter(region)
+            rt.landing.__enter__()
+            slices = unit.param_major_slices(region)
+            handle = HandleGroup([self.backend.all_gather(r, send[s], wp_group) for r, s in slices])
+            n_collectives, rt.staging = len(slices), None
         else:
             rt.staging = self.pool.staging(dt, n)
             handle = self.backend.all_gather(rt.staging, send, wp_group)
             self._staging_owner = unit.index
         rt.state, rt.slot, rt.region, rt.handle = UnitState.GATHERING, slot, region, handle
-        self.counters.all_gathers += 1
+        self.counters.all_gathers += n_collectives
         self.counters.bytes_gathered += n * dt.itemsize
         rt.issued_at = time.perf_counter()
         self._event("all_gather", unit.index)
@@ -185,6 +195,9 @@ class BlockEngine:
                 unit.copy_out(rt.staging, rt.region)
             rt.staging = None
             self._staging_owner = None
+        if rt.landing is not None:
+            rt.landing.__exit__(None, None, None)
+            rt.landing = None
         rt.state, rt.handle = UnitState.GATHERED, None
 
     def ensure_gathered(self, unit: BlockUnit) -> torch.Tensor:
@@ -375,11 +388,17 @@ class BlockEngine:
         dt = self.reduce_dtype(unit)
         pair = self.rs_buffers.acquire(dt, unit.gathered_numel)
         inp, out = pair[0][: unit.gathered_numel], pair[1][: unit.shard_numel]
-        unit.pack_grads(grads, inp)
+        module = self.config.comm_granularity == "module" and unit.wp_size > 1
+        (unit.pack_grads_param_major if module else unit.pack_grads)(grads, inp)
         self.release(unit)
         self._delay()
-        handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
-        self.counters.reduce_scatters += 1
+        if module:
+            slices = unit.param_major_slices(inp)
+            handle = HandleGroup([self.backend.reduce_scatter(out[s], r, self.groups.wp_group) for r, s in slices])
+            self.counters.reduce_scatters += len(slices)
+        else:
+            handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
+            self.counters.reduce_scatters += 1
         self.counters.bytes_reduced += inp.numel() * dt.itemsize
         self._event("reduce_scatter", unit.index)
         self._reduces.append(_InflightReduce(unit, pair, out, handle, time.perf_counter()))
@@ -495,7 +514,7 @@ class BlockEngine:
                 self._swap_out(unit)
                 if rt.state is not UnitState.SHARDED:
                     self.pool.release(self.gather_dtype(unit), rt.slot, unit.index, unit.gathered_numel)
-                rt.state, rt.handle, rt.region = UnitState.SHARDED, None, None
+                rt.state, rt.handle, rt.region, rt.landing = UnitState.SHARDED, None, None, None
             self._reduces.clear()
             self._staging_owner = None
         else:

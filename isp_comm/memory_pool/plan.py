@@ -17,7 +17,8 @@ class MemoryPlan:
     slot_set_by: dict[torch.dtype, int]
     """Index of the block that sets each dtype's slot size (the largest)."""
     staging_numel: dict[torch.dtype, int]
-    """Elements of the rank-major all-gather landing buffer (0 when wp == 1)."""
+    """Elements of the rank-major all-gather landing buffer (0 when wp == 1 or when
+    gathers land in the slots directly)."""
     rs_numel: dict[torch.dtype, int]
     """Elements of one reduce-scatter input buffer, per reduce dtype."""
     rs_buffers: int
@@ -52,8 +53,10 @@ def make_plan(
     n_slots: int,
     rs_buffers: int,
     wp_size: int,
+    landing: bool = True,
 ) -> MemoryPlan:
-    """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel."""
+    """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel;
+    ``landing``: gathers go through a rank-major landing buffer (block granularity)."""
     slot: dict[torch.dtype, int] = {}
     set_by: dict[torch.dtype, int] = {}
     for i, (dt, n) in enumerate(gathered):
@@ -62,7 +65,7 @@ def make_plan(
     rs: dict[torch.dtype, int] = {}
     for dt, n in reduce:
         rs[dt] = max(rs.get(dt, 0), n)
-    staging = {dt: (n if wp_size > 1 else 0) for dt, n in slot.items()}
+    staging = {dt: (n if wp_size > 1 and landing else 0) for dt, n in slot.items()}
     return MemoryPlan(
         n_slots=n_slots,
         slot_numel=slot,
