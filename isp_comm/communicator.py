@@ -21,7 +21,7 @@ from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.trace import Tracer
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
 from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
-from isp_comm.units import BlockUnit, ReplicatedParam
+from isp_comm.units import BlockUnit, Layout, ReplicatedParam
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, find_output_head, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
@@ -116,7 +116,8 @@ class ISPCommunicator:
                 for pn, p in m.named_parameters(recurse=False)
                 if id(p) not in sharded
             ]
-            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank, device)
+            dtypes = {"param_dtype": config.param_dtype, "reduce_dtype": config.reduce_dtype}
+            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank, device, **dtypes)
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
@@ -149,8 +150,8 @@ class ISPCommunicator:
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
         alloc = functools.partial(self._alloc, device=units[0].device)
-        gdt = [(config.param_dtype or u.dtype, u.gathered_numel) for u in units]
-        rdt = [(config.reduce_dtype or config.param_dtype or u.dtype, u.gathered_numel) for u in units]
+        gdt = [(u.gather_dtype, u.gathered_numel) for u in units]
+        rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.groups]
         landing = config.comm_granularity == "block"
         self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size, landing)
         self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
@@ -325,16 +326,27 @@ class ISPCommunicator:
     @torch.no_grad()
     def gather_full(self, unit: BlockUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors from per-parameter shard-shaped tensors of ``unit`` (e.g. the
-        shards themselves, or optimizer states shaped like them). Collective over WP."""
-        flat = torch.zeros(unit.shard_numel, dtype=shards[0].dtype, device=unit.device)
-        for sp, t in zip(unit.params, shards):
-            unit.shard_view(flat, sp).copy_(t)
-        rank_major = torch.empty(unit.gathered_numel, dtype=flat.dtype, device=unit.device)
-        what = f"gather of block {unit.index}"
-        self.engine._wait(self.backend.all_gather(rank_major, flat, self.groups.wp_group), what)
-        slot = torch.empty_like(rank_major)
-        unit.copy_out(rank_major, slot)
-        return [full.clone(memory_format=torch.contiguous_format) for full in unit.full_views(slot)]
+        shards themselves, or optimizer states shaped like them). Collective over WP:
+        one all-gather per dtype among ``shards``."""
+        fulls: list[torch.Tensor | None] = [None] * len(shards)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(shards):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for dt, members in by_dtype.items():
+            params = [unit.params[i] for i in members]
+            layout = Layout.packed(params, raw=False)
+            flat = torch.zeros(layout.numel, dtype=dt, device=unit.device)
+            for sp, off, i in zip(params, layout.offsets, members):
+                sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(shards[i])
+            rank_major = torch.empty(unit.wp_size * layout.numel, dtype=dt, device=unit.device)
+            what = f"gather of block {unit.index}"
+            self.engine._wait(self.backend.all_gather(rank_major, flat, self.groups.wp_group), what)
+            w = unit.wp_size
+            per_rank = rank_major.view(w, layout.numel)
+            for sp, off, size, i in zip(params, layout.offsets, layout.sizes, members):
+                rows = per_rank[:, off : off + size].reshape(w * sp.chunk_rows, *sp.rows_shape[1:])
+                fulls[i] = sp.user(rows[: sp.rows_shape[0]]).contiguous()
+        return fulls  # type: ignore[return-value]
 
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor shaped like sharded parameter ``fqn``."""

@@ -10,6 +10,12 @@ Rank ``r``'s chunks of all the block's parameters, concatenated, are its *flat s
 of ``S`` elements; the user-visible shard parameters are views of it, so the
 all-gather input needs no copy.
 
+A block whose parameters mix dtypes keeps its flat shard as raw bytes (parameters
+ordered by element size, so every typed view is aligned): it is gathered as bytes
+(one collective) unless ``param_dtype`` casts it, and its gradients are
+reduce-scattered in one group per dtype (FSDP2 does the same). Offsets and sizes are
+then in bytes for storage and gathering, in elements within each reduce group.
+
 * The all-gather output is *rank-major*: ``[rank 0's flat shard | rank 1's | ...]``.
 * A gathered *slot* is *param-major*: parameter ``p`` occupies
   ``[wp * off_p, wp * (off_p + n_p))`` as its padded full tensor, so the module's
@@ -35,8 +41,9 @@ class ShardedParam:
     shape: torch.Size  # full, unpadded shape
     chunk_rows: int  # rows per rank, padded
     valid_rows: int  # rows this rank really holds (<= chunk_rows, may be 0)
-    offset: int  # start in the flat shard
+    offset: int  # start in the flat shard (in bytes when the shard is raw bytes)
     dim: int = 0  # the dim split over ranks (0, or 1 for a 2-D parameter)
+    dtype: torch.dtype = torch.float32
 
     @property
     def rows_shape(self) -> torch.Size:
@@ -72,6 +79,41 @@ class ShardedParam:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where each parameter's shard sits in a flat buffer, in that buffer's elements
+    (bytes when ``raw``, and typed views are cut from them)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    numel: int
+    raw: bool = False
+
+    @staticmethod
+    def packed(params: list[ShardedParam], raw: bool) -> Layout:
+        sizes = tuple(sp.shard_numel * (sp.dtype.itemsize if raw else 1) for sp in params)
+        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        return Layout(offsets, sizes, sum(sizes), raw)
+
+
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Parameters whose gradients are reduce-scattered together, in ``dtype``."""
+
+    dtype: torch.dtype
+    members: tuple[int, ...]  # indices into the unit's params
+    layout: Layout  # elements of ``dtype``, over the members only
+    wp_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.wp_size * self.layout.numel
+
+
+@dataclass(frozen=True)
 class ReplicatedParam:
     """A parameter inside a block that stays whole on every rank (e.g. a norm weight)."""
 
@@ -94,28 +136,30 @@ class BlockUnit:
         device: torch.device,
         names: tuple[str, ...] | None = ("weight", "bias"),
         dim1: frozenset[int] = frozenset(),
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         """``owners``: (fqn prefix, module) whose direct parameters called ``names``
         (all of them when ``None``) are sharded. A parameter owned by several modules
         (tied weights) is sharded once and appears in every owner. Parameters whose
-        ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0."""
+        ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0.
+        ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of gradient
+        reduction (``None``: the parameters' own)."""
         self.index = index
         self.block = block
         self.wp_size = wp_size
         self.wp_rank = wp_rank
         self.replicated = replicated
-        layouts: list[ShardedParam] = []
-        full: list[torch.Tensor] = []
-        self.aliases: list[tuple[nn.Module, str, int, str]] = []  # (module, name, index in params, fqn)
+        found: list[tuple[ShardedParam, nn.Parameter]] = []
+        alias_of: list[tuple[nn.Module, str, int, str]] = []  # (module, name, index in found, fqn)
         seen: dict[int, int] = {}
-        offset = 0
         for fqn_prefix, module in owners:
             for name, p in list(module._parameters.items()):
                 if p is None or (names is not None and name not in names):
                     continue
+                fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
                 if id(p) in seen:
-                    fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
-                    self.aliases.append((module, name, seen[id(p)], fqn))
+                    alias_of.append((module, name, seen[id(p)], fqn))
                     continue
                 if p.dim() == 0:
                     raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
@@ -124,24 +168,44 @@ class BlockUnit:
                 out = p.shape[dim]
                 chunk = -(-out // wp_size)
                 valid = max(0, min(chunk, out - wp_rank * chunk))
-                fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
-                sp = ShardedParam(module, name, fqn, p.shape, chunk, valid, offset, dim)
-                seen[id(p)] = len(layouts)
-                layouts.append(sp)
-                full.append(p)
-                offset += sp.shard_numel
-        self.params = tuple(layouts)
-        self.shard_numel = offset
-        dtypes = {p.dtype for p in full}
-        if len(dtypes) != 1:
-            raise ValueError(f"block {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
+                seen[id(p)] = len(found)
+                found.append((ShardedParam(module, name, fqn, p.shape, chunk, valid, 0, dim, p.dtype), p))
+        dtypes = {sp.dtype for sp, _ in found}
+        self.mixed = len(dtypes) > 1
+        # mixed: widest elements first, so every typed view of the raw bytes is aligned
+        order = sorted(range(len(found)), key=lambda i: -found[i][0].dtype.itemsize) if self.mixed else None
+        if order is not None:
+            position = {old: new for new, old in enumerate(order)}
+            found = [found[i] for i in order]
+            alias_of = [(m, n, position[i], f) for m, n, i, f in alias_of]
+        self.aliases = alias_of
+        store = Layout.packed([sp for sp, _ in found], raw=self.mixed)
+        self.params = tuple(
+            ShardedParam(sp.module, sp.name, sp.fqn, sp.shape, sp.chunk_rows, sp.valid_rows, off, sp.dim, sp.dtype)
+            for (sp, _), off in zip(found, store.offsets)
+        )
+        self.store = store
+        self.dtype = torch.uint8 if self.mixed else dtypes.pop()  # of the flat shard
+        self.gather_dtype = param_dtype or self.dtype
+        self.gather = store if self.gather_dtype == self.dtype else Layout.packed(list(self.params), raw=False)
+        self.shard_numel = self.gather.numel  # what one rank sends in an all-gather
+        self.groups = self._reduce_groups(reduce_dtype or param_dtype)
         self.device = device
-        self.requires_grad = any(p.requires_grad for p in full)
-        self.flat_shard = torch.zeros(offset, dtype=self.dtype, device=self.device)
+        self.requires_grad = any(p.requires_grad for _, p in found)
+        self.flat_shard = torch.zeros(store.numel, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
         self._install_shards()
         self.grad_flat: torch.Tensor | None = None
+
+    def _reduce_groups(self, dtype: torch.dtype | None) -> tuple[ReduceGroup, ...]:
+        """One group in ``dtype`` when it is set, else one per parameter dtype."""
+        by: dict[torch.dtype, list[int]] = {}
+        for i, sp in enumerate(self.params):
+            by.setdefault(dtype or sp.dtype, []).append(i)
+        return tuple(
+            ReduceGroup(dt, tuple(ix), Layout.packed([self.params[i] for i in ix], raw=False), self.wp_size)
+            for dt, ix in by.items()
+        )
 
     # ---- construction -------------------------------------------------------------
     def _install_shards(self) -> None:
@@ -173,8 +237,22 @@ class BlockUnit:
 
     @staticmethod
     def shard_view(flat: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
-        """``sp``'s piece of a flat shard, in the parameter's own shape."""
+        """``sp``'s piece of a flat shard (or of a buffer laid out like it), in the
+        parameter's own shape."""
+        if flat.dtype == torch.uint8:  # raw bytes of a block mixing dtypes
+            n = sp.valid_rows * sp.inner * sp.dtype.itemsize
+            return sp.user(flat[sp.offset : sp.offset + n].view(sp.dtype).view(sp.shard_shape))
         return sp.user(flat[sp.offset : sp.offset + sp.valid_rows * sp.inner].view(sp.shard_shape))
+
+    def fill_send(self, send: torch.Tensor) -> None:
+        """This rank's shard, in the gather dtype and layout (when it is not the flat
+        shard itself); padding rows stay zero."""
+        if not self.mixed:
+            send.copy_(self.flat_shard)
+            return
+        for sp, off, size in zip(self.params, self.gather.offsets, self.gather.sizes):
+            nbytes = sp.shard_numel * sp.dtype.itemsize
+            send[off : off + size].copy_(self.flat_shard[sp.offset : sp.offset + nbytes].view(sp.dtype))
 
     # ---- gathered layout ------------------------------------------------------------
     @property
@@ -183,42 +261,49 @@ class BlockUnit:
 
     def copy_out(self, rank_major: torch.Tensor, slot: torch.Tensor) -> None:
         """Rank-major all-gather output -> param-major slot (see the layouts note)."""
-        w = self.wp_size
-        outs = [slot[w * sp.offset : w * (sp.offset + sp.shard_numel)].view(w, -1) for sp in self.params]
+        w, g = self.wp_size, self.gather
+        outs = [slot[w * off : w * (off + size)].view(w, -1) for off, size in zip(g.offsets, g.sizes)]
         torch.split_with_sizes_copy(
-            rank_major[: self.gathered_numel].view(w, self.shard_numel),
-            [sp.shard_numel for sp in self.params],
-            dim=1,
-            out=outs,
+            rank_major[: self.gathered_numel].view(w, self.shard_numel), list(g.sizes), dim=1, out=outs
         )
 
     def full_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
         """The unpadded full parameters as views of a param-major slot."""
+        w, g = self.wp_size, self.gather
+        views = []
+        for sp, off in zip(self.params, g.offsets):
+            if g.raw:
+                region = slot[w * off : w * off + sp.full_numel * sp.dtype.itemsize].view(sp.dtype)
+            else:
+                region = slot[w * off : w * off + sp.full_numel]
+            views.append(sp.user(region.view(sp.rows_shape)))
+        return views
+
+    def pack_grads(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor, group: ReduceGroup) -> None:
+        """Full gradients of ``group`` -> rank-major reduce-scatter input (padding rows zero)."""
+        flat_2d = []
+        for i in group.members:
+            sp, g = self.params[i], grads[i]
+            if g is None:
+                g = torch.zeros(sp.shape, dtype=out.dtype, device=out.device)
+            flat_2d.append(sp.user(g.to(out.dtype)).reshape(sp.rows_shape[0], -1))
         w = self.wp_size
-        return [sp.user(slot[w * sp.offset : w * sp.offset + sp.full_numel].view(sp.rows_shape)) for sp in self.params]
+        torch._chunk_cat(flat_2d, dim=0, num_chunks=w, out=out[: group.gathered_numel].view(w, -1))
 
-    def pack_grads(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> None:
-        """Full gradients -> rank-major reduce-scatter input (padding rows zero)."""
-        filled = [
-            g if g is not None else torch.zeros(sp.shape, dtype=out.dtype, device=out.device)
-            for g, sp in zip(grads, self.params)
-        ]
-        flat_2d = [sp.user(g).reshape(sp.rows_shape[0], -1) for g, sp in zip(filled, self.params)]
-        torch._chunk_cat(flat_2d, dim=0, num_chunks=self.wp_size, out=out[: self.gathered_numel].view(self.wp_size, -1))
-
-    def param_major_slices(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
-        """Per parameter: its padded full region of a param-major buffer, and the slice
-        of the flat shard it gathers from / reduces into (``comm_granularity="module"``:
-        an all-gather of that slice of every rank lands exactly on the region)."""
+    def param_major_slices(self, buf: torch.Tensor, layout: Layout) -> list[tuple[torch.Tensor, slice]]:
+        """Per parameter of ``layout``: its padded full region of a param-major buffer,
+        and the slice of the flat shard-like buffer it gathers from / reduces into
+        (``comm_granularity="module"``: an all-gather of that slice of every rank
+        lands exactly on the region)."""
         w = self.wp_size
-        return [
-            (buf[w * sp.offset : w * (sp.offset + sp.shard_numel)], slice(sp.offset, sp.offset + sp.shard_numel))
-            for sp in self.params
-        ]
+        return [(buf[w * o : w * (o + n)], slice(o, o + n)) for o, n in zip(layout.offsets, layout.sizes)]
 
-    def pack_grads_param_major(self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor) -> None:
-        """Full gradients -> param-major reduce-scatter input (padding rows zero)."""
-        for (region, _), g, sp in zip(self.param_major_slices(out), grads, self.params):
+    def pack_grads_param_major(
+        self, grads: tuple[torch.Tensor | None, ...], out: torch.Tensor, group: ReduceGroup
+    ) -> None:
+        """Full gradients of ``group`` -> param-major reduce-scatter input (padding rows zero)."""
+        for (region, _), i in zip(self.param_major_slices(out, group.layout), group.members):
+            sp, g = self.params[i], grads[i]
             rows = region.view(self.wp_size * sp.chunk_rows, -1)
             n = sp.rows_shape[0]
             if g is None:
@@ -240,19 +325,20 @@ class BlockUnit:
         for module, name, i, _ in self.aliases:
             module._parameters[name] = self.shards[i]
 
-    def accumulate_grad(self, reduced: torch.Tensor) -> None:
-        """Add a reduced flat gradient shard into the shard parameters' ``.grad``.
+    def accumulate_grad(self, reduced: torch.Tensor, group: ReduceGroup) -> None:
+        """Add ``group``'s reduced gradient shard into the shard parameters' ``.grad``.
 
         [Note: grad aliasing] A shard's ``.grad`` is a view of ``grad_flat`` (one
-        buffer per block, allocated once), so after ``zero_grad(set_to_none=True)`` the
-        next step writes into the same memory.
+        buffer per block, laid out like the flat shard, allocated once), so after
+        ``zero_grad(set_to_none=True)`` the next step writes into the same memory.
         """
         if self.grad_flat is None:
             self.grad_flat = torch.zeros_like(self.flat_shard)
-        for sp, shard in zip(self.params, self.shards):
+        for i, off in zip(group.members, group.layout.offsets):
+            sp, shard = self.params[i], self.shards[i]
             if not shard.requires_grad:
                 continue
-            piece = self.shard_view(reduced, sp)
+            piece = sp.user(reduced[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape))
             if shard.grad is None:
                 shard.grad = self.shard_view(self.grad_flat, sp)
                 shard.grad.copy_(piece)

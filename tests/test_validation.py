@@ -111,10 +111,6 @@ def test_mixed_devices_and_dtypes(world1) -> None:
     model = tiny().double()
     with pytest.raises(ValueError, match="unsupported dtype"):
         ISPCommunicator(model, world1)
-    model = tiny()
-    model.layers[0].mlp.up_proj.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="mixes parameter dtypes"):
-        ISPCommunicator(model, world1)
 
 
 def test_wrong_types(world1) -> None:

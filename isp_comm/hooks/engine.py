@@ -25,7 +25,7 @@ from isp_comm.backends.base import Handle, HandleGroup
 from isp_comm.hooks.autograd import PreBackward, UnshardBlock
 from isp_comm.hooks.casting import cast_floats, map_tensors
 from isp_comm.hooks.trace import Tracer
-from isp_comm.units import BlockUnit
+from isp_comm.units import BlockUnit, ReduceGroup
 
 
 class Phase(Enum):
@@ -58,6 +58,7 @@ class _UnitRuntime:
 @dataclass
 class _InflightReduce:
     unit: BlockUnit
+    group: ReduceGroup
     pair: tuple[torch.Tensor, torch.Tensor]
     out: torch.Tensor
     handle: Handle
@@ -105,11 +106,9 @@ class BlockEngine:
         self._delay_rng = random.Random(groups.rank) if config.debug_delay_s > 0 else None
 
     # ---- dtypes -------------------------------------------------------------------
-    def gather_dtype(self, unit: BlockUnit) -> torch.dtype:
-        return self.config.param_dtype or unit.dtype
-
-    def reduce_dtype(self, unit: BlockUnit) -> torch.dtype:
-        return self.config.reduce_dtype or self.gather_dtype(unit)
+    @staticmethod
+    def gather_dtype(unit: BlockUnit) -> torch.dtype:
+        return unit.gather_dtype
 
     # ---- waiting ------------------------------------------------------------------
     def _wait(self, handle: Handle, what: str) -> float:
@@ -149,12 +148,12 @@ class BlockEngine:
         n = unit.gathered_numel
         region = self.pool.acquire(dt, slot, unit.index, n, unit.index % self.config.n_slots)
         send = unit.flat_shard
-        if dt != unit.dtype:
+        if dt != unit.dtype:  # cast to param_dtype (and, for mixed dtypes, re-laid out)
             buf = self._send.get(dt)
             if buf is None or buf.numel() < unit.shard_numel:
                 buf = self._send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
             send = buf[: unit.shard_numel]
-            send.copy_(unit.flat_shard)
+            unit.fill_send(send)
         self._delay()
         wp_group = self.groups.wp_group
         n_collectives = 1
@@ -167,7 +166,7 @@ class BlockEngine:
             # thread; the views autograd saved from it must not see a version bump
             rt.landing = torch.autograd._unsafe_preserve_version_counter(region)
             rt.landing.__enter__()
-            slices = unit.param_major_slices(region)
+            slices = unit.param_major_slices(region, unit.gather)
             handle = HandleGroup([self.backend.all_gather(r, send[s], wp_group) for r, s in slices])
             n_collectives, rt.staging = len(slices), None
         else:
@@ -383,43 +382,46 @@ class BlockEngine:
         self._swap_out(unit)
         if self.tracer is not None and rt.backward_at:
             self.tracer.add("compute", f"backward block {unit.index}", rt.backward_at, time.perf_counter())
-        while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
-            self._complete_reduce(self._reduces.popleft())
-        dt = self.reduce_dtype(unit)
-        pair = self.rs_buffers.acquire(dt, unit.gathered_numel)
-        inp, out = pair[0][: unit.gathered_numel], pair[1][: unit.shard_numel]
         module = self.config.comm_granularity == "module" and unit.wp_size > 1
-        (unit.pack_grads_param_major if module else unit.pack_grads)(grads, inp)
-        self.release(unit)
+        for i, group in enumerate(unit.groups):  # one reduce-scatter per dtype group
+            while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
+                self._complete_reduce(self._reduces.popleft())
+            pair = self.rs_buffers.acquire(group.dtype, group.gathered_numel)
+            inp, out = pair[0][: group.gathered_numel], pair[1][: group.shard_numel]
+            (unit.pack_grads_param_major if module else unit.pack_grads)(grads, inp, group)
+            if i == len(unit.groups) - 1:
+                self.release(unit)
+            self._issue_reduce(unit, group, pair, inp, out, module)
+
+    def _issue_reduce(
+        self, unit: BlockUnit, group: ReduceGroup, pair, inp: torch.Tensor, out: torch.Tensor, module: bool
+    ) -> None:
         self._delay()
+        wp = self.groups.wp_group
         if module:
-            slices = unit.param_major_slices(inp)
-            handle = HandleGroup([self.backend.reduce_scatter(out[s], r, self.groups.wp_group) for r, s in slices])
+            slices = unit.param_major_slices(inp, group.layout)
+            handle = HandleGroup([self.backend.reduce_scatter(out[s], r, wp) for r, s in slices])
             self.counters.reduce_scatters += len(slices)
         else:
-            handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
+            handle = self.backend.reduce_scatter(out, inp, wp)
             self.counters.reduce_scatters += 1
-        self.counters.bytes_reduced += inp.numel() * dt.itemsize
-        self._event("reduce_scatter", unit.index)
-        self._reduces.append(_InflightReduce(unit, pair, out, handle, time.perf_counter()))
+        self.counters.bytes_reduced += inp.numel() * inp.element_size()
+        if unit is not self.root:
+            self._event("reduce_scatter", unit.index)
+        self._reduces.append(_InflightReduce(unit, group, pair, out, handle, time.perf_counter()))
         if not self.config.overlap:
             self._complete_reduce(self._reduces.popleft())
 
     def _post_backward_root(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         root = self.root
-        while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
-            self._complete_reduce(self._reduces.popleft())
-        inp = torch.empty(root.gathered_numel, dtype=root.dtype, device=root.device)
-        out = torch.empty(root.shard_numel, dtype=root.dtype, device=root.device)
-        root.pack_grads(grads, inp)
         self._root_region = None
-        self._delay()
-        handle = self.backend.reduce_scatter(out, inp, self.groups.wp_group)
-        self.counters.reduce_scatters += 1
-        self.counters.bytes_reduced += inp.numel() * inp.element_size()
-        self._reduces.append(_InflightReduce(root, (inp, out), out, handle, time.perf_counter()))
-        if not self.config.overlap:
-            self._complete_reduce(self._reduces.popleft())
+        for group in root.groups:  # the root's buffers are its own, not the pool's
+            while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
+                self._complete_reduce(self._reduces.popleft())
+            inp = torch.empty(group.gathered_numel, dtype=group.dtype, device=root.device)
+            out = torch.empty(group.shard_numel, dtype=group.dtype, device=root.device)
+            root.pack_grads(grads, inp, group)
+            self._issue_reduce(root, group, (inp, out), inp, out, module=False)
 
     def _complete_reduce(self, r: _InflightReduce) -> None:
         done = self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
@@ -431,9 +433,9 @@ class BlockEngine:
             h = self.backend.all_reduce(r.out, self.groups.replica_group)
             self._wait(h, f"replica all-reduce of block {r.unit.index}")
         r.out.div_(self.groups.world_size)
-        r.unit.accumulate_grad(r.out)
-        if r.unit is not self.root:  # the root's buffers are its own, not the pool's
-            self.rs_buffers.release(self.reduce_dtype(r.unit), r.pair)
+        r.unit.accumulate_grad(r.out, r.group)
+        if r.unit is not self.root:
+            self.rs_buffers.release(r.group.dtype, r.pair)
 
     def end_backward(self) -> None:
         """Drain reduce-scatters, average replicated grads, return to IDLE. Idempotent."""
