@@ -129,48 +129,52 @@ def _sp_worker(
     return err
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("sp, wp", [(1, 4), (2, 2), (4, 4), (2, 4), (4, 1)])
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama", "hf"])
-def test_sp_wp_parity(kind: str, sp: int, wp: int) -> None:
+def test_sp_wp_parity(kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers")
     # 8 heads over 2 KV heads: at sp = 4 the KV heads are repeated (GQA, SP > KV heads).
-    for err in run_ranks(_sp_worker, 4, sp, wp, kind, timeout_s=180):
-        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+    check_sp_cases([(sp, wp, kind, False, False, None) for sp, wp in [(1, 4), (2, 2), (4, 4), (2, 4), (4, 1)]])
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind, tied", [("llama", False), ("hf", False), ("hf", True)])
-def test_sp_wp_parity_with_embedding_and_head_sharded(kind: str, tied: bool) -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_sp_wp_parity_with_embedding_and_head_sharded(kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers")
-    # tied: the head's weight is the embedding's; it is sharded once and used by both.
-    for err in run_ranks(_sp_worker, 4, 2, 2, kind, True, tied, timeout_s=180):
-        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+    # tied (HF): the head's weight is the embedding's; it is sharded once and used by both.
+    check_sp_cases([(2, 2, kind, True, tied, None) for tied in ([False] if kind == "llama" else [False, True])])
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "layout, sp, wp, kv",
-    [("qkv", 2, 2, 8), ("qkv", 4, 2, 8), ("q_kv", 4, 2, 2), ("q_kv", 2, 4, 2)],
-)
-def test_packed_qkv_parity(layout: str, sp: int, wp: int, kv: int) -> None:
+def sp_cases_worker(rank: int, world: int, cases: list[tuple]) -> list[tuple[tuple, float]]:
+    """Several ``_sp_worker`` cases ``(sp, wp, kind, outer, tied, opts)`` in one set of
+    processes (spawning 4 ranks costs more than a tiny case)."""
+    return [(case, _sp_worker(rank, world, *case)) for case in cases]
+
+
+def check_sp_cases(cases: list[tuple]) -> None:
+    for per_rank in run_ranks(sp_cases_worker, 4, cases, timeout_s=280):
+        bad = [(case, err) for case, err in per_rank if not err < 2e-6]  # fp32 SGD parity, as in test_engine_parity
+        assert not bad, bad
+
+
+@pytest.mark.timeout(300)
+def test_packed_qkv_parity() -> None:
     # packed qkv travels as one all-to-all; q_kv with 2 KV heads at sp 4 repeats them.
-    for err in run_ranks(
-        _sp_worker, 4, sp, wp, "llama", False, False, {"qkv_layout": layout, "n_kv_heads": kv}, timeout_s=180
-    ):
-        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+    layouts = [("qkv", 2, 2, 8), ("qkv", 4, 2, 8), ("q_kv", 4, 2, 2), ("q_kv", 2, 4, 2)]
+    check_sp_cases(
+        [(sp, wp, "llama", False, False, {"qkv_layout": lay, "n_kv_heads": kv}) for lay, sp, wp, kv in layouts]
+    )
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind, sp, wp", [("llama", 2, 2), ("llama", 4, 1), ("hf", 4, 2), ("hf", 2, 4)])
-def test_varlen_packed_parity(kind: str, sp: int, wp: int) -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_varlen_packed_parity(kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers")
     # packed documents under SP train exactly like each document run alone
-    for err in run_ranks(_sp_worker, 4, sp, wp, kind, False, False, {"varlen": True}, timeout_s=180):
-        assert err < 2e-6  # fp32 SGD parity, as in test_engine_parity
+    check_sp_cases([(sp, wp, kind, False, False, {"varlen": True}) for sp, wp in [(2, 2), (4, 1), (4, 2), (2, 4)]])
 
 
 def _bad_heads_worker(rank: int, world: int, kind: str) -> str:
