@@ -4,6 +4,10 @@
 
 Size = the all-gather output and the reduce-scatter input per rank. The memcpy bound
 is every rank copying that many bytes at the same time, measured in the same run.
+"symm" uses ordinary tensors (through the ranks' scratch segments); "symm buf" a
+symmetric buffer from ``backend.empty(..., group=...)`` as the all-gather output /
+reduce-scatter input, which peers write into / read from directly (what the memory
+pool's slots and buffers are).
 Each time is the median over repetitions of the slowest rank. Prints a markdown
 table and writes bench/results/collectives.json.
 """
@@ -21,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, save_results  # noqa: E402
+from bench.common import MIB, markdown_table, save_results  # noqa: E402
 from isp_comm.backends import SymmCpuBackend, TorchBackend  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 
@@ -53,6 +57,13 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int) -> list[dict]:
             rs = lambda b=b, o=out_shard, i=full: b.reduce_scatter(o, i, group).wait(120)  # noqa: E731
             row[f"ag_{name}"] = _time(ag, reps)
             row[f"rs_{name}"] = _time(rs, reps)
+        symm = backends["symm"]
+        sym_out = symm.empty(world * n, torch.float32, torch.device("cpu"), group=group)
+        ag = lambda b=symm, o=sym_out, i=shard: b.all_gather(o, i, group).wait(120)  # noqa: E731
+        row["ag_symm_buf"] = _time(ag, reps)
+        sym_out.copy_(full)  # now the reduce-scatter input
+        rs = lambda b=symm, o=out_shard, i=sym_out: b.reduce_scatter(o, i, group).wait(120)  # noqa: E731
+        row["rs_symm_buf"] = _time(rs, reps)
         rows.append(row)
     for b in backends.values():
         b.close()
@@ -70,18 +81,30 @@ def main() -> None:
     for world in args.worlds:
         rows += run_ranks(_worker, world, sizes, args.reps, timeout_s=1800)[0]
     ms = 1e3
-    print(
-        "| world | MiB | AG gloo ms | AG symm ms | AG gloo/symm | RS gloo ms | RS symm ms | RS gloo/symm "
-        "| memcpy ms | AG symm/memcpy | RS symm/memcpy |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['world']} | {r['mib']:g} | {r['ag_gloo'] * ms:.2f} | {r['ag_symm'] * ms:.2f} | "
-            f"{r['ag_gloo'] / r['ag_symm']:.1f}x | {r['rs_gloo'] * ms:.2f} | {r['rs_symm'] * ms:.2f} | "
-            f"{r['rs_gloo'] / r['rs_symm']:.1f}x | {r['memcpy'] * ms:.2f} | {r['ag_symm'] / r['memcpy']:.2f} | "
-            f"{r['rs_symm'] / r['memcpy']:.2f} |"
-        )
+    header = [
+        "world", "MiB", "AG gloo ms", "AG symm ms", "AG symm buf ms", "AG gloo/symm buf",
+        "RS gloo ms", "RS symm ms", "RS symm buf ms", "RS gloo/symm buf",
+        "memcpy ms", "AG symm buf/memcpy", "RS symm buf/memcpy",
+    ]  # fmt: skip
+    table = [
+        [
+            r["world"],
+            f"{r['mib']:g}",
+            f"{r['ag_gloo'] * ms:.2f}",
+            f"{r['ag_symm'] * ms:.2f}",
+            f"{r['ag_symm_buf'] * ms:.2f}",
+            f"{r['ag_gloo'] / r['ag_symm_buf']:.1f}x",
+            f"{r['rs_gloo'] * ms:.2f}",
+            f"{r['rs_symm'] * ms:.2f}",
+            f"{r['rs_symm_buf'] * ms:.2f}",
+            f"{r['rs_gloo'] / r['rs_symm_buf']:.1f}x",
+            f"{r['memcpy'] * ms:.2f}",
+            f"{r['ag_symm_buf'] / r['memcpy']:.2f}",
+            f"{r['rs_symm_buf'] / r['memcpy']:.2f}",
+        ]  # fmt: skip
+        for r in rows
+    ]
+    print(markdown_table(header, table))
     save_results("collectives", args, rows)
 
 

@@ -209,7 +209,10 @@ class ISPCommunicator:
         return vocab_parallel_cross_entropy(logits, labels, wp_comm, vocab_start, ignore_index)
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.backend.empty(numel, dtype, device)
+        # a fixed pool is allocated once, collectively: symmetric buffers the WP peers
+        # write into; per-gather allocations (memory_pool=False) are plain
+        group = self.groups.wp_group if self.config.memory_pool else None
+        return self.backend.empty(numel, dtype, device, group)
 
     @staticmethod
     def _target_device(model: nn.Module) -> torch.device:
@@ -301,6 +304,8 @@ class ISPCommunicator:
         c = self.engine.counters
         return {
             "all_gathers": c.all_gathers,
+            "direct_all_gathers": getattr(self.backend, "direct_all_gathers", 0),  # written by peers into the pool
+            "direct_reduce_scatters": getattr(self.backend, "direct_reduce_scatters", 0),  # read from peers' pool
             "reduce_scatters": c.reduce_scatters,
             "all_reduces": c.all_reduces,
             "bytes_gathered": c.bytes_gathered,

@@ -167,3 +167,70 @@ def test_stalled_peer_times_out_naming_it() -> None:
     elapsed, text = msg.split(" ", 1)
     assert 1.9 < float(elapsed) < 5.0, msg  # the 2 s deadline, plus a little
     assert "all-gather" in text and "ranks [1]" in text, msg
+
+
+def _symmetric_worker(rank: int, world: int) -> int:
+    # all-gathers into symmetric buffers (peers write straight into them): equal to
+    # gloo, also at an offset inside the buffer and in place
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    group = dist.new_group(list(range(world)))
+    for salt, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
+        inp = _data(rank, n, dtype, salt)
+        ref = torch.empty(world * n, dtype=dtype)
+        dist.all_gather_into_tensor(ref, inp, group=group)
+        buf = backend.empty(world * n + 5, dtype, torch.device("cpu"), group=group)
+        for off in (0, 5):
+            out = buf[off : off + world * n]
+            out.fill_(7)
+            backend.all_gather(out, inp, group).wait(TIMEOUT)
+            assert torch.equal(out, ref), (dtype, n, off)
+        inplace = buf[: world * n]
+        inplace[rank * n : (rank + 1) * n] = inp
+        backend.all_gather(inplace, inplace[rank * n : (rank + 1) * n], group).wait(TIMEOUT)
+        assert torch.equal(inplace, ref), (dtype, n)
+        # reduce-scatter reading every peer's input straight from its symmetric buffer
+        big = _data(rank, world * n, dtype, salt + 500)
+        src = buf[5 : 5 + world * n]
+        src.copy_(big)
+        rs, rs_ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        backend.reduce_scatter(rs, src, group).wait(TIMEOUT)
+        dist.reduce_scatter_tensor(rs_ref, big, group=group)
+        exact = sum(_data(r, world * n, dtype, salt + 500).double() for r in range(world))
+        _check_reduce(rs, exact[rank * n : (rank + 1) * n], dtype, rs_ref)
+    # two slots reused alternately, random per-rank delays: a fast rank may write into
+    # a slot only once its slow owner has issued the gather into it
+    slots = [backend.empty(world * 4099, torch.float32, torch.device("cpu"), group=group) for _ in range(2)]
+    delay, prev = random.Random(rank), None
+    for i in range(200):
+        if delay.random() < 0.3:
+            time.sleep(delay.random() * 0.003)
+        h = backend.all_gather(slots[i % 2], torch.full((4099,), float(rank * 1000 + i)), group)
+        if prev is not None:
+            j, hp = prev
+            hp.wait(TIMEOUT)
+            want = torch.cat([torch.full((4099,), float(r * 1000 + j)) for r in range(world)])
+            assert torch.equal(slots[j % 2], want), j
+        prev = (i, h)
+    prev[1].wait(TIMEOUT)
+    # reduce-scatter inputs: one buffer refilled at once after each completes, so a
+    # reduce-scatter must not complete while a slow peer still reads its input
+    for i in range(200):
+        if delay.random() < 0.3:
+            time.sleep(delay.random() * 0.003)
+        slots[0].copy_(torch.arange(world * 4099, dtype=torch.float32) + i)
+        out = torch.empty(4099)
+        h = backend.reduce_scatter(out, slots[0], group)
+        h.wait(TIMEOUT)
+        want = (torch.arange(rank * 4099, (rank + 1) * 4099, dtype=torch.float32) + i) * world
+        assert torch.equal(out, want), i
+    direct = backend.direct_all_gathers + backend.direct_reduce_scatters
+    backend.close()
+    return direct
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symmetric_buffers_are_written_by_peers(world: int) -> None:
+    counts = run_ranks(_symmetric_worker, world, timeout_s=100)
+    # every non-empty one took the direct path (an empty tensor has no address in a buffer)
+    assert counts == [4 * len(DTYPES) * (len(SIZES) - 1) + 400] * world

@@ -123,6 +123,9 @@ def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tupl
         passes = case.steps * case.micro
         assert stats["all_gathers"] == 2 * per_pass * passes, stats
         assert stats["reduce_scatters"] == per_pass * passes, stats
+        if backend == "symm":  # every collective went straight between the peers' pool buffers
+            assert stats["direct_all_gathers"] == stats["all_gathers"], stats
+            assert stats["direct_reduce_scatters"] == stats["reduce_scatters"], stats
         out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
     return out
 

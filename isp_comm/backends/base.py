@@ -62,8 +62,13 @@ class Backend(Protocol):
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None: ...
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer this backend can communicate from/into (shared memory for symm)."""
+    def empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """A buffer to communicate from/into. With ``group`` the call is collective over
+        it and the buffer symmetric (same size on every rank): a symmetric-memory
+        backend serves it from memory the peers map, and all-gathers into it are
+        written by the peers directly."""
         ...
 
     def close(self) -> None: ...

@@ -128,7 +128,9 @@ class NvshmemBackend:
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         dist.barrier(group=group)
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
+    ) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
 
     def close(self) -> None:

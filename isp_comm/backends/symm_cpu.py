@@ -11,6 +11,16 @@ its own) and one scratch segment per rank. A collective with epoch ``e``:
    (reductions sum in fixed rank order, in fp32 for bf16/fp16: deterministic);
 4. publish ``done = e``.
 
+Symmetric buffers: ``empty(..., group=g)`` allocates a buffer collectively on every
+rank of ``g`` (same sizes, same order) as one shared segment per rank that every peer
+maps. An all-gather whose output lies in such a buffer skips the scratch: each rank
+publishes where its output is and ``ready = e`` (its output may now be written), waits
+for every peer's ``ready``, writes its input straight into every peer's output and
+publishes ``done = e``; it completes once every peer's ``done >= e`` (its own output
+is then whole). A reduce-scatter whose input lies in one reads its chunk straight from
+every peer's input the same way, and completes only when no peer reads its input any
+more. The memory pool allocates its slots and buffers this way.
+
 Collectives run in FIFO order on one worker thread per backend (the copies release
 the GIL), so they overlap the caller's compute. Every wait spins briefly, then yields
 and sleeps with backoff, and has a deadline that names the ranks that did not arrive.
@@ -78,6 +88,7 @@ class _Group:
     generation: int = 0
     epoch: int = 0
     acc: torch.Tensor | None = None  # fp32 accumulator for bf16/fp16 reductions
+    buffers: list[tuple[int, int, list[Segment]]] = field(default_factory=list)  # (my base, bytes, per rank)
 
     @property
     def spin_budget(self) -> int:
@@ -104,6 +115,8 @@ class SymmCpuBackend:
         self._worker.start()
         self._last: SymmHandle | None = None
         self._closed = False
+        self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
+        self.direct_reduce_scatters = 0  # reduce-scatters read straight from symmetric buffers
 
     # ---- group set-up (collective over the group, in the calling thread) ------------
     def _group(self, group: ProcessGroup, nbytes: int) -> _Group | None:
@@ -124,7 +137,7 @@ class SymmCpuBackend:
         me = ranks.index(dist.get_rank())
         pids, token = [p for _, p, _ in infos], infos[0][2]
         name = segment_name(pids[0], token, "ctrl")
-        nbytes = 2 * len(ranks) * Flags.STRIDE * 8
+        nbytes = 3 * len(ranks) * Flags.STRIDE * 8  # ready, done, where my all-gather output is
         ctrl = Segment(name, nbytes, create=True) if me == 0 else None
         dist.barrier(group=group)
         if ctrl is None:
@@ -132,7 +145,7 @@ class SymmCpuBackend:
         dist.barrier(group=group)
         if me == 0:
             Segment.unlink(name)
-        return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 2 * len(ranks)))
+        return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 3 * len(ranks)))
 
     def _grow(self, group: ProcessGroup, g: _Group, nbytes: int) -> None:
         """Collectively replace every rank's scratch by a larger one (sizes agree on
@@ -164,9 +177,20 @@ class SymmCpuBackend:
             if kind != "all_reduce":
                 out.copy_(inp.reshape(out.shape))
             return CompletedHandle()
+        extra: tuple = ()
+        if kind == "all_gather":
+            where = self._registered(g, out)
+            if where is not None:
+                kind, extra = "all_gather_direct", (where,)
+                self.direct_all_gathers += 1
+        elif kind == "reduce_scatter":
+            where = self._registered(g, inp)
+            if where is not None:
+                kind, extra = "reduce_scatter_direct", (where,)
+                self.direct_reduce_scatters += 1
         g.epoch += 1
         h = SymmHandle(f"{kind.replace('_', '-')} (symm) over ranks {list(g.ranks)}")
-        self._queue.put((kind, g, g.epoch, out, inp, h))
+        self._queue.put((kind, g, g.epoch, out, inp, h, extra))
         self._last = h
         return h
 
@@ -185,8 +209,37 @@ class SymmCpuBackend:
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         self._submit("barrier", group, None, None, 0).wait(timeout_s)
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=device)
+    def empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """With ``group`` (collective over it): a symmetric buffer peers can write into."""
+        if group is None or torch.device(device).type != "cpu" or self._closed:
+            return torch.empty(numel, dtype=dtype, device=device)
+        g = self._group(group, 0)
+        if g is None or g.size == 1:
+            return torch.empty(numel, dtype=dtype, device=device)
+        nbytes = numel * dtype.itemsize
+        k = len(g.buffers)
+        names = [segment_name(g.pids[r], g.token, "buf", k, r) for r in range(g.size)]
+        mine = Segment(names[g.me], nbytes, create=True)
+        dist.barrier(group=group)
+        segs = [mine if r == g.me else Segment(names[r], nbytes, create=False) for r in range(g.size)]
+        dist.barrier(group=group)
+        Segment.unlink(names[g.me])
+        g.buffers.append((mine.bytes.data_ptr(), mine.nbytes, segs))
+        return mine.bytes[:nbytes].view(dtype)
+
+    @staticmethod
+    def _registered(g: _Group, t: torch.Tensor) -> int | None:
+        """``buffer index << 40 | byte offset`` when ``t`` lies in one of the group's
+        symmetric buffers, else None."""
+        if not t.is_contiguous() or t.device.type != "cpu":
+            return None
+        ptr, n = t.data_ptr(), t.numel() * t.element_size()
+        for k, (base, nbytes, _) in enumerate(g.buffers):
+            if base <= ptr and ptr + n <= base + nbytes:
+                return k << 40 | (ptr - base)
+        return None
 
     # ---- worker -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -195,12 +248,12 @@ class SymmCpuBackend:
             item = self._queue.get()
             if item is None:
                 return
-            kind, g, epoch, out, inp, h = item
+            kind, g, epoch, out, inp, h, extra = item
             if failed is not None:  # peers are out of step after a failure: fail fast
                 h._finish(failed)
                 continue
             try:
-                getattr(self, "_do_" + kind)(g, epoch, out, inp)
+                getattr(self, "_do_" + kind)(g, epoch, out, inp, *extra)
                 h._finish()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 failed = exc
@@ -253,6 +306,37 @@ class SymmCpuBackend:
         for r, buf in enumerate(peers):
             flat_out[r * n : (r + 1) * n].copy_(buf[: n * inp.element_size()].view(inp.dtype))
         self._done(g, epoch)
+
+    def _do_all_gather_direct(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor, where: int) -> None:
+        nb = inp.numel() * inp.element_size()
+        g.flags.store(2 * g.size + g.me, where)  # where peers write into me (read after ready)
+        g.flags.store(g.me, epoch)  # my output may be written
+        self._wait_flags(g, 0, epoch, "all-gather")
+        if nb:
+            src = inp.reshape(-1).view(torch.uint8)
+            for r in range(g.size):
+                self._peer_region(g, r, g.me * nb, nb).copy_(src)
+        g.flags.store(g.size + g.me, epoch)  # my writes are complete
+        self._wait_flags(g, g.size, epoch, "all-gather (peers still writing)")
+
+    def _peer_region(self, g: _Group, r: int, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` past where rank ``r`` published its buffer."""
+        code = g.flags.load(2 * g.size + r)
+        k, off = code >> 40, (code & ((1 << 40) - 1)) + start
+        return g.buffers[k][2][r].bytes[off : off + nbytes]
+
+    def _do_reduce_scatter_direct(
+        self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor, where: int
+    ) -> None:
+        nb = out.numel() * inp.element_size()
+        g.flags.store(2 * g.size + g.me, where)  # where peers read my input (read after ready)
+        g.flags.store(g.me, epoch)  # my input may be read
+        self._wait_flags(g, 0, epoch, "reduce-scatter")
+        if nb:
+            chunks = [self._peer_region(g, r, g.me * nb, nb).view(inp.dtype) for r in range(g.size)]
+            self._sum_chunks(g, chunks, out.view(-1))
+        g.flags.store(g.size + g.me, epoch)  # I no longer read peers' inputs
+        self._wait_flags(g, g.size, epoch, "reduce-scatter (peers still reading)")
 
     def _sum_chunks(self, g: _Group, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
         """Sum in rank order; bf16/fp16 accumulate in fp32."""
@@ -312,7 +396,7 @@ class SymmCpuBackend:
         self._worker.join(timeout=self.timeout_s)
         for g in self._groups.values():
             if g is not None:
-                for seg in (g.ctrl, *g.scratch):
+                for seg in (g.ctrl, *g.scratch, *(s for _, _, segs in g.buffers for s in segs)):
                     seg.close()
         self._groups.clear()
         self._fallback.close()

@@ -67,7 +67,9 @@ class TorchBackend:
         if not _single(group):
             self.all_reduce(torch.zeros(1), group).wait(timeout_s)
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
+    ) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
 
     def close(self) -> None:
