@@ -7,11 +7,23 @@ Every collective takes its group and buffers explicitly and returns a handle who
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
+
+
+def cuda_with(module: str) -> bool:
+    """CUDA is present and ``module`` imports: whether a GPU backend can be selected."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 class Handle(Protocol):

@@ -17,17 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle
+from isp_comm.backends.base import CompletedHandle, Handle, cuda_with
 
 
 def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_with("torch.distributed._symmetric_memory")
 
 
 class CudaEventHandle:

@@ -16,19 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Handle
+from isp_comm.backends.base import Handle, cuda_with
 from isp_comm.backends.cuda_symm import CudaEventHandle
 from isp_comm.backends.torch_backend import TorchBackend
 
 
 def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import nvshmem.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_with("nvshmem.core")
 
 
 class _StreamRef:
