@@ -96,11 +96,6 @@ class BlockEngine(GradientReductions):
         self._failed = False  # a collective failed: peers are gone, never wait again
         self._delay_rng = random.Random(groups.rank) if config.debug_delay_s > 0 else None
 
-    # ---- dtypes -------------------------------------------------------------------
-    @staticmethod
-    def gather_dtype(unit: BlockUnit) -> torch.dtype:
-        return unit.gather_dtype
-
     # ---- waiting ------------------------------------------------------------------
     def _wait(self, handle: Handle, what: str) -> float:
         t0 = time.perf_counter()
@@ -128,7 +123,7 @@ class BlockEngine(GradientReductions):
         """Issue ``unit``'s all-gather into a free slot; False when no slot is free."""
         rt = self._rt[unit.index]
         assert rt.state is UnitState.SHARDED
-        dt = self.gather_dtype(unit)
+        dt = unit.gather_dtype
         preferred = rt.slot if rt.slot >= 0 else unit.index % self.config.n_slots
         strict = self.phase is Phase.BACKWARD and rt.saved_views
         slot = self.pool.free_slot(dt, preferred, strict)
@@ -193,7 +188,7 @@ class BlockEngine(GradientReductions):
     def ensure_gathered(self, unit: BlockUnit) -> torch.Tensor:
         rt = self._rt[unit.index]
         if rt.state is UnitState.SHARDED and not self._start_gather(unit):
-            dt = self.gather_dtype(unit)
+            dt = unit.gather_dtype
             owners = [self.pool.owner(dt, i) for i in range(self.config.n_slots)]
             raise RuntimeError(
                 f"isp-comm: block {unit.index} needs slot {rt.slot} but the slots are held by "
@@ -214,7 +209,7 @@ class BlockEngine(GradientReductions):
         if rt.state is UnitState.SHARDED:
             return
         self._finish_gather(unit)
-        self.pool.release(self.gather_dtype(unit), rt.slot, unit.index, unit.gathered_numel)
+        self.pool.release(unit.gather_dtype, rt.slot, unit.index, unit.gathered_numel)
         rt.state, rt.region = UnitState.SHARDED, None
         for i in sorted(self._pending):
             if self._rt[i].state is not UnitState.SHARDED or self._start_gather(self.units[i]):
@@ -410,7 +405,7 @@ class BlockEngine(GradientReductions):
             for unit, rt in zip(self.units, self._rt):
                 self._swap_out(unit)
                 if rt.state is not UnitState.SHARDED:
-                    self.pool.release(self.gather_dtype(unit), rt.slot, unit.index, unit.gathered_numel)
+                    self.pool.release(unit.gather_dtype, rt.slot, unit.index, unit.gathered_numel)
                 rt.state, rt.handle, rt.region, rt.landing = UnitState.SHARDED, None, None, None
             self._reduces.clear()
             self._staging_owner = None
