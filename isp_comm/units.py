@@ -25,6 +25,7 @@ then in bytes for storage and gathering, in elements within each reduce group.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,7 @@ class Layout:
     @staticmethod
     def packed(params: list[ShardedParam], raw: bool) -> Layout:
         sizes = tuple(sp.shard_numel * (sp.dtype.itemsize if raw else 1) for sp in params)
-        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        offsets = (0, *itertools.accumulate(sizes))[: len(sizes)]
         return Layout(offsets, sizes, sum(sizes), raw)
 
 

@@ -145,9 +145,9 @@ class Attention(nn.Module):
             k, v = self._heads(self.kv_proj(x), 2, self.n_kv_heads).unbind(1)
             o = self.attention_fn(q, torch.stack((apply_rope(k, cos, sin), v), dim=1), **kw)
         else:
-            q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q = self._heads(self.q_proj(x), 1, self.n_heads)[:, 0]
+            k = self._heads(self.k_proj(x), 1, self.n_kv_heads)[:, 0]
+            v = self._heads(self.v_proj(x), 1, self.n_kv_heads)[:, 0]
             o = self.attention_fn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, **kw)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
