@@ -19,8 +19,10 @@ from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.trace import Tracer
+from isp_comm.materialize import materialize_module
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
 from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
+from isp_comm.state import ShardedState
 from isp_comm.units import BlockUnit, Layout, ReplicatedParam
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, find_output_head, vocab_parallel_cross_entropy
 
@@ -105,6 +107,7 @@ class ISPCommunicator:
             raise
 
         n_ckpt = round(config.activation_checkpointing * len(block_list))
+        materialize = functools.partial(self._materialize, device=device, seed=config.init_seed)
         units: list[BlockUnit] = []
         in_blocks: set[int] = set()
         for i, block in enumerate(block_list):
@@ -116,8 +119,8 @@ class ISPCommunicator:
                 for pn, p in m.named_parameters(recurse=False)
                 if id(p) not in sharded
             ]
-            dtypes = {"param_dtype": config.param_dtype, "reduce_dtype": config.reduce_dtype}
-            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank, device, **dtypes)
+            kw = {"param_dtype": config.param_dtype, "reduce_dtype": config.reduce_dtype, "materialize": materialize}
+            unit = BlockUnit(i, block, linears, replicated, groups.wp_size, groups.wp_rank, device, **kw)
             units.append(unit)
             in_blocks |= {id(s) for s in unit.shards}
         self.units = units
@@ -125,7 +128,9 @@ class ISPCommunicator:
         if config.vocab_parallel:
             head = find_output_head(model, head, block_list)
             g = groups
-            self.vocab_unit = BlockUnit(-2, head, [(names[head], head)], [], g.wp_size, g.wp_rank, device, ("weight",))
+            self.vocab_unit = BlockUnit(
+                -2, head, [(names[head], head)], [], g.wp_size, g.wp_rank, device, ("weight",), materialize=materialize
+            )
             in_blocks |= {id(s) for s in self.vocab_unit.shards}
         self.root = None
         if config.shard_outer_params:
@@ -141,12 +146,17 @@ class ISPCommunicator:
                     id(m.weight) for _, m in owners if isinstance(m, nn.Embedding) and id(m.weight) not in in_linear
                 )
                 wp, rank = groups.wp_size, groups.wp_rank
-                self.root = BlockUnit(-1, model, owners, [], wp, rank, device, names=None, dim1=dim1)
+                self.root = BlockUnit(
+                    -1, model, owners, [], wp, rank, device, names=None, dim1=dim1, materialize=materialize
+                )
                 in_blocks |= {id(s) for s in self.root.shards}
         self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
             self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
-        self._materialize_rest(model, device)
+        for fqn, mod in model.named_modules():  # what is still on meta lies outside the units
+            if any(p.device.type == "meta" for p in mod.parameters(recurse=False)):
+                materialize(mod, fqn)
+        self._state = ShardedState(model, groups, self._sharded, self.sharded_units, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
         alloc = functools.partial(self._alloc, device=units[0].device)
@@ -222,20 +232,11 @@ class ISPCommunicator:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @staticmethod
-    @torch.no_grad()
-    def _materialize_rest(model: nn.Module, device: torch.device) -> None:
-        """Parameters still on meta (outside the blocks' linears): module by module,
-        ``reset_parameters()`` where the module has one, zeros otherwise (load real
-        values with ``load_full_state_dict``)."""
-        for mod in model.modules():
-            if not any(p.device.type == "meta" for p in mod.parameters(recurse=False)):
-                continue
-            mod.to_empty(device=device, recurse=False)
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-            else:
-                for p in mod.parameters(recurse=False):
-                    p.zero_()
+    def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int | None) -> None:
+        """A module still on meta: real on ``device`` and initialised (see the note in
+        :mod:`isp_comm.materialize`); zeros without ``reset_parameters`` (load real
+        values with ``load_state_dict`` or ``load_full_state_dict``)."""
+        materialize_module(module, fqn, device, seed)
 
     @staticmethod
     def _validate(model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -395,6 +396,45 @@ class ISPCommunicator:
                 if src.shape != target.shape:
                     raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(src.shape)}")
                 target.copy_(src)
+
+    # ---- sharded state (see isp_comm/state.py) ---------------------------------------------
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip every gradient by the global norm over the whole model (collective over
+        the WP group); returns the norm before clipping, identical on every rank. Call
+        it after backward, before ``optimizer.step()``. The stock
+        ``torch.nn.utils.clip_grad_norm_`` would see only this rank's shards."""
+        self._check_idle("clip_grad_norm_()")
+        return self._state.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sharded model state dict: original FQNs; every sharded parameter a DTensor
+        of its global shape whose local tensor is this rank's live shard; replicated
+        parameters and persistent buffers plain tensors. Nothing is gathered: pass it
+        to ``torch.distributed.checkpoint.save`` / ``load``."""
+        self._check_idle("state_dict()")
+        return self._state.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (this run's, or another WP size's
+        after ``dcp.load``); full tensors are accepted too, each rank keeping its rows.
+        Missing or unexpected keys and shape mismatches are a ``ValueError``."""
+        self._check_idle("load_state_dict()")
+        self._state.load_state_dict(state_dict)
+
+    def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """``opt``'s state keyed by parameter FQN, for any ``torch.optim`` optimizer:
+        states shaped like a sharded parameter are DTensors like it (sharing memory).
+        A fresh optimizer gets its states first (one step at lr 0 on zero gradients:
+        parameters untouched) so that ``dcp.load`` can fill them."""
+        self._check_idle("optimizer_state_dict()")
+        return self._state.optimizer_state_dict(opt)
+
+    def load_optimizer_state_dict(self, opt: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+        """Load an optimizer state dict from :meth:`optimizer_state_dict` (any WP size)."""
+        self._check_idle("load_optimizer_state_dict()")
+        self._state.load_optimizer_state_dict(opt, osd)
 
     def close(self) -> None:
         """Drain communication, restore the blocks' forwards and free the pool."""

@@ -69,6 +69,13 @@ class ISPConfig:
     on CPU, ``torch.distributed._symmetric_memory`` on CUDA), ``"nvshmem"``
     (nvshmem4py, CUDA) or ``"auto"`` (symm where available, torch otherwise)."""
 
+    init_seed: int | None = None
+    """For a model built under ``torch.device("meta")``: initialise each module with a
+    generator seeded from ``init_seed`` and its FQN, so the initial weights depend on
+    the seed and the names only, never on the WP size or which parameters are
+    sharded (:func:`isp_comm.materialize.init_weights` gives an unwrapped model the
+    same weights). ``None``: each module's ``reset_parameters()`` on the global RNG."""
+
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""
 
@@ -93,6 +100,8 @@ class ISPConfig:
             raise ValueError(f"comm_granularity must be 'block' or 'module', got {self.comm_granularity!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
+            raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.debug_delay_s < 0:

@@ -26,10 +26,13 @@ then in bytes for storage and gathering, in elements within each reduce group.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from isp_comm.materialize import materialize_module
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,10 @@ class ReduceGroup:
         return self.wp_size * self.layout.numel
 
 
+def _default_materialize(device: torch.device) -> Callable[[nn.Module, str], None]:
+    return lambda module, fqn: materialize_module(module, fqn, device, None)
+
+
 @dataclass(frozen=True)
 class ReplicatedParam:
     """A parameter inside a block that stays whole on every rank (e.g. a norm weight)."""
@@ -139,9 +146,11 @@ class BlockUnit:
         dim1: frozenset[int] = frozenset(),
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        materialize: Callable[[nn.Module, str], None] | None = None,
     ) -> None:
         """``owners``: (fqn prefix, module) whose direct parameters called ``names``
-        (all of them when ``None``) are sharded. A parameter owned by several modules
+        (all of them when ``None``) are sharded. ``materialize(module, fqn)`` turns a
+        module still on the meta device into a real, initialised one. A parameter owned by several modules
         (tied weights) is sharded once and appears in every owner. Parameters whose
         ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0.
         ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of gradient
@@ -195,7 +204,7 @@ class BlockUnit:
         self.requires_grad = any(p.requires_grad for _, p in found)
         self.flat_shard = torch.zeros(store.numel, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
-        self._install_shards()
+        self._install_shards(materialize or _default_materialize(device))
         self.grad_flat: torch.Tensor | None = None
 
     def _reduce_groups(self, dtype: torch.dtype | None) -> tuple[ReduceGroup, ...]:
@@ -209,22 +218,16 @@ class BlockUnit:
         )
 
     # ---- construction -------------------------------------------------------------
-    def _install_shards(self) -> None:
+    def _install_shards(self, materialize: Callable[[nn.Module, str], None]) -> None:
         """Copy this rank's rows into the flat shard and register shard parameters.
 
-        A linear still on the meta device is materialised alone (``reset_parameters``)
-        just before its rows are taken, so at most one full linear exists at a time."""
+        A module still on the meta device is materialised alone just before its rows
+        are taken, so at most one full module exists at a time."""
         shards = []
         for sp in self.params:
             p = sp.module._parameters[sp.name]  # a meta bias is real once its weight was
             if p.device.type == "meta":
-                sp.module.to_empty(device=self.device, recurse=False)
-                if hasattr(sp.module, "reset_parameters"):
-                    sp.module.reset_parameters()
-                else:  # no initialiser: zeros until load_full_state_dict
-                    with torch.no_grad():
-                        for q in sp.module.parameters(recurse=False):
-                            q.zero_()
+                materialize(sp.module, sp.fqn[: -len(sp.name)].rstrip("."))
                 p = sp.module._parameters[sp.name]
             view = self.shard_view(self.flat_shard, sp)
             with torch.no_grad():

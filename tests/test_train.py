@@ -74,6 +74,14 @@ def test_resume_gives_identical_losses(tmp_path) -> None:
     assert losses(a) == losses(b)  # bitwise: the same trajectory, interrupted or not
 
 
+def _full_optim(comm, opt) -> dict:
+    """The optimizer state with full tensors, for comparison (one tensor at a time)."""
+    from torch.distributed.tensor import DTensor
+
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    return {n: {k: full(v) for k, v in st.items()} for n, st in comm.optimizer_state_dict(opt)["state"].items()}
+
+
 def _save_worker(rank: int, world: int, out: str) -> dict:
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from isp_comm.train import checkpoint
@@ -87,8 +95,8 @@ def _save_worker(rank: int, world: int, out: str) -> dict:
         x, y = step[0]
         loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
         opt.step(), opt.zero_grad()
-    checkpoint.save(out, 2, comm, opt)
-    sd, osd = comm.full_state_dict(), checkpoint.full_optimizer_state(comm, opt)
+    checkpoint.Checkpointer(out).save(2, comm, opt)
+    sd, osd = comm.full_state_dict(), _full_optim(comm, opt)
     comm.close()
     return {"model": sd, "optim": osd}
 
@@ -102,7 +110,7 @@ def _load_worker(rank: int, world: int, out: str) -> dict:
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = checkpoint.load(checkpoint.latest(out), comm, opt)
-    sd, osd = comm.full_state_dict(), checkpoint.full_optimizer_state(comm, opt)
+    sd, osd = comm.full_state_dict(), _full_optim(comm, opt)
     comm.close()
     return {"step": step, "model": sd, "optim": osd}
 

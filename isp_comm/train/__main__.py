@@ -55,8 +55,9 @@ def run(cfg: TrainConfig) -> None:
         n_kv_heads=cfg.kv_heads,
         max_seq_len=cfg.seq,
     )
-    with torch.device("meta"):
-        model = build(mcfg, seed=cfg.seed)
+    with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
+        model = build(mcfg)
+    n_params = sum(p.numel() for p in model.parameters())
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     icfg = ISPConfig(
         overlap=cfg.overlap,
@@ -67,9 +68,9 @@ def run(cfg: TrainConfig) -> None:
         backend=cfg.backend,
         param_dtype=torch.bfloat16 if cfg.bf16 else None,
         reduce_dtype=torch.float32 if cfg.bf16 else None,
+        init_seed=cfg.seed,  # the same initial weights on every WP size
     )
     comm = ISPCommunicator(model, groups, icfg)
-    comm.load_full_state_dict(build(mcfg, seed=cfg.seed).state_dict())  # same weights on every WP size
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     hook = comm.scheduler_hook()
     os.makedirs(cfg.out, exist_ok=True)
@@ -77,14 +78,14 @@ def run(cfg: TrainConfig) -> None:
     if cfg.resume:
         path = checkpoint.latest(cfg.out)
         if path is None:
-            raise ValueError(f"--resume: no checkpoint in {cfg.out}/checkpoints")
+            raise ValueError(f"--resume: no complete checkpoint in {cfg.out}/checkpoints")
         start = checkpoint.load(path, comm, opt)
+    saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save)
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
     if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
         with open(os.path.join(cfg.out, "run.json"), "w") as f:
             json.dump({"config": as_dict(cfg), "world": world, "rank0_shapes": shards}, f, indent=1)
-        n_params = sum(v.numel() for v in build(mcfg).state_dict().values())
         tqdm.write(
             f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
             f"{n_params / 1e6:.2f}M params, data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
@@ -106,6 +107,7 @@ def run(cfg: TrainConfig) -> None:
         hook.before_backward()
         loss.backward()
         hook.after_backward()
+        grad_norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf).item()
         opt.step()
         opt.zero_grad()
         avg = loss.detach().clone()
@@ -117,6 +119,7 @@ def run(cfg: TrainConfig) -> None:
             "step": step,
             "loss": avg.item() / world,
             "lr": lr_at(cfg, step),
+            "grad_norm": grad_norm,
             "tokens_per_s": tokens_done / (time.perf_counter() - t_start),
             "step_s": dt,
             "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
@@ -129,6 +132,7 @@ def run(cfg: TrainConfig) -> None:
         bar.update(1)
         bar.set_postfix(
             loss=f"{last['loss']:.3f}",
+            gnorm=f"{grad_norm:.2f}",
             tok_s=f"{last['tokens_per_s']:.0f}",
             comm=f"{last['exposed_comm_pct']:.0f}%",
             pool=f"{s['pool_bytes'] / 2**20:.1f}MiB",
@@ -140,11 +144,12 @@ def run(cfg: TrainConfig) -> None:
                 f"exposed comm {last['exposed_comm_pct']:4.1f}%"
             )
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            checkpoint.save(cfg.out, step, comm, opt)
+            saver.save(step, comm, opt)
     bar.close()
     local_spans = comm.stop_trace()
     if start < cfg.steps:
-        checkpoint.save(cfg.out, cfg.steps, comm, opt)
+        saver.save(cfg.steps, comm, opt)
+    saver.wait()
     spans: list = [None] * world
     dist.all_gather_object(spans, local_spans)
     comm.close()

@@ -1,87 +1,227 @@
-"""Checkpoints with torch.distributed.checkpoint: full (unsharded) tensors, so a run
-can resume on a different weight-parallel size.
+"""isp-train's checkpoints: the sharded state dicts through torch.distributed.checkpoint.
 
-A checkpoint holds the model's full state dict, AdamW's state per parameter (full
-tensors), the step and the RNG state. Every rank holds the same full tensors when
-saving (DCP writes replicated tensors once); on load each rank takes its own rows.
+Every rank writes only its own shards (``comm.state_dict()`` /
+``comm.optimizer_state_dict(opt)``: DTensors on the live shards), for any optimizer, so
+saving costs no more memory than training and a run can resume on another WP size.
+
+[Note: commit protocol]
+A checkpoint is written into ``step_N.partial/``. When DCP returns (every rank's data
+and the ``.metadata`` are written), each rank records a CRC-32 of the files it wrote,
+rank 0 writes them to ``checksums.json`` and renames the folder to ``step_N/`` (an
+atomic rename), then points ``latest`` at it (written to a temporary file and renamed
+too). A run killed at any moment therefore leaves either a complete ``step_N/`` or a
+``.partial`` folder that :func:`latest` never picks; a fresh run removes them.
+Resume verifies the checksums (each rank reads a share of the files) before loading,
+so a truncated or corrupted file stops the run with its name.
+
+With ``async_save`` the state is first copied (this rank's shards only, the one extra
+copy asynchronous saving needs), then DCP writes the copy in a background thread
+over a process group of its own, so its collectives never interleave with
+training's; the commit happens when the next save or the end of training waits for
+it. The copy is made here, not by DCP's default stager, which in torch 2.13 fails
+on a DTensor whose local tensor is a view into a larger buffer ("invalid python
+storage"), as every shard is (a view of its block's flat shard).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import zlib
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from isp_comm import ISPCommunicator
 
 LATEST = "latest"
+PARTIAL = ".partial"
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (one line for the user, naming the file)."""
+
+
+def _root(out: str) -> str:
+    return os.path.join(out, "checkpoints")
 
 
 def _step_dir(out: str, step: int) -> str:
-    return os.path.join(out, "checkpoints", f"step_{step:06d}")
+    return os.path.join(_root(out), f"step_{step:06d}")
 
 
-def full_optimizer_state(comm: ISPCommunicator, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Parameter name -> {state key: full tensor} (collective over the WP group)."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    names = {p: n for n, p in comm.model.named_parameters()}
-    for unit in comm.sharded_units:
-        first = opt.state.get(unit.shards[0], {})
-        for key in sorted(first):
-            if torch.is_tensor(first[key]) and first[key].dim() > 0:
-                fulls = comm.gather_full(unit, [opt.state[p][key] for p in unit.shards])
-            else:
-                fulls = [opt.state[p][key].clone() for p in unit.shards]
-            for p, full in zip(unit.shards, fulls):
-                out.setdefault(names[p], {})[key] = full
-    for p, name in names.items():
-        if not comm.is_sharded(name) and p in opt.state:
-            out[name] = {k: v.clone() for k, v in opt.state[p].items()}
-    return out
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
-def save(out: str, step: int, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> str:
-    path = _step_dir(out, step)
-    state = {
-        "model": comm.full_state_dict(),
-        "optim": full_optimizer_state(comm, opt),
+def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int) -> dict:
+    return {
+        "model": comm.state_dict(),
+        "optim": comm.optimizer_state_dict(opt),
         "meta": {"step": torch.tensor(step)},
         "rng": torch.get_rng_state(),
     }
-    dcp.save(state, checkpoint_id=path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(out, "checkpoints", LATEST), "w") as f:
-            f.write(os.path.basename(path))
-    return path
+
+
+def _staged(value):
+    """A copy of a state tree whose tensors own their memory (DTensors stay DTensors)."""
+    if isinstance(value, DTensor):
+        local = value.to_local().clone()
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _staged(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_staged(v) for v in value)
+    return value
+
+
+class _Staged:
+    """An ``AsyncStager`` for a state dict already copied by :func:`_staged`."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Checkpointer:
+    """Saves (synchronously or not) and commits checkpoints under ``OUT/checkpoints``."""
+
+    def __init__(self, out: str, async_save: bool = False) -> None:
+        self.out = out
+        self.async_save = async_save
+        self._group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank
+        self._pending: tuple[Future, str] | None = None
+        if dist.get_rank() == 0:
+            os.makedirs(_root(out), exist_ok=True)
+            for name in os.listdir(_root(out)):  # a killed run's unfinished writes
+                if name.endswith(PARTIAL):
+                    shutil.rmtree(os.path.join(_root(out), name), ignore_errors=True)
+        dist.barrier()
+
+    def save(self, step: int, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> None:
+        """Write step ``step``; with ``async_save`` return once the state is staged."""
+        self.wait()  # the previous save first: one in flight at a time
+        path = _step_dir(self.out, step) + PARTIAL
+        state = _state(comm, opt, step)
+        if self.async_save:
+            staged = _staged(state)
+            future = dcp.async_save(staged, checkpoint_id=path, process_group=self._group, async_stager=_Staged())
+            self._pending = (future, path)
+        else:
+            dcp.save(state, checkpoint_id=path)
+            self._commit(path)
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save in flight, then commit it."""
+        if self._pending is not None:
+            future, path = self._pending
+            self._pending = None
+            future.result()
+            self._commit(path)
+
+    def _commit(self, path: str) -> None:
+        rank = dist.get_rank()
+        mine = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}
+        every: list[dict[str, int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        final = path[: -len(PARTIAL)]
+        if rank == 0:
+            sums = {k: v for d in every for k, v in (d or {}).items()}
+            sums[".metadata"] = _crc(os.path.join(path, ".metadata"))
+            with open(os.path.join(path, CHECKSUMS), "w") as f:
+                json.dump(sums, f, indent=0, sort_keys=True)
+            if os.path.exists(final):  # the same step saved again (e.g. after a resume)
+                shutil.rmtree(final)
+            os.replace(path, final)
+            tmp = os.path.join(_root(self.out), LATEST + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(final))
+            os.replace(tmp, os.path.join(_root(self.out), LATEST))
+        dist.barrier()
 
 
 def latest(out: str) -> str | None:
+    """The newest committed checkpoint: the one ``latest`` names when it is complete,
+    else the highest complete ``step_N``; ``.partial`` folders never count."""
+    root = _root(out)
+    complete = lambda d: os.path.isfile(os.path.join(root, d, ".metadata"))  # noqa: E731
     try:
-        with open(os.path.join(out, "checkpoints", LATEST)) as f:
-            return os.path.join(out, "checkpoints", f.read().strip())
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+        if name and complete(name):
+            return os.path.join(root, name)
     except FileNotFoundError:
+        pass
+    if not os.path.isdir(root):
         return None
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(PARTIAL) and complete(d))
+    return os.path.join(root, done[-1]) if done else None
 
 
-def load(path: str, comm: ISPCommunicator, opt: torch.optim.AdamW) -> int:
-    """Load ``path`` into the wrapped model and its AdamW; returns the saved step."""
-    model_sd = comm.full_state_dict()
-    optim_sd = {
-        name: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
-        for name, t in model_sd.items()
-        if name in dict(comm.model.named_parameters())
-    }
-    state = {"model": model_sd, "optim": optim_sd, "meta": {"step": torch.tensor(0)}, "rng": torch.get_rng_state()}
-    dcp.load(state, checkpoint_id=path)
-    comm.load_full_state_dict(state["model"])
-    for name, p in comm.model.named_parameters():
-        full = state["optim"][name]
-        opt.state[p] = {
-            k: (comm.shard_of(name, v).clone() if comm.is_sharded(name) and v.dim() > 0 else v.clone())
-            for k, v in full.items()
-        }
+def verify(path: str) -> None:
+    """Check every file of ``path`` against ``checksums.json`` (each rank reads a
+    share); a ``CheckpointError`` on every rank names the first bad file."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad: str | None = None
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            sums = json.load(f)
+    except (OSError, ValueError) as exc:
+        sums, bad = {}, f"{os.path.join(path, CHECKSUMS)} is unreadable ({exc})"
+    for i, name in enumerate(sorted(sums)):
+        if i % world != rank or bad:
+            continue
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            bad = f"{file} is missing"
+        elif _crc(file) != sums[name]:
+            bad = f"{file} is corrupted or truncated (checksum mismatch)"
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, bad)
+    first = next((b for b in found if b), None)
+    if first:
+        raise CheckpointError(f"checkpoint {path}: {first}")
+
+
+def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
+    """Load ``path`` into the wrapped model and ``opt`` (any WP size); returns its step."""
+    verify(path)
+    state = _state(comm, opt, 0)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {str(exc).strip().splitlines()[-1]}") from exc
+    comm.load_state_dict(state["model"])
+    comm.load_optimizer_state_dict(opt, state["optim"])
     torch.set_rng_state(state["rng"])
     return int(state["meta"]["step"])
+
+
+def read_metadata(path: str):
+    """DCP's metadata of a checkpoint (which chunks of which tensors it holds)."""
+    return FileSystemReader(path).read_metadata()

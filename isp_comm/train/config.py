@@ -58,14 +58,20 @@ class TrainConfig:
     """Linear warm-up steps, then cosine decay to lr / 10."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    clip: float = 1.0
+    """Clip the global gradient norm to this value before each step (0: no clipping)."""
     seed: int = 0
-    """Model initialisation seed."""
+    """Model initialisation seed: each module is seeded from it and its name, so the
+    initial weights do not depend on --wp, --sp or --shard-outer."""
     log_every: int = 10
     """Print a line every N steps."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    async_save: bool = False
+    """Write checkpoints in the background (dcp.async_save) while training goes on;
+    the next save, or the end of the run, waits for the previous one."""
     resume: bool = False
-    """Continue from the latest checkpoint in --out."""
+    """Continue from the latest complete checkpoint in --out."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
 
@@ -78,6 +84,8 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.ckpt <= 1.0:
             raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
+        if not self.clip >= 0:
+            raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.backend not in ("torch", "symm", "auto"):

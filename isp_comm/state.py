@@ -1,0 +1,293 @@
+"""Sharded state: parameters and optimizer states as DTensors, and the global gradient norm.
+
+The engine trains on plain tensors: every sharded parameter is this rank's rows, a
+view of its block's flat shard (see :mod:`isp_comm.units`). Around training (clipping,
+checkpoints, resume) the rest of PyTorch wants to know what those rows are *of*. This
+module answers with DTensors built on the same memory, never with the full tensors.
+
+[Note: the mesh]
+The world is laid out as a 2-D ``DeviceMesh`` ``("replica", "wp")`` of shape
+``(world / wp, wp)``: row ``k`` is WP group ``k`` (ranks ``k*wp ... k*wp + wp - 1``)
+and column ``j`` the replica group of WP rank ``j``, so the mesh is built from the
+:class:`~isp_comm.groups.ParallelGroups`' own process groups (no new groups). A
+sharded parameter is ``[Replicate(), Shard(d)]`` with ``d`` its split dim (0, or 1 for
+an embedding split along its hidden dim). The engine's chunks (``ceil(n / wp)`` rows
+per rank, the last ones short or empty) are exactly DTensor's uneven ``Shard``
+chunks, so the local tensor is the shard itself: no copy, no padding rows.
+
+[Note: aliasing]
+``state_dict()`` and ``optimizer_state_dict()`` hand out DTensors whose local tensors
+*are* the parameters' shards and the optimizer's state tensors. ``dcp.load`` into
+them writes straight into the live model and optimizer; the ``load_*`` calls then
+copy each tensor onto itself, which is harmless, and are what makes loading from any
+other dict (full tensors, another run's DTensors) work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from isp_comm.groups import ParallelGroups
+from isp_comm.units import BlockUnit, ShardedParam
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+class ShardedState:
+    """The sharded view of a wrapped model: state dicts, optimizer state dicts, norms.
+
+    ``sharded`` maps every sharded parameter's FQN (tied aliases included) to its unit
+    and layout; ``units`` are the units owning shards (each shard once)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: ParallelGroups,
+        sharded: Mapping[str, tuple[BlockUnit, ShardedParam]],
+        units: list[BlockUnit],
+        device: torch.device,
+    ) -> None:
+        self.model, self.groups, self.sharded, self.units = model, groups, sharded, units
+        self.device = device
+        self._mesh: DeviceMesh | None = None
+
+    # ---- DTensor views -----------------------------------------------------------------
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The ``("replica", "wp")`` mesh of the note above, made on first use."""
+        if self._mesh is None:
+            g = self.groups
+            layout = torch.arange(g.world_size).view(g.replica_size, g.wp_size)
+            self._mesh = DeviceMesh.from_group(
+                [g.replica_group, g.wp_group], self.device.type, mesh=layout, mesh_dim_names=("replica", "wp")
+            )
+        return self._mesh
+
+    def as_dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's rows of sharded parameter ``fqn``, or a tensor shaped
+        like them) as a DTensor of the parameter's global shape, sharing memory."""
+        _, sp = self.sharded[fqn]
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            [Replicate(), Shard(sp.dim)],
+            run_check=False,
+            shape=sp.shape,
+            stride=_contiguous_stride(sp.shape),
+        )
+
+    def local_of(self, fqn: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``value`` for sharded ``fqn``: the local tensor of a
+        DTensor laid out like ours, else the rows of a full tensor (a DTensor laid out
+        otherwise is made full first: one parameter at a time)."""
+        unit, sp = self.sharded[fqn]
+        if isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(sp.shape):
+                raise ValueError(f"{fqn}: expected global shape {tuple(sp.shape)}, got {tuple(value.shape)}")
+            mine = value.device_mesh == self.mesh and tuple(value.placements) == (Replicate(), Shard(sp.dim))
+            if mine and value.to_local().shape == like.shape:
+                return value.to_local()
+            value = value.full_tensor()
+        if tuple(value.shape) == tuple(sp.shape):
+            return sp.rows_of(value, unit.wp_rank)
+        raise ValueError(f"{fqn}: expected shape {tuple(sp.shape)} (or its shard), got {tuple(value.shape)}")
+
+    # ---- model state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Original FQNs; sharded parameters as DTensors on the live shards, everything
+        else (replicated parameters, persistent buffers) as plain tensors."""
+        sd = self.model.state_dict()
+        for fqn, t in sd.items():
+            if fqn in self.sharded:
+                sd[fqn] = self.as_dtensor(fqn, t)
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy ``state_dict`` (ours, another run's after ``dcp.load``, or full tensors)
+        into the shards and replicated tensors. Keys must match exactly."""
+        own = self.model.state_dict(keep_vars=True)
+        missing = sorted(own.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
+        for fqn, target in own.items():
+            value = state_dict[fqn]
+            if fqn in self.sharded:
+                value = self.local_of(fqn, value, target)
+            elif isinstance(value, DTensor):
+                value = value.full_tensor()
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"{fqn}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+            target.detach().copy_(value)
+
+    # ---- optimizer state -------------------------------------------------------------------
+    def _names(self) -> dict[int, str]:
+        """id(parameter) -> its FQN (the first, for tied parameters)."""
+        return {id(p): n for n, p in reversed(list(self.model.named_parameters(remove_duplicate=False)))}
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_states(opt: torch.optim.Optimizer) -> None:
+        """Give a fresh optimizer its states with one step at learning rate 0 on zero
+        gradients (what ``torch.distributed.checkpoint.state_dict`` does), so that
+        ``dcp.load`` finds every tensor to fill. With lr 0 the step leaves the
+        parameters bitwise as they were (weight decay too is scaled by lr)."""
+        if opt.state:
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        if any(p.grad is not None for p in params):
+            raise ValueError("optimizer_state_dict(): a fresh optimizer with gradients pending; call zero_grad() first")
+        lrs = [g.get("lr") for g in opt.param_groups]
+        for g in opt.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            opt.step()
+        finally:
+            for g, lr in zip(opt.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            for p in params:
+                p.grad = None
+
+    def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn]}]}``;
+        a state tensor shaped like its sharded parameter is a DTensor like it."""
+        self._init_states(opt)
+        names = self._names()
+        for g in opt.param_groups:
+            unknown = [p for p in g["params"] if id(p) not in names]
+            if unknown:
+                raise ValueError(
+                    f"the optimizer holds {len(unknown)} tensors that are not parameters of the wrapped model "
+                    "(create it after wrapping, on model.parameters())"
+                )
+        state: dict[str, dict[str, Any]] = {}
+        for p, st in opt.state.items():
+            fqn = names[id(p)]
+            state[fqn] = {k: self._state_value(fqn, p, v) for k, v in st.items()}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in opt.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def _state_value(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
+        if fqn in self.sharded and torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
+            return self.as_dtensor(fqn, v)
+        return v
+
+    def load_optimizer_state_dict(self, opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
+        """Load ``osd`` (from :meth:`optimizer_state_dict`, here or in a run of another
+        WP size after ``dcp.load``) into ``opt``: each state tensor of a sharded
+        parameter becomes this rank's rows."""
+        names = self._names()
+        params = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        if len(osd["param_groups"]) != len(opt.param_groups):
+            raise ValueError(
+                f"optimizer has {len(opt.param_groups)} param groups, the state dict {len(osd['param_groups'])}"
+            )
+        index: dict[str, int] = {}
+        groups = []
+        for i, (g, saved) in enumerate(zip(opt.param_groups, osd["param_groups"])):
+            mine = [names[id(p)] for p in g["params"]]
+            if list(saved["params"]) != mine:
+                raise ValueError(f"param group {i}: the state dict's parameters differ from the optimizer's")
+            index.update({n: len(index) + j for j, n in enumerate(mine)})
+            groups.append({**saved, "params": [index[n] for n in mine]})
+        state = {}
+        for fqn, st in osd["state"].items():
+            if fqn not in index:
+                raise ValueError(f"optimizer state for {fqn!r}, which the optimizer does not hold")
+            p = params[fqn]
+            state[index[fqn]] = {k: self._local_state(fqn, p, v) for k, v in st.items()}
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+    def _local_state(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
+        if not torch.is_tensor(v):
+            return v
+        if fqn in self.sharded and v.dim() > 0:
+            local = self.local_of(fqn, v, p)
+            # a slice of someone else's tensor must not be aliased by the optimizer
+            return local if isinstance(v, DTensor) and local.data_ptr() == v.to_local().data_ptr() else local.clone()
+        return v.full_tensor() if isinstance(v, DTensor) else v
+
+    # ---- gradient norm -----------------------------------------------------------------------
+    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(sharded gradients: this rank's rows, each shard once; replicated ones, each
+        parameter once). Padding rows are never part of a shard."""
+        shard_ids: set[int] = set()
+        sharded = []
+        for unit in self.units:
+            for s in unit.shards:
+                shard_ids.add(id(s))
+                if s.grad is not None:
+                    sharded.append(s.grad)
+        replicated = [p.grad for p in self.model.parameters() if id(p) not in shard_ids and p.grad is not None]
+        return sharded, replicated
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """The global gradient norm over every parameter (each once), then every
+        gradient scaled by ``min(1, max_norm / (norm + 1e-6))`` as torch does; returns
+        the norm before clipping, the same on every rank.
+
+        Sharded gradients differ across a WP group and are equal across replicas, so
+        their contribution is reduced over the WP group only; replicated gradients are
+        equal on every rank (already averaged) and counted once, locally."""
+        norm_type = float(norm_type)
+        sharded, replicated = self._grads()
+        inf = math.isinf(norm_type)
+        part = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sharded, replicated]
+        for i, grads in enumerate((sharded, replicated)):
+            norms = [n.double() for n in _norms(grads, norm_type)]
+            if norms:
+                stacked = torch.stack(norms)
+                part[i] = stacked.max() if inf else stacked.pow(norm_type).sum()
+        if self.groups.wp_size > 1:
+            shard_part = part[:1].clone()
+            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.groups.wp_group)
+            part[0] = shard_part[0]
+        total = part.max() if inf else part.sum().pow(1.0 / norm_type)
+        total = total.float()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in (sharded, replicated):
+            for dtype_grads in _by_dtype(grads).values():
+                torch._foreach_mul_(dtype_grads, coef.to(dtype_grads[0].dtype))
+        return total
+
+
+def _by_dtype(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        out.setdefault((g.device, g.dtype), []).append(g)
+    return out
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor norms; an empty shard (a rank past the last row) contributes nothing."""
+    out = []
+    for group in _by_dtype(g for g in grads if g.numel() > 0).values():
+        out.extend(torch._foreach_norm(group, norm_type))
+    return out
