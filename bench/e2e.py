@@ -1,6 +1,7 @@
 """End to end: isp-comm against FSDP2 and single-process training, in one run.
 
     python bench/e2e.py [--steps 7] [--warmup 2] [--layers 8] [--worlds 2 4]
+    python bench/e2e.py --param-types [--worlds 4]
 
 The reference llama (default about 30M parameters: 8 layers, hidden 512, FFN 1408,
 16/4 heads, vocab 8192), sequence 256, global batch 4 sequences, AdamW, the same
@@ -9,6 +10,14 @@ seed and data for every run. Step time is the median over the steps after warm-u
 waited on isp-comm's collectives (FSDP2 does not report it). Prints a markdown table
 and writes bench/results/e2e.json. Peak RSS is each process's high-water mark (VmHWM)
 since it started training set-up.
+
+``--param-types`` measures what keeping plain tensors as parameters saves over
+DTensor parameters (FSDP2's choice), where the parameters are touched as such: the
+AdamW step and gradient clipping. After two ISP training steps (everything
+sharded), the same shards and gradients are stepped as plain tensors with
+``comm.clip_grad_norm_`` and as DTensor views of them with the stock
+``torch.nn.utils.clip_grad_norm_``, alternately, and both norms are checked equal.
+Writes bench/results/e2e_param_types.json.
 """
 
 from __future__ import annotations
@@ -105,13 +114,70 @@ def _worker(rank: int, world: int, kind: str, layers: int, steps: int) -> dict:
     return out
 
 
+def _param_types_worker(rank: int, world: int, layers: int, repeats: int) -> dict:
+    """Median seconds of (clip + AdamW step) on plain shards and on DTensor views."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.set_num_threads(max(1, CORES // world))
+    model = build(model_config(layers), seed=0)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(shard_outer_params=True))
+    _train(model, 2, rank, world, comm)
+    names = dict(model.named_parameters())
+    plain = list(names.values())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain]
+    for p, g in zip(plain, grads):
+        p.grad = g
+    state = comm._state  # the DTensor views the checkpoints use
+    # as FSDP2 has them: sharded ones Shard on the WP dim, replicated ones Replicate
+    rep = lambda t: DTensor.from_local(t, state.mesh, [Replicate(), Replicate()], run_check=False)  # noqa: E731
+    as_dt = lambda n, t: state.as_dtensor(n, t) if n in state.sharded else rep(t)  # noqa: E731
+    views = [torch.nn.Parameter(as_dt(n, p.detach())) for n, p in names.items()]
+    for v, n, g in zip(views, names, grads):
+        v.grad = as_dt(n, g)
+    opt_plain = torch.optim.AdamW(plain, lr=0.0, foreach=False)
+    opt_dt = torch.optim.AdamW(views, lr=0.0, foreach=False)
+    t_plain, t_dt, norms = [], [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        n_plain = comm.clip_grad_norm_(1e9)
+        opt_plain.step()
+        t_plain.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        n_dt = torch.nn.utils.clip_grad_norm_(views, 1e9)
+        opt_dt.step()
+        t_dt.append(time.perf_counter() - t0)
+        norms.append((n_plain.item(), n_dt.full_tensor().item() if isinstance(n_dt, DTensor) else n_dt.item()))
+    comm.close()
+    assert all(abs(a - b) <= 1e-5 * a for a, b in norms), norms  # the same global norm both ways
+    return {"plain_s": statistics.median(t_plain), "dtensor_s": statistics.median(t_dt), "norms": norms}
+
+
+def param_types(args: argparse.Namespace) -> None:
+    rows = []
+    for world in args.worlds:
+        res = run_ranks(_param_types_worker, world, args.layers, args.repeats, timeout_s=3600)
+        plain = max(r["plain_s"] for r in res)
+        dt = max(r["dtensor_s"] for r in res)
+        rows.append({"world": world, "plain_s": plain, "dtensor_s": dt, "per_rank": res})
+        print(f"| {world} | {1000 * plain:.1f} | {1000 * dt:.1f} | {dt / plain:.2f}x |")
+    save_results("e2e_param_types", args, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--param-types", action="store_true", help="only the plain-vs-DTensor parameter measurement")
+    ap.add_argument("--repeats", type=int, default=7, help="--param-types: timed repetitions")
     args = ap.parse_args()
+    if args.param_types:
+        print("| world | clip + AdamW step, plain ms | DTensor ms | ratio |\n|---:|---:|---:|---:|")
+        param_types(args)
+        return
     torch.set_num_threads(CORES)
     reset_peak_rss()
     rows = [{"run": "single process", "world": 1, **_train(build(model_config(args.layers), seed=0), args.steps, 0, 1)}]

@@ -16,9 +16,10 @@ from isp_comm.testing import run_ranks
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 
 
-def torchrun(n: int, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+def torchrun(n: int, *args: str, timeout: float = 200, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
-    return subprocess.run(cmd + ["-m", "isp_comm.train", *args], capture_output=True, text=True, timeout=timeout)
+    cmd += ["-m", "isp_comm.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def losses(out: str) -> dict[int, float]:
@@ -72,6 +73,34 @@ def test_resume_gives_identical_losses(tmp_path) -> None:
     res = torchrun(2, *SMALL, "--steps", "8", "--out", b, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(a) == losses(b)  # bitwise: the same trajectory, interrupted or not
+
+
+@pytest.mark.timeout(300)
+def test_killed_save_resumes_from_last_complete_and_corruption_is_one_line(tmp_path) -> None:
+    """A rank killed while committing step 4 (async save) leaves step_4.partial, which
+    resume never picks: it continues from step 2 with exactly the uninterrupted losses
+    (clipping on, the default). A truncated data file stops --resume with one line."""
+    from isp_comm.train.checkpoint import KILL_AT_COMMIT_ENV
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = [*SMALL, "--steps", "6", "--save-every", "2"]
+    assert torchrun(2, *common, "--out", a).returncode == 0
+    env = {**os.environ, KILL_AT_COMMIT_ENV: "4"}
+    killed = torchrun(2, *common, "--async-save", "--out", b, env=env)
+    assert killed.returncode != 0
+    ckpts = sorted(os.listdir(os.path.join(b, "checkpoints")))
+    assert "step_000002" in ckpts and "step_000004.partial" in ckpts and "step_000004" not in ckpts, ckpts
+    res = torchrun(2, *common, "--async-save", "--out", b, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step_000004.partial" not in os.listdir(os.path.join(b, "checkpoints"))
+    assert losses(a) == losses(b)  # bitwise, from step 2 on
+    with open(os.path.join(a, "metrics.jsonl")) as f:
+        norms = [json.loads(line)["grad_norm"] for line in f]
+    assert len(norms) == 6 and all(n > 0 for n in norms)
+    victim = os.path.join(b, "checkpoints", "step_000006", "__1_0.distcp")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    _one_line_error(torchrun(2, *common, "--steps", "8", "--out", b, "--resume"), f"{victim} is corrupted or truncated")
 
 
 def _full_optim(comm, opt) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import zlib
 from concurrent.futures import Future
 
@@ -42,6 +43,9 @@ from isp_comm import ISPCommunicator
 LATEST = "latest"
 PARTIAL = ".partial"
 CHECKSUMS = "checksums.json"
+# Test-only fault injection: rank 1 kills itself when about to commit step N (its data
+# and DCP's metadata are written, the folder not yet renamed).
+KILL_AT_COMMIT_ENV = "ISP_COMM_TEST_KILL_AT_COMMIT"
 
 
 class CheckpointError(ValueError):
@@ -73,7 +77,7 @@ def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int) -> dict
     }
 
 
-def _staged(value):
+def staged_copy(value):
     """A copy of a state tree whose tensors own their memory (DTensors stay DTensors)."""
     if isinstance(value, DTensor):
         local = value.to_local().clone()
@@ -83,14 +87,14 @@ def _staged(value):
     if torch.is_tensor(value):
         return value.detach().clone()
     if isinstance(value, dict):
-        return {k: _staged(v) for k, v in value.items()}
+        return {k: staged_copy(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_staged(v) for v in value)
+        return type(value)(staged_copy(v) for v in value)
     return value
 
 
-class _Staged:
-    """An ``AsyncStager`` for a state dict already copied by :func:`_staged`."""
+class PreStaged:
+    """An ``AsyncStager`` for a state dict already copied by :func:`staged_copy`."""
 
     _synchronize_after_execute = False
 
@@ -129,8 +133,8 @@ class Checkpointer:
         path = _step_dir(self.out, step) + PARTIAL
         state = _state(comm, opt, step)
         if self.async_save:
-            staged = _staged(state)
-            future = dcp.async_save(staged, checkpoint_id=path, process_group=self._group, async_stager=_Staged())
+            staged = staged_copy(state)
+            future = dcp.async_save(staged, checkpoint_id=path, process_group=self._group, async_stager=PreStaged())
             self._pending = (future, path)
         else:
             dcp.save(state, checkpoint_id=path)
@@ -146,6 +150,8 @@ class Checkpointer:
 
     def _commit(self, path: str) -> None:
         rank = dist.get_rank()
+        if rank == 1 and os.environ.get(KILL_AT_COMMIT_ENV) == path[: -len(PARTIAL)].rsplit("_", 1)[-1].lstrip("0"):
+            os.kill(os.getpid(), signal.SIGKILL)
         mine = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}
         every: list[dict[str, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
