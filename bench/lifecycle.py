@@ -194,7 +194,7 @@ def main() -> None:
         f"\n{n_params / 1e6:.0f}M parameters, AdamW, seq {SEQ}, global batch {BATCH}, {CORES} cores, "
         f"peak RSS per rank in MiB: median of {args.repeats} (range)\n"
     )
-    header = ["run", "world", *PHASES, "max(save, load) / train", "train vs single"]
+    header = ["run", "world", *PHASES, "max(save, async, load) / train", "train vs single"]
     print(markdown_table(header, table, "lr" + "r" * (len(header) - 2)))
     save_results("lifecycle", args, {"raw": raw, "median": rows, "n_params": n_params})
 
