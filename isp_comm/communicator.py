@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -15,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from isp_comm.backends import make_backend
 from isp_comm.config import ISPConfig
+from isp_comm.consistency import broadcast_weights, check_same_weights
+from isp_comm.embedding import HiddenSplitEmbedding, supports_hidden_split
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
@@ -99,6 +102,10 @@ class ISPCommunicator:
         self._validate(model, block_list)
         names = {m: n for n, m in model.named_modules()}
         device = self._target_device(model)
+        if config.sync_module_states:
+            broadcast_weights(model)
+        else:
+            check_same_weights(model, device)
         self.backend = make_backend(config.backend, device, config.timeout_s)
         try:  # before anything is sharded: a refused SP set-up leaves the model as it was
             self._undo_sp = self._apply_sequence_parallel() if groups.sp_size > 1 else None
@@ -132,11 +139,20 @@ class ISPCommunicator:
                 -2, head, [(names[head], head)], [], g.wp_size, g.wp_rank, device, ("weight",), materialize=materialize
             )
             in_blocks |= {id(s) for s in self.vocab_unit.shards}
-        self.root = None
+        self.root = self.embed_unit = None
         if config.shard_outer_params:
             inside = {id(m) for b in block_list for m in b.modules()}
             if self.vocab_unit is not None:
                 inside.add(id(self.vocab_unit.block))
+            emb = self._hidden_split_embedding(model, inside)
+            if emb is not None:  # split along hidden and never gathered (isp_comm/embedding.py)
+                g = groups
+                self.embed_unit = BlockUnit(
+                    -3, emb, [(names[emb], emb)], [], g.wp_size, g.wp_rank, device, ("weight",),
+                    dim1=frozenset({id(emb.weight)}), materialize=materialize,
+                )  # fmt: skip
+                inside.add(id(emb))
+                in_blocks |= {id(s) for s in self.embed_unit.shards}
             owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
             if owners:
                 # embeddings split along the hidden dim, the rest (head: vocab) along dim 0; a
@@ -164,6 +180,11 @@ class ISPCommunicator:
         rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.groups]
         landing = config.comm_granularity == "block"
         self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size, landing)
+        check = getattr(self.backend, "check_capacity", None)  # shared memory: reserve, or fall back, all alike
+        if check is not None:
+            shm = check(self._shared_memory_bytes(replicated_all))
+            if not getattr(self.backend, "disabled", False):
+                self._plan = dataclasses.replace(self._plan, shm_bytes=shm)
         self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
         self.rs_buffers = ReduceScatterBuffers(self._plan, alloc, pooled=config.memory_pool)
         self.engine = BlockEngine(
@@ -171,14 +192,21 @@ class ISPCommunicator:
         )
         if groups.rank == 0:
             log.info(self._plan.describe())
-        self._head_forward = None
+        self._head_forward = self._embed_forward = None
+        wp_comm = WPComm(groups.wp_group, groups.wp_size, groups.wp_rank, self.backend, self.engine._wait)
         if self.vocab_unit is not None:
             vu = self.vocab_unit
-            self.engine.vocab_shards = list(vu.shards)
-            wp_comm = WPComm(groups.wp_group, groups.wp_size, groups.wp_rank, self.backend, self.engine._wait)
+            self.engine.wp_summed += list(vu.shards)
             self._vocab = (wp_comm, groups.wp_rank * vu.params[0].chunk_rows)
             self._head_forward = vu.block.__dict__.get("forward")
             vu.block.forward = VocabParallelHead(vu.block, self._vocab[1], wp_comm)
+        if self.embed_unit is not None:
+            eu = self.embed_unit
+            self.engine.wp_summed += list(eu.shards)
+            self._embed_forward = eu.block.__dict__.get("forward")
+            eu.block.forward = HiddenSplitEmbedding(
+                eu.block, eu.params[0].shape[1], eu.params[0].chunk_rows, wp_comm, config.param_dtype
+            )
 
         self._orig_forwards: list[tuple[nn.Module, Any]] = []
         for unit in units:
@@ -195,11 +223,42 @@ class ISPCommunicator:
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
         self._closed = False
 
+    @staticmethod
+    def _hidden_split_embedding(model: nn.Module, inside: set[int]) -> nn.Embedding | None:
+        """The input embedding to split along hidden and look up without gathering: an
+        ``nn.Embedding`` outside the blocks whose weight is not tied to anything."""
+        counts: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        found = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        candidates = [found] if isinstance(found, nn.Embedding) else []
+        candidates += [m for m in model.modules() if isinstance(m, nn.Embedding) and m is not found]
+        for m in candidates:
+            if id(m) not in inside and counts.get(id(m.weight)) == 1 and supports_hidden_split(m):
+                return m
+        return None
+
+    def _shared_memory_bytes(self, replicated: list[nn.Parameter]) -> int:
+        """About what one rank puts in shared memory: the pool's buffers (when pooled
+        over more than one rank) and each group's scratch, sized like the backend does
+        (the next power of two of its largest collective)."""
+        g = self.groups
+        pow2 = lambda n: 1 << max(16, (max(n, 1) - 1).bit_length())  # noqa: E731
+        total = self._plan.pool_bytes if self.config.memory_pool and g.wp_size > 1 else 0
+        units = [u for u in (*self.units, self.root) if u is not None]  # what is ever gathered
+        if g.wp_size > 1:
+            total += pow2(max(u.gathered_numel * u.flat_shard.element_size() for u in units))
+        if g.replica_size > 1:
+            total += pow2(max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units))
+        if g.world_size > 1 and replicated:
+            total += pow2(sum(p.numel() * p.element_size() for p in replicated))
+        return total
+
     @property
     def sharded_units(self) -> list[BlockUnit]:
         """The blocks, then the outer parameters' unit and the vocab-parallel head's,
         when they exist."""
-        return [*self.units, *(u for u in (self.root, self.vocab_unit) if u is not None)]
+        return [*self.units, *(u for u in (self.root, self.vocab_unit, self.embed_unit) if u is not None)]
 
     # ---- construction helpers ----------------------------------------------------------
     def _apply_sequence_parallel(self) -> Callable[[], None]:
@@ -446,11 +505,13 @@ class ISPCommunicator:
         self._root_post_handle.remove()
         if self._chunk_check is not None:
             self._chunk_check.remove()
-        if self.vocab_unit is not None:
-            if self._head_forward is None:
-                del self.vocab_unit.block.forward
+        for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):
+            if unit is None:
+                continue
+            if fwd is None:
+                del unit.block.forward
             else:
-                self.vocab_unit.block.forward = self._head_forward
+                unit.block.forward = fwd
         if self._undo_sp is not None:
             self._undo_sp()
         for block, fwd in self._orig_forwards:

@@ -76,6 +76,11 @@ class ISPConfig:
     sharded (:func:`isp_comm.materialize.init_weights` gives an unwrapped model the
     same weights). ``None``: each module's ``reset_parameters()`` on the global RNG."""
 
+    sync_module_states: bool = False
+    """Broadcast rank 0's parameters and buffers to every rank before sharding (for
+    models built on one rank's seed). ``False``: wrapping checks that every rank holds
+    the same weights (a checksum per parameter) and names the first that differs."""
+
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""
 

@@ -7,3 +7,12 @@ class ISPCommTimeout(RuntimeError):
 
 class HookOrderError(RuntimeError, ValueError):
     """Scheduler hooks were called out of order (e.g. after_backward before backward)."""
+
+
+class SharedMemoryError(ValueError):
+    """Shared memory (``/dev/shm``) cannot hold what the symmetric-memory backend needs.
+
+    Raised when a segment cannot be reserved, on every rank of the group alike; the
+    message names the directory, the bytes needed and the bytes free. A ``ValueError``
+    because the fix is the deployment's: a larger ``/dev/shm`` (Docker: ``--shm-size``)
+    or ``ISPConfig(backend="torch")``."""

@@ -13,7 +13,7 @@ three small collectives over token vectors; full logits never exist anywhere.
 backward each rank first all-gathers the others' upstream gradients of their own
 tokens' losses. The head shard's gradient is then the sum over the whole WP group
 (no reduce-scatter needed, only the replica all-reduce and the world average the
-engine applies to ``vocab_shards``); the hidden states' gradient is partial per vocab
+engine applies to ``wp_summed``); the hidden states' gradient is partial per vocab
 slice and is reduce-scattered back to the tokens' owners.
 """
 

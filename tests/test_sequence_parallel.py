@@ -191,6 +191,7 @@ def _bad_heads_worker(rank: int, world: int, kind: str) -> str:
             word_embed_proj_dim=16,
             max_position_embeddings=32,
         )
+        torch.manual_seed(0)  # the same weights on every rank (checked at wrap time)
         model = transformers.OPTForCausalLM(cfg)
     try:
         ISPCommunicator(model, ParallelGroups.create(wp_size=1, sp_size=4), ISPConfig())

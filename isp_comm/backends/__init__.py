@@ -20,7 +20,9 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
     if device.type == "cpu":
         if name == "nvshmem":
             raise ValueError("backend 'nvshmem' needs CUDA parameters")
-        return SymmCpuBackend(timeout_s) if name in ("symm", "auto") else _unknown(name)
+        if name not in ("symm", "auto"):
+            return _unknown(name)
+        return SymmCpuBackend(timeout_s, strict=name == "symm")  # auto: falls back when /dev/shm is short
     if name == "nvshmem":
         if not nvshmem_backend.available():
             raise ValueError("backend 'nvshmem' needs nvshmem4py (pip install isp-comm[gpu]) and CUDA")

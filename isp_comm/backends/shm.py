@@ -7,6 +7,12 @@ nothing is left in /dev/shm even if a rank is killed later. ``multiprocessing.
 shared_memory`` is not used because before Python 3.13 its resource tracker may unlink
 segments it does not own.
 
+[Note: reservation] A segment's pages are reserved when it is created
+(``posix_fallocate``), after a ``statvfs`` check of the free space: a tmpfs that is
+too small (Docker's default ``/dev/shm`` is 64 MiB) then fails at set-up with
+:class:`~isp_comm.errors.SharedMemoryError`, never with SIGBUS when a page is first
+touched, also when another process fills ``/dev/shm`` later.
+
 [Note: publication order] A flag is published with a sequentially consistent atomic
 store and read with an acquire load (libatomic's ``__atomic_store_8`` /
 ``__atomic_load_8``), so data copied before a flag store (large copies may use
@@ -27,8 +33,18 @@ import threading
 import numpy as np
 import torch
 
+from isp_comm.errors import SharedMemoryError
+
 _SEQ_CST, _ACQUIRE = 5, 2
 PREFIX = "isp_"
+SHM_DIR = "/dev/shm"
+DOCKER_HINT = "give the job more (Docker: --shm-size, e.g. --shm-size=8g) or use backend='torch'"
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still allocate in ``shm_dir``."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
 
 
 def segment_name(pid: int, token: str, *parts: object) -> str:
@@ -45,12 +61,28 @@ class Segment:
         fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
         try:
             if create:
-                os.ftruncate(fd, self.nbytes)
+                self._reserve(fd, name, self.nbytes)
             self._map = mmap.mmap(fd, self.nbytes)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.bytes = torch.from_numpy(self.array)
+
+    @staticmethod
+    def _reserve(fd: int, name: str, nbytes: int) -> None:
+        """Size the new segment and reserve its pages (see the note on reservation)."""
+        free = shm_free_bytes()
+        try:
+            if free < nbytes:
+                raise OSError(28, "not enough free space")
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            Segment.unlink(name)
+            raise SharedMemoryError(
+                f"{SHM_DIR} cannot hold a {nbytes}-byte shared-memory segment: {free} bytes free "
+                f"({exc.strerror}); {DOCKER_HINT}"
+            ) from exc
 
     @staticmethod
     def unlink(name: str) -> None:

@@ -25,6 +25,13 @@ Collectives run in FIFO order on one worker thread per backend (the copies relea
 the GIL), so they overlap the caller's compute. Every wait spins briefly, then yields
 and sleeps with backoff, and has a deadline that names the ranks that did not arrive.
 Groups whose ranks are on different hosts use ``TorchBackend`` instead.
+
+Segments are reserved when created (see the note on reservation in ``shm.py``), and
+every creation is agreed over the group: if any rank could not reserve its segment,
+all of them raise :class:`~isp_comm.errors.SharedMemoryError` (``strict``, what
+``backend="symm"`` asks for) or all of them go on without it (``backend="auto"``: a
+buffer becomes an ordinary one, a group whose scratch cannot grow uses
+``TorchBackend``), so no rank ever waits on a peer that gave up.
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import CompletedHandle, Handle
-from isp_comm.backends.shm import Flags, Segment, pid_alive, segment_name
+from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
 from isp_comm.backends.torch_backend import TorchBackend
-from isp_comm.errors import ISPCommTimeout
+from isp_comm.errors import ISPCommTimeout, SharedMemoryError
 
 log = logging.getLogger("isp_comm")
 HOST_ENV = "ISP_COMM_HOST_ID"  # overrides the host identity (tests simulate two hosts)
@@ -106,8 +113,12 @@ class SymmCpuBackend:
 
     name = "symm"
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
+    def __init__(self, timeout_s: float = 300.0, strict: bool = True) -> None:
+        """``strict``: a segment that cannot be reserved is an error on every rank
+        (else the group goes on without shared memory there; see the module note)."""
         self.timeout_s = timeout_s
+        self.strict = strict
+        self.disabled = False  # every collective through TorchBackend (see disable())
         self._fallback = TorchBackend()
         self._groups: dict[tuple[int, ...], _Group | None] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,15 +129,72 @@ class SymmCpuBackend:
         self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
         self.direct_reduce_scatters = 0  # reduce-scatters read straight from symmetric buffers
 
+    def check_capacity(self, per_rank_bytes: int) -> int:
+        """Collective over the world, at set-up: can every host's ``/dev/shm`` hold
+        ``per_rank_bytes`` for each of its ranks? Returns what this host needs. When
+        one cannot, every rank takes the same decision: ``SharedMemoryError`` when
+        strict, else a warning on rank 0 and TorchBackend from now on."""
+        infos: list = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, (host_id(), shm_free_bytes(), per_rank_bytes))
+        hosts: dict[str, list] = {}
+        for h, free, need in infos:
+            agg = hosts.setdefault(h, [0, free, 0])
+            agg[0], agg[1], agg[2] = agg[0] + need, min(agg[1], free), agg[2] + 1
+        short = [(h, need, free, n) for h, (need, free, n) in hosts.items() if need > free]
+        if short:
+            h, need, free, n = short[0]
+            msg = (
+                f"{SHM_DIR} on host {h} has {free} bytes free ({free / 2**20:.1f} MiB), but the symmetric-memory "
+                f"backend needs about {need} bytes ({need / 2**20:.1f} MiB) for its {n} ranks; {DOCKER_HINT}"
+            )
+            if self.strict:
+                raise SharedMemoryError(msg)
+            if dist.get_rank() == 0:
+                log.warning("isp-comm: %s; backend 'auto' falls back to 'torch'", msg)
+            self.disable()
+        return hosts[host_id()][0]
+
+    def disable(self) -> None:
+        """Use TorchBackend for everything from now on (before any collective: the
+        communicator calls it when shared memory cannot hold what the job needs)."""
+        assert not self._groups, "disable() must come before the first collective"
+        self.disabled = True
+
     # ---- group set-up (collective over the group, in the calling thread) ------------
+    def _create_agreed(self, group: ProcessGroup, name: str, nbytes: int) -> Segment | None:
+        """Create my segment of a collective allocation; ``None`` on every rank when any
+        rank could not reserve its own (not strict), else the error on every rank."""
+        error: SharedMemoryError | None = None
+        try:
+            mine = Segment(name, nbytes, create=True)
+        except SharedMemoryError as exc:
+            mine, error = None, exc
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also the barrier before peers map it
+        if ok.item():
+            return mine
+        if mine is not None:
+            Segment.unlink(name)
+            mine.close()
+        if self.strict:
+            raise error or SharedMemoryError(
+                f"a peer of ranks {dist.get_process_group_ranks(group)} could not "
+                f"reserve its {nbytes}-byte shared-memory segment"
+            )
+        if dist.get_rank() == dist.get_process_group_ranks(group)[0]:
+            log.warning("isp-comm: %s; going on without shared memory for it", error or "a peer's /dev/shm is full")
+        return None
+
     def _group(self, group: ProcessGroup, nbytes: int) -> _Group | None:
+        if self.disabled:
+            return None
         ranks = tuple(dist.get_process_group_ranks(group))
         if ranks not in self._groups:
             self._groups[ranks] = self._setup(group, ranks)
         g = self._groups[ranks]
         if g is not None and nbytes > g.capacity:
             self._grow(group, g, nbytes)
-        return g
+        return self._groups[ranks]
 
     def _setup(self, group: ProcessGroup, ranks: tuple[int, ...]) -> _Group | None:
         infos: list = [None] * len(ranks)
@@ -138,8 +206,20 @@ class SymmCpuBackend:
         pids, token = [p for _, p, _ in infos], infos[0][2]
         name = segment_name(pids[0], token, "ctrl")
         nbytes = 3 * len(ranks) * Flags.STRIDE * 8  # ready, done, where my all-gather output is
-        ctrl = Segment(name, nbytes, create=True) if me == 0 else None
-        dist.barrier(group=group)
+        if me == 0:
+            ctrl = self._create_agreed(group, name, nbytes)
+        else:  # rank 0 alone creates the control segment; the others learn how it went
+            ok = torch.tensor([1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if not ok.item():
+                if self.strict:
+                    raise SharedMemoryError(
+                        f"rank {ranks[0]} could not reserve the group's control segment in /dev/shm"
+                    )
+                return None
+            ctrl = None
+        if me == 0 and ctrl is None:
+            return None
         if ctrl is None:
             ctrl = Segment(name, nbytes, create=False)
         dist.barrier(group=group)
@@ -154,8 +234,10 @@ class SymmCpuBackend:
         cap = max(_MIN_SCRATCH, 1 << (nbytes - 1).bit_length())
         g.generation += 1
         names = [segment_name(g.pids[r], g.token, "scratch", r, g.generation) for r in range(g.size)]
-        mine = Segment(names[g.me], cap, create=True)
-        dist.barrier(group=group)
+        mine = self._create_agreed(group, names[g.me], cap)
+        if mine is None:  # no room: this group uses TorchBackend from now on
+            self._groups[g.ranks] = None
+            return
         new = [mine if r == g.me else Segment(names[r], cap, create=False) for r in range(g.size)]
         dist.barrier(group=group)
         Segment.unlink(names[g.me])
@@ -221,8 +303,9 @@ class SymmCpuBackend:
         nbytes = numel * dtype.itemsize
         k = len(g.buffers)
         names = [segment_name(g.pids[r], g.token, "buf", k, r) for r in range(g.size)]
-        mine = Segment(names[g.me], nbytes, create=True)
-        dist.barrier(group=group)
+        mine = self._create_agreed(group, names[g.me], nbytes)
+        if mine is None:  # no room: an ordinary buffer (its collectives take the scratch path)
+            return torch.empty(numel, dtype=dtype, device=device)
         segs = [mine if r == g.me else Segment(names[r], nbytes, create=False) for r in range(g.size)]
         dist.barrier(group=group)
         Segment.unlink(names[g.me])

@@ -79,7 +79,7 @@ class BlockEngine(GradientReductions):
         self.pool = pool
         self.rs_buffers = rs_buffers
         self.replicated: list[nn.Parameter] = replicated
-        self.vocab_shards: list[nn.Parameter] = []  # grads summed over WP by their own backward
+        self.wp_summed: list[nn.Parameter] = []  # shards whose own backward sums grads over WP (vocab head, embedding)
         self.counters = CommCounters()
         self.phase = Phase.IDLE
         self.events: list[tuple[str, int, str]] | None = None
@@ -219,7 +219,7 @@ class BlockEngine(GradientReductions):
     def root_pre_forward(self) -> None:
         """Forward begins: stash replicated grads of earlier micro-steps, fetch block 0."""
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
-            for p in (*self.replicated, *self.vocab_shards):
+            for p in (*self.replicated, *self.wp_summed):
                 if p.grad is not None and p not in self._stash:
                     self._stash[p] = p.grad
                     p.grad = None

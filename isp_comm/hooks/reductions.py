@@ -76,12 +76,13 @@ class GradientReductions:
 
     def _reduce_replicated(self) -> None:
         """Average the gradients autograd left whole: replicated parameters over the
-        world; vocab-parallel head shards (already summed over WP in their backward)
-        over the replica group. Earlier micro-steps' stashed grads are added back."""
+        world; shards never gathered (the vocab-parallel head, the hidden-split
+        embedding: already summed over WP in their own backward) over the replica
+        group. Earlier micro-steps' stashed grads are added back."""
         world = self.groups.world_size
         for params, group, size, what in (
             (self.replicated, self.groups.world_group, world, "replicated gradients"),
-            (self.vocab_shards, self.groups.replica_group, self.groups.replica_size, "vocab-parallel head gradients"),
+            (self.wp_summed, self.groups.replica_group, self.groups.replica_size, "WP-summed shard gradients"),
         ):
             params = [p for p in params if p.requires_grad]
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}

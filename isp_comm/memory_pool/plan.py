@@ -24,6 +24,9 @@ class MemoryPlan:
     rs_buffers: int
     """Reduce-scatter buffers (= max in-flight reduce-scatters)."""
     wp_size: int
+    shm_bytes: int = 0
+    """Shared memory (``/dev/shm``) this host needs for the symmetric-memory backend,
+    about: every local rank's pool buffers and collective scratch (0: not used)."""
     pool_bytes: int = field(init=False)
     """Slots plus staging plus reduce-scatter buffers, in bytes."""
 
@@ -44,7 +47,8 @@ class MemoryPlan:
             f"{self.n_slots} slots x {n} {str(dt).removeprefix('torch.')} (set by block {self.slot_set_by[dt]})"
             for dt, n in self.slot_numel.items()
         ]
-        return f"isp-comm memory plan: {'; '.join(parts)}; pool {self.pool_bytes / 2**20:.2f} MiB"
+        shm = f"; shared memory for this host about {self.shm_bytes / 2**20:.1f} MiB" if self.shm_bytes else ""
+        return f"isp-comm memory plan: {'; '.join(parts)}; pool {self.pool_bytes / 2**20:.2f} MiB{shm}"
 
 
 def make_plan(

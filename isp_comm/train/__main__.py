@@ -73,7 +73,10 @@ def run(cfg: TrainConfig) -> None:
     comm = ISPCommunicator(model, groups, icfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     hook = comm.scheduler_hook()
-    os.makedirs(cfg.out, exist_ok=True)
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
     start = 0
     if cfg.resume:
         path = checkpoint.latest(cfg.out)

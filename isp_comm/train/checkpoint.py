@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from isp_comm import ISPCommunicator
@@ -49,7 +50,39 @@ KILL_AT_COMMIT_ENV = "ISP_COMM_TEST_KILL_AT_COMMIT"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (one line for the user, naming the file)."""
+    """A checkpoint that cannot be written or used (one line for the user, naming the
+    path and the cause); raised on every rank alike."""
+
+
+def _cause(exc: BaseException) -> str:
+    """The root cause of a failed save or load, e.g. ``[Errno 28] No space left on device``
+    (DCP wraps every rank's failure in a ``CheckpointException``)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        for sub in getattr(e, "failures", {}).values():  # CheckpointException: rank -> failure
+            for part in sub if isinstance(sub, tuple) else (getattr(sub, "exc", sub),):
+                if isinstance(part, BaseException):
+                    todo.append(part)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+    for e in seen:
+        if isinstance(e, OSError):
+            return f"{e.strerror or e} ({type(e).__name__}, errno {e.errno})" if e.errno else str(e)
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _agree(error: str | None) -> None:
+    """Collective: a ``CheckpointError`` on every rank when any rank had one."""
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    first = next((e for e in every if e), None)
+    if first:
+        raise CheckpointError(first)
 
 
 def _root(out: str) -> str:
@@ -120,12 +153,16 @@ class Checkpointer:
         self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank
         self._pending: tuple[Future, str] | None = None
+        error = None
         if dist.get_rank() == 0:
-            os.makedirs(_root(out), exist_ok=True)
-            for name in os.listdir(_root(out)):  # a killed run's unfinished writes
-                if name.endswith(PARTIAL):
-                    shutil.rmtree(os.path.join(_root(out), name), ignore_errors=True)
-        dist.barrier()
+            try:
+                os.makedirs(_root(out), exist_ok=True)
+                for name in os.listdir(_root(out)):  # a killed run's unfinished writes
+                    if name.endswith(PARTIAL):
+                        shutil.rmtree(os.path.join(_root(out), name), ignore_errors=True)
+            except OSError as exc:
+                error = f"cannot create the checkpoint folder {_root(out)}: {_cause(exc)}"
+        _agree(error)
 
     def save(self, step: int, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> None:
         """Write step ``step``; with ``async_save`` return once the state is staged."""
@@ -136,39 +173,68 @@ class Checkpointer:
             staged = staged_copy(state)
             future = dcp.async_save(staged, checkpoint_id=path, process_group=self._group, async_stager=PreStaged())
             self._pending = (future, path)
-        else:
+            return
+        try:
             dcp.save(state, checkpoint_id=path)
-            self._commit(path)
+        except (Exception, CheckpointException) as exc:  # DCP raises every rank's failure on every rank
+            self._failed(path, exc)
+        self._commit(path)
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight, then commit it."""
         if self._pending is not None:
             future, path = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as exc:
+                self._failed(path, exc)
             self._commit(path)
+
+    def _failed(self, path: str, exc: BaseException) -> None:
+        """Remove the partial checkpoint and raise, on every rank, one line naming the
+        path, the cause and the checkpoint ``--resume`` would still use."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        good = latest(self.out)
+        kept = f"the last complete checkpoint is {good}" if good else "there is no complete checkpoint"
+        raise CheckpointError(f"saving checkpoint {path[: -len(PARTIAL)]} failed: {_cause(exc)}; {kept}") from exc
 
     def _commit(self, path: str) -> None:
         rank = dist.get_rank()
         if rank == 1 and os.environ.get(KILL_AT_COMMIT_ENV) == path[: -len(PARTIAL)].rsplit("_", 1)[-1].lstrip("0"):
             os.kill(os.getpid(), signal.SIGKILL)
-        mine = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}
-        every: list[dict[str, int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
         final = path[: -len(PARTIAL)]
+        try:
+            mine, error = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}, None
+        except OSError as exc:
+            mine, error = {}, f"saving checkpoint {final} failed: {_cause(exc)}"
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (mine, error))
+        error = next((e for _, e in every if e), None)
+        if error and rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if error:
+            raise CheckpointError(error)
         if rank == 0:
-            sums = {k: v for d in every for k, v in (d or {}).items()}
-            sums[".metadata"] = _crc(os.path.join(path, ".metadata"))
-            with open(os.path.join(path, CHECKSUMS), "w") as f:
-                json.dump(sums, f, indent=0, sort_keys=True)
-            if os.path.exists(final):  # the same step saved again (e.g. after a resume)
-                shutil.rmtree(final)
-            os.replace(path, final)
-            tmp = os.path.join(_root(self.out), LATEST + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(os.path.basename(final))
-            os.replace(tmp, os.path.join(_root(self.out), LATEST))
-        dist.barrier()
+            try:
+                sums = {k: v for d, _ in every for k, v in d.items()}
+                sums[".metadata"] = _crc(os.path.join(path, ".metadata"))
+                with open(os.path.join(path, CHECKSUMS), "w") as f:
+                    json.dump(sums, f, indent=0, sort_keys=True)
+                if os.path.exists(final):  # the same step saved again (e.g. after a resume)
+                    shutil.rmtree(final)
+                os.replace(path, final)
+                tmp = os.path.join(_root(self.out), LATEST + ".tmp")
+                with open(tmp, "w") as f:
+                    f.write(os.path.basename(final))
+                os.replace(tmp, os.path.join(_root(self.out), LATEST))
+            except OSError as exc:
+                shutil.rmtree(path, ignore_errors=True)
+                good = latest(self.out)
+                kept = f"the last complete checkpoint is {good}" if good else "there is no complete checkpoint"
+                error = f"saving checkpoint {final} failed: {_cause(exc)}; {kept}"
+        _agree(error)
 
 
 def latest(out: str) -> str | None:
@@ -220,8 +286,8 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
     state = _state(comm, opt, 0)
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: {str(exc).strip().splitlines()[-1]}") from exc
+    except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure (a BaseException)
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {_cause(exc)}") from exc
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
     torch.set_rng_state(state["rng"])

@@ -1,0 +1,86 @@
+"""Hidden-split embedding lookup: the embedding table is never gathered.
+
+With ``shard_outer_params`` an untied ``nn.Embedding`` is split along its hidden dim
+over the WP group: rank ``r`` holds every vocabulary row's columns
+``[r * chunk, r * chunk + cols)``. A lookup needs only rows, so instead of gathering
+the ``vocab x hidden`` table each rank looks up *its columns* for the tokens of the
+whole WP group (the token ids are all-gathered: a few bytes per token) and one
+all-to-all hands every rank the other ranks' columns for its own tokens
+(``[tokens, hidden]`` in all, the size of the output). InternEvo splits its
+embedding the same way.
+
+[Note: gradients] The backward is the inverse all-to-all: each rank receives the
+output gradient of its columns for every token of the group and adds it into its
+shard's rows (``index_add``), so the shard's gradient is the sum over the WP group
+(as for the vocab-parallel head: the engine only all-reduces it over replicas and
+divides by the world, see ``wp_summed`` in the engine). A ``padding_idx`` row gets
+no gradient, as in ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from isp_comm.vocab_parallel import WPComm
+
+
+def supports_hidden_split(embedding: nn.Embedding) -> bool:
+    """The lookups this module reproduces exactly (no max_norm renorm, dense grads)."""
+    return embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
+
+
+class _HiddenSplitLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, ids: torch.Tensor, shard: torch.Tensor, hidden: int, chunk: int, padding_idx: int | None, comm: WPComm
+    ) -> torch.Tensor:
+        # ids: this rank's tokens; shard: [vocab, cols] (cols <= chunk, this rank's columns)
+        every = comm.all_gather(ids, "all-gather of token ids for the hidden-split embedding")  # [wp, *ids]
+        cols = shard.shape[1]
+        mine = F.embedding(every, shard)  # [wp, *ids, cols]: my columns of every rank's tokens
+        if cols < chunk:
+            mine = F.pad(mine, (0, chunk - cols))
+        got = torch.empty_like(mine)  # [wp (column owner), *ids, chunk]
+        comm.wait(
+            comm.backend.all_to_all(got.view(-1), mine.contiguous().view(-1), comm.group),
+            "all-to-all of the hidden-split embedding",
+        )
+        ctx.save_for_backward(every)
+        ctx.meta = (hidden, chunk, cols, padding_idx, comm, shard.shape[0])
+        out = got.movedim(0, -2).flatten(-2)  # [*ids, wp * chunk]
+        return out[..., :hidden].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (every,) = ctx.saved_tensors
+        hidden, chunk, cols, padding_idx, comm, vocab = ctx.meta
+        wp = comm.size
+        g = F.pad(grad, (0, wp * chunk - hidden)) if wp * chunk > hidden else grad
+        g = g.unflatten(-1, (wp, chunk)).movedim(-2, 0).contiguous()  # [wp (column owner), *ids, chunk]
+        back = torch.empty_like(g)  # [wp (token owner), *ids, chunk]: my columns' gradient
+        comm.wait(
+            comm.backend.all_to_all(back.view(-1), g.view(-1), comm.group),
+            "all-to-all of the hidden-split embedding's gradient",
+        )
+        rows = every.reshape(-1)
+        g_shard = torch.zeros(vocab, cols, dtype=grad.dtype, device=grad.device)
+        g_shard.index_add_(0, rows, back.reshape(-1, chunk)[:, :cols])
+        if padding_idx is not None:
+            g_shard[padding_idx] = 0
+        return None, g_shard, None, None, None, None
+
+
+class HiddenSplitEmbedding:
+    """The forward installed on an ``nn.Embedding`` whose weight is this rank's columns."""
+
+    def __init__(self, embedding: nn.Embedding, hidden: int, chunk: int, comm: WPComm, dtype: torch.dtype | None):
+        self.embedding, self.hidden, self.chunk, self.comm, self.dtype = embedding, hidden, chunk, comm, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embedding
+        shard = e.weight if self.dtype is None else e.weight.to(self.dtype)
+        return _HiddenSplitLookup.apply(ids, shard, self.hidden, self.chunk, e.padding_idx, self.comm)
