@@ -12,6 +12,8 @@ heads, vocab 32000), AdamW, sequence 128, global batch 4. Three runs:
 - ``fsdp2``: ``fully_shard`` per block and root on a meta-built model, ``to_empty``
   then ``reset_parameters`` on the DTensors; checkpoints through
   ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``;
+- ``isp-lean``: the same with the memory knobs turned: ``comm_granularity="module"``
+  (gathers land in the slots, no landing buffer) and ``max_inflight_reduce_scatter=1``;
 - ``single``: one process, the model built whole; the same state-dict APIs.
 
 Each phase's figure is the peak RSS per rank (VmHWM, reset at the phase's start;
@@ -26,6 +28,7 @@ bench/results/lifecycle.json (every repeat's raw figures).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -43,6 +46,7 @@ from models.llama import LlamaConfig, build  # noqa: E402
 
 SEQ, BATCH, CORES = 128, 4, os.cpu_count() or 1
 PHASES = ("init", "train", "save", "async save", "load")
+RUNS = lambda world: (("single", 1), ("fsdp2", world), ("isp", world), ("isp-lean", world))  # noqa: E731
 
 
 def model_config() -> LlamaConfig:
@@ -89,6 +93,8 @@ def _build(kind: str, world: int):
         with torch.device("meta"):
             model = build(model_config())
         cfg = ISPConfig(shard_outer_params=True, vocab_parallel=True, init_seed=0)
+        if kind == "isp-lean":  # gathers land in the slots (no landing buffer), one reduce-scatter in flight
+            cfg = dataclasses.replace(cfg, comm_granularity="module", max_inflight_reduce_scatter=1)
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), cfg)
     assert dist.is_initialized()
     return model, comm, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -170,7 +176,7 @@ def main() -> None:
     n_params = _count()
     raw: list[dict] = []
     for repeat in range(args.repeats):
-        for kind, world in (("single", 1), ("fsdp2", args.world), ("isp", args.world)):
+        for kind, world in RUNS(args.world):
             tmp = tempfile.mkdtemp(prefix="isp-lifecycle-")
             try:
                 path = os.path.join(tmp, "ckpt")
@@ -183,7 +189,7 @@ def main() -> None:
             print(f"repeat {repeat} {kind}: " + ", ".join(f"{p} {v:.0f}" for p, v in peaks.items()), flush=True)
     rows, table = [], []
     single_train = statistics.median(r["train"] for r in raw if r["run"] == "single")
-    for kind, world in (("single", 1), ("fsdp2", args.world), ("isp", args.world)):
+    for kind, world in RUNS(args.world):
         mine = [r for r in raw if r["run"] == kind]
         med = {p: statistics.median(r[p] for r in mine) for p in PHASES}
         cells = [f"{med[p]:.0f} ({min(r[p] for r in mine):.0f}-{max(r[p] for r in mine):.0f})" for p in PHASES]

@@ -177,7 +177,7 @@ class ISPCommunicator:
 
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(u.gather_dtype, u.gathered_numel) for u in units]
-        rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.groups]
+        rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.full_groups]  # frozen ones may thaw
         landing = config.comm_granularity == "block"
         self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size, landing)
         check = getattr(self.backend, "check_capacity", None)  # shared memory: reserve, or fall back, all alike

@@ -34,9 +34,11 @@ class ISPConfig:
     shard_outer_params: bool = False
     """Also shard the parameters outside the blocks across the WP group (embeddings
     along the hidden dim, the head and the rest along dim 0, a tied embedding with its
-    head along the vocab): gathered once per step outside the slot pool and
-    reduce-scattered like a block, so their gradients and optimizer state are sharded
-    too. ``False`` keeps them replicated and all-reduces their gradients."""
+    head along the vocab), so their gradients and optimizer state are sharded too. An
+    untied embedding is looked up without ever being gathered (see
+    :mod:`isp_comm.embedding`); the rest is gathered once per step outside the slot
+    pool and reduce-scattered like a block. ``False`` keeps them replicated and
+    all-reduces their gradients."""
 
     vocab_parallel: bool = False
     """Split the output head's weight along the vocab over the WP group and never

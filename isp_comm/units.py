@@ -199,19 +199,47 @@ class BlockUnit:
         self.gather_dtype = param_dtype or self.dtype
         self.gather = store if self.gather_dtype == self.dtype else Layout.packed(list(self.params), raw=False)
         self.shard_numel = self.gather.numel  # what one rank sends in an all-gather
-        self.groups = self._reduce_groups(reduce_dtype or param_dtype)
+        self._reduce_dtype = reduce_dtype or param_dtype
+        self.full_groups = self._reduce_groups(None)  # every parameter: what buffers are sized for
         self.device = device
-        self.requires_grad = any(p.requires_grad for _, p in found)
         self.flat_shard = torch.zeros(store.numel, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
         self._install_shards(materialize or _default_materialize(device))
         self.grad_flat: torch.Tensor | None = None
+        self._trainable: tuple[bool, ...] = ()
+        self.groups: tuple[ReduceGroup, ...] = ()
+        self.refresh_trainable()
 
-    def _reduce_groups(self, dtype: torch.dtype | None) -> tuple[ReduceGroup, ...]:
-        """One group in ``dtype`` when it is set, else one per parameter dtype."""
+    # ---- frozen parameters ----------------------------------------------------------
+    # [Note: frozen parameters] Only trainable shards are reduce-scattered: ``groups``
+    # packs the trainable parameters alone (no group at all for a frozen block), the
+    # gathered views of frozen parameters leave ``UnshardBlock`` non-differentiable so
+    # autograd computes no gradient for them, and they never get a ``.grad``.
+    # ``requires_grad`` may change between steps: the engine calls
+    # ``refresh_trainable()`` at each forward, never between a forward and its backward.
+    @property
+    def requires_grad(self) -> bool:
+        return any(self._trainable)
+
+    @property
+    def anchor(self) -> nn.Parameter:
+        """A trainable shard: the input that puts ``UnshardBlock`` in the graph."""
+        return next(s for s, t in zip(self.shards, self._trainable) if t)
+
+    def refresh_trainable(self) -> None:
+        """Follow the shards' ``requires_grad`` (rebuilding the reduce groups on a change)."""
+        now = tuple(s.requires_grad for s in self.shards)
+        if now != self._trainable:
+            self._trainable = now
+            self.groups = self._reduce_groups(now)
+
+    def _reduce_groups(self, trainable: tuple[bool, ...] | None) -> tuple[ReduceGroup, ...]:
+        """The parameters whose gradients are reduced (``trainable``, else all), in one
+        group in the reduce dtype when it is set, else one group per parameter dtype."""
         by: dict[torch.dtype, list[int]] = {}
         for i, sp in enumerate(self.params):
-            by.setdefault(dtype or sp.dtype, []).append(i)
+            if trainable is None or trainable[i]:
+                by.setdefault(self._reduce_dtype or sp.dtype, []).append(i)
         return tuple(
             ReduceGroup(dt, tuple(ix), Layout.packed([self.params[i] for i in ix], raw=False), self.wp_size)
             for dt, ix in by.items()

@@ -90,6 +90,8 @@ def _outer_dims_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
         model = comm.model
         assert model.embed.weight.shape == (37, 5 if rank < 3 else 3), model.embed.weight.shape
         assert model.lm_head.weight.shape == (10 if rank < 3 else 7, 18), model.lm_head.weight.shape
+        # the embedding is looked up hidden-split, never gathered: not in the gathered unit
+        assert comm.embed_unit is not None and "embed.weight" not in {sp.fqn for sp in comm.root.params}
 
     out = []
     for case in cases:
@@ -101,8 +103,9 @@ def _outer_dims_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
 
 @pytest.mark.timeout(200)
 def test_embedding_split_along_hidden_with_padding() -> None:
-    # The embedding's gradient must be reduce-scattered along the dim it is split on
-    # (InternEvo's dim-1 mistake would break parity here, and the padded columns).
+    # The embedding is split along its hidden dim (padded columns at 18 over 4) and
+    # looked up without gathering: every rank's columns for the WP group's tokens, one
+    # all-to-all; its gradient comes back by the inverse all-to-all and index_add.
     cases = [Case(model="narrow"), Case(model="narrow", optim="adamw", micro=3, ckpt=0.5, bias=True)]
     _check(run_ranks(_outer_dims_worker, 4, cases, timeout_s=180))
 

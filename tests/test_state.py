@@ -44,6 +44,7 @@ CLIP_CASES = {
         ("wp4", 4, 1, 2.0, {}),
         ("wp4-inf", 4, 1, math.inf, {}),
         ("replicas-wp2", 2, 1, 2.0, {}),
+        ("replicas-wp2-outer-padding-idx", 2, 1, 2.0, {"shard_outer_params": True, "padding_idx": 3}),
         ("sp2-wp2", 2, 2, 2.0, {}),
         ("outer-tied", 4, 1, 2.0, {"shard_outer_params": True, "tied": True}),
         ("vocab-inf", 4, 1, math.inf, {"vocab_parallel": True}),
@@ -62,8 +63,9 @@ def _clip_worker(rank: int, world: int, cases: list) -> dict:
     results = {}
     for name, wp, sp, norm_type, opts in cases:
         opts = dict(opts)
-        tied = opts.pop("tied", False)
+        tied, padding_idx = opts.pop("tied", False), opts.pop("padding_idx", None)
         ref, model = _model(tied), _model(tied)
+        ref.embed.padding_idx = model.embed.padding_idx = padding_idx  # row 3 gets no gradient
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp, sp_size=sp), ISPConfig(**opts))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -14,17 +14,21 @@ if TYPE_CHECKING:
 class UnshardBlock(torch.autograd.Function):
     """Forward: the block's full weights as views of its gathered slot.
 
-    Backward runs once every weight gradient of the block has been produced: the
-    block's backward is over, so its gradients are reduce-scattered and its slot freed.
-    The shard parameter passed as ``anchor`` only connects the node to the graph; its
-    gradient is ``None`` here and the real, reduced one is added to ``.grad`` later.
+    Backward runs once every trainable weight gradient of the block has been
+    produced: the block's backward is over, so its gradients are reduce-scattered and
+    its slot freed. The trainable shard passed as ``anchor`` only connects the node to
+    the graph; its gradient is ``None`` here and the real, reduced one is added to
+    ``.grad`` later. Views of frozen parameters are non-differentiable, so autograd
+    neither computes nor waits for their gradients.
     """
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, engine: BlockEngine, unit: BlockUnit, slot: torch.Tensor):
         ctx.engine, ctx.unit = engine, unit
         ctx.set_materialize_grads(False)
-        return tuple(unit.full_views(slot))
+        views = tuple(unit.full_views(slot))
+        ctx.mark_non_differentiable(*(v for v, s in zip(views, unit.shards) if not s.requires_grad))
+        return views
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None):

@@ -246,8 +246,10 @@ class BlockEngine(GradientReductions):
             region = torch.empty_like(rank_major)
             root.copy_out(rank_major, region)
             self._root_region = region
+        if torch.is_grad_enabled():
+            root.refresh_trainable()
         if torch.is_grad_enabled() and root.requires_grad:
-            views = list(UnshardBlock.apply(root.shards[0], self, root, self._root_region))
+            views = list(UnshardBlock.apply(root.anchor, self, root, self._root_region))
         else:
             views = [v.detach() for v in root.full_views(self._root_region)]
         root.swap_in(views)
@@ -268,7 +270,7 @@ class BlockEngine(GradientReductions):
         rt = self._rt[unit.index]
         assert rt.swapped is None, f"block {unit.index} is already swapped in"
         if torch.is_grad_enabled() and unit.requires_grad:
-            views = list(UnshardBlock.apply(unit.shards[0], self, unit, region))
+            views = list(UnshardBlock.apply(unit.anchor, self, unit, region))
         else:
             views = [v.detach() for v in unit.full_views(region)]
         unit.swap_in(views)
@@ -310,6 +312,8 @@ class BlockEngine(GradientReductions):
                 return orig(*args, **kwargs)
             finally:
                 self._swap_out(unit)
+        if torch.is_grad_enabled():
+            unit.refresh_trainable()  # before this forward: its backward reduces what it saw
         region = self.ensure_gathered(unit)
         self.prefetch(unit.index + 1)
         rt.saved_views = torch.is_grad_enabled()
@@ -350,6 +354,12 @@ class BlockEngine(GradientReductions):
         gradients exist, so a recompute that calls the block's original forward
         directly (a checkpoint inside the wrapper, as transformers does) sees them."""
         self._enter_backward()
+        later = unit.index + 1
+        if later < len(self.units) and not self.units[later].requires_grad:
+            # a block with nothing trainable has no post-backward: its backward (input
+            # gradients only) is over once the block before it begins, so free its slot
+            self._swap_out(self.units[later])
+            self.release(self.units[later])
         region = self.ensure_gathered(unit)
         self.prefetch(unit.index - 1)
         self._event("compute", unit.index)
