@@ -25,9 +25,11 @@ def apply_sequence_parallel(
 ) -> Callable[[], None]:
     """Attention goes through all-to-all over the SP group: transformers models via
     their attention registry, other models via modules exposing ``attention_fn``
-    (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``. Returns the undo."""
-    if is_hf_model(model):
-        return apply_hf_sequence_parallel(model, sp_group, backend, timeout_s, trace)
+    (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``. A peft wrapper
+    (``get_base_model()``) is seen through. Returns the undo."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if is_hf_model(base):
+        return apply_hf_sequence_parallel(base, sp_group, backend, timeout_s, trace)
     hooked = [m for m in model.modules() if callable(getattr(m, "attention_fn", None))]
     if not hooked:
         raise ValueError(
