@@ -196,9 +196,12 @@ class Checkpointer:
         path, the cause and the checkpoint ``--resume`` would still use."""
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
+        final = path[: -len(PARTIAL)]
+        raise CheckpointError(f"saving checkpoint {final} failed: {_cause(exc)}; {self._kept()}") from exc
+
+    def _kept(self) -> str:
         good = latest(self.out)
-        kept = f"the last complete checkpoint is {good}" if good else "there is no complete checkpoint"
-        raise CheckpointError(f"saving checkpoint {path[: -len(PARTIAL)]} failed: {_cause(exc)}; {kept}") from exc
+        return f"the last complete checkpoint is {good}" if good else "there is no complete checkpoint"
 
     def _commit(self, path: str) -> None:
         rank = dist.get_rank()
@@ -231,9 +234,7 @@ class Checkpointer:
                 os.replace(tmp, os.path.join(_root(self.out), LATEST))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
-                good = latest(self.out)
-                kept = f"the last complete checkpoint is {good}" if good else "there is no complete checkpoint"
-                error = f"saving checkpoint {final} failed: {_cause(exc)}; {kept}"
+                error = f"saving checkpoint {final} failed: {_cause(exc)}; {self._kept()}"
         _agree(error)
 
 
