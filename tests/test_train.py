@@ -164,3 +164,39 @@ def test_sequence_parallel_run_traces_all_to_all(tmp_path) -> None:
     with open(os.path.join(out, "trace.json")) as f:
         cats = {e["cat"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
     assert {"compute", "all-gather", "reduce-scatter", "all-to-all"} <= cats
+
+
+def _export(checkpoint: str, out: str, *extra: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "isp_comm.train.export", checkpoint, "-o", out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.timeout(200)
+def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
+    """--lora-rank: the base weights stay bitwise where they were, the adapters move,
+    and isp-export --merge-lora gives the plain model's state dict."""
+    from models.llama import LlamaConfig, build
+
+    out = str(tmp_path / "lora")
+    res = torchrun(2, *SMALL, "--steps", "3", "--save-every", "1", "--lora-rank", "4", "--no-trace", "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = _export(os.path.join(out, "checkpoints", "step_000001"), str(tmp_path / "1.pt"))
+    last = _export(os.path.join(out, "checkpoints", "step_000003"), str(tmp_path / "3.pt"))
+    adapters = [k for k in first if ".lora_" in k]
+    assert len(adapters) == 2 * 4 * 2  # A and B on q, k, v, o of 2 blocks
+    assert all(not torch.equal(first[k], last[k]) for k in adapters if ".lora_B." in k)
+    assert all(torch.equal(first[k], last[k]) for k in first if ".lora_" not in k)  # frozen base
+    merged = _export(os.path.join(out, "checkpoints"), str(tmp_path / "merged.pt"), "--merge-lora")
+    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
+    plain.load_state_dict(merged)  # strict: the plain model's keys and shapes
+    q = "base_model.model.layers.0.attn.q_proj"
+    expect = (
+        last[f"{q}.base_layer.weight"] + 2.0 * last[f"{q}.lora_B.default.weight"] @ last[f"{q}.lora_A.default.weight"]
+    )
+    assert torch.allclose(merged["layers.0.attn.q_proj.weight"], expect)

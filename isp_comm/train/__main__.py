@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from isp_comm.train import checkpoint
+from isp_comm.train import checkpoint, lora
 from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.timeline import draw, write_trace
@@ -57,6 +57,8 @@ def run(cfg: TrainConfig) -> None:
     )
     with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
         model = build(mcfg)
+        if cfg.lora_rank:
+            model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
     n_params = sum(p.numel() for p in model.parameters())
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     icfg = ISPConfig(
@@ -71,7 +73,10 @@ def run(cfg: TrainConfig) -> None:
         init_seed=cfg.seed,  # the same initial weights on every WP size
     )
     comm = ISPCommunicator(model, groups, icfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.lora_rank:
+        lora.zero_lora_b(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     hook = comm.scheduler_hook()
     try:
         os.makedirs(cfg.out, exist_ok=True)
@@ -89,9 +94,11 @@ def run(cfg: TrainConfig) -> None:
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
         with open(os.path.join(cfg.out, "run.json"), "w") as f:
             json.dump({"config": as_dict(cfg), "world": world, "rank0_shapes": shards}, f, indent=1)
+        n_train = sum(p.numel() for p in trainable)
         tqdm.write(
             f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
-            f"{n_params / 1e6:.2f}M params, data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
+            f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
+            f"data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
     bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
     per, lo, hi = cfg.batch // dp, sp_rank * cfg.seq // cfg.sp, (sp_rank + 1) * cfg.seq // cfg.sp

@@ -58,6 +58,11 @@ class TrainConfig:
     """Linear warm-up steps, then cosine decay to lr / 10."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    lora_rank: int = 0
+    """Fine-tune LoRA adapters of this rank (alpha = 2 x rank) on --lora-targets instead
+    of every weight (0: off; needs the peft package)."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    """Comma-separated names of the linears that get LoRA adapters."""
     clip: float = 1.0
     """Clip the global gradient norm to this value before each step (0: no clipping)."""
     seed: int = 0
@@ -79,7 +84,7 @@ class TrainConfig:
         for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "sp", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("wp", "warmup", "save_every"):
+        for name in ("wp", "warmup", "save_every", "lora_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.ckpt <= 1.0:

@@ -1,0 +1,58 @@
+"""LoRA for isp-train: peft adapters on the reference model, and merging them on export.
+
+``--lora-rank R`` wraps the model with ``peft.get_peft_model`` (rank ``R``,
+``lora_alpha = 2 R``, no dropout) on the projections named by ``--lora-targets``
+before isp-comm wraps it, so the adapters are sharded with their blocks and the base
+weights, frozen, are never reduce-scattered (see the README's "Frozen parameters and
+LoRA"). The model is built on meta and materialised by isp-comm, which initialises
+every linear as ``nn.Linear`` does; LoRA's B matrices are then zeroed, as peft does,
+so training starts from the base model exactly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name
+
+
+def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
+    """``model`` with LoRA adapters on the linears whose names end in ``targets``;
+    everything else frozen. Needs the ``peft`` package."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ValueError("--lora-rank needs the peft package (pip install peft)") from exc
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = sorted(set(targets) - names)
+    if unknown:
+        raise ValueError(f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(names)})")
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    return peft.get_peft_model(model, cfg)
+
+
+@torch.no_grad()
+def zero_lora_b(model: nn.Module) -> None:
+    """LoRA starts as the identity: every B matrix (this rank's shard of it) zero."""
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            p.zero_()
+
+
+def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A peft-LoRA state dict -> the base model's: ``W + scaling * B @ A`` under the
+    original names (``base_model.model.`` and ``.base_layer`` dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        plain = re.sub(r"^base_model\.model\.", "", key).replace(".base_layer.", ".")
+        stem = key.rsplit(".base_layer.", 1)[0] if ".base_layer.weight" in key else None
+        if stem is not None and f"{stem}.lora_A.{ADAPTER}.weight" in sd:
+            a, b = sd[f"{stem}.lora_A.{ADAPTER}.weight"], sd[f"{stem}.lora_B.{ADAPTER}.weight"]
+            value = value + scaling * (b.float() @ a.float()).to(value.dtype)
+        out[plain] = value
+    return out
