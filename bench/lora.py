@@ -9,7 +9,7 @@ q/k/v/o of every block, applied before wrapping (isp-comm) or sharding (FSDP2, p
 block and root). For each run: the median step time after warm-up (slowest rank),
 the peak RSS per rank (VmHWM from set-up on, the largest rank) and the bytes
 reduce-scattered per step and rank (isp-comm's counter; for FSDP2 the inputs of its
-``reduce_scatter_tensor`` calls, counted by wrapping that function). Every run is
+``reduce_scatter_single`` calls, counted by wrapping that function). Every run is
 repeated ``--repeats`` times; the table shows medians and ranges. Writes
 bench/results/lora.json.
 """
@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, system: str, tuning: str, steps: int) -> dict
     reset_peak_rss()
     model = build(model_config(8), seed=0)
     if tuning == "lora":
+        torch.manual_seed(0)  # the same adapters on every rank (isp-comm checks it at wrap time)
         model = _lora(model)
     comm, counted = None, [0]
     if system == "fsdp2":
@@ -57,13 +58,14 @@ def _worker(rank: int, world: int, system: str, tuning: str, steps: int) -> dict
         base = model.get_base_model() if tuning == "lora" else model
         for m in [*base.layers, model]:
             fully_shard(m)
-        plain_rs = dist.reduce_scatter_tensor
+        plain_rs = dist.reduce_scatter_single  # what FSDP2's reduce-scatter calls in torch 2.13
 
-        def counting(output, input, *args, **kwargs):  # noqa: A002 - torch's names
-            counted[0] += input.numel() * input.element_size()
-            return plain_rs(output, input, *args, **kwargs)
+        def counting(*args, **kwargs):
+            inp = kwargs.get("input", args[1] if len(args) > 1 else None)
+            counted[0] += inp.numel() * inp.element_size()
+            return plain_rs(*args, **kwargs)
 
-        dist.reduce_scatter_tensor = counting
+        dist.reduce_scatter_single = counting
     else:
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
