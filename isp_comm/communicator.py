@@ -114,7 +114,8 @@ class ISPCommunicator:
             raise
 
         n_ckpt = round(config.activation_checkpointing * len(block_list))
-        materialize = functools.partial(self._materialize, device=device, seed=config.init_seed)
+        # a module still on meta: real and initialised (see isp_comm/materialize.py)
+        materialize = functools.partial(materialize_module, device=device, seed=config.init_seed)
         units: list[BlockUnit] = []
         in_blocks: set[int] = set()
         for i, block in enumerate(block_list):
@@ -182,7 +183,7 @@ class ISPCommunicator:
         self._plan = make_plan(gdt, rdt, config.n_slots, config.max_inflight_reduce_scatter, groups.wp_size, landing)
         check = getattr(self.backend, "check_capacity", None)  # shared memory: reserve, or fall back, all alike
         if check is not None:
-            shm = check(self._shared_memory_bytes(replicated_all))
+            shm = check(*self._shared_memory_need(replicated_all))
             if not getattr(self.backend, "disabled", False):
                 self._plan = dataclasses.replace(self._plan, shm_bytes=shm)
         self.pool = SlotPool(self._plan, alloc, pooled=config.memory_pool)
@@ -238,21 +239,21 @@ class ISPCommunicator:
                 return m
         return None
 
-    def _shared_memory_bytes(self, replicated: list[nn.Parameter]) -> int:
-        """About what one rank puts in shared memory: the pool's buffers (when pooled
-        over more than one rank) and each group's scratch, sized like the backend does
-        (the next power of two of its largest collective)."""
+    def _shared_memory_need(self, replicated: list[nn.Parameter]) -> tuple[int, list[int]]:
+        """What one rank puts in shared memory: the pool's symmetric buffers (when
+        pooled over more than one rank), and the largest collective of each group
+        that uses the backend's scratch (WP gathers, replica and world all-reduces)."""
         g = self.groups
-        pow2 = lambda n: 1 << max(16, (max(n, 1) - 1).bit_length())  # noqa: E731
-        total = self._plan.pool_bytes if self.config.memory_pool and g.wp_size > 1 else 0
+        buffers = self._plan.pool_bytes if self.config.memory_pool and g.wp_size > 1 else 0
         units = [u for u in (*self.units, self.root) if u is not None]  # what is ever gathered
+        largest = []
         if g.wp_size > 1:
-            total += pow2(max(u.gathered_numel * u.flat_shard.element_size() for u in units))
+            largest.append(max(u.gathered_numel * u.flat_shard.element_size() for u in units))
         if g.replica_size > 1:
-            total += pow2(max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units))
+            largest.append(max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units))
         if g.world_size > 1 and replicated:
-            total += pow2(sum(p.numel() * p.element_size() for p in replicated))
-        return total
+            largest.append(sum(p.numel() * p.element_size() for p in replicated))
+        return buffers, largest
 
     @property
     def sharded_units(self) -> list[BlockUnit]:
@@ -289,13 +290,6 @@ class ISPCommunicator:
         if real:
             return real.pop()
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    @staticmethod
-    def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int | None) -> None:
-        """A module still on meta: real on ``device`` and initialised (see the note in
-        :mod:`isp_comm.materialize`); zeros without ``reset_parameters`` (load real
-        values with ``load_state_dict`` or ``load_full_state_dict``)."""
-        materialize_module(module, fqn, device, seed)
 
     @staticmethod
     def _validate(model: nn.Module, blocks: list[nn.Module]) -> None:

@@ -263,18 +263,15 @@ class ShardedState:
             if norms:
                 stacked = torch.stack(norms)
                 part[i] = stacked.max() if inf else stacked.pow(norm_type).sum()
-        if self.groups.wp_size > 1:
-            shard_part = part[:1].clone()
-            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.groups.wp_group)
-            part[0] = shard_part[0]
+        if self.groups.wp_size > 1:  # the sharded part, in place
+            dist.all_reduce(part[:1], op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.groups.wp_group)
         total = part.max() if inf else part.sum().pow(1.0 / norm_type)
         total = total.float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in (sharded, replicated):
-            for dtype_grads in _by_dtype(grads).values():
-                torch._foreach_mul_(dtype_grads, coef.to(dtype_grads[0].dtype))
+        for dtype_grads in _by_dtype([*sharded, *replicated]).values():
+            torch._foreach_mul_(dtype_grads, coef.to(dtype_grads[0].dtype))
         return total
 
 

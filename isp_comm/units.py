@@ -25,6 +25,7 @@ then in bytes for storage and gathering, in elements within each reduce group.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,10 +118,6 @@ class ReduceGroup:
         return self.wp_size * self.layout.numel
 
 
-def _default_materialize(device: torch.device) -> Callable[[nn.Module, str], None]:
-    return lambda module, fqn: materialize_module(module, fqn, device, None)
-
-
 @dataclass(frozen=True)
 class ReplicatedParam:
     """A parameter inside a block that stays whole on every rank (e.g. a norm weight)."""
@@ -150,8 +147,9 @@ class BlockUnit:
     ) -> None:
         """``owners``: (fqn prefix, module) whose direct parameters called ``names``
         (all of them when ``None``) are sharded. ``materialize(module, fqn)`` turns a
-        module still on the meta device into a real, initialised one. A parameter owned by several modules
-        (tied weights) is sharded once and appears in every owner. Parameters whose
+        module still on the meta device into a real, initialised one. A parameter
+        owned by several modules (tied weights) is sharded once and appears in every
+        owner. Parameters whose
         ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0.
         ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of gradient
         reduction (``None``: the parameters' own)."""
@@ -204,7 +202,7 @@ class BlockUnit:
         self.device = device
         self.flat_shard = torch.zeros(store.numel, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
-        self._install_shards(materialize or _default_materialize(device))
+        self._install_shards(materialize or functools.partial(materialize_module, device=device, seed=None))
         self.grad_flat: torch.Tensor | None = None
         self._trainable: tuple[bool, ...] = ()
         self.groups: tuple[ReduceGroup, ...] = ()
@@ -217,6 +215,11 @@ class BlockUnit:
     # autograd computes no gradient for them, and they never get a ``.grad``.
     # ``requires_grad`` may change between steps: the engine calls
     # ``refresh_trainable()`` at each forward, never between a forward and its backward.
+    @property
+    def trainable(self) -> tuple[bool, ...]:
+        """Per shard, whether it was trainable at the last ``refresh_trainable()``."""
+        return self._trainable
+
     @property
     def requires_grad(self) -> bool:
         return any(self._trainable)

@@ -200,9 +200,9 @@ def test_checkpoint_saved_at_wp4_resumes_at_wp2_and_wp3(tmp_path) -> None:
 def _check_no_full_copy(path: str, wp: int) -> None:
     """Every sharded tensor of the checkpoint (the blocks' linears, their optimizer
     states) is stored as one chunk per WP rank, none of them the whole tensor."""
-    from isp_comm.train.checkpoint import read_metadata
+    from torch.distributed.checkpoint import FileSystemReader
 
-    md = read_metadata(path).state_dict_metadata
+    md = FileSystemReader(path).read_metadata().state_dict_metadata
     keys = [k for k in md if ".layers." in k and "_proj." in k and len(getattr(md[k], "size", ())) > 0]
     assert any(k.startswith("model.") for k in keys) and any(k.startswith("optim.state.") for k in keys)
     for k in keys:

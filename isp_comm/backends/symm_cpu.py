@@ -59,6 +59,12 @@ HOST_ENV = "ISP_COMM_HOST_ID"  # overrides the host identity (tests simulate two
 _MIN_SCRATCH = 1 << 16
 
 
+def scratch_bytes(nbytes: int) -> int:
+    """A group's scratch segment for collectives of up to ``nbytes`` per rank: the next
+    power of two, at least 64 KiB (grown collectively when a larger one comes)."""
+    return max(_MIN_SCRATCH, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
 def host_id() -> str:
     return os.environ.get(HOST_ENV) or socket.gethostname()
 
@@ -129,11 +135,14 @@ class SymmCpuBackend:
         self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
         self.direct_reduce_scatters = 0  # reduce-scatters read straight from symmetric buffers
 
-    def check_capacity(self, per_rank_bytes: int) -> int:
-        """Collective over the world, at set-up: can every host's ``/dev/shm`` hold
-        ``per_rank_bytes`` for each of its ranks? Returns what this host needs. When
-        one cannot, every rank takes the same decision: ``SharedMemoryError`` when
-        strict, else a warning on rank 0 and TorchBackend from now on."""
+    def check_capacity(self, buffer_bytes: int, largest_collectives: list[int]) -> int:
+        """Collective over the world, at set-up: can every host's ``/dev/shm`` hold, for
+        each of its ranks, ``buffer_bytes`` of symmetric buffers plus the scratch of
+        each group (one per entry of ``largest_collectives``, that group's largest
+        payload per rank)? Returns about what this host needs. When one cannot, every
+        rank takes the same decision: ``SharedMemoryError`` when strict, else a
+        warning on rank 0 and TorchBackend from now on."""
+        per_rank_bytes = buffer_bytes + sum(scratch_bytes(n) for n in largest_collectives)
         infos: list = [None] * dist.get_world_size()
         dist.all_gather_object(infos, (host_id(), shm_free_bytes(), per_rank_bytes))
         hosts: dict[str, list] = {}
@@ -161,29 +170,32 @@ class SymmCpuBackend:
         self.disabled = True
 
     # ---- group set-up (collective over the group, in the calling thread) ------------
-    def _create_agreed(self, group: ProcessGroup, name: str, nbytes: int) -> Segment | None:
-        """Create my segment of a collective allocation; ``None`` on every rank when any
-        rank could not reserve its own (not strict), else the error on every rank."""
+    def _create_agreed(
+        self, group: ProcessGroup, name: str, nbytes: int, create: bool = True
+    ) -> tuple[bool, Segment | None]:
+        """Create my segment of a collective allocation (``create``; the others only
+        learn how it went). ``(True, segment)`` when every creator reserved its own;
+        else the error on every rank (strict) or ``(False, None)`` on every rank."""
         error: SharedMemoryError | None = None
-        try:
-            mine = Segment(name, nbytes, create=True)
-        except SharedMemoryError as exc:
-            mine, error = None, exc
+        mine = None
+        if create:
+            try:
+                mine = Segment(name, nbytes, create=True)
+            except SharedMemoryError as exc:
+                error = exc
         ok = torch.tensor([0 if error else 1], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also the barrier before peers map it
         if ok.item():
-            return mine
+            return True, mine
         if mine is not None:
             Segment.unlink(name)
             mine.close()
+        ranks = dist.get_process_group_ranks(group)
         if self.strict:
-            raise error or SharedMemoryError(
-                f"a peer of ranks {dist.get_process_group_ranks(group)} could not "
-                f"reserve its {nbytes}-byte shared-memory segment"
-            )
-        if dist.get_rank() == dist.get_process_group_ranks(group)[0]:
+            raise error or SharedMemoryError(f"a peer of ranks {ranks} could not reserve its {nbytes}-byte segment")
+        if dist.get_rank() == ranks[0]:
             log.warning("isp-comm: %s; going on without shared memory for it", error or "a peer's /dev/shm is full")
-        return None
+        return False, None
 
     def _group(self, group: ProcessGroup, nbytes: int) -> _Group | None:
         if self.disabled:
@@ -206,19 +218,8 @@ class SymmCpuBackend:
         pids, token = [p for _, p, _ in infos], infos[0][2]
         name = segment_name(pids[0], token, "ctrl")
         nbytes = 3 * len(ranks) * Flags.STRIDE * 8  # ready, done, where my all-gather output is
-        if me == 0:
-            ctrl = self._create_agreed(group, name, nbytes)
-        else:  # rank 0 alone creates the control segment; the others learn how it went
-            ok = torch.tensor([1], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-            if not ok.item():
-                if self.strict:
-                    raise SharedMemoryError(
-                        f"rank {ranks[0]} could not reserve the group's control segment in /dev/shm"
-                    )
-                return None
-            ctrl = None
-        if me == 0 and ctrl is None:
+        ok, ctrl = self._create_agreed(group, name, nbytes, create=me == 0)  # rank 0 alone creates it
+        if not ok:
             return None
         if ctrl is None:
             ctrl = Segment(name, nbytes, create=False)
@@ -231,11 +232,11 @@ class SymmCpuBackend:
         """Collectively replace every rank's scratch by a larger one (sizes agree on
         all ranks because every rank issues the same collectives)."""
         self._drain()
-        cap = max(_MIN_SCRATCH, 1 << (nbytes - 1).bit_length())
+        cap = scratch_bytes(nbytes)
         g.generation += 1
         names = [segment_name(g.pids[r], g.token, "scratch", r, g.generation) for r in range(g.size)]
-        mine = self._create_agreed(group, names[g.me], cap)
-        if mine is None:  # no room: this group uses TorchBackend from now on
+        ok, mine = self._create_agreed(group, names[g.me], cap)
+        if not ok:  # no room: this group uses TorchBackend from now on
             self._groups[g.ranks] = None
             return
         new = [mine if r == g.me else Segment(names[r], cap, create=False) for r in range(g.size)]
@@ -303,8 +304,8 @@ class SymmCpuBackend:
         nbytes = numel * dtype.itemsize
         k = len(g.buffers)
         names = [segment_name(g.pids[r], g.token, "buf", k, r) for r in range(g.size)]
-        mine = self._create_agreed(group, names[g.me], nbytes)
-        if mine is None:  # no room: an ordinary buffer (its collectives take the scratch path)
+        ok, mine = self._create_agreed(group, names[g.me], nbytes)
+        if not ok:  # no room: an ordinary buffer (its collectives take the scratch path)
             return torch.empty(numel, dtype=dtype, device=device)
         segs = [mine if r == g.me else Segment(names[r], nbytes, create=False) for r in range(g.size)]
         dist.barrier(group=group)

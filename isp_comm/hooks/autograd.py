@@ -27,7 +27,7 @@ class UnshardBlock(torch.autograd.Function):
         ctx.engine, ctx.unit = engine, unit
         ctx.set_materialize_grads(False)
         views = tuple(unit.full_views(slot))
-        ctx.mark_non_differentiable(*(v for v, s in zip(views, unit.shards) if not s.requires_grad))
+        ctx.mark_non_differentiable(*(v for v, t in zip(views, unit.trainable) if not t))
         return views
 
     @staticmethod

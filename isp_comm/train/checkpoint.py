@@ -35,7 +35,6 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -76,12 +75,15 @@ def _cause(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-def _agree(error: str | None) -> None:
-    """Collective: a ``CheckpointError`` on every rank when any rank had one."""
+def _agree(error: str | None, remove: str | None = None) -> None:
+    """Collective: a ``CheckpointError`` on every rank when any rank had one (the first
+    rank's message); rank 0 first removes the folder ``remove`` (a partial checkpoint)."""
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, error)
     first = next((e for e in every if e), None)
     if first:
+        if remove is not None and dist.get_rank() == 0:
+            shutil.rmtree(remove, ignore_errors=True)
         raise CheckpointError(first)
 
 
@@ -194,7 +196,7 @@ class Checkpointer:
     def _failed(self, path: str, exc: BaseException) -> None:
         """Remove the partial checkpoint and raise, on every rank, one line naming the
         path, the cause and the checkpoint ``--resume`` would still use."""
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # DCP raised the same failure on every rank: no agreement needed
             shutil.rmtree(path, ignore_errors=True)
         final = path[: -len(PARTIAL)]
         raise CheckpointError(f"saving checkpoint {final} failed: {_cause(exc)}; {self._kept()}") from exc
@@ -208,20 +210,17 @@ class Checkpointer:
         if rank == 1 and os.environ.get(KILL_AT_COMMIT_ENV) == path[: -len(PARTIAL)].rsplit("_", 1)[-1].lstrip("0"):
             os.kill(os.getpid(), signal.SIGKILL)
         final = path[: -len(PARTIAL)]
+        failed = f"saving checkpoint {final} failed"
         try:
             mine, error = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}, None
         except OSError as exc:
-            mine, error = {}, f"saving checkpoint {final} failed: {_cause(exc)}"
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (mine, error))
-        error = next((e for _, e in every if e), None)
-        if error and rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        if error:
-            raise CheckpointError(error)
+            mine, error = {}, f"{failed}: {_cause(exc)}"
+        _agree(error, remove=path)
+        every: list[dict[str, int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
         if rank == 0:
             try:
-                sums = {k: v for d, _ in every for k, v in d.items()}
+                sums = {k: v for d in every for k, v in (d or {}).items()}
                 sums[".metadata"] = _crc(os.path.join(path, ".metadata"))
                 with open(os.path.join(path, CHECKSUMS), "w") as f:
                     json.dump(sums, f, indent=0, sort_keys=True)
@@ -234,7 +233,7 @@ class Checkpointer:
                 os.replace(tmp, os.path.join(_root(self.out), LATEST))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
-                error = f"saving checkpoint {final} failed: {_cause(exc)}; {self._kept()}"
+                error = f"{failed}: {_cause(exc)}; {self._kept()}"
         _agree(error)
 
 
@@ -274,11 +273,7 @@ def verify(path: str) -> None:
             bad = f"{file} is missing"
         elif _crc(file) != sums[name]:
             bad = f"{file} is corrupted or truncated (checksum mismatch)"
-    found: list[str | None] = [None] * world
-    dist.all_gather_object(found, bad)
-    first = next((b for b in found if b), None)
-    if first:
-        raise CheckpointError(f"checkpoint {path}: {first}")
+    _agree(f"checkpoint {path}: {bad}" if bad else None)
 
 
 def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
@@ -293,8 +288,3 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
     comm.load_optimizer_state_dict(opt, state["optim"])
     torch.set_rng_state(state["rng"])
     return int(state["meta"]["step"])
-
-
-def read_metadata(path: str):
-    """DCP's metadata of a checkpoint (which chunks of which tensors it holds)."""
-    return FileSystemReader(path).read_metadata()
