@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from isp_comm import hf_checkpoint
 from isp_comm.backends import make_backend
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
@@ -22,7 +23,7 @@ from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.trace import Tracer
-from isp_comm.materialize import materialize_module
+from isp_comm.materialize import materialize_module, materialize_rest, model_initializer
 from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, make_plan
 from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
 from isp_comm.state import ShardedState
@@ -115,7 +116,8 @@ class ISPCommunicator:
 
         n_ckpt = round(config.activation_checkpointing * len(block_list))
         # a module still on meta: real and initialised (see isp_comm/materialize.py)
-        materialize = functools.partial(materialize_module, device=device, seed=config.init_seed)
+        init = model_initializer(model)
+        materialize = functools.partial(materialize_module, device=device, seed=config.init_seed, init=init)
         units: list[BlockUnit] = []
         in_blocks: set[int] = set()
         for i, block in enumerate(block_list):
@@ -170,9 +172,7 @@ class ISPCommunicator:
         self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
             self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
-        for fqn, mod in model.named_modules():  # what is still on meta lies outside the units
-            if any(p.device.type == "meta" for p in mod.parameters(recurse=False)):
-                materialize(mod, fqn)
+        materialize_rest(model, materialize)  # what is still on meta lies outside the units
         self._state = ShardedState(model, groups, self._sharded, self.sharded_units, device)
         replicated_all = [p for p in model.parameters() if id(p) not in in_blocks]
 
@@ -488,6 +488,24 @@ class ISPCommunicator:
         """Load an optimizer state dict from :meth:`optimizer_state_dict` (any WP size)."""
         self._check_idle("load_optimizer_state_dict()")
         self._state.load_optimizer_state_dict(opt, osd)
+
+    # ---- Hugging Face checkpoints (see isp_comm/hf_checkpoint.py) ----------------------------
+    def load_hf_checkpoint(self, path: str) -> None:
+        """Load a transformers checkpoint folder (``model.safetensors``, or shards with
+        ``model.safetensors.index.json``) into the wrapped model: each rank reads only
+        its own rows of every sharded tensor. Missing or unexpected keys and shape
+        mismatches are a ``ValueError`` naming them. Collective over the world."""
+        self._check_idle("load_hf_checkpoint()")
+        hf_checkpoint.load_hf_checkpoint(self.model, self._state.state_dict(), path)
+
+    def save_hf_checkpoint(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write the model to the folder ``path`` as transformers' ``save_pretrained``
+        does (safetensors files of at most ``max_shard_bytes``, an index when there are
+        several, ``config.json`` when the model has a transformers config; tied
+        weights once). Streamed: every rank writes its own shards, then the ranks
+        assemble the output files one tensor at a time. Collective over the world."""
+        self._check_idle("save_hf_checkpoint()")
+        hf_checkpoint.save_hf_checkpoint(self.model, self._state.state_dict(), path, max_shard_bytes)
 
     def close(self) -> None:
         """Drain communication, restore the blocks' forwards and free the pool."""

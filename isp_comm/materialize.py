@@ -9,14 +9,26 @@ then depend on the seed and the names only, not on the WP size, on which paramet
 are sharded (``shard_outer_params``, ``vocab_parallel``) nor on the order in which
 modules are materialised. :func:`init_weights` gives the same weights to an
 unwrapped model (the single-process reference).
+
+[Note: buffers and transformers models]
+Buffers are materialised with their module. A transformers model is initialised by
+its own ``_init_weights(module)``, as ``from_config`` does: normal linears and
+embeddings, norms at one, and rotary ``inv_freq`` computed from the config. That
+buffer is not persistent, so no checkpoint brings it back: it must be computed
+here. A floating buffer that no initialiser filled is an error naming it, never
+garbage from uninitialised memory.
 """
 
 from __future__ import annotations
 
+import sys
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+Initializer = Callable[[nn.Module], None]
 
 
 def module_seed(seed: int, fqn: str) -> int:
@@ -24,34 +36,89 @@ def module_seed(seed: int, fqn: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(fqn.encode())) % (2**63 - 1)
 
 
+def model_initializer(model: nn.Module) -> Initializer | None:
+    """The ``_init_weights`` of the transformers model in ``model`` (the first
+    ``PreTrainedModel`` among its modules, so a peft wrapper finds its base model),
+    else ``None``. transformers is never imported here: a model of its classes
+    exists only once it was."""
+    tf = sys.modules.get("transformers")
+    if tf is None:
+        return None
+    for m in model.modules():
+        if isinstance(m, tf.PreTrainedModel):
+            return m._init_weights
+    return None
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
 @torch.no_grad()
-def reset_module(module: nn.Module, fqn: str, seed: int | None) -> None:
-    """Initialise ``module``'s own parameters: ``reset_parameters()`` where it has one
-    (under the generator of ``module_seed(seed, fqn)`` when a seed is given), zeros
-    otherwise (real values then come from a checkpoint)."""
-    if not hasattr(module, "reset_parameters"):
+def reset_module(module: nn.Module, fqn: str, seed: int | None, init: Initializer | None = None) -> None:
+    """Initialise ``module``'s own parameters and buffers: ``reset_parameters()``
+    where it has one, then ``init(module)`` (a transformers model's
+    ``_init_weights``) when given; parameters neither touches are zeros (real values
+    then come from a checkpoint). With a seed, both run under the generator of
+    ``module_seed(seed, fqn)``."""
+    if not hasattr(module, "reset_parameters") and init is None:
         for p in module.parameters(recurse=False):
             p.zero_()
-        return
-    if seed is None:
-        module.reset_parameters()
-        return
-    cuda = sorted({p.device.index or 0 for p in module.parameters(recurse=False) if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(module_seed(seed, fqn))
-        module.reset_parameters()
+    cuda = sorted({t.device.index or 0 for t in _own_tensors(module) if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(module_seed(seed, fqn))
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        if init is not None:
+            init(module)
 
 
-def materialize_module(module: nn.Module, fqn: str, device: torch.device, seed: int | None) -> None:
-    """Move ``module``'s own meta parameters to ``device`` and initialise them."""
+def materialize_module(
+    module: nn.Module, fqn: str, device: torch.device, seed: int | None, init: Initializer | None = None
+) -> None:
+    """Move ``module``'s own meta parameters and buffers to ``device`` and initialise
+    them; a floating buffer left unset is a ``ValueError`` naming it."""
     module.to_empty(device=device, recurse=False)
-    reset_module(module, fqn, seed)
+    unset = [(n, b) for n, b in module.named_buffers(recurse=False) if b.is_floating_point()]
+    with torch.no_grad():
+        for _, b in unset:
+            b.fill_(float("nan"))
+    reset_module(module, fqn, seed, init)
+    for name, b in unset:
+        if b.numel() and torch.isnan(b).all():
+            where = f"{fqn}.{name}" if fqn else name
+            raise ValueError(
+                f"buffer {where} of the meta-built model has no known value: give {type(module).__name__} a "
+                "reset_parameters() that computes it, or build the model on a real device"
+            )
+
+
+def materialize_rest(model: nn.Module, materialize: Callable[[nn.Module, str], None]) -> None:
+    """Materialise every module still holding meta parameters or buffers, keeping
+    tied parameters tied: ``to_empty`` gives a module new parameter objects, so a
+    later owner of the same meta parameter is pointed at the first owner's new one
+    and is not initialised again (as :func:`init_weights` skips it)."""
+    done: dict[int, nn.Parameter] = {}
+    for fqn, mod in model.named_modules():
+        metas = {n: p for n, p in mod._parameters.items() if p is not None and p.device.type == "meta"}
+        tied = {n: done[id(p)] for n, p in metas.items() if id(p) in done}
+        if len(tied) < len(metas) or any(b.device.type == "meta" for b in mod.buffers(recurse=False)):
+            materialize(mod, fqn)
+            done.update({id(p): mod._parameters[n] for n, p in metas.items() if id(p) not in done})
+        mod._parameters.update(tied)
 
 
 def init_weights(model: nn.Module, seed: int) -> nn.Module:
     """Initialise an unwrapped model exactly as wrapping a meta-built copy of it does
-    with ``ISPConfig(init_seed=seed)``: module by module, seeded by FQN."""
+    with ``ISPConfig(init_seed=seed)``: module by module, seeded by FQN; a module
+    whose parameters are all tied to earlier ones is left to their first owner."""
+    init = model_initializer(model)
+    seen: set[int] = set()
     for fqn, module in model.named_modules():
-        if any(True for _ in module.parameters(recurse=False)):
-            reset_module(module, fqn, seed)
+        params = list(module.parameters(recurse=False))
+        fresh = any(id(p) not in seen for p in params) or any(True for _ in module.buffers(recurse=False))
+        if fresh:
+            reset_module(module, fqn, seed, init)
+        seen.update(id(p) for p in params)
     return model

@@ -91,3 +91,43 @@ def run_ranks(
         if errors:
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
         return [out[r] for r in range(world)]
+
+
+# ---- tiny Hugging Face folders (tests, the README's worked example; nothing downloaded) ----
+def tiny_hf_config(model_type: str = "llama", vocab_size: int = 300, tied: bool = False, **overrides: Any) -> Any:
+    """A transformers config of ``model_type`` (llama, mistral, qwen2, qwen3) small
+    enough for CPU tests: 2 blocks, width 48, 6 query and 2 key/value heads."""
+    from transformers import AutoConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    if model_type == "qwen3":
+        kw["head_dim"] = 8
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_tokenizer(folder: str, text: str, vocab_size: int = 300) -> Any:
+    """Train a byte-level BPE tokenizer of at most ``vocab_size`` tokens on ``text``
+    (with the ``tokenizers`` package) and save it in ``folder`` for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([text], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    return fast

@@ -1,0 +1,175 @@
+"""Hugging Face checkpoints in and out of the shards (isp_comm/hf_checkpoint.py), and
+meta-built transformers models made real by wrapping (isp_comm/materialize.py).
+
+Every source checkpoint is a tiny random model written by ``save_pretrained`` in
+several files; every rank loads it into a meta-built, wrapped model, trains two
+steps, saves it back, and transformers' ``from_pretrained`` reads the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.testing import run_ranks, tiny_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 301  # uneven over 2, 3 and 4 ranks, as are the k/v projections (16 rows) and the MLP (100)
+ARCHS = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),  # q/k/v biases
+    "mistral": dict(model_type="mistral"),
+    "qwen2-tied": dict(model_type="qwen2", tied=True),
+}
+# (architecture, shard_outer_params, vocab_parallel): every world size sees all four
+# combinations; a head tied to the embedding cannot be vocab-parallel (README)
+CASES = {
+    2: [("llama", False, False), ("qwen2", True, True), ("mistral", False, True), ("qwen2-tied", True, False)],
+    3: [("llama", False, True), ("qwen2", True, False), ("mistral", True, True), ("qwen2-tied", False, False)],
+    4: [("llama", True, True), ("qwen2", False, True), ("mistral", False, False), ("qwen2-tied", True, False)],
+}
+
+
+def _config(arch: str, **kw):
+    return tiny_hf_config(vocab_size=VOCAB, **{**ARCHS[arch], **kw})
+
+
+def _meta_model(config):
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def _from_pretrained(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("hf")
+    for i, arch in enumerate(ARCHS):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(_config(arch))
+        model.save_pretrained(root / arch, max_shard_size="60KB")  # several files and an index
+        assert os.path.isfile(root / arch / "model.safetensors.index.json")
+    return str(root)
+
+
+def _round_trips(rank: int, world: int, root: str) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randint(0, VOCAB, (2, 12))
+    out = []
+    for arch, outer, vp in CASES[world]:
+        src, dst = os.path.join(root, arch), os.path.join(root, f"out-{arch}-{world}")
+        ref = _from_pretrained(src)
+        model = _meta_model(ref.config)
+        comm = ISPCommunicator(
+            model, ParallelGroups.create(wp_size=world), ISPConfig(shard_outer_params=outer, vocab_parallel=vp)
+        )
+        # non-persistent rotary buffers: real values from the config at wrapping
+        inv_freq_exact = torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+        comm.load_hf_checkpoint(src)
+        loaded = comm.full_state_dict()
+        weights_err = max((loaded[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        with torch.no_grad():
+            logits, ref_logits = model(input_ids=x).logits, ref(input_ids=x).logits
+        if vp:  # [wp, batch, seq, this rank's vocab rows]: every rank's tokens (all alike here)
+            chunk = -(-VOCAB // world)
+            ref_logits, logits = ref_logits[..., rank * chunk : (rank + 1) * chunk], logits[rank]
+        logits_err = (logits - ref_logits).abs().max().item()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            comm.cross_entropy(model(input_ids=x[:, :-1]).logits, x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        trained = comm.full_state_dict()
+        with torch.no_grad():
+            trained_logits = model(input_ids=x).logits
+        trained_logits = trained_logits[rank] if vp else trained_logits
+        comm.save_hf_checkpoint(dst, max_shard_bytes=40_000)
+        back = _from_pretrained(dst)
+        back_sd = back.state_dict()
+        with torch.no_grad():
+            back_logits = back(input_ids=x).logits
+        if vp:
+            back_logits = back_logits[..., rank * chunk : (rank + 1) * chunk]
+        with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+        out.append(
+            {
+                "case": (arch, outer, vp),
+                "inv_freq_exact": inv_freq_exact,
+                "weights_err": weights_err,
+                "logits_err": logits_err,
+                "moved": max((trained[k] - loaded[k]).abs().max().item() for k in loaded),
+                "same_keys": back_sd.keys() == trained.keys(),
+                "saved_err": max((back_sd[k] - trained[k]).abs().max().item() for k in trained),
+                "saved_logits_err": (back_logits - trained_logits).abs().max().item(),
+                "files": len(set(weight_map.values())),
+                "tied_written": "lm_head.weight" in weight_map,
+                "tied_after_load": back.lm_head.weight is back.model.embed_tokens.weight,
+                "config_type": back.config.model_type,
+            }
+        )
+        comm.close()
+    if world == 2:
+        out.append(_errors(root))
+    return out
+
+
+def _errors(root: str) -> dict[str, str]:
+    """What a wrong checkpoint says (every rank raises the same ValueError)."""
+    messages = {}
+    for name, arch, src in [
+        ("missing", "qwen2", "llama"),  # qwen2 wants q/k/v biases the llama files lack
+        ("unexpected", "llama", "qwen2"),
+        ("shape", "llama-wide", "llama"),
+        ("nothing", "llama", "no-such-folder"),
+    ]:
+        config = _config("llama", intermediate_size=104) if arch == "llama-wide" else _config(arch)
+        model = _meta_model(config)
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
+        with pytest.raises(ValueError) as err:
+            comm.load_hf_checkpoint(os.path.join(root, src))
+        messages[name] = str(err.value)
+        comm.close()
+    return messages
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hf_round_trip(sources: str, world: int) -> None:
+    results = run_ranks(_round_trips, world, sources, timeout_s=380)
+    if world == 2:
+        errors = results[0].pop()
+        for r in results[1:]:
+            assert r.pop() == errors  # the same message on every rank
+        assert "missing keys" in errors["missing"] and "model.layers.0.self_attn.q_proj.bias" in errors["missing"]
+        assert (
+            "unexpected keys" in errors["unexpected"] and "model.layers.1.self_attn.k_proj.bias" in errors["unexpected"]
+        )
+        assert "shape mismatches" in errors["shape"] and "model.layers.0.mlp.up_proj.weight" in errors["shape"]
+        assert "(104, 48)" in errors["shape"] and "(100, 48)" in errors["shape"]
+        assert "no-such-folder is not a folder" in errors["nothing"]
+    for rank_results in results:
+        for r in rank_results:
+            case = r["case"]
+            assert r["inv_freq_exact"], case
+            # loading copies the stored values: bitwise what from_pretrained holds
+            assert r["weights_err"] == 0.0, case
+            # the same weights in the same ops on the same input: bitwise, also for a
+            # vocab-parallel head (each column of the logits is one dot product)
+            assert r["logits_err"] == 0.0, case
+            assert r["moved"] > 1e-3, case  # training changed the weights
+            assert r["same_keys"], case
+            assert r["saved_err"] == 0.0, case  # saving writes the shards' bytes
+            assert r["saved_logits_err"] == 0.0, case
+            assert r["files"] > 1, case  # max_shard_bytes split the output
+            tied = case[0] == "qwen2-tied"
+            assert r["tied_written"] is not tied, case  # tied embeddings written once, as transformers does
+            assert r["tied_after_load"] is tied, case
+            assert r["config_type"] == ARCHS[case[0]]["model_type"]
