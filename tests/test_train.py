@@ -20,6 +20,11 @@ def torchrun(n: int, *args: str, timeout: float = 200, env: dict | None = None) 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def export_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "isp_comm.train.export", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 def losses(out: str) -> dict[int, float]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
@@ -67,12 +72,7 @@ def test_resume_after_kill_export_reshard_and_corruption(tmp_path) -> None:
     common = [*SMALL, "--steps", "6", "--save-every", "2", "--no-trace"]
     assert torchrun(2, *common, "--out", a).returncode == 0
     pt = str(tmp_path / "model.pt")
-    res = subprocess.run(
-        [sys.executable, "-m", "isp_comm.train.export", os.path.join(a, "checkpoints"), "-o", pt],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = export_cli(os.path.join(a, "checkpoints"), "-o", pt)
     assert res.returncode == 0, res.stderr
     plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
     plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape
@@ -167,12 +167,7 @@ def test_sequence_parallel_run_traces_all_to_all(tmp_path) -> None:
 
 
 def _export(checkpoint: str, out: str, *extra: str) -> dict:
-    res = subprocess.run(
-        [sys.executable, "-m", "isp_comm.train.export", checkpoint, "-o", out, *extra],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = export_cli(checkpoint, "-o", out, *extra)
     assert res.returncode == 0, res.stderr
     return torch.load(out, weights_only=True)
 
@@ -200,3 +195,87 @@ def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
         last[f"{q}.base_layer.weight"] + 2.0 * last[f"{q}.lora_B.default.weight"] @ last[f"{q}.lora_A.default.weight"]
     )
     assert torch.allclose(merged["layers.0.attn.q_proj.weight"], expect)
+
+
+def _hf_folder(folder, text: str, model_type: str = "llama", vocab_size: int | None = None) -> int:
+    """A transformers model folder with its own tokenizer, trained on ``text``; returns
+    the tokenizer's vocabulary size."""
+    import transformers
+
+    from isp_comm.testing import tiny_hf_config, tiny_tokenizer
+
+    tok = tiny_tokenizer(str(folder), text)
+    torch.manual_seed(0)
+    config = tiny_hf_config(model_type, vocab_size=vocab_size or len(tok))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return len(tok)
+
+
+@pytest.mark.timeout(300)
+def test_hf_model_trains_exports_and_generates(tmp_path) -> None:
+    """isp-train --model DIR --tokenizer DIR --data FILE at world 4: the loss falls on
+    a repetitive text, isp-export --hf writes what from_pretrained loads with the
+    checkpoint's exact weights, and the result generates."""
+    import transformers
+
+    text = "the quick brown fox jumps over the lazy dog. " * 300
+    data, model_dir, out = tmp_path / "corpus.txt", tmp_path / "tiny-llama", str(tmp_path / "run")
+    data.write_text(text)
+    _hf_folder(model_dir, text)
+    args = ["--model", str(model_dir), "--tokenizer", str(model_dir), "--data", str(data), "--seq", "32"]
+    res = torchrun(4, *args, "--batch", "4", "--shard-outer", "--steps", "16", "--no-trace", "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    curve = losses(out)
+    assert curve[16] < curve[1] - 1.0, curve  # ln(vocab) ~ 5.7 at the random start; the text repeats
+    assert [p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]  # cached next to the data
+    hf = str(tmp_path / "hf")
+    res = export_cli(os.path.join(out, "checkpoints"), "--hf", hf)
+    assert res.returncode == 0, res.stderr
+    plain = _export(os.path.join(out, "checkpoints"), str(tmp_path / "plain.pt"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert model.state_dict().keys() == plain.keys()
+    assert all(torch.equal(v, plain[k]) for k, v in model.state_dict().items())
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    ids = tok("the quick brown", return_tensors="pt").input_ids
+    new = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :]
+    assert len(new) == 5 and tok.decode(new)
+
+
+def test_tokens_are_cached_next_to_the_data(tmp_path) -> None:
+    from isp_comm.train import hf_model
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    _hf_folder(tmp_path / "m", data.read_text())
+    tokens, vocab = hf_model.tokenize(str(tmp_path / "m"), str(data))
+    (cache,) = [p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]
+    stamp = os.stat(tmp_path / cache).st_mtime_ns
+    again, _ = hf_model.tokenize(str(tmp_path / "m"), str(data))
+    assert torch.equal(tokens, again) and os.stat(tmp_path / cache).st_mtime_ns == stamp  # read, not rewritten
+    assert int(tokens.max()) < vocab
+    data.write_text("another text")  # a changed file is tokenized again, under another name
+    hf_model.tokenize(str(tmp_path / "m"), str(data))
+    assert len([p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]) == 2
+
+
+def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
+    from isp_comm.train.config import parse_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)" in err[0]
+
+
+@pytest.mark.timeout(120)
+def test_vocabulary_larger_than_the_model_is_one_line(tmp_path) -> None:
+    text = "the quick brown fox jumps over the lazy dog. " * 50
+    data = tmp_path / "corpus.txt"
+    data.write_text(text)
+    small = tmp_path / "small-vocab"
+    n = _hf_folder(small, text, vocab_size=200)  # its tokenizer has more tokens than its embedding rows
+    assert n > 200
+    res = torchrun(1, "--model", str(small), "--data", str(data), "--seq", "16", "--steps", "1", timeout=100)
+    _one_line_error(res, f"has a vocabulary of {n} tokens, more than the model's 200")

@@ -1,9 +1,11 @@
-"""``torchrun --nproc-per-node N -m isp_comm.train``: train the reference llama with ISP.
+"""``torchrun --nproc-per-node N -m isp_comm.train``: train the reference llama, or a
+transformers model (``--model DIR``), with ISP.
 
 Writes ``OUT/metrics.jsonl`` (one object per optimizer step), ``OUT/trace.json`` and
 ``OUT/timeline.png`` (the last steps' compute and communication per rank),
-``OUT/run.json`` (the flags and rank 0's parameter shard shapes) and DCP checkpoints
-under ``OUT/checkpoints``; ``--resume`` continues from the latest one.
+``OUT/run.json`` (the flags and rank 0's parameter shard shapes), DCP checkpoints
+under ``OUT/checkpoints`` and, with ``--model``, ``OUT/hf_model`` (the model's
+config.json and the tokenizer, for ``isp-export --hf``); ``--resume`` continues from the latest one.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from isp_comm.train import checkpoint, lora
+from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
+from isp_comm.train import checkpoint, hf_model, lora
 from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.timeline import draw, write_trace
@@ -34,9 +36,36 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def _on_rank0_first(fn, *args):
+    """``fn(*args)`` on rank 0 (which may write a cache the others then read), then on
+    the others; an error on rank 0 is raised on every rank, never a hang."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            out = fn(*args)
+        except ValueError as exc:
+            error = [str(exc)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ValueError(error[0])
+    return out if dist.get_rank() == 0 else fn(*args)
+
+
+def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str]:
+    """The tokens, their vocabulary size, and the tokenizer folder used ("" for none)."""
+    tok_dir = cfg.tokenizer
+    if not tok_dir and cfg.model and cfg.data and not cfg.data.endswith((".npy", ".bin")):
+        tok_dir = cfg.model if hf_model.has_tokenizer(cfg.model) else ""
+    if tok_dir:
+        tokens, vocab = _on_rank0_first(hf_model.tokenize, tok_dir, cfg.data)
+    else:
+        tokens, vocab = load_tokens(cfg.data)
+    return tokens, vocab, tok_dir
+
+
 def run(cfg: TrainConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, vocab = load_tokens(cfg.data)
+    tokens, vocab, tok_dir = load_data(cfg)
     if tokens.numel() < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
     if world % cfg.sp:
@@ -55,10 +84,15 @@ def run(cfg: TrainConfig) -> None:
         n_kv_heads=cfg.kv_heads,
         max_seq_len=cfg.seq,
     )
-    with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
-        model = build(mcfg)
-        if cfg.lora_rank:
-            model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
+    if cfg.model:  # on meta too (see isp_comm/train/hf_model.py)
+        model = hf_model.build_model(cfg.model)
+        what = f"--tokenizer {tok_dir}" if tok_dir else f"--data {cfg.data or '(the embedded corpus)'}"
+        hf_model.check_vocab(what, vocab, model.config.vocab_size, cfg.model)
+    else:
+        with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
+            model = build(mcfg)
+            if cfg.lora_rank:
+                model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
     n_params = sum(p.numel() for p in model.parameters())
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     icfg = ISPConfig(
@@ -73,6 +107,8 @@ def run(cfg: TrainConfig) -> None:
         init_seed=cfg.seed,  # the same initial weights on every WP size
     )
     comm = ISPCommunicator(model, groups, icfg)
+    if cfg.model and not cfg.resume and hf_checkpoint.has_hf_weights(cfg.model):
+        comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
     if cfg.lora_rank:
         lora.zero_lora_b(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -94,6 +130,8 @@ def run(cfg: TrainConfig) -> None:
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
         with open(os.path.join(cfg.out, "run.json"), "w") as f:
             json.dump({"config": as_dict(cfg), "world": world, "rank0_shapes": shards}, f, indent=1)
+        if cfg.model:
+            hf_model.save_run_files(model, tok_dir, cfg.out)
         n_train = sum(p.numel() for p in trainable)
         tqdm.write(
             f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
@@ -113,7 +151,11 @@ def run(cfg: TrainConfig) -> None:
         x, y = batch_at(tokens, step, cfg.batch, cfg.seq)
         xs, ys = x[dp_rank * per : (dp_rank + 1) * per, lo:hi], y[dp_rank * per : (dp_rank + 1) * per, lo:hi]
         hook.before_forward()
-        loss = comm.cross_entropy(model(xs, position_ids=positions).float(), ys)
+        if cfg.model:
+            logits = model(input_ids=xs, position_ids=positions[None], use_cache=False).logits
+        else:
+            logits = model(xs, position_ids=positions)
+        loss = comm.cross_entropy(logits.float(), ys)
         hook.before_backward()
         loss.backward()
         hook.after_backward()

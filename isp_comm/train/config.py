@@ -20,16 +20,25 @@ class TrainConfig:
     out: str = "runs/isp-train"
     """Directory for metrics.jsonl, trace.json, timeline.png and checkpoints."""
     data: str = ""
-    """Training data: a text file (byte-level tokens) or pre-tokenized .npy/.bin
-    (uint16); empty = the embedded synthetic corpus."""
+    """Training data: a text file (tokenized by --tokenizer, else its bytes are the
+    tokens) or pre-tokenized .npy/.bin (uint16); empty = the embedded synthetic corpus."""
+    model: str = ""
+    """A transformers model folder: config.json of type llama, mistral, qwen2 or qwen3,
+    and its safetensors weights when present (trained from them; otherwise the model
+    gets its own initialisation). Empty = the reference llama of models/llama.py,
+    shaped by --layers, --hidden, --heads and --kv-heads (ignored with --model)."""
+    tokenizer: str = ""
+    """A tokenizer folder (what transformers' AutoTokenizer reads, local files only)
+    that tokenizes the --data text; the tokens are cached next to the data. Empty =
+    the --model folder's tokenizer when it has one, else bytes as tokens."""
     layers: int = 4
     """Transformer blocks of the reference llama."""
     hidden: int = 128
-    """Model width."""
+    """Model width of the reference llama."""
     heads: int = 8
-    """Attention heads."""
+    """Attention heads of the reference llama."""
     kv_heads: int = 2
-    """Key/value heads."""
+    """Key/value heads of the reference llama."""
     seq: int = 64
     """Sequence length."""
     batch: int = 8
@@ -99,6 +108,17 @@ class TrainConfig:
             raise ValueError("--hidden / --heads must be an even head size and --heads a multiple of --kv-heads")
         if self.data and not os.path.isfile(self.data):
             raise ValueError(f"--data {self.data}: no such file")
+        if self.model:
+            from isp_comm.train.hf_model import model_type
+
+            model_type(self.model)  # one line naming the supported types
+            if self.lora_rank:
+                raise ValueError("--lora-rank with --model is not supported yet: LoRA trains the reference llama")
+        if self.tokenizer:
+            if not os.path.isdir(self.tokenizer):
+                raise ValueError(f"--tokenizer {self.tokenizer}: no such folder")
+            if not self.data or self.data.endswith((".npy", ".bin")):
+                raise ValueError("--tokenizer needs --data, a text file to tokenize")
 
 
 def _flag(name: str) -> str:

@@ -1,10 +1,17 @@
 """``isp-export CHECKPOINT -o model.pt``: a plain full state dict from an isp-train
-checkpoint, loadable into the unwrapped model with ``load_state_dict``.
+checkpoint, loadable into the unwrapped model with ``load_state_dict``;
+``isp-export CHECKPOINT --hf OUT_DIR``: a folder that transformers' ``from_pretrained``
+loads, for runs of ``isp-train --model``.
 
 No process group is needed. ``-o model.safetensors`` writes safetensors instead (needs
 the ``safetensors`` package). ``--merge-lora`` folds a LoRA run's adapters into the
 base weights (``W + alpha / r * B @ A``, alpha and r from the run's ``run.json``), so
 the result loads into the model without peft.
+
+``--hf`` streams: the tensors go out in safetensors files of at most 5 GiB each
+(with ``model.safetensors.index.json`` when there are several), and only one file's
+tensors are ever held, read from the checkpoint by DCP. The run's ``OUT/hf_model``
+gives the config (``dtype`` set to the saved one) and the tokenizer's files.
 """
 
 from __future__ import annotations
@@ -12,33 +19,101 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from isp_comm.hf_checkpoint import INDEX, file_indices, tied_aliases, write_config
+from isp_comm.train.hf_model import HF_DIR
 from isp_comm.train.lora import merge_lora
+
+
+def _run_dir(checkpoint_dir: str, what: str) -> str:
+    """The run's OUT folder (the one with run.json) above ``checkpoint_dir``."""
+    here = os.path.abspath(checkpoint_dir)
+    for up in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
+        if os.path.isfile(os.path.join(up, "run.json")):
+            return up
+    raise ValueError(f"{what}: no run.json above {checkpoint_dir}")
 
 
 def _lora_scaling(checkpoint_dir: str) -> float:
     """alpha / r of the run that wrote ``checkpoint_dir`` (its OUT/run.json)."""
-    here = os.path.abspath(checkpoint_dir)
-    for up in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
-        path = os.path.join(up, "run.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                lora_rank = json.load(f)["config"].get("lora_rank", 0)
-            if not lora_rank:
-                raise ValueError(f"--merge-lora: {path} is not a LoRA run (lora_rank 0)")
-            return 2.0  # alpha / r: isp-train's lora_alpha is 2 x rank
-    raise ValueError(f"--merge-lora: no run.json above {checkpoint_dir}")
+    path = os.path.join(_run_dir(checkpoint_dir, "--merge-lora"), "run.json")
+    with open(path) as f:
+        lora_rank = json.load(f)["config"].get("lora_rank", 0)
+    if not lora_rank:
+        raise ValueError(f"--merge-lora: {path} is not a LoRA run (lora_rank 0)")
+    return 2.0  # alpha / r: isp-train's lora_alpha is 2 x rank
+
+
+def _resolve(checkpoint_dir: str) -> str:
+    """A run's checkpoints/ folder means its latest checkpoint."""
+    if os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+        with open(os.path.join(checkpoint_dir, "latest")) as f:
+            return os.path.join(checkpoint_dir, f.read().strip())
+    return checkpoint_dir
+
+
+def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> dict[str, int]:
+    """Write the model of an ``isp-train --model`` checkpoint to ``out_dir`` as
+    transformers does, one output file's tensors at a time; returns the file index
+    of every tensor written."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = os.path.join(_run_dir(checkpoint_dir, "--hf"), HF_DIR)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"--hf: {checkpoint_dir} is not from a run of isp-train --model (no {src}/config.json)")
+    checkpoint_dir = _resolve(checkpoint_dir)
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    with torch.device("meta"):  # names, shapes and ties only
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    aliases = tied_aliases(model)
+    reader = FileSystemReader(checkpoint_dir)
+    stored = reader.read_metadata().state_dict_metadata
+    wanted = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(k for k in wanted if f"model.{k}" not in stored)
+    if missing:
+        raise ValueError(f"--hf: {checkpoint_dir} lacks {missing[:3]} of the model in {src}")
+    wanted = {
+        k: torch.empty(v.shape, dtype=stored[f"model.{k}"].properties.dtype, device="meta") for k, v in wanted.items()
+    }
+    indices = file_indices(wanted, max_shard_bytes)
+    n_files = max(indices.values())
+    names = {
+        i: f"model-{i:05d}-of-{n_files:05d}.safetensors" if n_files > 1 else "model.safetensors"
+        for i in range(1, n_files + 1)
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    for i, name in names.items():
+        keys = [k for k, j in indices.items() if j == i]
+        part = {f"model.{k}": torch.empty(wanted[k].shape, dtype=wanted[k].dtype) for k in keys}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(part, storage_reader=reader, no_dist=True)
+        save_file({k: part[f"model.{k}"] for k in keys}, os.path.join(out_dir, name), metadata={"format": "pt"})
+        del part
+    if n_files > 1:
+        total = sum(t.numel() * t.element_size() for t in wanted.values())
+        weight_map = {k: names[i] for k, i in indices.items()}
+        with open(os.path.join(out_dir, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_config(config, {t.dtype for t in wanted.values()}, out_dir)
+    for name in os.listdir(src):  # the tokenizer's files
+        if name != "config.json":
+            shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    return indices
 
 
 def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, torch.Tensor]:
-    if os.path.isfile(os.path.join(checkpoint_dir, "latest")):  # a run's checkpoints/ folder
-        with open(os.path.join(checkpoint_dir, "latest")) as f:
-            checkpoint_dir = os.path.join(checkpoint_dir, f.read().strip())
+    checkpoint_dir = _resolve(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         flat = os.path.join(tmp, "all.pt")
         dcp_to_torch_save(checkpoint_dir, flat)
@@ -58,9 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="isp-export", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="a checkpoint directory, or a run's checkpoints/ directory (latest)")
     ap.add_argument("-o", "--output", default="model.pt", help="model.pt (torch.save) or model.safetensors")
+    ap.add_argument("--hf", metavar="OUT_DIR", default="", help="a folder for transformers' from_pretrained instead")
     ap.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
     args = ap.parse_args(argv)
     try:
+        if args.hf:
+            if args.merge_lora:
+                raise ValueError("--hf exports runs of isp-train --model, which has no LoRA: drop --merge-lora")
+            indices = export_hf(args.checkpoint, args.hf)
+            print(f"{args.hf}: {len(indices)} tensors in {max(indices.values())} safetensors file(s)")
+            return 0
         sd = export(args.checkpoint, args.output, args.merge_lora)
     except (OSError, KeyError, ImportError, RuntimeError, ValueError) as exc:
         print(f"isp-export: error: {exc}", file=sys.stderr)

@@ -1,0 +1,134 @@
+"""isp-train's Hugging Face side: a transformers model from a local folder, and text
+tokenized by a local tokenizer, cached next to the data.
+
+``--model DIR`` builds the model of ``DIR/config.json`` on the meta device (fp32
+master weights, SDPA attention); isp-comm materialises it module by module while
+sharding it and, when ``DIR`` holds safetensors weights, every rank then reads its
+own rows of them (:meth:`ISPCommunicator.load_hf_checkpoint`). Nothing is
+downloaded: every file is read from the folders given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+from torch import nn
+
+from isp_comm.sequence_parallel.hf import SUPPORTED_MODEL_TYPES
+
+HF_DIR = "hf_model"
+"""The folder of a run's output (``OUT/hf_model``) holding the trained model's
+``config.json`` and the tokenizer's files, for ``isp-export --hf``."""
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+def model_type(path: str) -> str:
+    """The ``model_type`` of ``path/config.json``; a ``ValueError`` when the folder has
+    no such file or the type is not one isp-train supports."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--model {path}: no config.json in that folder")
+    with open(config) as f:
+        kind = json.load(f).get("model_type")
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"--model {path}: model type {kind!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return kind
+
+
+def build_model(path: str) -> nn.Module:
+    """The transformers causal LM of ``path/config.json`` on the meta device, in fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def _fingerprint(tokenizer_dir: str, data: str) -> str:
+    """Of the tokenizer's files and the data file's size and modification time."""
+    h = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        p = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h.update(name.encode() + f.read())
+    st = os.stat(data)
+    h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_path(tokenizer_dir: str, data: str) -> str:
+    """Where the tokens of ``data`` under this tokenizer are kept: next to the data."""
+    return f"{data}.tokens-{_fingerprint(tokenizer_dir, data)}.npy"
+
+
+def load_tokenizer(path: str):  # -> transformers.PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer from it ({exc})") from exc
+
+
+def tokenize(tokenizer_dir: str, data: str) -> tuple[torch.Tensor, int]:
+    """The tokens of the text file ``data``, from the cache when it is there (written
+    atomically otherwise, when the data's folder is writable), and the tokenizer's
+    vocabulary size."""
+    tok = load_tokenizer(tokenizer_dir)
+    cache = cache_path(tokenizer_dir, data)
+    if os.path.isfile(cache):
+        return torch.from_numpy(np.load(cache).astype(np.int64)), len(tok)
+    with open(data, encoding="utf-8", errors="replace") as f:
+        ids = tok(f.read(), add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"--data {data}: the tokenizer found no tokens in it")
+    arr = np.asarray(ids, dtype=np.uint32)
+    try:
+        tmp = f"{cache}.{os.getpid()}.tmp.npy"
+        np.save(tmp, arr)
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only data folder: tokenize again next time
+    return torch.from_numpy(arr.astype(np.int64)), len(tok)
+
+
+def check_vocab(what: str, vocab: int, model_vocab: int, model_dir: str) -> None:
+    if vocab > model_vocab:
+        raise ValueError(
+            f"{what} has a vocabulary of {vocab} tokens, more than the model's {model_vocab} "
+            f"(vocab_size in {model_dir}/config.json)"
+        )
+
+
+def save_run_files(model: nn.Module, tokenizer_dir: str, out: str) -> None:
+    """``OUT/hf_model``: the trained model's config.json and the tokenizer's files."""
+    dest = os.path.join(out, HF_DIR)
+    os.makedirs(dest, exist_ok=True)
+    model.config.save_pretrained(dest)
+    if tokenizer_dir:
+        for name in _TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(dest, name))
