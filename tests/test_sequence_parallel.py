@@ -39,10 +39,14 @@ def _a2a_worker(rank: int, world: int, backend_name: str) -> None:
     backend.close()
 
 
+def _a2a_both(rank: int, world: int) -> None:
+    for backend in ("torch", "symm"):  # one set of processes for both
+        _a2a_worker(rank, world, backend)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["torch", "symm"])
-def test_all_to_all_round_trip_and_backward(backend: str) -> None:
-    run_ranks(_a2a_worker, 3, backend, timeout_s=50)
+def test_all_to_all_round_trip_and_backward() -> None:
+    run_ranks(_a2a_both, 3, timeout_s=50)
 
 
 def _model(kind: str, tied: bool = False, **overrides):
@@ -135,16 +139,11 @@ def test_sp_wp_parity(kind: str) -> None:
     if kind == "hf":
         pytest.importorskip("transformers")
     # 8 heads over 2 KV heads: at sp = 4 the KV heads are repeated (GQA, SP > KV heads).
-    check_sp_cases([(sp, wp, kind, False, False, None) for sp, wp in [(1, 4), (2, 2), (4, 4), (2, 4), (4, 1)]])
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "hf"])
-def test_sp_wp_parity_with_embedding_and_head_sharded(kind: str) -> None:
-    if kind == "hf":
-        pytest.importorskip("transformers")
-    # tied (HF): the head's weight is the embedding's; it is sharded once and used by both.
-    check_sp_cases([(2, 2, kind, True, tied, None) for tied in ([False] if kind == "llama" else [False, True])])
+    cases = [(sp, wp, kind, False, False, None) for sp, wp in [(1, 4), (2, 2), (4, 4), (2, 4), (4, 1)]]
+    # embedding and head sharded too; tied (HF): the head's weight is the embedding's,
+    # sharded once and used by both
+    cases += [(2, 2, kind, True, tied, None) for tied in ([False] if kind == "llama" else [False, True])]
+    check_sp_cases(cases)
 
 
 def sp_cases_worker(rank: int, world: int, cases: list[tuple]) -> list[tuple[tuple, float]]:
@@ -200,13 +199,17 @@ def _bad_heads_worker(rank: int, world: int, kind: str) -> str:
     return "no error"
 
 
+def _each(rank: int, world: int, worker, cases: list[str]) -> list[str]:
+    return [worker(rank, world, case) for case in cases]  # one set of processes for every case
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind, msg", [("llama", "6 attention heads cannot be split"), ("hf-arch", "not 'opt'")])
-def test_sp_refuses_what_it_cannot_split(kind: str, msg: str) -> None:
-    if kind == "hf-arch":
-        pytest.importorskip("transformers")
-    for text in run_ranks(_bad_heads_worker, 4, kind, timeout_s=50):
-        assert msg in text, text
+def test_sp_refuses_what_it_cannot_split() -> None:
+    pytest.importorskip("transformers")
+    cases = {"llama": "6 attention heads cannot be split", "hf-arch": "not 'opt'"}
+    for texts in run_ranks(_each, 4, _bad_heads_worker, list(cases), timeout_s=50):
+        for text, msg in zip(texts, cases.values()):
+            assert msg in text, text
 
 
 def _bad_input_worker(rank: int, world: int, case: str) -> str:
@@ -229,19 +232,16 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "case, msg",
-    [
-        ("uneven-chunks", "must be divisible by sp_size=2"),
-        ("bad-cu-seqlens", "cu_seqlens must increase from 0 to the sequence length 8"),
-        ("hf-packed-positions", "pass cu_seq_lens_q"),
-    ],
-)
-def test_sp_refuses_bad_sequences(case: str, msg: str) -> None:
-    if case.startswith("hf"):
-        pytest.importorskip("transformers")
-    for text in run_ranks(_bad_input_worker, 2, case, timeout_s=50):
-        assert msg in text, text
+def test_sp_refuses_bad_sequences() -> None:
+    pytest.importorskip("transformers")
+    cases = {
+        "uneven-chunks": "must be divisible by sp_size=2",
+        "bad-cu-seqlens": "cu_seqlens must increase from 0 to the sequence length 8",
+        "hf-packed-positions": "pass cu_seq_lens_q",
+    }
+    for texts in run_ranks(_each, 2, _bad_input_worker, list(cases), timeout_s=50):
+        for text, msg in zip(texts, cases.values()):
+            assert msg in text, text
 
 
 def test_local_attention_varlen_and_packed_forms() -> None:
