@@ -1,6 +1,6 @@
 """Memory over a run's whole life: initialise, train, save, async save, load.
 
-    python bench/lifecycle.py [--world 4] [--repeats 1]
+    python bench/lifecycle.py [--world 4] [--repeats 1] [--hf]
 
 A reference llama of about 125M parameters (hidden 768, 12 layers, FFN 2048, 12/4
 heads, vocab 32000), AdamW, sequence 128, global batch 4. Three runs:
@@ -23,6 +23,13 @@ first creating AdamW's states), ``save`` (``dcp.save``), ``async save``
 build, wrap, an optimizer, then ``dcp.load`` and loading into model and optimizer;
 the figure covers the load only). Prints a markdown table and writes
 bench/results/lifecycle.json (every repeat's raw figures).
+
+``--hf``: the same shape as a transformers ``LlamaForCausalLM`` going through
+Hugging Face checkpoints instead. ``single`` is ``from_pretrained`` (load), two
+training steps, ``save_pretrained`` (save); ``isp`` builds on meta, wraps (init),
+``comm.load_hf_checkpoint`` (load), trains, ``comm.save_hf_checkpoint`` (save). The
+source folder is written once by ``save_pretrained`` in 2 GB files; results in
+bench/results/lifecycle_hf.json.
 """
 
 from __future__ import annotations
@@ -119,8 +126,25 @@ def _set_state(kind: str, model, comm, opt, state: dict) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _save_worker(rank: int, world: int, kind: str, path: str) -> dict:
+def _train(rank: int, world: int, model, comm, opt, forward) -> None:
+    """Two AdamW steps on this rank's part of a random global batch (the first one
+    creates the optimizer's states)."""
     import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    per = BATCH // world
+    for _ in range(2):
+        x = torch.randint(0, 32000, (BATCH, SEQ + 1), generator=g)[rank * per : (rank + 1) * per]
+        logits = forward(x[:, :-1])
+        y = x[:, 1:]
+        loss = comm.cross_entropy(logits, y) if comm else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        del logits, loss
+
+
+def _save_worker(rank: int, world: int, kind: str, path: str) -> dict:
 
     from isp_comm.train.checkpoint import PreStaged, staged_copy
 
@@ -129,17 +153,7 @@ def _save_worker(rank: int, world: int, kind: str, path: str) -> dict:
     with _Phase(peaks, "init"):
         model, comm, opt = _build(kind, world)
     with _Phase(peaks, "train"):
-        g = torch.Generator().manual_seed(1)
-        per = BATCH // world
-        for _ in range(2):
-            x = torch.randint(0, 32000, (BATCH, SEQ + 1), generator=g)[rank * per : (rank + 1) * per]
-            logits = model(x[:, :-1])
-            y = x[:, 1:]
-            loss = comm.cross_entropy(logits, y) if comm else F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            del logits, loss
+        _train(rank, world, model, comm, opt, lambda x: model(x))
     with _Phase(peaks, "save"):
         dcp.save(_state(kind, model, comm, opt), checkpoint_id=path)
     with _Phase(peaks, "async save"):
@@ -168,11 +182,68 @@ def _load_worker(rank: int, world: int, kind: str, path: str) -> dict:
     return peaks
 
 
+def _hf_config():
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    c = model_config()
+    return HFLlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden,
+        intermediate_size=c.ffn_hidden,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        max_position_embeddings=SEQ,
+    )
+
+
+def _hf_worker(rank: int, world: int, kind: str, src: str, dst: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+
+    torch.set_num_threads(max(1, CORES // world))
+    peaks: dict = {}
+    comm = None
+    with _Phase(peaks, "init"):
+        if kind != "single":
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(_hf_config(), attn_implementation="sdpa")
+            cfg = ISPConfig(shard_outer_params=True, vocab_parallel=True)
+            comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), cfg)
+    with _Phase(peaks, "load"):
+        if comm is None:
+            model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="sdpa", dtype=torch.float32)
+        else:
+            comm.load_hf_checkpoint(src)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with _Phase(peaks, "train"):
+        _train(rank, world, model, comm, opt, lambda x: model(input_ids=x, use_cache=False).logits)
+    with _Phase(peaks, "save"):
+        if comm is None:
+            model.save_pretrained(dst, max_shard_size="2GB")
+        else:
+            comm.save_hf_checkpoint(dst, max_shard_bytes=2 * 10**9)
+    if comm is not None:
+        comm.close()
+    return peaks
+
+
+def _hf_source(path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_hf_config()).save_pretrained(path, max_shard_size="2GB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1, help="repeat every run; the table shows medians and ranges")
+    ap.add_argument("--hf", action="store_true", help="Hugging Face checkpoints in and out (see above)")
     args = ap.parse_args()
+    if args.hf:
+        return main_hf(args)
     n_params = _count()
     raw: list[dict] = []
     for repeat in range(args.repeats):
@@ -203,6 +274,40 @@ def main() -> None:
     header = ["run", "world", *PHASES, "max(save, async, load) / train", "train vs single"]
     print(markdown_table(header, table, "lr" + "r" * (len(header) - 2)))
     save_results("lifecycle", args, {"raw": raw, "median": rows, "n_params": n_params})
+
+
+def main_hf(args: argparse.Namespace) -> None:
+    phases = ("init", "load", "train", "save")
+    runs = (("single", 1), ("isp", args.world))
+    raw: list[dict] = []
+    tmp = tempfile.mkdtemp(prefix="isp-lifecycle-hf-")
+    try:
+        src = os.path.join(tmp, "src")
+        _hf_source(src)
+        for repeat in range(args.repeats):
+            for kind, world in runs:
+                dst = os.path.join(tmp, f"out-{kind}")
+                peaks = run_ranks(_hf_worker, world, kind, src, dst, timeout_s=3600)
+                shutil.rmtree(dst, ignore_errors=True)
+                worst = {p: max(r[p] for r in peaks) for p in phases}
+                raw.append({"repeat": repeat, "run": kind, "world": world, **worst})
+                print(f"repeat {repeat} {kind}: " + ", ".join(f"{p} {raw[-1][p]:.0f}" for p in phases), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows, table = [], []
+    for kind, world in runs:
+        mine = [r for r in raw if r["run"] == kind]
+        med = {p: statistics.median(r[p] for r in mine) for p in phases}
+        cells = [f"{med[p]:.0f} ({min(r[p] for r in mine):.0f}-{max(r[p] for r in mine):.0f})" for p in phases]
+        table.append([kind, world, *cells, f"{max(med['load'], med['save']) / med['train']:.2f}x"])
+        rows.append({"run": kind, "world": world, "median": med})
+    print(
+        f"\ntransformers LlamaForCausalLM, {_count() / 1e6:.0f}M parameters, AdamW, seq {SEQ}, global batch {BATCH}, "
+        f"{CORES} cores, peak RSS per rank in MiB: median of {args.repeats} (range)\n"
+    )
+    header = ["run", "world", *phases, "max(load, save) / train"]
+    print(markdown_table(header, table, "lr" + "r" * (len(header) - 2)))
+    save_results("lifecycle_hf", args, {"raw": raw, "median": rows})
 
 
 def _count() -> int:

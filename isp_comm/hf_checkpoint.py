@@ -1,5 +1,5 @@
-"""Hugging Face safetensors checkpoints in and out of the shards, through DCP's
-``HuggingFaceStorageReader`` and ``HuggingFaceStorageWriter``.
+"""Hugging Face safetensors checkpoints in and out of the shards: read through DCP's
+``HuggingFaceStorageReader``, written in place by every rank.
 
 [Note: nothing whole]
 Both directions work on the sharded state dict of :mod:`isp_comm.state` (every
@@ -9,11 +9,13 @@ sharded parameter a DTensor whose local tensor is this rank's live shard).
   rows, which the reader takes with safetensors slices (``get_slice``), straight
   into the shard. Replicated tensors are read whole. No rank reads a sharded tensor
   beyond its rows.
-* Saving: ``dcp.save`` with the Hugging Face writer has every rank write its own
-  shards (one replica writes replicated data) into ``OUT/.sharded``; then the ranks
-  share the consolidation of those pieces into the output files, each rank writing
-  whole files and holding one tensor at a time, and the pieces are removed. No rank
-  ever gathers a block.
+* Saving: the output files are laid out first (headers and sizes), then every rank
+  of the first replica writes its own rows of each sharded tensor at their offsets
+  in the final files (see [Note: writing in place]). No tensor is ever assembled
+  whole, on any rank. DCP's ``HuggingFaceStorageWriter`` does not fit this promise:
+  it writes each rank's pieces, then consolidates them, one output file per rank,
+  assembling each tensor whole in memory (an embedding of a large vocabulary is
+  bigger than a block), and every byte is written twice.
 
 Tied weights are one tensor and are read and written under their first name
 (module registration order: ``model.embed_tokens.weight`` for transformers'
@@ -24,22 +26,24 @@ carries the tied name is accepted.
 from __future__ import annotations
 
 import copy
+import json
+import math
 import os
-import shutil
+import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 INDEX = "model.safetensors.index.json"
-_PIECES = ".sharded"
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -88,37 +92,119 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
     dcp.load(wanted, storage_reader=reader)
 
 
-def file_indices(state_dict: Mapping[str, Any], max_shard_bytes: int) -> dict[str, int]:
-    """Tensor name -> output file (1-based), filling files in state-dict order up to
-    ``max_shard_bytes`` each (a larger tensor gets a file of its own), as
-    ``save_pretrained`` does."""
-    out: dict[str, int] = {}
-    index, used = 1, 0
-    for key, t in state_dict.items():
-        size = t.numel() * t.element_size()
-        if used and used + size > max_shard_bytes:
-            index, used = index + 1, 0
-        out[key] = index
-        used += size
-    return out
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """safetensors writes contiguous tensors only: an embedding split along its hidden
-    dim has a transposed shard, copied here (this rank's shard, nothing more)."""
-    if not isinstance(t, DTensor):
-        return t.contiguous()
-    local = t.to_local()
-    if local.is_contiguous():
-        return t
-    return DTensor.from_local(
-        local.contiguous(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-    )
+# safetensors' names of the dtypes a checkpoint may hold
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def file_name(index: int, n_files: int) -> str:
     """transformers' name for file ``index`` (1-based) of ``n_files``."""
     return "model.safetensors" if n_files == 1 else f"model-{index:05d}-of-{n_files:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a tensor's bytes go: its file and the absolute offset of its first byte."""
+
+    file: str
+    start: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class SafetensorsFiles:
+    """The output files of a checkpoint, laid out before any byte is written.
+
+    [Note: writing in place] A safetensors file is an 8-byte header length, a JSON
+    header naming every tensor's dtype, shape and byte range, then the bytes. With
+    every shape and dtype known up front, the header is written first and the file
+    sized; then any process may write any tensor's bytes, or any rows of them, at
+    their offsets, in any order. So each rank writes its own rows straight into the
+    final files and no tensor is ever assembled whole."""
+
+    def __init__(self, path: str, specs: Mapping[str, tuple[torch.Size, torch.dtype]], max_shard_bytes: int) -> None:
+        self.path = path
+        nbytes = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in specs.items()}
+        groups: list[list[str]] = [[]]
+        used = 0
+        for key, size in nbytes.items():  # state-dict order, as save_pretrained fills its files
+            if groups[-1] and used + size > max_shard_bytes:
+                groups.append([])
+                used = 0
+            groups[-1].append(key)
+            used += size
+        self.headers: dict[str, bytes] = {}
+        self.sizes: dict[str, int] = {}
+        self.placed: dict[str, Placed] = {}
+        for i, keys in enumerate(groups, start=1):
+            name = file_name(i, len(groups))
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for k in keys:
+                shape, dtype = specs[k]
+                header[k] = {
+                    "dtype": _SAFETENSORS_DTYPES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes[k]],
+                }
+                offset += nbytes[k]
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            self.headers[name] = struct.pack("<Q", len(raw)) + raw
+            self.sizes[name] = len(self.headers[name]) + offset
+            for k in keys:
+                start = len(self.headers[name]) + header[k]["data_offsets"][0]
+                self.placed[k] = Placed(name, start, specs[k][0], specs[k][1])
+
+    def create(self) -> None:
+        """Write every header and size every file (once, by one process), and the
+        index when there are several files; stale files of an earlier save go."""
+        os.makedirs(self.path, exist_ok=True)
+        for name in os.listdir(self.path):
+            if name.endswith(".safetensors") or name == INDEX:
+                os.remove(os.path.join(self.path, name))
+        for name, header in self.headers.items():
+            with open(os.path.join(self.path, name), "wb") as f:
+                f.write(header)
+                f.truncate(self.sizes[name])
+        if len(self.headers) > 1:
+            total = sum(math.prod(p.shape) * p.dtype.itemsize for p in self.placed.values())
+            index = {"metadata": {"total_size": total}, "weight_map": {k: p.file for k, p in self.placed.items()}}
+            with open(os.path.join(self.path, INDEX), "w") as f:
+                json.dump(index, f, indent=2)
+
+    def write(self, key: str, value: torch.Tensor, dim: int = 0, first: int = 0) -> None:
+        """Write ``value``: tensor ``key`` whole, or the slice of it starting at index
+        ``first`` along ``dim`` (0, or 1 for a 2-D tensor)."""
+        p = self.placed[key]
+        data = value.detach().contiguous().cpu()
+        if data.numel() == 0:
+            return
+        raw = data.view(torch.uint8).numpy() if data.dim() else data.reshape(1).view(torch.uint8).numpy()
+        with open(os.path.join(self.path, p.file), "r+b") as f:
+            if dim == 0:
+                inner = math.prod(p.shape[1:]) * p.dtype.itemsize
+                f.seek(p.start + first * inner)
+                f.write(raw.data)
+            else:  # columns [first, first + n) of every row
+                rows, row_bytes = p.shape[0], p.shape[1] * p.dtype.itemsize
+                mm = np.memmap(f, dtype=np.uint8, mode="r+", offset=p.start, shape=(rows, row_bytes))
+                lo = first * p.dtype.itemsize
+                mm[:, lo : lo + raw.shape[1]] = raw
+                mm.flush()
+                del mm
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def save_hf_checkpoint(
@@ -127,31 +213,49 @@ def save_hf_checkpoint(
     """Write ``state_dict`` (the wrapped model's sharded state dict) to the folder
     ``path`` as transformers does: ``model.safetensors``, or several files and
     ``model.safetensors.index.json``; plus ``config.json`` (its ``dtype`` set to the
-    saved one) when ``model`` has a transformers config. Collective over the world."""
+    saved one) when ``model`` has a transformers config. Collective over the world:
+    every rank of the first replica writes its own rows of each sharded tensor into
+    the final files (see [Note: writing in place]), replicated tensors are shared
+    out among the ranks."""
     aliases = tied_aliases(model)
-    tensors = {k: _contiguous(v) for k, v in state_dict.items() if k not in aliases}
-    indices = file_indices(tensors, max_shard_bytes)
-    pieces = os.path.join(path, _PIECES)
-    rank = dist.get_rank()
+    tensors = {k: v for k, v in state_dict.items() if k not in aliases}
+    files = SafetensorsFiles(path, {k: (v.shape, v.dtype) for k, v in tensors.items()}, max_shard_bytes)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _agreed(lambda: files.create() if rank == 0 else None, f"save_hf_checkpoint({path})")
+
+    def write_mine() -> None:
+        for i, (key, value) in enumerate(tensors.items()):
+            if isinstance(value, DTensor):
+                replica, wp_rank = value.device_mesh.get_coordinate()
+                if replica != 0:
+                    continue
+                (dim,) = [p.dim for p in value.placements if p.is_shard()]
+                chunk = -(-value.shape[dim] // value.device_mesh.size(1))
+                files.write(key, value.to_local(), dim, wp_rank * chunk)
+            elif i % world == rank:
+                files.write(key, value)
+
+    _agreed(write_mine, f"save_hf_checkpoint({path})")
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        shutil.rmtree(pieces, ignore_errors=True)
-        for name in os.listdir(path):  # no stale file of an earlier save may remain
-            if name.endswith(".safetensors") or name == INDEX:
-                os.remove(os.path.join(path, name))
-    dist.barrier()
-    writer = HuggingFaceStorageWriter(pieces, fqn_to_index_mapping=indices, save_distributed=True)
-    dcp.save(tensors, storage_writer=writer)
-    consolidate_safetensors_files_on_every_rank(pieces, path, indices)  # ends with a barrier
-    if rank == 0:
-        shutil.rmtree(pieces)
-        if max(indices.values()) == 1:  # one file: transformers' plain name, no index
-            os.replace(os.path.join(path, "model-00001-of-00001.safetensors"), os.path.join(path, file_name(1, 1)))
-            os.remove(os.path.join(path, INDEX))
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             write_config(config, {t.dtype for t in tensors.values()}, path)
     dist.barrier()
+
+
+def _agreed(fn: Any, what: str) -> None:
+    """``fn()`` on every rank; if it fails anywhere, every rank raises one
+    ``ValueError`` naming the first failure (no rank is left waiting)."""
+    error = None
+    try:
+        fn()
+    except OSError as exc:
+        error = f"{what}: rank {dist.get_rank()}: {exc}"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise ValueError(failed[0])
 
 
 def write_config(config: Any, dtypes: set[torch.dtype], path: str) -> None:

@@ -26,12 +26,29 @@ ARCHS = {
     "mistral": dict(model_type="mistral"),
     "qwen2-tied": dict(model_type="qwen2", tied=True),
 }
-# (architecture, shard_outer_params, vocab_parallel): every world size sees all four
-# combinations; a head tied to the embedding cannot be vocab-parallel (README)
+# (architecture, shard_outer_params, vocab_parallel, wp): every world size sees all
+# four combinations at wp = world; a head tied to the embedding cannot be
+# vocab-parallel (README); at world 4, wp 2 has two replicas (the first one writes)
 CASES = {
-    2: [("llama", False, False), ("qwen2", True, True), ("mistral", False, True), ("qwen2-tied", True, False)],
-    3: [("llama", False, True), ("qwen2", True, False), ("mistral", True, True), ("qwen2-tied", False, False)],
-    4: [("llama", True, True), ("qwen2", False, True), ("mistral", False, False), ("qwen2-tied", True, False)],
+    2: [
+        ("llama", False, False, 2),
+        ("qwen2", True, True, 2),
+        ("mistral", False, True, 2),
+        ("qwen2-tied", True, False, 2),
+    ],
+    3: [
+        ("llama", False, True, 3),
+        ("qwen2", True, False, 3),
+        ("mistral", True, True, 3),
+        ("qwen2-tied", False, False, 3),
+    ],
+    4: [
+        ("llama", True, True, 4),
+        ("qwen2", False, True, 4),
+        ("mistral", False, False, 4),
+        ("qwen2-tied", True, False, 4),
+    ]
+    + [("qwen2", True, True, 2)],
 }
 
 
@@ -63,12 +80,12 @@ def _round_trips(rank: int, world: int, root: str) -> list[dict]:
     torch.manual_seed(0)
     x = torch.randint(0, VOCAB, (2, 12))
     out = []
-    for arch, outer, vp in CASES[world]:
-        src, dst = os.path.join(root, arch), os.path.join(root, f"out-{arch}-{world}")
+    for arch, outer, vp, wp in CASES[world]:
+        src, dst = os.path.join(root, arch), os.path.join(root, f"out-{arch}-{world}-{wp}")
         ref = _from_pretrained(src)
         model = _meta_model(ref.config)
         comm = ISPCommunicator(
-            model, ParallelGroups.create(wp_size=world), ISPConfig(shard_outer_params=outer, vocab_parallel=vp)
+            model, ParallelGroups.create(wp_size=wp), ISPConfig(shard_outer_params=outer, vocab_parallel=vp)
         )
         # non-persistent rotary buffers: real values from the config at wrapping
         inv_freq_exact = torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
@@ -77,9 +94,9 @@ def _round_trips(rank: int, world: int, root: str) -> list[dict]:
         weights_err = max((loaded[k] - v).abs().max().item() for k, v in ref.state_dict().items())
         with torch.no_grad():
             logits, ref_logits = model(input_ids=x).logits, ref(input_ids=x).logits
-        if vp:  # [wp, batch, seq, this rank's vocab rows]: every rank's tokens (all alike here)
-            chunk = -(-VOCAB // world)
-            ref_logits, logits = ref_logits[..., rank * chunk : (rank + 1) * chunk], logits[rank]
+        if vp:  # [wp, batch, seq, this rank's vocab rows]: every WP rank's tokens (all alike here)
+            chunk, wp_rank = -(-VOCAB // wp), rank % wp
+            ref_logits, logits = ref_logits[..., wp_rank * chunk : (wp_rank + 1) * chunk], logits[wp_rank]
         logits_err = (logits - ref_logits).abs().max().item()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         for _ in range(2):
@@ -89,19 +106,19 @@ def _round_trips(rank: int, world: int, root: str) -> list[dict]:
         trained = comm.full_state_dict()
         with torch.no_grad():
             trained_logits = model(input_ids=x).logits
-        trained_logits = trained_logits[rank] if vp else trained_logits
+        trained_logits = trained_logits[wp_rank] if vp else trained_logits
         comm.save_hf_checkpoint(dst, max_shard_bytes=40_000)
         back = _from_pretrained(dst)
         back_sd = back.state_dict()
         with torch.no_grad():
             back_logits = back(input_ids=x).logits
         if vp:
-            back_logits = back_logits[..., rank * chunk : (rank + 1) * chunk]
+            back_logits = back_logits[..., wp_rank * chunk : (wp_rank + 1) * chunk]
         with open(os.path.join(dst, "model.safetensors.index.json")) as f:
             weight_map = json.load(f)["weight_map"]
         out.append(
             {
-                "case": (arch, outer, vp),
+                "case": (arch, outer, vp, wp),
                 "inv_freq_exact": inv_freq_exact,
                 "weights_err": weights_err,
                 "logits_err": logits_err,

@@ -9,8 +9,8 @@ base weights (``W + alpha / r * B @ A``, alpha and r from the run's ``run.json``
 the result loads into the model without peft.
 
 ``--hf`` streams: the tensors go out in safetensors files of at most 5 GiB each
-(with ``model.safetensors.index.json`` when there are several), and only one file's
-tensors are ever held, read from the checkpoint by DCP. The run's ``OUT/hf_model``
+(with ``model.safetensors.index.json`` when there are several), one tensor at a time,
+read from the checkpoint by DCP. The run's ``OUT/hf_model``
 gives the config (``dtype`` set to the saved one) and the tokenizer's files.
 """
 
@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from isp_comm.hf_checkpoint import INDEX, file_indices, tied_aliases, write_config
+from isp_comm.hf_checkpoint import SafetensorsFiles, tied_aliases, write_config
 from isp_comm.train.hf_model import HF_DIR
 from isp_comm.train.lora import merge_lora
 
@@ -61,11 +61,9 @@ def _resolve(checkpoint_dir: str) -> str:
     return checkpoint_dir
 
 
-def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> dict[str, int]:
+def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> dict[str, str]:
     """Write the model of an ``isp-train --model`` checkpoint to ``out_dir`` as
-    transformers does, one output file's tensors at a time; returns the file index
-    of every tensor written."""
-    from safetensors.torch import save_file
+    transformers does, one tensor at a time; returns the file of every tensor."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = os.path.join(_run_dir(checkpoint_dir, "--hf"), HF_DIR)
@@ -82,34 +80,20 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**3
     missing = sorted(k for k in wanted if f"model.{k}" not in stored)
     if missing:
         raise ValueError(f"--hf: {checkpoint_dir} lacks {missing[:3]} of the model in {src}")
-    wanted = {
-        k: torch.empty(v.shape, dtype=stored[f"model.{k}"].properties.dtype, device="meta") for k, v in wanted.items()
-    }
-    indices = file_indices(wanted, max_shard_bytes)
-    n_files = max(indices.values())
-    names = {
-        i: f"model-{i:05d}-of-{n_files:05d}.safetensors" if n_files > 1 else "model.safetensors"
-        for i in range(1, n_files + 1)
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    for i, name in names.items():
-        keys = [k for k, j in indices.items() if j == i]
-        part = {f"model.{k}": torch.empty(wanted[k].shape, dtype=wanted[k].dtype) for k in keys}
+    specs = {k: (v.shape, stored[f"model.{k}"].properties.dtype) for k, v in wanted.items()}
+    files = SafetensorsFiles(out_dir, specs, max_shard_bytes)
+    files.create()
+    for key, (shape, dtype) in specs.items():  # one tensor in memory at a time
+        part = {f"model.{key}": torch.empty(shape, dtype=dtype)}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(part, storage_reader=reader, no_dist=True)
-        save_file({k: part[f"model.{k}"] for k in keys}, os.path.join(out_dir, name), metadata={"format": "pt"})
-        del part
-    if n_files > 1:
-        total = sum(t.numel() * t.element_size() for t in wanted.values())
-        weight_map = {k: names[i] for k, i in indices.items()}
-        with open(os.path.join(out_dir, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    write_config(config, {t.dtype for t in wanted.values()}, out_dir)
+        files.write(key, part.pop(f"model.{key}"))
+    write_config(config, {dtype for _, dtype in specs.values()}, out_dir)
     for name in os.listdir(src):  # the tokenizer's files
         if name != "config.json":
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    return indices
+    return {k: p.file for k, p in files.placed.items()}
 
 
 def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, torch.Tensor]:
@@ -140,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf:
             if args.merge_lora:
                 raise ValueError("--hf exports runs of isp-train --model, which has no LoRA: drop --merge-lora")
-            indices = export_hf(args.checkpoint, args.hf)
-            print(f"{args.hf}: {len(indices)} tensors in {max(indices.values())} safetensors file(s)")
+            placed = export_hf(args.checkpoint, args.hf)
+            print(f"{args.hf}: {len(placed)} tensors in {len(set(placed.values()))} safetensors file(s)")
             return 0
         sd = export(args.checkpoint, args.output, args.merge_lora)
     except (OSError, KeyError, ImportError, RuntimeError, ValueError) as exc:
