@@ -15,44 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import proc_status_bytes, save_results  # noqa: E402
+from bench.common import save_results  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-from tests.parity import Case, train_isp  # noqa: E402
-
-WARMUP = 20
-
-
-def _rss() -> int:
-    return proc_status_bytes("VmRSS")
-
-
-def _shm() -> int:
-    return sum(n.startswith("isp_") for n in os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
-
-
-def long_run_worker(rank: int, world: int, steps: int, backend: str) -> dict:
-    case = Case(optim="adamw", steps=steps, ckpt=0.5, seq=16, batch_per_rank=2)
-    trace: list[dict] = []
-
-    def on_step(comm) -> None:
-        s = comm.stats()
-        trace.append({"rss": _rss(), "shm": _shm(), **{k: s[k] for k in KEYS}})
-
-    train_isp(case, rank, world, world, on_step=on_step, backend=backend)
-    after = trace[WARMUP - 1]
-    return {
-        "rank": rank,
-        "rss_warm": after["rss"],
-        "rss_end": trace[-1]["rss"],
-        "growth_pct": 100 * (trace[-1]["rss"] - after["rss"]) / after["rss"],
-        "constant": all({k: t[k] for k in KEYS} == {k: after[k] for k in KEYS} for t in trace[WARMUP - 1 :]),
-        "max_outstanding": max(t["outstanding_handles"] for t in trace),
-        "shm_max": max(t["shm"] for t in trace),
-        "pool_bytes": after["pool_bytes"],
-    }
-
-
-KEYS = ("pool_bytes", "slots_held", "rs_buffers_in_use", "outstanding_handles", "live_gathered_bytes")
+from tests.parity import WARMUP, long_run_worker  # noqa: E402
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ micro-batches; the ISP run feeds each rank its own slice and averages like DDP.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,3 +192,41 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def copy_case(case: Case, **kw) -> Case:
     return copy.replace(case, **kw) if hasattr(copy, "replace") else Case(**{**case.__dict__, **kw})
+
+
+# ---- the long run (bench/long_run.py, and its short version in tests/test_reliability.py) ----
+WARMUP = 20
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _shm() -> int:
+    return sum(n.startswith("isp_") for n in os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
+
+
+def long_run_worker(rank: int, world: int, steps: int, backend: str) -> dict:
+    case = Case(optim="adamw", steps=steps, ckpt=0.5, seq=16, batch_per_rank=2)
+    trace: list[dict] = []
+
+    def on_step(comm) -> None:
+        s = comm.stats()
+        trace.append({"rss": _rss(), "shm": _shm(), **{k: s[k] for k in KEYS}})
+
+    train_isp(case, rank, world, world, on_step=on_step, backend=backend)
+    after = trace[WARMUP - 1]
+    return {
+        "rank": rank,
+        "rss_warm": after["rss"],
+        "rss_end": trace[-1]["rss"],
+        "growth_pct": 100 * (trace[-1]["rss"] - after["rss"]) / after["rss"],
+        "constant": all({k: t[k] for k in KEYS} == {k: after[k] for k in KEYS} for t in trace[WARMUP - 1 :]),
+        "max_outstanding": max(t["outstanding_handles"] for t in trace),
+        "shm_max": max(t["shm"] for t in trace),
+        "pool_bytes": after["pool_bytes"],
+    }
+
+
+KEYS = ("pool_bytes", "slots_held", "rs_buffers_in_use", "outstanding_handles", "live_gathered_bytes")

@@ -40,10 +40,9 @@ def _check_reduce(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, gl
         assert ((got.double() - exact).abs() <= 4 * eps * exact.abs() + 4 * eps).all()
 
 
-def _contract_worker(rank: int, world: int, name: str) -> int:
+def _contract_worker(rank: int, world: int, name: str) -> None:
     backend = _make(name)
     group = dist.new_group(list(range(world)))
-    checks = 0
     for salt, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
         inp = _data(rank, n, dtype, salt)
         # all-gather: bitwise equal to gloo
@@ -74,18 +73,15 @@ def _contract_worker(rank: int, world: int, name: str) -> int:
         backend.all_to_all(a2a, big, group).wait(TIMEOUT)
         dist.all_to_all_single(a2a_ref, big, group=group)
         assert torch.equal(a2a, a2a_ref), (dtype, n)
-        checks += 5
     backend.barrier(group, TIMEOUT)
     backend.close()
-    return checks
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", ["torch", "symm"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_backend_contract(name: str, world: int) -> None:
-    counts = run_ranks(_contract_worker, world, name, timeout_s=180)
-    assert counts == [5 * len(DTYPES) * len(SIZES)] * world
+    run_ranks(_contract_worker, world, name, timeout_s=180)  # every check is an assert inside, on every rank
 
 
 def _back_to_back_worker(rank: int, world: int, name: str) -> None:

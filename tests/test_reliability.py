@@ -142,7 +142,7 @@ def _processes_running(needle: str) -> list[int]:
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_long_run_does_not_grow(backend: str) -> None:
     # The suite's short version of bench/long_run.py (300 steps there).
-    from bench.long_run import long_run_worker
+    from tests.parity import long_run_worker
 
     for r in run_ranks(long_run_worker, 2, 100, backend, timeout_s=100):
         assert r["growth_pct"] < 2.0, r

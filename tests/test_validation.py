@@ -107,7 +107,7 @@ def test_wrap_twice(world1) -> None:
     comm.close()
 
 
-def test_mixed_devices_and_dtypes(world1) -> None:
+def test_unsupported_dtype_is_refused(world1) -> None:  # several devices: tests/gpu
     model = tiny().double()
     with pytest.raises(ValueError, match="unsupported dtype"):
         ISPCommunicator(model, world1)

@@ -33,7 +33,10 @@ def _worker(rank: int, world: int, name: str) -> None:
             rs, rs_ref = torch.empty(n, device=dev, dtype=dtype), torch.empty(n, device=dev, dtype=dtype)
             backend.reduce_scatter(rs, big, group).wait(60)
             dist.reduce_scatter_tensor(rs_ref, big)
-            torch.testing.assert_close(rs, rs_ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+            # sums of `world` N(0, 1) values that differ from NCCL's only in summation order:
+            # a few ulps in fp32; bf16 / fp16 keep 8 / 11 mantissa bits, so 1e-2 of O(1) values
+            low = dtype != torch.float32
+            torch.testing.assert_close(rs, rs_ref, rtol=1e-2 if low else 1e-5, atol=1e-2 if low else 1e-5)
     torch.cuda.synchronize()
     backend.close()
 
