@@ -2,10 +2,12 @@
 
 from isp_comm.communicator import ISPCommunicator, find_blocks
 from isp_comm.config import ISPConfig
+from isp_comm.context import CommContext
 from isp_comm.errors import HookOrderError, ISPCommTimeout
 from isp_comm.groups import ParallelGroups
 
 __all__ = [
+    "CommContext",
     "HookOrderError",
     "ISPCommTimeout",
     "ISPCommunicator",

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
+BackendName = Literal["auto", "torch", "symm", "nvshmem"]
+CommGranularity = Literal["block", "module"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+"""Every backend name, the one list (``make_backend`` and isp-train read it too)."""
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("torch", "symm", "nvshmem", "auto")
 
 
 @dataclass(kw_only=True)
@@ -47,7 +52,7 @@ class ISPConfig:
     each rank's loss from them (see :mod:`isp_comm.vocab_parallel`). For large
     vocabularies; the head must be an ``nn.Linear`` without bias, not tied."""
 
-    comm_granularity: str = "block"
+    comm_granularity: CommGranularity = "block"
     """``"block"``: one all-gather and one reduce-scatter per block (flat, through a
     landing buffer). ``"module"``: one collective per sharded parameter (weight, bias)
     of every linear, each landing straight in its place in the slot; more, smaller
@@ -65,7 +70,7 @@ class ISPConfig:
     """Reduce-scatters in flight at once; an older one is waited before a new one is
     issued, which bounds gradient-buffer memory."""
 
-    backend: str = "auto"
+    backend: BackendName = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
     ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
     on CPU, ``torch.distributed._symmetric_memory`` on CUDA), ``"nvshmem"``
@@ -103,10 +108,10 @@ class ISPConfig:
         k = self.max_inflight_reduce_scatter
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
-        if self.comm_granularity not in ("block", "module"):
+        if self.comm_granularity not in get_args(CommGranularity):
             raise ValueError(f"comm_granularity must be 'block' or 'module', got {self.comm_granularity!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
             raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}")
         if not self.timeout_s > 0:

@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from isp_comm.groups import ParallelGroups
-from isp_comm.units import BlockUnit, ShardedParam
+from isp_comm.layout import ShardedParam
+from isp_comm.units import BlockUnit
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -19,7 +19,6 @@ slice and is reduce-scattered back to the tokens' owners.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,15 +27,18 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend, Handle
-
-Wait = Callable[[Handle, str], Any]
+from isp_comm.context import CommContext
 
 
 class WPComm:
-    """The WP group, its backend and the engine's deadline-keeping wait."""
+    """The WP group, its backend and the communication context whose ``wait`` keeps
+    the deadline."""
 
-    def __init__(self, group: ProcessGroup, size: int, rank: int, backend: Backend, wait: Wait) -> None:
-        self.group, self.size, self.rank, self.backend, self.wait = group, size, rank, backend, wait
+    def __init__(self, group: ProcessGroup, size: int, rank: int, backend: Backend, ctx: CommContext) -> None:
+        self.group, self.size, self.rank, self.backend, self.ctx = group, size, rank, backend, ctx
+
+    def wait(self, handle: Handle, what: str) -> None:
+        self.ctx.wait(handle, what)
 
     def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
         t = t.contiguous()

@@ -15,29 +15,25 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
 
     ``"symm"``: POSIX shared memory on CPU, torch symmetric memory on CUDA;
     ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm where available, else torch."""
+    from isp_comm.config import BACKENDS
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r} (one of {BACKENDS})")
     if name == "torch":
         return TorchBackend()
     if device.type == "cpu":
         if name == "nvshmem":
             raise ValueError("backend 'nvshmem' needs CUDA parameters")
-        if name not in ("symm", "auto"):
-            return _unknown(name)
         return SymmCpuBackend(timeout_s, strict=name == "symm")  # auto: falls back when /dev/shm is short
     if name == "nvshmem":
         if not nvshmem_backend.available():
             raise ValueError("backend 'nvshmem' needs nvshmem4py (pip install isp-comm[gpu]) and CUDA")
         return nvshmem_backend.NvshmemBackend(timeout_s)
-    if name in ("symm", "auto"):
-        if cuda_symm.available():
-            return cuda_symm.CudaSymmBackend(timeout_s)
-        if name == "symm":
-            raise ValueError(f"no symmetric-memory backend for device {device}")
-        return TorchBackend()
-    return _unknown(name)
-
-
-def _unknown(name: str) -> Backend:
-    raise ValueError(f"unknown backend {name!r}")
+    if cuda_symm.available():  # symm or auto
+        return cuda_symm.CudaSymmBackend(timeout_s)
+    if name == "symm":
+        raise ValueError(f"no symmetric-memory backend for device {device}")
+    return TorchBackend()
 
 
 __all__ = ["Backend", "CompletedHandle", "Handle", "SymmCpuBackend", "TorchBackend", "make_backend"]

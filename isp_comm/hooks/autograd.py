@@ -1,14 +1,27 @@
-"""The two autograd Functions that tell the engine where a block's backward begins and ends."""
+"""The two autograd Functions that tell the engine where a block's backward begins and ends.
+
+They call a :class:`BackwardHooks` (the engine implements it), so this module
+imports nothing above it: the engine imports these Functions, never the reverse.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from isp_comm.hooks.engine import BlockEngine
-    from isp_comm.units import BlockUnit
+from isp_comm.units import BlockUnit
+
+
+class BackwardHooks(Protocol):
+    """What the Functions below call back into."""
+
+    def pre_backward(self, unit: BlockUnit) -> None:
+        """Block ``unit``'s backward is about to begin."""
+
+    def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Every trainable weight gradient of ``unit`` exists: ``grads``, one per
+        parameter, in the unit's order."""
 
 
 class UnshardBlock(torch.autograd.Function):
@@ -23,8 +36,8 @@ class UnshardBlock(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, engine: BlockEngine, unit: BlockUnit, slot: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
+    def forward(ctx: Any, anchor: torch.Tensor, hooks: BackwardHooks, unit: BlockUnit, slot: torch.Tensor):
+        ctx.hooks, ctx.unit = hooks, unit
         ctx.set_materialize_grads(False)
         views = tuple(unit.full_views(slot))
         ctx.mark_non_differentiable(*(v for v, t in zip(views, unit.trainable) if not t))
@@ -32,7 +45,7 @@ class UnshardBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None):
-        ctx.engine.post_backward(ctx.unit, grads)
+        ctx.hooks.post_backward(ctx.unit, grads)
         return None, None, None, None
 
 
@@ -40,12 +53,12 @@ class PreBackward(torch.autograd.Function):
     """Identity on a block's outputs; its backward runs just before the block's backward."""
 
     @staticmethod
-    def forward(ctx: Any, engine: BlockEngine, unit: BlockUnit, *tensors: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
+    def forward(ctx: Any, hooks: BackwardHooks, unit: BlockUnit, *tensors: torch.Tensor):
+        ctx.hooks, ctx.unit = hooks, unit
         ctx.set_materialize_grads(False)
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None):
-        ctx.engine.pre_backward(ctx.unit)
+        ctx.hooks.pre_backward(ctx.unit)
         return (None, None, *grads)

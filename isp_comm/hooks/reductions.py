@@ -1,20 +1,28 @@
 """The gradient half of the engine: reduce-scatters of sharded gradients (bounded in
 flight, drained into ``.grad``) and the averaging of gradients autograd left whole.
 
-A mixin of :class:`~isp_comm.hooks.engine.BlockEngine`: it uses the engine's config,
-groups, backend, counters, tracer, buffers and waits, and owns no state of its own.
+:class:`GradientReducer` is owned by the :class:`~isp_comm.hooks.engine.BlockEngine`
+and given everything it uses: the communication context, the groups, the backend,
+the reduce-scatter buffers and the parameters it averages.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from isp_comm.backends.base import Handle, HandleGroup
-from isp_comm.units import BlockUnit, ReduceGroup
+from isp_comm.backends.base import Backend, Handle, HandleGroup
+from isp_comm.config import ISPConfig
+from isp_comm.context import CommContext
+from isp_comm.groups import ParallelGroups
+from isp_comm.layout import ReduceGroup
+from isp_comm.memory_pool import ReduceScatterBuffers
+from isp_comm.units import BlockUnit
 
 
 @dataclass
@@ -25,56 +33,106 @@ class InflightReduce:
     out: torch.Tensor
     handle: Handle
     issued_at: float
+    pooled: bool  # ``pair`` came from the reduce-scatter buffers (the root's are its own)
 
 
-class GradientReductions:
-    """Reduce-scatter issue and completion, replica all-reduce, DDP-style averaging."""
+class GradientReducer:
+    """Reduce-scatter issue and completion, replica all-reduce, DDP-style averaging.
 
-    def _issue_reduce(
-        self, unit: BlockUnit, group: ReduceGroup, pair, inp: torch.Tensor, out: torch.Tensor, module: bool
+    At most ``config.max_inflight_reduce_scatter`` reduce-scatters are in flight: the
+    oldest is completed before another is issued, which bounds gradient buffers."""
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        groups: ParallelGroups,
+        backend: Backend,
+        config: ISPConfig,
+        rs_buffers: ReduceScatterBuffers,
+        replicated: list[nn.Parameter],
     ) -> None:
-        self._delay()
+        self.ctx, self.groups, self.backend, self.config = ctx, groups, backend, config
+        self.rs_buffers = rs_buffers
+        self.replicated = replicated
+        self.wp_summed: list[nn.Parameter] = []
+        """Shards whose own backward sums their gradients over WP (vocab-parallel head,
+        hidden-split embedding): averaged over replicas only."""
+        self.inflight: deque[InflightReduce] = deque()
+        self._stash: dict[nn.Parameter, torch.Tensor] = {}
+        self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    # ---- sharded gradients ------------------------------------------------------------
+    def _make_room(self) -> None:
+        while len(self.inflight) >= self.config.max_inflight_reduce_scatter:
+            self._complete(self.inflight.popleft())
+
+    def reduce_block(
+        self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...], module: bool, packed: Callable[[], None]
+    ) -> None:
+        """Pack ``unit``'s gradients into pooled buffers and reduce-scatter them, one
+        collective per dtype group (one per parameter when ``module``); ``packed()``
+        runs once the last group is packed (the slot may then be freed)."""
+        for i, group in enumerate(unit.groups):
+            self._make_room()
+            pair = self.rs_buffers.acquire(group.dtype, group.gathered_numel)
+            inp, out = pair[0][: group.gathered_numel], pair[1][: group.shard_numel]
+            (unit.pack_grads_param_major if module else unit.pack_grads)(grads, inp, group)
+            if i == len(unit.groups) - 1:
+                packed()
+            self._issue(unit, group, pair, inp, out, module, pooled=True)
+
+    def reduce_root(self, root: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The outer parameters' gradients, in buffers of their own (not the pool's)."""
+        for group in root.groups:
+            self._make_room()
+            inp = torch.empty(group.gathered_numel, dtype=group.dtype, device=root.device)
+            out = torch.empty(group.shard_numel, dtype=group.dtype, device=root.device)
+            root.pack_grads(grads, inp, group)
+            self._issue(root, group, (inp, out), inp, out, module=False, pooled=False)
+
+    def _issue(self, unit, group, pair, inp: torch.Tensor, out: torch.Tensor, module: bool, pooled: bool) -> None:
+        self.ctx.delay()
         wp = self.groups.wp_group
         if module:
             slices = unit.param_major_slices(inp, group.layout)
             handle = HandleGroup([self.backend.reduce_scatter(out[s], r, wp) for r, s in slices])
-            self.counters.reduce_scatters += len(slices)
+            self.ctx.counters.reduce_scatters += len(slices)
         else:
             handle = self.backend.reduce_scatter(out, inp, wp)
-            self.counters.reduce_scatters += 1
-        self.counters.bytes_reduced += inp.numel() * inp.element_size()
-        if unit is not self.root:
-            self._event("reduce_scatter", unit.index)
-        self._reduces.append(InflightReduce(unit, group, pair, out, handle, time.perf_counter()))
+            self.ctx.counters.reduce_scatters += 1
+        self.ctx.counters.bytes_reduced += inp.numel() * inp.element_size()
+        if pooled:
+            self.ctx.event("reduce_scatter", unit.index, "backward")
+        self.inflight.append(InflightReduce(unit, group, pair, out, handle, time.perf_counter(), pooled))
         if not self.config.overlap:
-            self._complete_reduce(self._reduces.popleft())
+            self._complete(self.inflight.popleft())
 
-    def _post_backward_root(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        root = self.root
-        self._root_region = None
-        for group in root.groups:  # the root's buffers are its own, not the pool's
-            while len(self._reduces) >= self.config.max_inflight_reduce_scatter:
-                self._complete_reduce(self._reduces.popleft())
-            inp = torch.empty(group.gathered_numel, dtype=group.dtype, device=root.device)
-            out = torch.empty(group.shard_numel, dtype=group.dtype, device=root.device)
-            root.pack_grads(grads, inp, group)
-            self._issue_reduce(root, group, (inp, out), inp, out, module=False)
-
-    def _complete_reduce(self, r: InflightReduce) -> None:
-        done = self._wait(r.handle, f"reduce-scatter of block {r.unit.index}")
-        if self.tracer is not None:
-            self.tracer.add("reduce-scatter", f"block {r.unit.index}", r.issued_at, done)
+    def _complete(self, r: InflightReduce) -> None:
+        what = f"block {r.unit.index}"
+        self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         if self.groups.replica_size > 1:
-            self._delay()
-            self.counters.all_reduces += 1
-            h = self.backend.all_reduce(r.out, self.groups.replica_group)
-            self._wait(h, f"replica all-reduce of block {r.unit.index}")
+            self.ctx.delay()
+            self.ctx.counters.all_reduces += 1
+            self.ctx.wait(self.backend.all_reduce(r.out, self.groups.replica_group), f"replica all-reduce of {what}")
         r.out.div_(self.groups.world_size)
         r.unit.accumulate_grad(r.out, r.group)
-        if r.unit is not self.root:
+        if r.pooled:
             self.rs_buffers.release(r.group.dtype, r.pair)
 
-    def _reduce_replicated(self) -> None:
+    def drain(self) -> None:
+        while self.inflight:
+            self._complete(self.inflight.popleft())
+
+    # ---- gradients autograd left whole ------------------------------------------------------
+    def stash(self) -> None:
+        """A forward with grad begins: keep earlier micro-steps' gradients of the
+        whole-gradient parameters aside (added back once this backward's are averaged)."""
+        for p in (*self.replicated, *self.wp_summed):
+            if p.grad is not None and p not in self._stash:
+                self._stash[p] = p.grad
+                p.grad = None
+
+    def reduce_whole(self) -> None:
         """Average the gradients autograd left whole: replicated parameters over the
         world; shards never gathered (the vocab-parallel head, the hidden-split
         embedding: already summed over WP in their own backward) over the replica
@@ -102,21 +160,19 @@ class GradientReductions:
     def _average(self, ps: list[nn.Parameter], dt: torch.dtype, group, size: int, world: int, what: str) -> None:
         """Sum ``ps``' grads over ``group`` (one flat all-reduce) and divide by ``world``."""
         total = sum(p.numel() for p in ps)
-        flat = self._rep_flat.get((what, dt))
+        flat = self._flat.get((what, dt))
         if flat is None:
-            flat = self._rep_flat[(what, dt)] = torch.empty(total, dtype=dt, device=ps[0].device)
+            flat = self._flat[(what, dt)] = torch.empty(total, dtype=dt, device=ps[0].device)
         off = 0
         for p in ps:
             piece = flat[off : off + p.numel()].view_as(p)
             piece.copy_(p.grad) if p.grad is not None else piece.zero_()
             off += p.numel()
         if size > 1:
-            self._delay()
-            self.counters.all_reduces += 1
+            self.ctx.delay()
+            self.ctx.counters.all_reduces += 1
             t0 = time.perf_counter()
-            done = self._wait(self.backend.all_reduce(flat, group), f"all-reduce of {what}")
-            if self.tracer is not None:
-                self.tracer.add("all-reduce", what, t0, done)
+            self.ctx.wait(self.backend.all_reduce(flat, group), f"all-reduce of {what}", ("all-reduce", what, t0))
         flat.div_(world)
         off = 0
         for p in ps:
@@ -126,3 +182,12 @@ class GradientReductions:
                 p.grad = piece.clone()
             else:
                 p.grad.copy_(piece)
+
+    def close(self, abandon: bool) -> None:
+        """Drop the buffers; ``abandon``: forget in-flight reduce-scatters (their peers
+        are gone) instead of completing them."""
+        if abandon:
+            self.inflight.clear()
+        else:
+            self.drain()
+        self._flat.clear()

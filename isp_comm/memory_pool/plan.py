@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -51,16 +52,34 @@ class MemoryPlan:
         return f"isp-comm memory plan: {'; '.join(parts)}; pool {self.pool_bytes / 2**20:.2f} MiB{shm}"
 
 
+Landing = Literal["slot", "per-parameter", "staging"]
+
+
+def gather_landing(wp_size: int, comm_granularity: str) -> Landing:
+    """Where a block's all-gather lands: the one decision, which the plan sizes the
+    landing buffer by and ``BlockState.unshard`` issues by.
+
+    ``"slot"`` (wp 1): the gather is a copy straight into the slot; ``"per-parameter"``
+    (``comm_granularity="module"``): one collective per parameter, each landing in its
+    region of the slot, written by the peers; ``"staging"`` (``"block"``): one
+    collective into the rank-major landing buffer, copied param-major into the slot.
+    (Whether peers write a buffer directly is the backend's to see: it knows which
+    addresses it registered.)"""
+    if wp_size == 1:
+        return "slot"
+    return "per-parameter" if comm_granularity == "module" else "staging"
+
+
 def make_plan(
     gathered: list[tuple[torch.dtype, int]],
     reduce: list[tuple[torch.dtype, int]],
     n_slots: int,
     rs_buffers: int,
     wp_size: int,
-    landing: bool = True,
+    landing: Landing = "staging",
 ) -> MemoryPlan:
     """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel;
-    ``landing``: gathers go through a rank-major landing buffer (block granularity)."""
+    ``landing``: from :func:`gather_landing` (a landing buffer only for ``"staging"``)."""
     slot: dict[torch.dtype, int] = {}
     set_by: dict[torch.dtype, int] = {}
     for i, (dt, n) in enumerate(gathered):
@@ -69,7 +88,7 @@ def make_plan(
     rs: dict[torch.dtype, int] = {}
     for dt, n in reduce:
         rs[dt] = max(rs.get(dt, 0), n)
-    staging = {dt: (n if wp_size > 1 and landing else 0) for dt, n in slot.items()}
+    staging = {dt: (n if landing == "staging" else 0) for dt, n in slot.items()}
     return MemoryPlan(
         n_slots=n_slots,
         slot_numel=slot,

@@ -10,7 +10,6 @@ exchanges are issued before the first is waited, so q, k and v travel together.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
-from isp_comm.hooks.trace import Tracer
+from isp_comm.context import CommContext
 
 
 def _exchange(
@@ -27,8 +26,7 @@ def _exchange(
     gather: tuple[int, ...],
     group: ProcessGroup,
     backend: Backend,
-    timeout_s: float,
-    trace: Callable[[], Tracer | None] | None,
+    comm: CommContext,
 ) -> tuple[torch.Tensor, ...]:
     sp = dist.get_world_size(group)
     t0 = time.perf_counter()
@@ -41,11 +39,9 @@ def _exchange(
         pending.append((recv, backend.all_to_all(recv.view(-1), send.view(-1), group)))
     out = []
     for (recv, handle), dim in zip(pending, gather):
-        handle.wait(timeout_s)
+        comm.wait(handle, f"all-to-all of {len(tensors)} tensors over the SP group")
         out.append(torch.cat(recv.unbind(0), dim=dim))
-    tracer = trace() if trace is not None else None
-    if tracer is not None:
-        tracer.add("all-to-all", f"{len(tensors)} tensors", t0, time.perf_counter())
+    comm.trace("all-to-all", f"{len(tensors)} tensors", t0)
     return tuple(out)
 
 
@@ -57,18 +53,17 @@ class _AllToAll(torch.autograd.Function):
         gather: tuple[int, ...],
         group,
         backend,
-        timeout_s: float,
-        trace,
+        comm: CommContext,
         *tensors: torch.Tensor,
     ):
-        ctx.args = (scatter, gather, group, backend, timeout_s, trace)
-        return _exchange(tensors, scatter, gather, group, backend, timeout_s, trace)
+        ctx.args = (scatter, gather, group, backend, comm)
+        return _exchange(tensors, scatter, gather, group, backend, comm)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        scatter, gather, group, backend, timeout_s, trace = ctx.args
-        back = _exchange(tuple(g.contiguous() for g in grads), gather, scatter, group, backend, timeout_s, trace)
-        return (None, None, None, None, None, None, *back)
+        scatter, gather, group, backend, comm = ctx.args
+        back = _exchange(tuple(g.contiguous() for g in grads), gather, scatter, group, backend, comm)
+        return (None, None, None, None, None, *back)
 
 
 def all_to_all(
@@ -77,11 +72,11 @@ def all_to_all(
     gather_dim: int | tuple[int, ...],
     group: ProcessGroup,
     backend: Backend,
-    timeout_s: float = 300.0,
-    trace: Callable[[], Tracer | None] | None = None,
+    comm: CommContext | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Differentiable all-to-all of several tensors over ``group`` (see module doc);
-    ``trace`` returns the tracer to record the exchange's span in, if any."""
+    """Differentiable all-to-all of several tensors over ``group`` (see module doc).
+    Waits go through ``comm`` (its deadline, failure flag, counters and tracer; a
+    default context, 300 s, when ``None``)."""
     if dist.get_world_size(group) == 1:
         return tuple(tensors)
     n = len(tensors)
@@ -89,4 +84,5 @@ def all_to_all(
     gather = (gather_dim,) * n if isinstance(gather_dim, int) else tuple(gather_dim)
     if len(scatter) != n or len(gather) != n:
         raise ValueError(f"{n} tensors need {n} scatter and gather dims, got {scatter} and {gather}")
-    return _AllToAll.apply(scatter, gather, group, backend, timeout_s, trace, *tensors)
+    comm = comm if comm is not None else CommContext(dist.get_rank(), 300.0)
+    return _AllToAll.apply(scatter, gather, group, backend, comm, *tensors)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, Handle
-from isp_comm.hooks.trace import Tracer
+from isp_comm.backends.base import Backend
+from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
 from isp_comm.sequence_parallel.hf import apply_hf_sequence_parallel, is_hf_model
 
@@ -20,8 +20,7 @@ def apply_sequence_parallel(
     sp_group: ProcessGroup,
     sp_size: int,
     backend: Backend,
-    timeout_s: float,
-    trace: Callable[[], Tracer | None],
+    comm: CommContext,
 ) -> Callable[[], None]:
     """Attention goes through all-to-all over the SP group: transformers models via
     their attention registry, other models via modules exposing ``attention_fn``
@@ -29,7 +28,7 @@ def apply_sequence_parallel(
     (``get_base_model()``) is seen through. Returns the undo."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     if is_hf_model(base):
-        return apply_hf_sequence_parallel(base, sp_group, backend, timeout_s, trace)
+        return apply_hf_sequence_parallel(base, sp_group, backend, comm)
     hooked = [m for m in model.modules() if callable(getattr(m, "attention_fn", None))]
     if not hooked:
         raise ValueError(
@@ -40,7 +39,7 @@ def apply_sequence_parallel(
         kv_repeats(m.n_heads, m.n_kv_heads, sp_size)
     previous = [(m, m.attention_fn) for m in hooked]
     for m, fn in previous:
-        m.attention_fn = DistributedAttention(fn, sp_group, backend, timeout_s, trace)
+        m.attention_fn = DistributedAttention(fn, sp_group, backend, comm)
 
     def undo() -> None:
         for m, fn in previous:
@@ -55,7 +54,7 @@ def check_sequence_chunks(
     sp_group: ProcessGroup,
     sp_size: int,
     backend: Backend,
-    wait: Callable[[Handle, str], Any],
+    ctx: CommContext,
 ) -> None:
     """Every rank of an SP group must feed an equal chunk (seq_len / sp tokens) of the
     model's input (``input_ids``, ``inputs_embeds`` or its first tensor argument): a
@@ -67,7 +66,7 @@ def check_sequence_chunks(
         return
     mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
     every = torch.empty(sp_size, dtype=torch.int64, device=x.device)
-    wait(backend.all_gather(every, mine, sp_group), "sequence chunk check")
+    ctx.wait(backend.all_gather(every, mine, sp_group), "sequence chunk check")
     lengths = every.tolist()
     if len(set(lengths)) != 1:
         raise ValueError(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
-from isp_comm.hooks.trace import Tracer
+from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.all_to_all import all_to_all
 from isp_comm.sequence_parallel.local import check_cu_seqlens
 
@@ -51,15 +51,14 @@ class DistributedAttention:
         local_attention: LocalAttention,
         sp_group: ProcessGroup,
         backend: Backend,
-        timeout_s: float = 300.0,
-        trace: Callable[[], Tracer | None] | None = None,
+        comm: CommContext | None = None,
     ):
         self.local = local_attention
-        self.group, self.backend, self.timeout_s, self.trace = sp_group, backend, timeout_s, trace
+        self.group, self.backend, self.comm = sp_group, backend, comm
         self.sp = dist.get_world_size(sp_group)
 
     def _a2a(self, tensors: tuple[torch.Tensor, ...], scatter, gather) -> tuple[torch.Tensor, ...]:
-        return all_to_all(tensors, scatter, gather, self.group, self.backend, self.timeout_s, self.trace)
+        return all_to_all(tensors, scatter, gather, self.group, self.backend, self.comm)
 
     def __call__(
         self,

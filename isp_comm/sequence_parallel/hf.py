@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend
-from isp_comm.hooks.trace import Tracer
+from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
 from isp_comm.sequence_parallel.local import local_attention
 
@@ -42,8 +42,7 @@ def apply_hf_sequence_parallel(
     model: nn.Module,
     sp_group: ProcessGroup,
     backend: Backend,
-    timeout_s: float,
-    trace: Callable[[], Tracer | None] | None = None,
+    comm: CommContext | None = None,
 ) -> Callable[[], None]:
     """Route ``model``'s attention through a registered SP attention function; returns
     the function that undoes it."""
@@ -71,7 +70,7 @@ def apply_hf_sequence_parallel(
         def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
             return local_attention(q, k, v, cu_seqlens, scale=scaling, dropout=dropout)
 
-        out = DistributedAttention(local, sp_group, backend, timeout_s, trace)(query, key, value, cu_seqlens=cu_seqlens)
+        out = DistributedAttention(local, sp_group, backend, comm)(query, key, value, cu_seqlens=cu_seqlens)
         return out.transpose(1, 2).contiguous(), None
 
     key = f"isp_sp_{id(model):x}"

@@ -10,6 +10,8 @@ import time
 import tomllib
 from dataclasses import dataclass, fields
 
+from isp_comm.config import BACKENDS, BackendName
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -47,8 +49,8 @@ class TrainConfig:
     """Weight-parallel size (0: world size / sp)."""
     sp: int = 1
     """Sequence-parallel size."""
-    backend: str = "auto"
-    """Collective backend: torch, symm or auto."""
+    backend: BackendName = "auto"
+    """Collective backend: auto, torch, symm or nvshmem (see ISPConfig.backend)."""
     overlap: bool = True
     """Prefetch gathers and reduce-scatter asynchronously."""
     memory_pool: bool = True
@@ -102,8 +104,8 @@ class TrainConfig:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if self.backend not in ("torch", "symm", "auto"):
-            raise ValueError(f"--backend must be torch, symm or auto, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
             raise ValueError("--hidden / --heads must be an even head size and --heads a multiple of --kv-heads")
         if self.data and not os.path.isfile(self.data):

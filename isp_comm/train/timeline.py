@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from isp_comm.hooks.trace import LANES, chrome_events
+from isp_comm.trace import LANES, chrome_events
 
 COLORS = {
     "compute": "#4c78a8",

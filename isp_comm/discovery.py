@@ -1,0 +1,179 @@
+"""What gets wrapped: the blocks, the checks on the model, and the units built from them.
+
+Plain functions the communicator's constructor calls in order (compare FSDP2's
+``_fsdp_init.py``): :func:`validate` the model, find its :func:`target_device`, then
+:func:`build_units` shards every block's linears (and, when configured, the head
+along the vocab, the embedding along its hidden dim and the other outer
+parameters), materialising whatever is still on the meta device module by module.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from isp_comm.config import ISPConfig
+from isp_comm.embedding import supports_hidden_split
+from isp_comm.groups import ParallelGroups
+from isp_comm.materialize import materialize_module, materialize_rest, model_initializer
+from isp_comm.units import BlockUnit, ReplicatedParam
+from isp_comm.vocab_parallel import find_output_head
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: the ``ModuleList`` whose every entry holds linear layers
+    (types may differ, e.g. alternating attention and MLP blocks) with the most
+    parameters in all."""
+    best, best_params = None, -1
+    for mod in model.modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if not all(not isinstance(b, nn.Linear) and any(isinstance(m, nn.Linear) for m in b.modules()) for b in mod):
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = mod, n
+    if best is None:
+        raise ValueError(
+            f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList "
+            "whose entries contain nn.Linear layers; pass blocks= explicitly"
+        )
+    return best
+
+
+def wrapped_marker(fn: Any) -> bool:
+    """Whether ``fn`` is a block forward installed by an ISPCommunicator."""
+    return getattr(fn, "_isp_comm_wrapped", False)
+
+
+def _refuse_stale_optimizers(model: nn.Module) -> None:
+    """An optimizer built before wrapping holds the full parameters that wrapping
+    replaces by shards: it would silently train nothing. Refuse it now."""
+    params = {id(p) for p in model.parameters()}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer) and any(
+            id(p) in params for g in obj.param_groups for p in g["params"]
+        ):
+            raise ValueError(
+                f"a {type(obj).__name__} optimizer already holds this model's parameters; wrapping replaces "
+                "them by shards, so create the optimizer after wrapping, on model.parameters()"
+            )
+
+
+def validate(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """A ``ValueError`` (``TypeError`` for a non-module block) for what cannot be wrapped."""
+    if not blocks:
+        raise ValueError("the block list is empty: ISP needs at least one transformer block")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"block {i} is a {type(b).__name__}, not an nn.Module")
+        if wrapped_marker(b.__dict__.get("forward")):
+            raise ValueError("this model is already wrapped by an ISPCommunicator (close() it first)")
+        if not any(isinstance(m, nn.Linear) for m in b.modules()):
+            raise ValueError(f"block {i} ({type(b).__name__}) has no nn.Linear layers to shard")
+    _refuse_stale_optimizers(model)
+    devices = {p.device for p in model.parameters() if p.device.type != "meta"}
+    if len(devices) > 1:
+        raise ValueError(f"model parameters are on several devices {sorted(map(str, devices))}")
+    for name, p in model.named_parameters():
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"parameter {name} has unsupported dtype {p.dtype} (use {SUPPORTED_DTYPES})")
+
+
+def target_device(model: nn.Module) -> torch.device:
+    """The model's device; for a model wholly on meta, the current CUDA device or CPU."""
+    real = {p.device for p in model.parameters() if p.device.type != "meta"}
+    if real:
+        return real.pop()
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def hidden_split_embedding(model: nn.Module, inside: set[int]) -> nn.Embedding | None:
+    """The input embedding to split along hidden and look up without gathering: an
+    ``nn.Embedding`` outside the blocks whose weight is not tied to anything."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    found = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    candidates = [found] if isinstance(found, nn.Embedding) else []
+    candidates += [m for m in model.modules() if isinstance(m, nn.Embedding) and m is not found]
+    for m in candidates:
+        if id(m) not in inside and counts.get(id(m.weight)) == 1 and supports_hidden_split(m):
+            return m
+    return None
+
+
+@dataclass
+class Units:
+    """Every unit of a wrapped model: the blocks, then (when configured) the
+    vocab-parallel head, the hidden-split embedding and the other outer parameters."""
+
+    blocks: list[BlockUnit]
+    vocab: BlockUnit | None = None
+    embed: BlockUnit | None = None
+    root: BlockUnit | None = None
+
+
+def build_units(
+    model: nn.Module,
+    block_list: list[nn.Module],
+    groups: ParallelGroups,
+    config: ISPConfig,
+    device: torch.device,
+    head: nn.Module | None = None,
+) -> Units:
+    """Shard the model: each block's linears (weights and biases) along dim 0; with
+    ``vocab_parallel`` the head along the vocab; with ``shard_outer_params`` an untied
+    embedding along its hidden dim and every other outer parameter along dim 0 (a
+    weight tied to a linear follows the linear). Then materialise what is still on
+    meta (see isp_comm/materialize.py)."""
+    names = {m: n for n, m in model.named_modules()}
+    materialize = functools.partial(
+        materialize_module, device=device, seed=config.init_seed, init=model_initializer(model)
+    )
+    wp, rank = groups.wp_size, groups.wp_rank
+
+    def unit(index: int, block: nn.Module, owners, replicated=(), **kw: Any) -> BlockUnit:
+        return BlockUnit(index, block, owners, list(replicated), wp, rank, device, materialize, **kw)
+
+    blocks = []
+    for i, block in enumerate(block_list):
+        linears = [(names[m], m) for m in block.modules() if isinstance(m, nn.Linear)]
+        sharded = {id(p) for _, m in linears for p in m.parameters(recurse=False)}
+        replicated = [
+            ReplicatedParam(m, pn, p)
+            for m in block.modules()
+            for pn, p in m.named_parameters(recurse=False)
+            if id(p) not in sharded
+        ]
+        blocks.append(
+            unit(i, block, linears, replicated, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+        )
+    built = Units(blocks)
+    if config.vocab_parallel:
+        head = find_output_head(model, head, block_list)
+        built.vocab = unit(-2, head, [(names[head], head)], names=("weight",))
+    if config.shard_outer_params:
+        inside = {id(m) for b in block_list for m in b.modules()}
+        if built.vocab is not None:
+            inside.add(id(built.vocab.block))
+        emb = hidden_split_embedding(model, inside)
+        if emb is not None:  # split along hidden and never gathered (isp_comm/embedding.py)
+            built.embed = unit(-3, emb, [(names[emb], emb)], names=("weight",), dim1=frozenset({id(emb.weight)}))
+            inside.add(id(emb))
+        owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
+        if owners:
+            in_linear = {id(p) for _, m in owners if isinstance(m, nn.Linear) for p in m.parameters(False)}
+            dim1 = frozenset(
+                id(m.weight) for _, m in owners if isinstance(m, nn.Embedding) and id(m.weight) not in in_linear
+            )
+            built.root = unit(-1, model, owners, names=None, dim1=dim1)
+    materialize_rest(model, materialize)  # what is still on meta lies outside the units
+    return built

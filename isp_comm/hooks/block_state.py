@@ -1,0 +1,213 @@
+"""One block's runtime state and its transitions: unshard, wait, reshard, swap in and out.
+
+The engine decides *when* (block order, prefetch, backward); a :class:`BlockState`
+knows *how* one block moves between its states, and what each state holds.
+
+[Note: what each state holds]
+``SHARDED``: only the unit's flat shard (its own memory); no slot.
+``GATHERING``: a pool slot is held and an all-gather is in flight into it, or into
+the one shared landing buffer (``comm_granularity="block"``; copied into the slot,
+param-major, when waited), or straight into the slot from the peers
+(``comm_granularity="module"``).
+``GATHERED``: the slot holds the block's full weights, param-major.
+Swapped in (any gathered state): the block's modules point at views of the slot.
+
+[Note: direct landing]
+With ``comm_granularity="module"`` peers write the slot itself, possibly from
+another thread, while autograd may hold views of it saved by the last forward;
+the slot's version counter is frozen from issue to wait so those views do not see
+a bump. The guard is entered in :meth:`BlockState.unshard` and always left, by
+:meth:`BlockState.wait_for_unshard` (also when the wait fails) or
+:meth:`BlockState.abandon`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+from isp_comm.backends.base import Backend, Handle, HandleGroup
+from isp_comm.config import ISPConfig
+from isp_comm.context import CommContext
+from isp_comm.hooks.autograd import BackwardHooks, UnshardBlock
+from isp_comm.memory_pool import SlotPool, gather_landing
+from isp_comm.units import BlockUnit
+
+
+class GatherState(Enum):
+    SHARDED = auto()
+    GATHERING = auto()
+    GATHERED = auto()
+
+
+@dataclass
+class GatherResources:
+    """What every block's gathers share: the pool, the backend, the landing buffer's
+    current owner and the cast send buffers (one per dtype)."""
+
+    ctx: CommContext
+    config: ISPConfig
+    backend: Backend
+    pool: SlotPool
+    wp_group: Any
+    send: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    staging_owner: BlockState | None = None
+
+
+class BlockState:
+    """The runtime state of one block (see the notes above)."""
+
+    def __init__(self, unit: BlockUnit, res: GatherResources) -> None:
+        self.unit, self.res = unit, res
+        self.state = GatherState.SHARDED
+        self.slot = -1  # the slot of the last gather (reused when free)
+        self.region: torch.Tensor | None = None
+        self.handle: Handle | None = None
+        self.issued_at = 0.0  # perf_counter of the last gather's issue (tracing)
+        self.backward_at = 0.0  # perf_counter when the block's backward began (tracing)
+        self.saved_views = False  # the last forward saved views of the slot for backward
+        self.reduced = False  # this backward already reduce-scattered the block
+        self._staging: torch.Tensor | None = None
+        self._landing: Any = None
+        self._cast: list | None = None  # in-block replicated params cast while swapped in
+
+    @property
+    def swapped_in(self) -> bool:
+        return self._cast is not None
+
+    # ---- SHARDED -> GATHERING -> GATHERED ------------------------------------------------
+    def unshard(self, backward: bool) -> bool:
+        """Take a free slot and issue the all-gather into it; ``False`` (nothing done)
+        when no slot is free. In backward, a block whose forward saved views of its
+        slot must get that same slot back."""
+        assert self.state is GatherState.SHARDED
+        unit, res = self.unit, self.res
+        dt = unit.gather_dtype
+        n_slots = res.config.n_slots
+        preferred = self.slot if self.slot >= 0 else unit.index % n_slots
+        slot = res.pool.free_slot(dt, preferred, backward and self.saved_views)
+        if slot is None:
+            return False
+        if res.staging_owner is not None:  # one landing buffer: finish the gather using it
+            res.staging_owner.wait_for_unshard()
+        n = unit.gathered_numel
+        region = res.pool.acquire(dt, slot, unit.index, n, unit.index % n_slots)
+        send = unit.flat_shard
+        if dt != unit.dtype:  # cast to param_dtype (and, for mixed dtypes, re-laid out)
+            buf = res.send.get(dt)
+            if buf is None or buf.numel() < unit.shard_numel:
+                buf = res.send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+            send = buf[: unit.shard_numel]
+            unit.fill_send(send)
+        res.ctx.delay()
+        n_collectives = 1
+        landing = gather_landing(unit.wp_size, res.config.comm_granularity)
+        if landing == "slot":
+            with torch.autograd._unsafe_preserve_version_counter(region):
+                handle = res.backend.all_gather(region, send, res.wp_group)
+        elif landing == "per-parameter":
+            self._landing = torch.autograd._unsafe_preserve_version_counter(region)  # see [Note: direct landing]
+            self._landing.__enter__()
+            slices = unit.param_major_slices(region, unit.gather)
+            handle = HandleGroup([res.backend.all_gather(r, send[s], res.wp_group) for r, s in slices])
+            n_collectives = len(slices)
+        else:
+            self._staging = res.pool.staging(dt, n)
+            handle = res.backend.all_gather(self._staging, send, res.wp_group)
+            res.staging_owner = self
+        self.state, self.slot, self.region, self.handle = GatherState.GATHERING, slot, region, handle
+        res.ctx.counters.all_gathers += n_collectives
+        res.ctx.counters.bytes_gathered += n * dt.itemsize
+        self.issued_at = time.perf_counter()
+        return True
+
+    def wait_for_unshard(self) -> None:
+        """GATHERING -> GATHERED: wait for the gather and land it in the slot."""
+        if self.state is not GatherState.GATHERING:
+            return
+        what = f"block {self.unit.index}"
+        try:
+            self.res.ctx.wait(self.handle, f"all-gather of {what}", ("all-gather", what, self.issued_at))
+            if self._staging is not None:
+                with torch.autograd._unsafe_preserve_version_counter(self.region):
+                    self.unit.copy_out(self._staging, self.region)
+        finally:
+            self._leave_landing()
+        self.state, self.handle = GatherState.GATHERED, None
+
+    def _leave_landing(self) -> None:
+        if self._staging is not None:
+            self._staging = None
+            self.res.staging_owner = None
+        if self._landing is not None:
+            self._landing.__exit__(None, None, None)
+            self._landing = None
+
+    # ---- back to SHARDED -------------------------------------------------------------
+    def reshard(self) -> bool:
+        """Free the slot (waiting for an in-flight gather first); ``False`` when the
+        block was sharded already."""
+        if self.state is GatherState.SHARDED:
+            return False
+        self.wait_for_unshard()
+        unit = self.unit
+        self.res.pool.release(unit.gather_dtype, self.slot, unit.index, unit.gathered_numel)
+        self.state, self.region = GatherState.SHARDED, None
+        return True
+
+    def abandon(self) -> None:
+        """Back to SHARDED without waiting: a collective failed and the peers are gone."""
+        self.swap_out()
+        self._leave_landing()
+        if self.state is not GatherState.SHARDED:
+            unit = self.unit
+            self.res.pool.release(unit.gather_dtype, self.slot, unit.index, unit.gathered_numel)
+        self.state, self.handle, self.region = GatherState.SHARDED, None, None
+
+    # ---- backward ----------------------------------------------------------------------
+    def pre_backward(self, hooks: BackwardHooks) -> None:
+        """The block's backward is next (it is GATHERED): swap its weights in, with
+        grad, until its gradients exist, so that a recompute calling the block's
+        original forward directly sees them."""
+        self.backward_at = time.perf_counter()
+        with torch.enable_grad():
+            self.swap_in(hooks)
+
+    def post_backward(self) -> None:
+        """Every weight gradient of the block exists: swap out (the engine then
+        reduce-scatters them and frees the slot)."""
+        assert not self.reduced, f"block {self.unit.index}'s gradients were produced twice in one backward"
+        self.reduced = True
+        self.swap_out()
+        if self.backward_at:
+            self.res.ctx.trace("compute", f"backward block {self.unit.index}", self.backward_at)
+
+    # ---- the modules' view of the weights ---------------------------------------------------
+    def swap_in(self, hooks: BackwardHooks) -> None:
+        """Point the block's linears at full views of its slot (and cast in-block
+        replicated params to ``param_dtype``). With grad enabled the views come out of
+        an ``UnshardBlock`` node, whose backward marks the end of the block's backward."""
+        unit = self.unit
+        assert self._cast is None, f"block {unit.index} is already swapped in"
+        assert self.region is not None and self.state is GatherState.GATHERED
+        if torch.is_grad_enabled() and unit.requires_grad:
+            views = list(UnshardBlock.apply(unit.anchor, hooks, unit, self.region))
+        else:
+            views = [v.detach() for v in unit.full_views(self.region)]
+        unit.swap_in(views)
+        dtype = self.res.config.param_dtype
+        self._cast = [rp for rp in unit.replicated if dtype is not None and rp.param.dtype != dtype]
+        for rp in self._cast:
+            rp.module._parameters[rp.name] = rp.param.to(dtype)
+
+    def swap_out(self) -> None:
+        if self._cast is None:
+            return
+        self.unit.swap_out()
+        for rp in self._cast:
+            rp.module._parameters[rp.name] = rp.param
+        self._cast = None
