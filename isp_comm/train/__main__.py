@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg)
     except ValueError as exc:
         dist.destroy_process_group()
-        fail(str(exc))
+        fail(str(exc), hard=True)
     dist.destroy_process_group()
     return 0
 
