@@ -138,10 +138,8 @@ def fail(message: str, hard: bool = False) -> None:
     """Exit 2 with one line, printed by rank 0. The other ranks leave a moment later,
     so that torchrun, which stops the job at the first failed rank, lets rank 0 print.
 
-    ``hard``: leave at once, without the interpreter's teardown. After a failed save or
-    a failed collective, native threads of torch's process groups may still run, and
-    destroying them at exit can abort the process ("terminate called without an
-    active exception", SIGABRT) instead of exiting 2; seen once in the suite."""
+    ``hard``: leave at once, without the interpreter's teardown (see [Note: leaving
+    without teardown] in isp_comm/train/__main__.py)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"isp-train: error: {message}", file=sys.stderr, flush=True)
     else:
