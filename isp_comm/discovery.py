@@ -148,7 +148,7 @@ def build_units(
         linears = [(names[m], m) for m in block.modules() if isinstance(m, nn.Linear)]
         sharded = {id(p) for _, m in linears for p in m.parameters(recurse=False)}
         replicated = [
-            ReplicatedParam(m, pn, p)
+            ReplicatedParam(m, pn)
             for m in block.modules()
             for pn, p in m.named_parameters(recurse=False)
             if id(p) not in sharded

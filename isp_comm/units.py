@@ -17,11 +17,12 @@ from isp_comm.layout import BlockLayout, ReduceGroup, ShardedParam
 
 @dataclass(frozen=True)
 class ReplicatedParam:
-    """A parameter inside a block that stays whole on every rank (e.g. a norm weight)."""
+    """A parameter inside a block that stays whole on every rank (e.g. a norm weight),
+    named by its module and attribute: the parameter object itself may be replaced
+    later (materialising a meta-built module gives it a new one), so none is kept."""
 
     module: nn.Module
     name: str
-    param: nn.Parameter
 
 
 class BlockUnit(BlockLayout):

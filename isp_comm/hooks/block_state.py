@@ -200,14 +200,17 @@ class BlockState:
             views = [v.detach() for v in unit.full_views(self.region)]
         unit.swap_in(views)
         dtype = self.res.config.param_dtype
-        self._cast = [rp for rp in unit.replicated if dtype is not None and rp.param.dtype != dtype]
-        for rp in self._cast:
-            rp.module._parameters[rp.name] = rp.param.to(dtype)
+        self._cast = []  # (replicated parameter, its master) while a cast copy stands in
+        for rp in unit.replicated if dtype is not None else ():
+            master = rp.module._parameters[rp.name]
+            if master.dtype != dtype:
+                self._cast.append((rp, master))
+                rp.module._parameters[rp.name] = master.to(dtype)
 
     def swap_out(self) -> None:
         if self._cast is None:
             return
         self.unit.swap_out()
-        for rp in self._cast:
-            rp.module._parameters[rp.name] = rp.param
+        for rp, master in self._cast:
+            rp.module._parameters[rp.name] = master
         self._cast = None
