@@ -33,8 +33,6 @@ from isp_comm.vocab_parallel import VocabParallelHead, WPComm, vocab_parallel_cr
 
 log = logging.getLogger("isp_comm")
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class ISPCommunicator:
     """Wraps a llama-class model in place for ISP weight parallelism.

@@ -12,7 +12,8 @@ CommGranularity = Literal["block", "module"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 """Every backend name, the one list (``make_backend`` and isp-train read it too)."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes isp-comm trains in: of parameters, gathers and reductions."""
 
 
 @dataclass(kw_only=True)
@@ -101,8 +102,8 @@ class ISPConfig:
             raise ValueError(f"activation_checkpointing must be in [0, 1], got {self.activation_checkpointing}")
         for name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, name)
-            if dtype is not None and dtype not in _FLOAT_DTYPES:
-                raise ValueError(f"{name} must be one of {_FLOAT_DTYPES} or None, got {dtype}")
+            if dtype is not None and dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be one of {FLOAT_DTYPES} or None, got {dtype}")
         if isinstance(self.n_slots, bool) or not isinstance(self.n_slots, int) or self.n_slots < 2:
             raise ValueError(f"n_slots must be an integer >= 2, got {self.n_slots!r}")
         k = self.max_inflight_reduce_scatter

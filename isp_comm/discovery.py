@@ -17,14 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from isp_comm.config import ISPConfig
+from isp_comm.config import FLOAT_DTYPES, ISPConfig
 from isp_comm.embedding import supports_hidden_split
 from isp_comm.groups import ParallelGroups
 from isp_comm.materialize import materialize_module, materialize_rest, model_initializer
 from isp_comm.units import BlockUnit, ReplicatedParam
 from isp_comm.vocab_parallel import find_output_head
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -83,8 +81,8 @@ def validate(model: nn.Module, blocks: list[nn.Module]) -> None:
     if len(devices) > 1:
         raise ValueError(f"model parameters are on several devices {sorted(map(str, devices))}")
     for name, p in model.named_parameters():
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"parameter {name} has unsupported dtype {p.dtype} (use {SUPPORTED_DTYPES})")
+        if p.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"parameter {name} has unsupported dtype {p.dtype} (use {FLOAT_DTYPES})")
 
 
 def target_device(model: nn.Module) -> torch.device:

@@ -8,6 +8,15 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
+def first_error(error: str | None) -> str | None:
+    """Collective over the world: the first rank's error message, or ``None`` when no
+    rank had one, so that every rank raises alike (or none does) and nobody waits on
+    a peer that gave up."""
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    return next((e for e in every if e), None)
+
+
 def _check_size(name: str, size: object, world: int) -> int:
     if isinstance(size, bool) or not isinstance(size, int):
         raise ValueError(f"{name} must be an int, got {size!r}")

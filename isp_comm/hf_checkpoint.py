@@ -43,6 +43,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from isp_comm.groups import first_error
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -146,6 +148,7 @@ class SafetensorsFiles:
         self.headers: dict[str, bytes] = {}
         self.sizes: dict[str, int] = {}
         self.placed: dict[str, Placed] = {}
+        self._open: dict[str, Any] = {}  # file name -> open handle, while writing
         for i, keys in enumerate(groups, start=1):
             name = file_name(i, len(groups))
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -185,26 +188,36 @@ class SafetensorsFiles:
 
     def write(self, key: str, value: torch.Tensor, dim: int = 0, first: int = 0) -> None:
         """Write ``value``: tensor ``key`` whole, or the slice of it starting at index
-        ``first`` along ``dim`` (0, or 1 for a 2-D tensor)."""
+        ``first`` along ``dim`` (0, or 1 for a 2-D tensor). Files stay open until
+        :meth:`close`, which makes them durable."""
         p = self.placed[key]
         data = value.detach().contiguous().cpu()
         if data.numel() == 0:
             return
         raw = data.view(torch.uint8).numpy() if data.dim() else data.reshape(1).view(torch.uint8).numpy()
-        with open(os.path.join(self.path, p.file), "r+b") as f:
-            if dim == 0:
-                inner = math.prod(p.shape[1:]) * p.dtype.itemsize
-                f.seek(p.start + first * inner)
-                f.write(raw.data)
-            else:  # columns [first, first + n) of every row
-                rows, row_bytes = p.shape[0], p.shape[1] * p.dtype.itemsize
-                mm = np.memmap(f, dtype=np.uint8, mode="r+", offset=p.start, shape=(rows, row_bytes))
-                lo = first * p.dtype.itemsize
-                mm[:, lo : lo + raw.shape[1]] = raw
-                mm.flush()
-                del mm
+        f = self._open.get(p.file)
+        if f is None:
+            f = self._open[p.file] = open(os.path.join(self.path, p.file), "r+b")  # noqa: SIM115 - closed in close()
+        if dim == 0:
+            inner = math.prod(p.shape[1:]) * p.dtype.itemsize
+            f.seek(p.start + first * inner)
+            f.write(raw.data)
+        else:  # columns [first, first + n) of every row
+            f.flush()
+            rows, row_bytes = p.shape[0], p.shape[1] * p.dtype.itemsize
+            mm = np.memmap(f, dtype=np.uint8, mode="r+", offset=p.start, shape=(rows, row_bytes))
+            lo = first * p.dtype.itemsize
+            mm[:, lo : lo + raw.shape[1]] = raw
+            mm.flush()
+            del mm
+
+    def close(self) -> None:
+        """Flush and sync every file this process wrote into (once each)."""
+        for f in self._open.values():
             f.flush()
             os.fsync(f.fileno())
+            f.close()
+        self._open.clear()
 
 
 def save_hf_checkpoint(
@@ -224,16 +237,19 @@ def save_hf_checkpoint(
     _agreed(lambda: files.create() if rank == 0 else None, f"save_hf_checkpoint({path})")
 
     def write_mine() -> None:
-        for i, (key, value) in enumerate(tensors.items()):
-            if isinstance(value, DTensor):
-                replica, wp_rank = value.device_mesh.get_coordinate()
-                if replica != 0:
-                    continue
-                (dim,) = [p.dim for p in value.placements if p.is_shard()]
-                chunk = -(-value.shape[dim] // value.device_mesh.size(1))
-                files.write(key, value.to_local(), dim, wp_rank * chunk)
-            elif i % world == rank:
-                files.write(key, value)
+        try:
+            for i, (key, value) in enumerate(tensors.items()):
+                if isinstance(value, DTensor):
+                    replica, wp_rank = value.device_mesh.get_coordinate()
+                    if replica != 0:
+                        continue
+                    (dim,) = [p.dim for p in value.placements if p.is_shard()]
+                    chunk = -(-value.shape[dim] // value.device_mesh.size(1))
+                    files.write(key, value.to_local(), dim, wp_rank * chunk)
+                elif i % world == rank:
+                    files.write(key, value)
+        finally:
+            files.close()
 
     _agreed(write_mine, f"save_hf_checkpoint({path})")
     if rank == 0:
@@ -251,11 +267,9 @@ def _agreed(fn: Any, what: str) -> None:
         fn()
     except OSError as exc:
         error = f"{what}: rank {dist.get_rank()}: {exc}"
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise ValueError(failed[0])
+    first = first_error(error)
+    if first:
+        raise ValueError(first)
 
 
 def write_config(config: Any, dtypes: set[torch.dtype], path: str) -> None:

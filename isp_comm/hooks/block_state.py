@@ -63,6 +63,7 @@ class BlockState:
 
     def __init__(self, unit: BlockUnit, res: GatherResources) -> None:
         self.unit, self.res = unit, res
+        self.landing = gather_landing(unit.wp_size, res.config.comm_granularity)  # fixed at wrap
         self.state = GatherState.SHARDED
         self.slot = -1  # the slot of the last gather (reused when free)
         self.region: torch.Tensor | None = None
@@ -105,11 +106,10 @@ class BlockState:
             unit.fill_send(send)
         res.ctx.delay()
         n_collectives = 1
-        landing = gather_landing(unit.wp_size, res.config.comm_granularity)
-        if landing == "slot":
+        if self.landing == "slot":
             with torch.autograd._unsafe_preserve_version_counter(region):
                 handle = res.backend.all_gather(region, send, res.wp_group)
-        elif landing == "per-parameter":
+        elif self.landing == "per-parameter":
             self._landing = torch.autograd._unsafe_preserve_version_counter(region)  # see [Note: direct landing]
             self._landing.__enter__()
             slices = unit.param_major_slices(region, unit.gather)

@@ -22,7 +22,6 @@ from isp_comm.hooks.autograd import PreBackward, UnshardBlock
 from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState
 from isp_comm.hooks.casting import cast_floats, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
-from isp_comm.memory_pool import gather_landing
 from isp_comm.units import BlockUnit
 
 
@@ -58,7 +57,8 @@ class BlockEngine:
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
 
     def _event(self, kind: str, index: int) -> None:
-        self.ctx.event(kind, index, self.phase.name.lower())
+        if self.ctx.events is not None:  # every block, every step: nothing to do unless recording
+            self.ctx.event(kind, index, self.phase.name.lower())
 
     # ---- gathers ------------------------------------------------------------------
     def _unshard(self, st: BlockState) -> bool:
@@ -221,8 +221,9 @@ class BlockEngine:
             self._root_region = None
             self.reducer.reduce_root(unit, grads)
             return
-        self.states[unit.index].post_backward()
-        module = gather_landing(unit.wp_size, self.config.comm_granularity) == "per-parameter"  # reduce alike
+        st = self.states[unit.index]
+        st.post_backward()
+        module = st.landing == "per-parameter"  # gradients go back the way weights came
         self.reducer.reduce_block(unit, grads, module, packed=lambda: self.release(unit))
 
     def end_backward(self) -> None:

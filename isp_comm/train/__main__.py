@@ -24,8 +24,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
+from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, hf_model, lora
-from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config
+from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
@@ -41,15 +42,15 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def _on_rank0_first(fn, *args):
     """``fn(*args)`` on rank 0 (which may write a cache the others then read), then on
     the others; an error on rank 0 is raised on every rank, never a hang."""
-    error = [None]
+    error = out = None
     if dist.get_rank() == 0:
         try:
             out = fn(*args)
         except ValueError as exc:
-            error = [str(exc)]
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise ValueError(error[0])
+            error = str(exc)
+    first = first_error(error)
+    if first:
+        raise ValueError(first)
     return out if dist.get_rank() == 0 else fn(*args)
 
 
@@ -241,9 +242,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # interpreter's teardown ("terminate called without an active exception", SIGABRT)
     # while torch's native threads were destroyed, so torchrun reported a failure. The
     # work is done and written here: leave with the exit code, without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)
 
 
 if __name__ == "__main__":

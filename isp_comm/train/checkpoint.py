@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from isp_comm import ISPCommunicator
+from isp_comm.groups import first_error
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -78,9 +79,7 @@ def _cause(exc: BaseException) -> str:
 def _agree(error: str | None, remove: str | None = None) -> None:
     """Collective: a ``CheckpointError`` on every rank when any rank had one (the first
     rank's message); rank 0 first removes the folder ``remove`` (a partial checkpoint)."""
-    every: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
-    first = next((e for e in every if e), None)
+    first = first_error(error)
     if first:
         if remove is not None and dist.get_rank() == 0:
             shutil.rmtree(remove, ignore_errors=True)

@@ -9,6 +9,7 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass, fields
+from typing import NoReturn
 
 from isp_comm.config import BACKENDS, BackendName
 
@@ -145,9 +146,16 @@ def fail(message: str, hard: bool = False) -> None:
     else:
         time.sleep(1.0)
     if hard:
-        sys.stdout.flush()
-        os._exit(2)
+        leave(2)
     raise SystemExit(2)
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with ``code`` now, output flushed, without the interpreter's
+    teardown (see [Note: leaving without teardown] in isp_comm/train/__main__.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:

@@ -83,12 +83,15 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**3
     specs = {k: (v.shape, stored[f"model.{k}"].properties.dtype) for k, v in wanted.items()}
     files = SafetensorsFiles(out_dir, specs, max_shard_bytes)
     files.create()
-    for key, (shape, dtype) in specs.items():  # one tensor in memory at a time
-        part = {f"model.{key}": torch.empty(shape, dtype=dtype)}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(part, storage_reader=reader, no_dist=True)
-        files.write(key, part.pop(f"model.{key}"))
+    try:
+        for key, (shape, dtype) in specs.items():  # one tensor in memory at a time
+            part = {f"model.{key}": torch.empty(shape, dtype=dtype)}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(part, storage_reader=reader, no_dist=True)
+            files.write(key, part.pop(f"model.{key}"))
+    finally:
+        files.close()
     write_config(config, {dtype for _, dtype in specs.values()}, out_dir)
     for name in os.listdir(src):  # the tokenizer's files
         if name != "config.json":
