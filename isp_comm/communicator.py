@@ -18,9 +18,10 @@ from isp_comm.backends import make_backend
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
-from isp_comm.discovery import build_units, find_blocks, target_device, validate
+from isp_comm.discovery import build_units, find_blocks, outer_replicated, target_device, validate
 from isp_comm.embedding import HiddenSplitEmbedding
 from isp_comm.groups import ParallelGroups
+from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.layout import Layout, full_views, to_param_major
@@ -89,6 +90,7 @@ class ISPCommunicator:
         self.engine = BlockEngine(
             self.ctx, units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all, self.root
         )
+        self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
         self._install_forwards(n_ckpt)
         self._closed = False
 
@@ -177,8 +179,8 @@ class ISPCommunicator:
         """This rank's mean cross-entropy over its own tokens: ``F.cross_entropy`` on
         ordinary logits, the vocab-parallel loss on the head's vocab-sharded logits
         when ``ISPConfig(vocab_parallel=True)``."""
-        if self.vocab_unit is None:
-            return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+        if self.vocab_unit is None:  # in fp32 whatever the logits' dtype (see ISPConfig.param_dtype)
+            return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
         wp_comm, vocab_start = self._vocab
         return vocab_parallel_cross_entropy(logits, labels, wp_comm, vocab_start, ignore_index)
 
@@ -190,11 +192,12 @@ class ISPCommunicator:
 
     def _wrap_forward(self, unit: BlockUnit, checkpointed: bool) -> None:
         block = unit.block
-        orig = block.forward
+        compute = BlockCompute(block, block.forward)  # see [Note: compiled blocks]
         engine = self.engine
 
         def isp_forward(*args: Any, **kwargs: Any) -> Any:
-            return engine.block_forward(unit, orig, args, kwargs)
+            compute.take_over()  # block.compile() after wrapping
+            return engine.block_forward(unit, compute, args, kwargs)
 
         if checkpointed:
 
@@ -204,6 +207,7 @@ class ISPCommunicator:
                 return checkpoint(isp_forward, *args, use_reentrant=False, **kwargs)
         else:
             forward = isp_forward
+        forward = torch._dynamo.disable(forward, recursive=True)  # the engine is never traced
         forward._isp_comm_wrapped = True  # type: ignore[attr-defined]
         self._orig_forwards.append((block, block.__dict__.get("forward")))
         block.forward = forward

@@ -30,8 +30,13 @@ class ISPConfig:
     backward (non-reentrant ``torch.utils.checkpoint``): ``round(r * n_blocks)``."""
 
     param_dtype: torch.dtype | None = None
-    """Dtype of the gathered weights and of the blocks' compute (e.g. ``torch.bfloat16``).
-    ``None`` keeps the parameters' own dtype. Master shards stay in their dtype."""
+    """Dtype every parameter computes in (e.g. ``torch.bfloat16``), as FSDP2's
+    ``MixedPrecisionPolicy`` on the root: the blocks' gathered weights, their
+    replicated norms, and the embedding, final norm and head (replicated or sharded).
+    ``None`` keeps the parameters' own dtype. Master weights, their gradients and the
+    optimizer state stay in the parameters' dtype. The model's output (the logits) is
+    then in ``param_dtype``: compute the loss in fp32 (``logits.float()``, as
+    :meth:`ISPCommunicator.cross_entropy` does)."""
 
     reduce_dtype: torch.dtype | None = None
     """Dtype in which weight gradients are reduce-scattered. ``None`` means
@@ -75,7 +80,8 @@ class ISPConfig:
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
     ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
     on CPU, ``torch.distributed._symmetric_memory`` on CUDA), ``"nvshmem"``
-    (nvshmem4py, CUDA) or ``"auto"`` (symm where available, torch otherwise)."""
+    (nvshmem4py, CUDA) or ``"auto"`` (symm on CPU where shared memory allows, torch
+    otherwise; on CUDA always torch, i.e. NCCL)."""
 
     init_seed: int | None = None
     """For a model built under ``torch.device("meta")``: initialise each module with a

@@ -172,6 +172,22 @@ def build_units(
             dim1 = frozenset(
                 id(m.weight) for _, m in owners if isinstance(m, nn.Embedding) and id(m.weight) not in in_linear
             )
-            built.root = unit(-1, model, owners, names=None, dim1=dim1)
+            mp = dict(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)  # cast like the blocks
+            built.root = unit(-1, model, owners, names=None, dim1=dim1, **mp)
     materialize_rest(model, materialize)  # what is still on meta lies outside the units
     return built
+
+
+def outer_replicated(model: nn.Module, block_list: list[nn.Module], units: list[BlockUnit]) -> list[ReplicatedParam]:
+    """The parameters outside the blocks that no unit shards (the embedding, final norm
+    and head when ``shard_outer_params`` is off), by module and attribute: what the
+    engine casts to ``param_dtype`` for a forward (as FSDP2's policy on the root does)."""
+    inside = {id(m) for b in block_list for m in b.modules()}
+    sharded = {id(s) for u in units for s in u.shards}
+    return [
+        ReplicatedParam(m, name)
+        for m in model.modules()
+        if id(m) not in inside
+        for name, p in m._parameters.items()
+        if p is not None and id(p) not in sharded
+    ]

@@ -141,7 +141,7 @@ class BlockUnit(BlockLayout):
     def fill_send(self, send: torch.Tensor) -> None:
         """This rank's shard, in the gather dtype and layout (when it is not the flat
         shard itself); padding rows stay zero."""
-        if not self.mixed:
+        if not self.mixed or send.dtype == self.dtype:  # one copy (a cast when dtypes differ)
             send.copy_(self.flat_shard)
             return
         for sp, off, size in zip(self.params, self.gather.offsets, self.gather.sizes):
@@ -161,6 +161,19 @@ class BlockUnit(BlockLayout):
         for module, name, i, _ in self.aliases:
             module._parameters[name] = self.shards[i]
 
+    def _whole(self, group: ReduceGroup, reduced: torch.Tensor) -> bool:
+        """Whether ``group``'s reduced shard is laid out exactly like the flat shard
+        (every parameter trainable, one dtype, the shard's own): then ``.grad`` of all
+        shards is one buffer, written by one copy or add."""
+        return (
+            not self.mixed
+            and reduced.dtype == self.grad_flat.dtype
+            and len(group.members) == len(self.params)
+            and all(self._trainable)
+            and group.layout.offsets == tuple(sp.offset for sp in self.params)
+            and group.layout.numel == self.grad_flat.numel()
+        )
+
     def accumulate_grad(self, reduced: torch.Tensor, group: ReduceGroup) -> None:
         """Add ``group``'s reduced gradient shard into the shard parameters' ``.grad``.
 
@@ -170,6 +183,16 @@ class BlockUnit(BlockLayout):
         """
         if self.grad_flat is None:
             self.grad_flat = torch.zeros_like(self.flat_shard)
+        if self._whole(group, reduced):  # one kernel for the whole block
+            fresh = [s for s in self.shards if s.grad is None]
+            if len(fresh) == len(self.shards):
+                for sp, shard in zip(self.params, self.shards):
+                    shard.grad = self.shard_view(self.grad_flat, sp)
+                self.grad_flat.copy_(reduced[: self.grad_flat.numel()])
+                return
+            if not fresh and all(s.grad._base is self.grad_flat for s in self.shards):  # still our views
+                self.grad_flat.add_(reduced[: self.grad_flat.numel()])
+                return
         for i, off in zip(group.members, group.layout.offsets):
             sp, shard = self.params[i], self.shards[i]
             if not shard.requires_grad:

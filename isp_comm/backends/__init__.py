@@ -14,13 +14,14 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
     """The backend named in ``ISPConfig.backend`` for parameters on ``device``.
 
     ``"symm"``: POSIX shared memory on CPU, torch symmetric memory on CUDA;
-    ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm where available, else torch."""
+    ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm on CPU where shared memory
+    allows, torch (NCCL) on CUDA."""
     from isp_comm.config import BACKENDS
 
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (one of {BACKENDS})")
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(device)
     if device.type == "cpu":
         if name == "nvshmem":
             raise ValueError("backend 'nvshmem' needs CUDA parameters")
@@ -29,11 +30,11 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
         if not nvshmem_backend.available():
             raise ValueError("backend 'nvshmem' needs nvshmem4py (pip install isp-comm[gpu]) and CUDA")
         return nvshmem_backend.NvshmemBackend(timeout_s)
-    if cuda_symm.available():  # symm or auto
+    if name == "auto":  # NCCL: the CUDA symmetric-memory backend has not run across GPUs yet (README)
+        return TorchBackend(device)
+    if cuda_symm.available():
         return cuda_symm.CudaSymmBackend(timeout_s)
-    if name == "symm":
-        raise ValueError(f"no symmetric-memory backend for device {device}")
-    return TorchBackend()
+    raise ValueError(f"no symmetric-memory backend for device {device}")
 
 
 __all__ = ["Backend", "CompletedHandle", "Handle", "SymmCpuBackend", "TorchBackend", "make_backend"]

@@ -13,17 +13,31 @@ from isp_comm.errors import ISPCommTimeout
 
 
 class TorchHandle:
-    """Wraps a ``dist.Work`` so that waiting has a deadline and a useful error."""
+    """Wraps a ``dist.Work`` so that waiting has a deadline and a useful error.
 
-    __slots__ = ("_work", "_what")
+    [Note: waiting without stalling the host]
+    On NCCL, ``Work.wait()`` only makes the current CUDA stream wait for the
+    collective's stream, while ``Work.wait(timeout)`` blocks the host until the
+    collective has finished (it polls), which would keep the host from running ahead
+    of the GPU. So a NCCL handle waits without a timeout; its deadline is the process
+    group's own timeout (``init_process_group(timeout=...)``), after which NCCL's
+    watchdog aborts the communicator and the next collective, or the
+    ``torch.cuda.synchronize()`` that ends a step, raises naming the collective. Gloo
+    (CPU, or CUDA tensors on one GPU) waits on the host with the deadline."""
+
+    __slots__ = ("_work", "_what", "_host_wait")
 
     def __init__(self, work: dist.Work, what: str, group: ProcessGroup) -> None:
         self._work = work
         self._what = f"{what} over ranks {dist.get_process_group_ranks(group)}"
+        self._host_wait = not _is_nccl(group)
 
     def wait(self, timeout_s: float) -> None:
         try:
-            self._work.wait(timeout=timedelta(seconds=timeout_s))
+            if self._host_wait:
+                self._work.wait(timeout=timedelta(seconds=timeout_s))
+            else:
+                self._work.wait()
         except RuntimeError as exc:  # gloo/NCCL report timeouts and dead peers this way
             raise ISPCommTimeout(
                 f"{self._what} failed or passed its {timeout_s:.1f}s deadline (a peer died or stalled): {exc}"
@@ -34,22 +48,36 @@ def _single(group: ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
 
+def _is_nccl(group: ProcessGroup) -> bool:
+    """Whether ``group`` runs its collectives on NCCL (CUDA streams, asynchronous)."""
+    try:
+        return dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):
+        return False
+
+
 class TorchBackend:
-    """``torch.distributed`` collectives, always asynchronous."""
+    """``torch.distributed`` collectives, always asynchronous.
+
+    Uses only names that torch 2.11 and 2.13 both have (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``, ``all_to_all_single``, ``all_reduce``)."""
 
     name = "torch"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._device = device if device is not None else torch.device("cpu")
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        return TorchHandle(dist.all_gather_single(out, inp, group=group, async_op=True), "all-gather", group)
+        return TorchHandle(dist.all_gather_into_tensor(out, inp, group=group, async_op=True), "all-gather", group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        work = dist.reduce_scatter_single(out, inp, group=group, async_op=True)
+        work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
         return TorchHandle(work, "reduce-scatter", group)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
@@ -65,7 +93,10 @@ class TorchBackend:
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         if not _single(group):
-            self.all_reduce(torch.zeros(1), group).wait(timeout_s)
+            # on the parameters' device: NCCL refuses a CPU tensor
+            self.all_reduce(torch.zeros(1, device=self._device), group).wait(timeout_s)
+            if self._device.type == "cuda":  # a barrier is a host meeting (never in a step)
+                torch.cuda.current_stream(self._device).synchronize()
 
     def empty(
         self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None

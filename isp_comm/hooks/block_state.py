@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from isp_comm.backends.base import Backend, Handle, HandleGroup
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, HandleGroup
 from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.hooks.autograd import BackwardHooks, UnshardBlock
+from isp_comm.hooks.casting import cast_params_in, cast_params_out
 from isp_comm.memory_pool import SlotPool, gather_landing
 from isp_comm.units import BlockUnit
 
@@ -97,28 +98,30 @@ class BlockState:
             res.staging_owner.wait_for_unshard()
         n = unit.gathered_numel
         region = res.pool.acquire(dt, slot, unit.index, n, unit.index % n_slots)
-        send = unit.flat_shard
-        if dt != unit.dtype:  # cast to param_dtype (and, for mixed dtypes, re-laid out)
-            buf = res.send.get(dt)
-            if buf is None or buf.numel() < unit.shard_numel:
-                buf = res.send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
-            send = buf[: unit.shard_numel]
-            unit.fill_send(send)
-        res.ctx.delay()
         n_collectives = 1
-        if self.landing == "slot":
+        if self.landing == "slot":  # wp 1: the gather is one cast (or copy) straight into the slot
             with torch.autograd._unsafe_preserve_version_counter(region):
-                handle = res.backend.all_gather(region, send, res.wp_group)
-        elif self.landing == "per-parameter":
-            self._landing = torch.autograd._unsafe_preserve_version_counter(region)  # see [Note: direct landing]
-            self._landing.__enter__()
-            slices = unit.param_major_slices(region, unit.gather)
-            handle = HandleGroup([res.backend.all_gather(r, send[s], res.wp_group) for r, s in slices])
-            n_collectives = len(slices)
+                unit.fill_send(region)
+            handle: Handle = CompletedHandle()
         else:
-            self._staging = res.pool.staging(dt, n)
-            handle = res.backend.all_gather(self._staging, send, res.wp_group)
-            res.staging_owner = self
+            send = unit.flat_shard
+            if dt != unit.dtype:  # cast to param_dtype (and, for mixed dtypes, re-laid out)
+                buf = res.send.get(dt)
+                if buf is None or buf.numel() < unit.shard_numel:
+                    buf = res.send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+                send = buf[: unit.shard_numel]
+                unit.fill_send(send)
+            res.ctx.delay()
+            if self.landing == "per-parameter":
+                self._landing = torch.autograd._unsafe_preserve_version_counter(region)  # [Note: direct landing]
+                self._landing.__enter__()
+                slices = unit.param_major_slices(region, unit.gather)
+                handle = HandleGroup([res.backend.all_gather(r, send[s], res.wp_group) for r, s in slices])
+                n_collectives = len(slices)
+            else:
+                self._staging = res.pool.staging(dt, n)
+                handle = res.backend.all_gather(self._staging, send, res.wp_group)
+                res.staging_owner = self
         self.state, self.slot, self.region, self.handle = GatherState.GATHERING, slot, region, handle
         res.ctx.counters.all_gathers += n_collectives
         res.ctx.counters.bytes_gathered += n * dt.itemsize
@@ -199,18 +202,12 @@ class BlockState:
         else:
             views = [v.detach() for v in unit.full_views(self.region)]
         unit.swap_in(views)
-        dtype = self.res.config.param_dtype
-        self._cast = []  # (replicated parameter, its master) while a cast copy stands in
-        for rp in unit.replicated if dtype is not None else ():
-            master = rp.module._parameters[rp.name]
-            if master.dtype != dtype:
-                self._cast.append((rp, master))
-                rp.module._parameters[rp.name] = master.to(dtype)
+        # (replicated parameter, its master) while a cast copy stands in
+        self._cast = cast_params_in(unit.replicated, self.res.config.param_dtype)
 
     def swap_out(self) -> None:
         if self._cast is None:
             return
         self.unit.swap_out()
-        for rp, master in self._cast:
-            rp.module._parameters[rp.name] = master
+        cast_params_out(self._cast)
         self._cast = None

@@ -20,9 +20,9 @@ from torch.autograd import Variable
 from isp_comm.context import CommContext
 from isp_comm.hooks.autograd import PreBackward, UnshardBlock
 from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState
-from isp_comm.hooks.casting import cast_floats, map_tensors
+from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
-from isp_comm.units import BlockUnit
+from isp_comm.units import BlockUnit, ReplicatedParam
 
 
 class Phase(Enum):
@@ -55,6 +55,9 @@ class BlockEngine:
         self._pending: set[int] = set()
         self._callback_queued = False
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
+        self.outer: list[ReplicatedParam] = []
+        """Replicated parameters outside the blocks, cast to ``param_dtype`` for a forward."""
+        self._outer_cast: list | None = None
 
     def _event(self, kind: str, index: int) -> None:
         if self.ctx.events is not None:  # every block, every step: nothing to do unless recording
@@ -97,6 +100,14 @@ class BlockEngine:
                 self._pending.discard(i)
 
     # ---- forward ------------------------------------------------------------------
+    # [Note: whole-model mixed precision] With ``param_dtype`` every parameter computes
+    # in it, as under FSDP2's policy on the root: blocks gather in it (their in-block
+    # replicated norms are cast while swapped in), the sharded outer unit gathers in
+    # it, the hidden-split embedding and the vocab-parallel head cast their shards, and
+    # the replicated outer parameters (``outer``: embedding, final norm, head) are cast
+    # from root pre-forward to root post-forward. Casts are differentiable, so each
+    # gradient reaches its master in the master's dtype. The logits come out in
+    # ``param_dtype``; the loss upcasts them.
     def root_pre_forward(self) -> None:
         """Forward begins: stash replicated grads of earlier micro-steps, fetch block 0."""
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
@@ -106,21 +117,31 @@ class BlockEngine:
             self.prefetch(0)
         if self.root is not None:
             self._root_forward()
+        if self._outer_cast is None:  # see [Note: whole-model mixed precision]
+            self._outer_cast = cast_params_in(self.outer, self.config.param_dtype)
 
     def _root_forward(self) -> None:
         """Gather the outer parameters (embedding, head, ...) for this forward, outside
         the slot pool; they stay gathered until their gradients exist."""
         root = self.root
         if self._root_region is None:
-            rank_major = torch.empty(root.gathered_numel, dtype=root.dtype, device=root.device)
-            self.ctx.delay()
-            handle = self.backend.all_gather(rank_major, root.flat_shard, self.groups.wp_group)
+            dt = root.gather_dtype
+            region = torch.empty(root.gathered_numel, dtype=dt, device=root.device)
+            if root.wp_size == 1:  # rank-major is param-major: cast or copy straight in
+                root.fill_send(region)
+            else:
+                send = root.flat_shard
+                if dt != root.dtype:
+                    send = torch.empty(root.shard_numel, dtype=dt, device=root.device)
+                    root.fill_send(send)
+                rank_major = torch.empty_like(region)
+                self.ctx.delay()
+                handle = self.backend.all_gather(rank_major, send, self.groups.wp_group)
+                what = "the parameters outside the blocks"
+                self.ctx.wait(handle, f"all-gather of {what}", ("all-gather", "outer parameters", time.perf_counter()))
+                root.copy_out(rank_major, region)
             self.ctx.counters.all_gathers += 1
-            self.ctx.counters.bytes_gathered += rank_major.numel() * rank_major.element_size()
-            what = "the parameters outside the blocks"
-            self.ctx.wait(handle, f"all-gather of {what}", ("all-gather", "outer parameters", time.perf_counter()))
-            region = torch.empty_like(rank_major)
-            root.copy_out(rank_major, region)
+            self.ctx.counters.bytes_gathered += region.numel() * region.element_size()
             self._root_region = region
         if torch.is_grad_enabled():
             root.refresh_trainable()
@@ -133,6 +154,9 @@ class BlockEngine:
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again (autograd keeps
         the gathered views it saved); without a backward to come, free them now."""
+        if self._outer_cast is not None:
+            cast_params_out(self._outer_cast)
+            self._outer_cast = None
         if self.root is None:
             return
         self.root.swap_out()
@@ -247,6 +271,9 @@ class BlockEngine:
         return gathers + len(self.reducer.inflight)
 
     def close(self) -> None:
+        if self._outer_cast is not None:
+            cast_params_out(self._outer_cast)
+            self._outer_cast = None
         if self.ctx.failed:  # abandon in-flight collectives: their peers are gone
             for st in self.states:
                 st.abandon()

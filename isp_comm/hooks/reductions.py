@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from isp_comm.backends.base import Backend, Handle, HandleGroup
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, HandleGroup
 from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.groups import ParallelGroups
@@ -93,7 +93,10 @@ class GradientReducer:
     def _issue(self, unit, group, pair, inp: torch.Tensor, out: torch.Tensor, module: bool, pooled: bool) -> None:
         self.ctx.delay()
         wp = self.groups.wp_group
-        if module:
+        if self.groups.wp_size == 1:  # the packed gradients are the reduced shard already
+            out, handle = inp, CompletedHandle()
+            self.ctx.counters.reduce_scatters += 1
+        elif module:
             slices = unit.param_major_slices(inp, group.layout)
             handle = HandleGroup([self.backend.reduce_scatter(out[s], r, wp) for r, s in slices])
             self.ctx.counters.reduce_scatters += len(slices)
@@ -114,7 +117,8 @@ class GradientReducer:
             self.ctx.delay()
             self.ctx.counters.all_reduces += 1
             self.ctx.wait(self.backend.all_reduce(r.out, self.groups.replica_group), f"replica all-reduce of {what}")
-        r.out.div_(self.groups.world_size)
+        if self.groups.world_size > 1:
+            r.out.div_(self.groups.world_size)
         r.unit.accumulate_grad(r.out, r.group)
         if r.pooled:
             self.rs_buffers.release(r.group.dtype, r.pair)
