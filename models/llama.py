@@ -67,7 +67,8 @@ class RMSNorm(nn.Module):
 
 def rope_tables(cfg: LlamaConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = cfg.hidden // cfg.n_heads
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv = 1.0 / (cfg.rope_theta ** (steps / head_dim))
     ang = positions.float()[..., None] * inv
     return ang.cos(), ang.sin()
 

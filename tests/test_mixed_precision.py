@@ -193,9 +193,7 @@ def _whole_model_worker(rank: int, world: int, outer: bool) -> dict:
     cfg = ISPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, shard_outer_params=outer)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), cfg)
     seen = {}
-    hook = model.lm_head.register_forward_hook(
-        lambda m, i, o: seen.update(w=m.weight.dtype, x=i[0].dtype, out=o.dtype)
-    )
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.update(w=m.weight.dtype, x=i[0].dtype, out=o.dtype))
     out = {"isp": [], "fsdp": []}
     for name, m in (("isp", model), ("fsdp", fsdp)):
         opt = make_optim(case.optim, m.parameters())

@@ -32,7 +32,7 @@ def _compile_context(compiled_call: Callable[..., Any]) -> Callable[[Callable[..
         return None
     cells = dict(zip(code.co_freevars, compiled_call.__closure__))
     ctx = cells.get("self")
-    if ctx is None or not callable(getattr(ctx.cell_contents, "__call__", None)):
+    if ctx is None or not callable(ctx.cell_contents):
         return None
     return ctx.cell_contents
 

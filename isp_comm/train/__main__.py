@@ -14,7 +14,6 @@ import gc
 import json
 import math
 import os
-import resource
 import sys
 import time
 from typing import NoReturn
@@ -24,9 +23,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
+from isp_comm.discovery import find_blocks
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, hf_model, lora
-from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config
+from isp_comm.train import metrics as metrics_mod
+from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
@@ -66,8 +67,10 @@ def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str]:
     return tokens, vocab, tok_dir
 
 
-def run(cfg: TrainConfig) -> None:
+def run(cfg: TrainConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
+    meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
     tokens, vocab, tok_dir = load_data(cfg)
     if tokens.numel() < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
@@ -97,6 +100,10 @@ def run(cfg: TrainConfig) -> None:
             if cfg.lora_rank:
                 model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
     n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = metrics_mod.flops_per_token(model, cfg.seq)
+    if cfg.compile:  # the torchtitan recipe: every block compiled, then wrapped
+        for block in find_blocks(model):
+            block.compile()
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     icfg = ISPConfig(
         overlap=cfg.overlap,
@@ -105,8 +112,8 @@ def run(cfg: TrainConfig) -> None:
         shard_outer_params=cfg.shard_outer,
         vocab_parallel=cfg.vocab_parallel,
         backend=cfg.backend,
-        param_dtype=torch.bfloat16 if cfg.bf16 else None,
-        reduce_dtype=torch.float32 if cfg.bf16 else None,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
         init_seed=cfg.seed,  # the same initial weights on every WP size
     )
     comm = ISPCommunicator(model, groups, icfg)
@@ -137,13 +144,14 @@ def run(cfg: TrainConfig) -> None:
             hf_model.save_run_files(model, tok_dir, cfg.out)
         n_train = sum(p.numel() for p in trainable)
         tqdm.write(
-            f"isp-train: world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
+            f"isp-train: {device.type}{' bf16' if bf16 else ''}{' compiled' if cfg.compile else ''}, "
+            f"world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
             f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
             f"data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
     bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
     per, lo, hi = cfg.batch // dp, sp_rank * cfg.seq // cfg.sp, (sp_rank + 1) * cfg.seq // cfg.sp
-    positions = torch.arange(lo, hi)
+    positions = torch.arange(lo, hi, device=device)
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     for step in range(start + 1, cfg.steps + 1):
         if cfg.trace and step == max(start + 1, cfg.steps - 2):
@@ -153,6 +161,7 @@ def run(cfg: TrainConfig) -> None:
             g["lr"] = lr_at(cfg, step)
         x, y = batch_at(tokens, step, cfg.batch, cfg.seq)
         xs, ys = x[dp_rank * per : (dp_rank + 1) * per, lo:hi], y[dp_rank * per : (dp_rank + 1) * per, lo:hi]
+        xs, ys = xs.to(device, non_blocking=True), ys.to(device, non_blocking=True)
         hook.before_forward()
         if cfg.model:
             logits = model(input_ids=xs, position_ids=positions[None], use_cache=False).logits
@@ -162,24 +171,30 @@ def run(cfg: TrainConfig) -> None:
         hook.before_backward()
         loss.backward()
         hook.after_backward()
-        grad_norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf).item()
+        norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
         avg = loss.detach().clone()
         dist.all_reduce(avg)
+        grad_norm = norm.item()
+        loss_value = avg.item() / world  # the step's one host synchronisation, after its work is issued
         dt = time.perf_counter() - t0
-        tokens_done += cfg.batch * cfg.seq
+        if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
+            first_step_s, t_start = dt, time.perf_counter()
+        else:
+            tokens_done += cfg.batch * cfg.seq
         s = comm.stats()
+        rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else cfg.batch * cfg.seq / dt
         last = {
             "step": step,
-            "loss": avg.item() / world,
+            "loss": loss_value,
             "lr": lr_at(cfg, step),
             "grad_norm": grad_norm,
-            "tokens_per_s": tokens_done / (time.perf_counter() - t_start),
+            "tokens_per_s": rate,
             "step_s": dt,
             "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
             "pool_bytes": s["pool_bytes"],
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **meter.read(rate / world * flops_per_token),
         }
         if metrics is not None:
             metrics.write(json.dumps(last) + "\n")
@@ -191,8 +206,10 @@ def run(cfg: TrainConfig) -> None:
             tok_s=f"{last['tokens_per_s']:.0f}",
             comm=f"{last['exposed_comm_pct']:.0f}%",
             pool=f"{s['pool_bytes'] / 2**20:.1f}MiB",
-            rss=f"{last['peak_rss_mib']:.0f}MiB",
+            **meter.postfix(last),
         )
+        if rank == 0 and step == start + 1:
+            tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
         if rank == 0 and (step % cfg.log_every == 0 or step == start + 1):
             tqdm.write(
                 f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
@@ -218,20 +235,36 @@ def run(cfg: TrainConfig) -> None:
         if last:
             print(
                 f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
-                f"peak RSS {last['peak_rss_mib']:.0f} MiB/rank; outputs in {cfg.out}"
+                f"{meter.summary(last)}; outputs in {cfg.out}"
             )
+
+
+def dist_backend(device: torch.device) -> str:
+    """NCCL for one process per GPU; gloo on CPU, and when several local ranks share a
+    GPU (NCCL refuses that: "Duplicate GPU detected"; gloo carries CUDA tensors)."""
+    if device.type != "cuda":
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world > torch.cuda.device_count():
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"isp-train: {local_world} ranks share {torch.cuda.device_count()} GPU(s): gloo, not NCCL")
+        return "gloo"
+    return "nccl"
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the job and end the process: exit code 0, or 2 after one line."""
     cfg = parse_config(argv)  # exits 2 with one line on a bad flag
     torch.set_num_threads(1)
+    device = resolve_device(cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
-        dist.init_process_group("gloo")
+        dist.init_process_group(dist_backend(device))
     try:
-        run(cfg)
+        run(cfg, device)
     except ValueError as exc:
         dist.destroy_process_group()
         fail(str(exc), hard=True)

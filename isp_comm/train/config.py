@@ -9,9 +9,13 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass, fields
-from typing import NoReturn
+from typing import Literal, NoReturn, get_args
+
+import torch
 
 from isp_comm.config import BACKENDS, BackendName
+
+Device = Literal["auto", "cpu", "cuda"]
 
 
 @dataclass(kw_only=True)
@@ -62,8 +66,18 @@ class TrainConfig:
     """Split the output head along the vocab and compute the loss vocab-parallel."""
     ckpt: float = 0.0
     """Activation checkpointing ratio."""
-    bf16: bool = False
-    """Compute in bfloat16 (fp32 master weights, fp32 gradient reduction)."""
+    device: Device = "auto"
+    """Where to train: cuda (one process per GPU, ``LOCAL_RANK``'s device, NCCL), cpu
+    (gloo) or auto (cuda when torch sees a GPU)."""
+    bf16: bool | None = None
+    """Compute in bfloat16 (fp32 master weights, fp32 gradient reduction); default: on
+    for cuda, off for cpu."""
+    compile: bool = False
+    """torch.compile every transformer block (the torchtitan recipe); the first step's
+    time, compilation included, is reported apart."""
+    peak_tflops: float = 0.0
+    """The device's peak bf16 TFLOP/s for MFU (0: from a table of known GPUs; MFU is
+    left out for an unknown one and on cpu)."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup: int = 10
@@ -105,6 +119,12 @@ class TrainConfig:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.device not in get_args(Device):
+            raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
+        if not self.peak_tflops >= 0:
+            raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
@@ -164,7 +184,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--config", default="", help="TOML file with any of the fields below")
     for f in fields(TrainConfig):
         kind = type(f.default)
-        if kind is bool:
+        if kind is bool or "bool" in str(f.type):
             p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None)
         else:
             p.add_argument(f"--{_flag(f.name)}", type=kind, default=None)
@@ -186,6 +206,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     except (ValueError, TypeError) as exc:
         p.error(str(exc))
     raise AssertionError("unreachable")
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The device this rank trains on: ``LOCAL_RANK``'s GPU for cuda."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def as_dict(cfg: TrainConfig) -> dict:

@@ -1,0 +1,86 @@
+"""What a step costs: MFU against the device's peak, and peak memory (GPU or RSS).
+
+FLOPs per token follow the usual count for a decoder (as torchtitan and the PaLM
+paper count them): ``6 N`` for the matmuls of ``N`` non-embedding parameters in
+forward and backward, plus ``12 L d s`` for attention scores and values over a
+sequence of ``s`` with ``L`` layers of width ``d`` (the causal mask not discounted).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch import nn
+
+PEAK_BF16_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float:
+    """Peak bf16 TFLOP/s of ``device``: ``override`` when set, else the table's entry
+    for the GPU's name (the longest match), else 0 (unknown: no MFU)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    hits = [k for k in PEAK_BF16_TFLOPS if k in name]
+    return PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else 0.0
+
+
+def flops_per_token(model: nn.Module, seq: int) -> float:
+    """Training FLOPs per token of a llama-class ``model`` (built on meta is fine)."""
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    n = sum(p.numel() for p in model.parameters()) - embeddings
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    layers = getattr(cfg, "n_layers", None) or getattr(cfg, "num_hidden_layers", 0)
+    width = getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", 0)
+    return 6.0 * n + 12.0 * layers * width * seq
+
+
+class StepMeter:
+    """Per-step MFU and peak memory for the metrics and the progress bar."""
+
+    def __init__(self, device: torch.device, peak_override: float = 0.0) -> None:
+        self.device = device
+        self.peak = peak_tflops(device, peak_override) * 1e12
+        self.cuda = device.type == "cuda"
+
+    def read(self, flops_per_s: float) -> dict[str, float]:
+        """MFU (when the peak is known) and peak memory since the start, in MiB:
+        allocated and reserved on a GPU, the process's peak RSS on CPU."""
+        out: dict[str, float] = {}
+        if self.peak:
+            out["mfu_pct"] = 100.0 * flops_per_s / self.peak
+        if self.cuda:
+            out["peak_alloc_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
+        else:
+            out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return out
+
+    def postfix(self, last: dict) -> dict[str, str]:
+        out = {"mfu": f"{last['mfu_pct']:.1f}%"} if "mfu_pct" in last else {}
+        if self.cuda:
+            out["mem"] = f"{last['peak_alloc_mib']:.0f}/{last['peak_reserved_mib']:.0f}MiB"
+        else:
+            out["rss"] = f"{last['peak_rss_mib']:.0f}MiB"
+        return out
+
+    def summary(self, last: dict) -> str:
+        mfu = f"MFU {last['mfu_pct']:.1f}%, " if "mfu_pct" in last else ""
+        if self.cuda:
+            alloc, reserved = last["peak_alloc_mib"], last["peak_reserved_mib"]
+            return f"{mfu}peak GPU memory {alloc:.0f} MiB allocated, {reserved:.0f} reserved"
+        return f"{mfu}peak RSS {last['peak_rss_mib']:.0f} MiB/rank"
