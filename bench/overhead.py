@@ -87,7 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    ap.add_argument("--out", default=os.path.join(results, "overhead.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -111,8 +112,11 @@ def main() -> None:
     for kind in RUNS:
         over = (med[kind] - med["plain"]) / args.blocks * 1e3
         lo, hi = min(times[kind]), max(times[kind])
-        print(f"| {kind} | {med[kind]:.2f} ({lo:.2f}-{hi:.2f}) | {over:.0f} |" if kind != "plain" else
-              f"| {kind} | {med[kind]:.2f} ({lo:.2f}-{hi:.2f}) | - |")
+        print(
+            f"| {kind} | {med[kind]:.2f} ({lo:.2f}-{hi:.2f}) | {over:.0f} |"
+            if kind != "plain"
+            else f"| {kind} | {med[kind]:.2f} ({lo:.2f}-{hi:.2f}) | - |"
+        )
         rows.append({"run": kind, "ms": times[kind], "median_ms": med[kind], "per_block_us": over})
     isp, fsdp = rows[2]["per_block_us"], rows[1]["per_block_us"]
     print(f"\nisp / fsdp2 per-block overhead: {isp / fsdp:.2f}x (goal <= 1.00x)")

@@ -230,3 +230,19 @@ def test_symmetric_buffers_are_written_by_peers(world: int) -> None:
     counts = run_ranks(_symmetric_worker, world, timeout_s=100)
     # every non-empty one took the direct path (an empty tensor has no address in a buffer)
     assert counts == [4 * len(DTYPES) * (len(SIZES) - 1) + 400] * world
+
+
+def test_backend_selection_on_cpu_and_the_nvshmem_wheel_hint() -> None:
+    """CPU parameters: auto is the shared-memory backend, nvshmem is refused; the
+    install hint follows the CUDA major of the torch build (cu12 / cu13)."""
+    from isp_comm.backends import make_backend, nvshmem_backend
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="nvshmem"):
+        make_backend("nvshmem", cpu, 10.0)
+    assert make_backend("torch", cpu, 10.0).name == "torch"
+    assert "nvshmem4py-cu13" in nvshmem_backend.install_hint("13.0")
+    assert "nvshmem4py-cu12" in nvshmem_backend.install_hint("12.8")
+    assert "cu12 and cu13 only" in nvshmem_backend.install_hint("11.8")
+    if torch.version.cuda is None:
+        assert "without CUDA" in nvshmem_backend.install_hint()

@@ -280,3 +280,40 @@ def test_vocabulary_larger_than_the_model_is_one_line(tmp_path) -> None:
     assert n > 200
     res = torchrun(1, "--model", str(small), "--data", str(data), "--seq", "16", "--steps", "1", timeout=100)
     _one_line_error(res, f"has a vocabulary of {n} tokens, more than the model's 200")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_device_cuda_without_cuda_is_one_line() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "isp_comm.train", "--device", "cuda"], capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "no CUDA device" in lines[0], res.stderr
+
+
+def test_host_overhead_bench_runs(tmp_path) -> None:
+    """bench/overhead.py (the per-block wrapper cost against FSDP2) runs end to end."""
+    out = tmp_path / "overhead.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "overhead.py"), "--blocks", "3", "--steps", "2"]
+    res = subprocess.run([*cmd, "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["plain", "fsdp2", "isp"] and all(r["median_ms"] > 0 for r in rows)
+
+
+def test_help_names_every_flag_with_its_text_and_default() -> None:
+    from dataclasses import fields
+
+    from isp_comm.train.config import TrainConfig, field_docs
+
+    res = subprocess.run([sys.executable, "-m", "isp_comm.train", "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    docs = field_docs(TrainConfig)
+    for f in fields(TrainConfig):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+        assert docs.get(f.name), f"{f.name} has no docstring"
+        assert docs[f.name][:40] in text, f.name  # its own text, from the one source
+    assert text.count("(default: ") == len(fields(TrainConfig))

@@ -28,7 +28,7 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
         return SymmCpuBackend(timeout_s, strict=name == "symm")  # auto: falls back when /dev/shm is short
     if name == "nvshmem":
         if not nvshmem_backend.available():
-            raise ValueError("backend 'nvshmem' needs nvshmem4py (pip install isp-comm[gpu]) and CUDA")
+            raise ValueError(f"backend 'nvshmem' needs CUDA and nvshmem4py: {nvshmem_backend.install_hint()}")
         return nvshmem_backend.NvshmemBackend(timeout_s)
     if name == "auto":  # NCCL: the CUDA symmetric-memory backend has not run across GPUs yet (README)
         return TorchBackend(device)

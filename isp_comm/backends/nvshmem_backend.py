@@ -25,6 +25,18 @@ def available() -> bool:
     return cuda_with("nvshmem.core")
 
 
+def install_hint(cuda_version: str | None = None) -> str:
+    """What to install for the CUDA major of this torch build (nvshmem4py's wheels
+    come per CUDA major: ``nvshmem4py-cu12``, ``nvshmem4py-cu13``)."""
+    cuda = cuda_version if cuda_version is not None else torch.version.cuda
+    if not cuda:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    major = cuda.split(".")[0]
+    if major not in ("12", "13"):
+        return f"nvshmem4py has no wheel for CUDA {cuda} (cu12 and cu13 only)"
+    return f"pip install 'isp-comm[nvshmem-cu{major}]' (nvshmem4py-cu{major}, for torch's CUDA {cuda})"
+
+
 class _StreamRef:
     """What ``nvshmem.core``'s collectives read from a stream: its raw handle."""
 

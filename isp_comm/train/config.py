@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import os
 import sys
+import textwrap
 import time
 import tomllib
 from dataclasses import dataclass, fields
@@ -178,16 +181,41 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal under it), read from the
+    class's source: the one text behind ``--help`` and the README's flag table."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, after in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """CLI flags over an optional ``--config FILE.toml`` over the defaults."""
-    p = _Parser(prog="isp-train", description="Train the reference llama with ISP (run under torchrun).")
-    p.add_argument("--config", default="", help="TOML file with any of the fields below")
+    p = _Parser(
+        prog="isp-train",
+        description="Train the reference llama, or a transformers model (--model), with ISP. Run it under "
+        "torchrun (torchrun --nproc-per-node N -m isp_comm.train ...); every flag can also be set in --config.",
+    )
+    keys = "keys with underscores, e.g. kv_heads = 2"
+    p.add_argument("--config", default="", help=f"a TOML file setting any of the flags below ({keys})")
+    docs = field_docs(TrainConfig)
     for f in fields(TrainConfig):
         kind = type(f.default)
+        shown = "auto" if f.default is None else (f.default if f.default != "" else "none")
+        text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")
         if kind is bool or "bool" in str(f.type):
-            p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            p.add_argument(f"--{_flag(f.name)}", type=kind, default=None)
+            p.add_argument(f"--{_flag(f.name)}", type=kind, default=None, help=text)
     args = p.parse_args(argv)
     values: dict = {}
     if args.config:
