@@ -145,9 +145,6 @@ def _train(rank: int, world: int, model, comm, opt, forward) -> None:
 
 
 def _save_worker(rank: int, world: int, kind: str, path: str) -> dict:
-
-    from isp_comm.train.checkpoint import PreStaged, staged_copy
-
     torch.set_num_threads(max(1, CORES // world))
     peaks: dict = {}
     with _Phase(peaks, "init"):
@@ -156,13 +153,8 @@ def _save_worker(rank: int, world: int, kind: str, path: str) -> dict:
         _train(rank, world, model, comm, opt, lambda x: model(x))
     with _Phase(peaks, "save"):
         dcp.save(_state(kind, model, comm, opt), checkpoint_id=path)
-    with _Phase(peaks, "async save"):
-        # both staged the same way (a copy of this rank's state, then a background
-        # write): DCP's default stager fails on views into a larger buffer (see
-        # isp_comm/train/checkpoint.py), which is what isp-comm's shards are
-        staged = staged_copy(_state(kind, model, comm, opt))
-        dcp.async_save(staged, checkpoint_id=path + "-async", async_stager=PreStaged()).result()
-        del staged
+    with _Phase(peaks, "async save"):  # DCP's default stager for every run (a copy, then a background write)
+        dcp.async_save(_state(kind, model, comm, opt), checkpoint_id=path + "-async").result()
     if comm is not None:
         comm.close()
     return peaks

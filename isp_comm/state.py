@@ -40,6 +40,20 @@ from isp_comm.layout import ShardedParam
 from isp_comm.units import BlockUnit
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory under a storage of its own (DLPack: no copy, ``t``'s buffer kept
+    alive).
+
+    [Note: one storage per state-dict tensor] A shard is a view of its block's flat
+    buffer, and every shard of a block shares that buffer's storage. DCP's stager
+    (``dcp.async_save``) copies whole storages and caches them by storage object,
+    which fails on such views ("invalid python storage") and would copy the whole
+    flat buffer for each of them. Handed out with storages of their own, the state
+    dict's tensors stage like FSDP2's: only their bytes, and ``dcp.load`` still
+    writes straight into the live shards."""
+    return torch.from_dlpack(t.detach())
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -114,7 +128,7 @@ class ShardedState:
         sd = self.model.state_dict()
         for fqn, t in sd.items():
             if fqn in self.sharded:
-                sd[fqn] = self.as_dtensor(fqn, t)
+                sd[fqn] = self.as_dtensor(fqn, own_storage(t))
         return sd
 
     @torch.no_grad()

@@ -134,7 +134,7 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint in {cfg.out}/checkpoints")
         start = checkpoint.load(path, comm, opt)
-    saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save)
+    saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=device.type == "cuda")
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
     if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -221,7 +221,7 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     local_spans = comm.stop_trace()
     if start < cfg.steps:
         saver.save(cfg.steps, comm, opt)
-    saver.wait()
+    saver.close()
     spans: list = [None] * world
     dist.all_gather_object(spans, local_spans)
     comm.close()

@@ -14,13 +14,13 @@ too). A run killed at any moment therefore leaves either a complete ``step_N/`` 
 Resume verifies the checksums (each rank reads a share of the files) before loading,
 so a truncated or corrupted file stops the run with its name.
 
-With ``async_save`` the state is first copied (this rank's shards only, the one extra
-copy asynchronous saving needs), then DCP writes the copy in a background thread
-over a process group of its own, so its collectives never interleave with
+With ``async_save`` DCP's own stager first copies the state (this rank's shards only,
+the one extra copy asynchronous saving needs; into pinned CPU memory on CUDA, kept
+and reused by the stager across saves), then DCP writes the copy in a background
+thread over a process group of its own, so its collectives never interleave with
 training's; the commit happens when the next save or the end of training waits for
-it. The copy is made here, not by DCP's default stager, which in torch 2.13 fails
-on a DTensor whose local tensor is a view into a larger buffer ("invalid python
-storage"), as every shard is (a view of its block's flat shard).
+it. (The state dicts hand out one storage per tensor for this: see [Note: one
+storage per state-dict tensor] in isp_comm/state.py.)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from isp_comm import ISPCommunicator
 from isp_comm.groups import first_error
@@ -111,48 +111,16 @@ def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int) -> dict
     }
 
 
-def staged_copy(value):
-    """A copy of a state tree whose tensors own their memory (DTensors stay DTensors)."""
-    if isinstance(value, DTensor):
-        local = value.to_local().clone()
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: staged_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(staged_copy(v) for v in value)
-    return value
-
-
-class PreStaged:
-    """An ``AsyncStager`` for a state dict already copied by :func:`staged_copy`."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class Checkpointer:
     """Saves (synchronously or not) and commits checkpoints under ``OUT/checkpoints``."""
 
-    def __init__(self, out: str, async_save: bool = False) -> None:
+    def __init__(self, out: str, async_save: bool = False, pinned: bool = False) -> None:
         self.out = out
         self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank
+        # staged in the caller (so the state written is the one at the call), pinned on CUDA
+        options = StagingOptions(pinned, False, False, False)
+        self._stager = DefaultStager(options) if async_save else None
         self._pending: tuple[Future, str] | None = None
         error = None
         if dist.get_rank() == 0:
@@ -171,8 +139,7 @@ class Checkpointer:
         path = _step_dir(self.out, step) + PARTIAL
         state = _state(comm, opt, step)
         if self.async_save:
-            staged = staged_copy(state)
-            future = dcp.async_save(staged, checkpoint_id=path, process_group=self._group, async_stager=PreStaged())
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self._group, async_stager=self._stager)
             self._pending = (future, path)
             return
         try:
@@ -180,6 +147,13 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:  # DCP raises every rank's failure on every rank
             self._failed(path, exc)
         self._commit(path)
+
+    def close(self) -> None:
+        """Wait for a save in flight and commit it, then free the stager's copies."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight, then commit it."""
