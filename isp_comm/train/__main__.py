@@ -149,7 +149,9 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
             f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
             f"data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
-    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
+    # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0 or not interactive, unit="step", dynamic_ncols=True)
     per, lo, hi = cfg.batch // dp, sp_rank * cfg.seq // cfg.sp, (sp_rank + 1) * cfg.seq // cfg.sp
     positions = torch.arange(lo, hi, device=device)
     t_start, tokens_done, last = time.perf_counter(), 0, {}
@@ -159,22 +161,27 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        x, y = batch_at(tokens, step, cfg.batch, cfg.seq)
-        xs, ys = x[dp_rank * per : (dp_rank + 1) * per, lo:hi], y[dp_rank * per : (dp_rank + 1) * per, lo:hi]
-        xs, ys = xs.to(device, non_blocking=True), ys.to(device, non_blocking=True)
-        hook.before_forward()
-        if cfg.model:
-            logits = model(input_ids=xs, position_ids=positions[None], use_cache=False).logits
-        else:
-            logits = model(xs, position_ids=positions)
-        loss = comm.cross_entropy(logits.float(), ys)
-        hook.before_backward()
-        loss.backward()
-        hook.after_backward()
+        n_micro = cfg.grad_accum  # the step's global batch: cfg.batch x n_micro sequences
+        x, y = batch_at(tokens, step, cfg.batch * n_micro, cfg.seq)
+        step_loss = torch.zeros((), device=device)
+        for m in range(n_micro):  # reduce-scatters of each micro-step overlap its backward
+            rows = slice(m * cfg.batch + dp_rank * per, m * cfg.batch + (dp_rank + 1) * per)
+            xs, ys = x[rows, lo:hi].to(device, non_blocking=True), y[rows, lo:hi].to(device, non_blocking=True)
+            hook.before_forward()
+            if cfg.model:
+                logits = model(input_ids=xs, position_ids=positions[None], use_cache=False).logits
+            else:
+                logits = model(xs, position_ids=positions)
+            loss = comm.cross_entropy(logits.float(), ys) / n_micro
+            hook.before_backward()
+            loss.backward()
+            hook.after_backward()
+            step_loss += loss.detach()
+            del logits, loss
         norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
-        avg = loss.detach().clone()
+        avg = step_loss
         dist.all_reduce(avg)
         grad_norm = norm.item()
         loss_value = avg.item() / world  # the step's one host synchronisation, after its work is issued
@@ -182,9 +189,11 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
             first_step_s, t_start = dt, time.perf_counter()
         else:
-            tokens_done += cfg.batch * cfg.seq
+            tokens_done += cfg.batch * cfg.grad_accum * cfg.seq
         s = comm.stats()
-        rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else cfg.batch * cfg.seq / dt
+        rate = (
+            tokens_done / (time.perf_counter() - t_start) if tokens_done else cfg.batch * cfg.grad_accum * cfg.seq / dt
+        )
         last = {
             "step": step,
             "loss": loss_value,
@@ -213,7 +222,7 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         if rank == 0 and (step % cfg.log_every == 0 or step == start + 1):
             tqdm.write(
                 f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
-                f"exposed comm {last['exposed_comm_pct']:4.1f}%"
+                f"exposed comm {last['exposed_comm_pct']:4.1f}%  {meter.line(last)}"
             )
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
             saver.save(step, comm, opt)

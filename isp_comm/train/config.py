@@ -52,7 +52,11 @@ class TrainConfig:
     seq: int = 64
     """Sequence length."""
     batch: int = 8
-    """Global batch, in sequences."""
+    """Sequences per micro-step over all ranks (the global batch is --batch x --grad-accum)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step: gradients accumulate in the shards' .grad, the
+    loss of each micro-step is scaled by 1/N, and every micro-step's reduce-scatters
+    overlap its backward (gradient memory does not grow with N)."""
     wp: int = 0
     """Weight-parallel size (0: world size / sp)."""
     sp: int = 1
@@ -110,7 +114,7 @@ class TrainConfig:
     """Record the compute/communication timeline (trace.json, timeline.png)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "sp", "log_every"):
+        for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "grad_accum", "sp", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("wp", "warmup", "save_every", "lora_rank"):

@@ -78,6 +78,10 @@ class StepMeter:
             out["rss"] = f"{last['peak_rss_mib']:.0f}MiB"
         return out
 
+    def line(self, last: dict) -> str:
+        """The memory (and MFU) part of a plain log line."""
+        return "  ".join(f"{k} {v}" for k, v in self.postfix(last).items())
+
     def summary(self, last: dict) -> str:
         mfu = f"MFU {last['mfu_pct']:.1f}%, " if "mfu_pct" in last else ""
         if self.cuda:
