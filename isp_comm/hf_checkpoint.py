@@ -60,6 +60,19 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+PEFT_PREFIX = "base_model.model."
+
+
+def base_names(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """Key -> the base model's key. For a model wrapped by peft (keys under
+    ``base_model.model.``, adapted layers' weights under ``.base_layer.``) that is the
+    transformers name, and the adapters' own tensors (``.lora_``) are left out: they
+    are not in the base checkpoint. Any other model's keys map to themselves."""
+    if not state_dict or not all(k.startswith(PEFT_PREFIX) for k in state_dict):
+        return {k: k for k in state_dict}
+    return {k: k[len(PEFT_PREFIX) :].replace(".base_layer.", ".") for k in state_dict if ".lora_" not in k}
+
+
 def has_hf_weights(path: str) -> bool:
     """Whether the folder ``path`` holds transformers safetensors weights."""
     return os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(os.path.join(path, INDEX))
@@ -78,6 +91,9 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
         raise ValueError(f"load_hf_checkpoint: {path} holds neither model.safetensors nor {INDEX}")
     aliases = tied_aliases(model)
     wanted = {k: v for k, v in state_dict.items() if k not in aliases}
+    names = base_names(wanted)  # a peft-wrapped model: its base model's names, adapters left out
+    wanted = {names[k]: v for k, v in wanted.items() if k in names}
+    aliases = {base_names({k: None}).get(k, k): v for k, v in aliases.items()}
     reader = HuggingFaceStorageReader(path)
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(wanted.keys() - stored.keys())

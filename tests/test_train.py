@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -335,3 +336,51 @@ def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
         # measured: losses one fp32 ulp apart (4.8e-7 of ~5.5), norms equal; 2e-6 is 4 ulps
         assert abs(a["loss"] - b["loss"]) < 2e-6, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) < 2e-6 * max(1.0, b["grad_norm"]), (a, b)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, model_type: str) -> None:
+    """--model DIR --lora-rank at world 4 with --sp 2: the adapters move, the base stays
+    bitwise the folder's weights, a resume from step 2 gives steps 3-4 bitwise, and the
+    merged export (from_pretrained) and the adapter export (PeftModel.from_pretrained on
+    the original folder) give the same logits."""
+    import peft
+    import transformers
+
+    text = "pack my box with five dozen liquor jugs. " * 200
+    data, model_dir = tmp_path / "corpus.txt", tmp_path / model_type
+    data.write_text(text)
+    _hf_folder(model_dir, text, model_type)
+    args = ["--model", str(model_dir), "--data", str(data), "--seq", "32", "--batch", "4", "--sp", "2", "--wp", "2"]
+    args += ["--lora-rank", "4", "--no-trace", "--lr", "1e-2", "--save-every", "2"]
+    out, again = str(tmp_path / "run"), str(tmp_path / "again")
+    res = torchrun(4, *args, "--steps", "4", "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shutil.copytree(out, again)
+    shutil.rmtree(os.path.join(again, "checkpoints", "step_000004"))
+    with open(os.path.join(again, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002")
+    res = torchrun(4, *args, "--steps", "4", "--resume", "--out", again)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {s: v for s, v in losses(again).items() if s > 2} == {s: v for s, v in losses(out).items() if s > 2}
+    trained = _export(os.path.join(out, "checkpoints"), str(tmp_path / "full.pt"))
+    resumed = _export(os.path.join(again, "checkpoints"), str(tmp_path / "resumed.pt"))
+    assert all(torch.equal(v, resumed[k]) for k, v in trained.items())  # resume: bitwise
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    names = {k: k.removeprefix("base_model.model.").replace(".base_layer.", ".") for k in trained}
+    assert all(torch.equal(trained[k], base[n]) for k, n in names.items() if ".lora_" not in k)  # frozen base
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if ".lora_B." in k)
+    merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
+    for flags, where in ((["--merge-lora"], merged_dir), ([], adapter_dir)):
+        res = export_cli(os.path.join(out, "checkpoints"), "--hf", where, *flags)
+        assert res.returncode == 0, res.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir)
+    with_adapter = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir), adapter_dir
+    )
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits
+    # the merge folds B @ A into W once (fp32); peft adds x A^T B^T: a few fp32 ulps
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

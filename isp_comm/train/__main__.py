@@ -97,8 +97,9 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     else:
         with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
             model = build(mcfg)
-            if cfg.lora_rank:
-                model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
+    if cfg.lora_rank:  # peft adapters on the meta model; the base is frozen and never reduce-scattered
+        with torch.device("meta"):
+            model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = metrics_mod.flops_per_token(model, cfg.seq)
     if cfg.compile:  # the torchtitan recipe: every block compiled, then wrapped

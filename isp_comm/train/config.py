@@ -95,7 +95,9 @@ class TrainConfig:
     """Fine-tune LoRA adapters of this rank (alpha = 2 x rank) on --lora-targets instead
     of every weight (0: off; needs the peft package)."""
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
-    """Comma-separated names of the linears that get LoRA adapters."""
+    """Comma-separated names of the linears that get LoRA adapters (the model's own
+    module names; the default is the attention projections of the reference llama and
+    of llama, mistral, qwen2 and qwen3 folders)."""
     clip: float = 1.0
     """Clip the global gradient norm to this value before each step (0: no clipping)."""
     seed: int = 0
@@ -142,8 +144,6 @@ class TrainConfig:
             from isp_comm.train.hf_model import model_type
 
             model_type(self.model)  # one line naming the supported types
-            if self.lora_rank:
-                raise ValueError("--lora-rank with --model is not supported yet: LoRA trains the reference llama")
         if self.tokenizer:
             if not os.path.isdir(self.tokenizer):
                 raise ValueError(f"--tokenizer {self.tokenizer}: no such folder")

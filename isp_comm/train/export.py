@@ -8,6 +8,10 @@ the ``safetensors`` package). ``--merge-lora`` folds a LoRA run's adapters into 
 base weights (``W + alpha / r * B @ A``, alpha and r from the run's ``run.json``), so
 the result loads into the model without peft.
 
+For a LoRA run (``--lora-rank``) of ``isp-train --model``, ``--hf OUT_DIR`` writes
+the adapters alone in peft's format (``PeftModel.from_pretrained`` loads them on top
+of the original folder) and ``--hf OUT_DIR --merge-lora`` the merged model.
+
 ``--hf`` streams: the tensors go out in safetensors files of at most 5 GiB each
 (with ``model.safetensors.index.json`` when there are several), one tensor at a time,
 read from the checkpoint by DCP. The run's ``OUT/hf_model``
@@ -29,9 +33,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from isp_comm.hf_checkpoint import SafetensorsFiles, tied_aliases, write_config
+from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
 from isp_comm.train.hf_model import HF_DIR
-from isp_comm.train.lora import merge_lora
+from isp_comm.train.lora import ADAPTER, LORA_SCALING, merge_lora
 
 
 def _run_dir(checkpoint_dir: str, what: str) -> str:
@@ -50,7 +54,7 @@ def _lora_scaling(checkpoint_dir: str) -> float:
         lora_rank = json.load(f)["config"].get("lora_rank", 0)
     if not lora_rank:
         raise ValueError(f"--merge-lora: {path} is not a LoRA run (lora_rank 0)")
-    return 2.0  # alpha / r: isp-train's lora_alpha is 2 x rank
+    return LORA_SCALING
 
 
 def _resolve(checkpoint_dir: str) -> str:
@@ -61,35 +65,64 @@ def _resolve(checkpoint_dir: str) -> str:
     return checkpoint_dir
 
 
-def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> dict[str, str]:
+def _read(reader: FileSystemReader, key: str, shape, dtype) -> torch.Tensor:
+    """One tensor of a DCP checkpoint, read alone."""
+    part = {key: torch.empty(shape, dtype=dtype)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(part, storage_reader=reader, no_dist=True)
+    return part[key]
+
+
+def _run_config(checkpoint_dir: str) -> dict:
+    with open(os.path.join(_run_dir(checkpoint_dir, "isp-export"), "run.json")) as f:
+        return json.load(f)["config"]
+
+
+def export_hf(
+    checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, merge: bool = False
+) -> dict[str, str]:
     """Write the model of an ``isp-train --model`` checkpoint to ``out_dir`` as
-    transformers does, one tensor at a time; returns the file of every tensor."""
+    transformers does, one tensor at a time; returns the file of every tensor. For a
+    LoRA run: with ``merge`` the base weights with the adapters folded in (what
+    ``from_pretrained`` loads), else the adapters alone in peft's format."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = os.path.join(_run_dir(checkpoint_dir, "--hf"), HF_DIR)
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise ValueError(f"--hf: {checkpoint_dir} is not from a run of isp-train --model (no {src}/config.json)")
+    run = _run_config(checkpoint_dir)
+    lora_rank = run.get("lora_rank", 0)
+    if merge and not lora_rank:
+        raise ValueError(f"--merge-lora: {checkpoint_dir} is not from a LoRA run (lora_rank 0)")
     checkpoint_dir = _resolve(checkpoint_dir)
+    reader = FileSystemReader(checkpoint_dir)
+    stored = reader.read_metadata().state_dict_metadata
+    if lora_rank and not merge:
+        return _export_adapter(reader, stored, run, out_dir, src)
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     with torch.device("meta"):  # names, shapes and ties only
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     aliases = tied_aliases(model)
-    reader = FileSystemReader(checkpoint_dir)
-    stored = reader.read_metadata().state_dict_metadata
     wanted = {k: v for k, v in model.state_dict().items() if k not in aliases}
-    missing = sorted(k for k in wanted if f"model.{k}" not in stored)
+    where = {k: _stored_name(k, stored) for k in wanted}  # the run's key of each transformers key
+    missing = sorted(k for k, s in where.items() if s is None)
     if missing:
         raise ValueError(f"--hf: {checkpoint_dir} lacks {missing[:3]} of the model in {src}")
-    specs = {k: (v.shape, stored[f"model.{k}"].properties.dtype) for k, v in wanted.items()}
+    specs = {k: (v.shape, stored[where[k]].properties.dtype) for k, v in wanted.items()}
     files = SafetensorsFiles(out_dir, specs, max_shard_bytes)
     files.create()
     try:
         for key, (shape, dtype) in specs.items():  # one tensor in memory at a time
-            part = {f"model.{key}": torch.empty(shape, dtype=dtype)}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(part, storage_reader=reader, no_dist=True)
-            files.write(key, part.pop(f"model.{key}"))
+            value = _read(reader, where[key], shape, dtype)
+            adapted = where[key].endswith(".base_layer.weight")
+            stem = where[key].rsplit(".base_layer.", 1)[0] if adapted else None
+            if stem is not None and f"{stem}.lora_A.{ADAPTER}.weight" in stored:  # fold W + alpha / r * B @ A
+                a_key, b_key = f"{stem}.lora_A.{ADAPTER}.weight", f"{stem}.lora_B.{ADAPTER}.weight"
+                a = _read(reader, a_key, stored[a_key].size, stored[a_key].properties.dtype)
+                b = _read(reader, b_key, stored[b_key].size, stored[b_key].properties.dtype)
+                value = value + LORA_SCALING * (b.float() @ a.float()).to(value.dtype)
+            files.write(key, value)
     finally:
         files.close()
     write_config(config, {dtype for _, dtype in specs.values()}, out_dir)
@@ -97,6 +130,48 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**3
         if name != "config.json":
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
     return {k: p.file for k, p in files.placed.items()}
+
+
+def _stored_name(key: str, stored) -> str | None:
+    """The checkpoint's name of transformers key ``key``: ``model.KEY``, or under peft
+    ``model.base_model.model.KEY`` with ``.base_layer`` before an adapted weight's name."""
+    stem, _, leaf = key.rpartition(".")
+    for name in (f"model.{key}", f"model.{PEFT_PREFIX}{key}", f"model.{PEFT_PREFIX}{stem}.base_layer.{leaf}"):
+        if name in stored:
+            return name
+    return None
+
+
+def _export_adapter(reader: FileSystemReader, stored, run: dict, out_dir: str, src: str) -> dict[str, str]:
+    """A LoRA run's adapters alone, as peft saves them (``adapter_model.safetensors``
+    without the adapter's name in the keys, ``adapter_config.json``), for
+    ``PeftModel.from_pretrained(base, out_dir)`` on top of the original folder."""
+    import peft
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, md in stored.items():
+        if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+            key = name[len("model.") :].replace(f".{ADAPTER}.", ".")
+            tensors[key] = _read(reader, name, md.size, md.properties.dtype).contiguous()
+    if not tensors:
+        raise ValueError("--hf: the checkpoint holds no LoRA adapters")
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    rank = run["lora_rank"]
+    targets = [t for t in run["lora_targets"].split(",") if t]
+    peft.LoraConfig(
+        r=rank,
+        lora_alpha=int(LORA_SCALING * rank),
+        lora_dropout=0.0,
+        target_modules=targets,
+        base_model_name_or_path=os.path.abspath(run["model"]),
+        task_type="CAUSAL_LM",
+    ).save_pretrained(out_dir)
+    for name in os.listdir(src):  # the tokenizer's files
+        if name != "config.json":
+            shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    return dict.fromkeys(tensors, "adapter_model.safetensors")
 
 
 def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, torch.Tensor]:
@@ -121,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", help="a checkpoint directory, or a run's checkpoints/ directory (latest)")
     ap.add_argument("-o", "--output", default="model.pt", help="model.pt (torch.save) or model.safetensors")
     ap.add_argument("--hf", metavar="OUT_DIR", default="", help="a folder for transformers' from_pretrained instead")
-    ap.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
+    ap.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="fold LoRA adapters into the base weights (with --hf: the merged model instead of the adapters alone)",
+    )
     args = ap.parse_args(argv)
     try:
         if args.hf:
-            if args.merge_lora:
-                raise ValueError("--hf exports runs of isp-train --model, which has no LoRA: drop --merge-lora")
-            placed = export_hf(args.checkpoint, args.hf)
+            placed = export_hf(args.checkpoint, args.hf, merge=args.merge_lora)
             print(f"{args.hf}: {len(placed)} tensors in {len(set(placed.values()))} safetensors file(s)")
             return 0
         sd = export(args.checkpoint, args.output, args.merge_lora)

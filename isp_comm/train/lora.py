@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 ADAPTER = "default"  # peft's adapter name
+LORA_SCALING = 2.0  # lora_alpha / r: isp-train's lora_alpha is 2 x rank
 
 
 def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
@@ -30,7 +31,7 @@ def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
     unknown = sorted(set(targets) - names)
     if unknown:
         raise ValueError(f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(names)})")
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=int(LORA_SCALING * rank), lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, cfg)
 
 
