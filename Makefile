@@ -1,6 +1,6 @@
-.PHONY: install train test lint bench
+.PHONY: install train test lint
 install:
-	python -m pip install -e '.[test]'
+	python -m pip install -e '.[cpu,test]'
 train:
 	torchrun --nproc-per-node 4 -m isp_comm.train
 test:

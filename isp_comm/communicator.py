@@ -196,7 +196,6 @@ class ISPCommunicator:
         engine = self.engine
 
         def isp_forward(*args: Any, **kwargs: Any) -> Any:
-            compute.take_over()  # block.compile() after wrapping
             return engine.block_forward(unit, compute, args, kwargs)
 
         if checkpointed:
@@ -207,7 +206,7 @@ class ISPCommunicator:
                 return checkpoint(isp_forward, *args, use_reentrant=False, **kwargs)
         else:
             forward = isp_forward
-        forward = torch._dynamo.disable(forward, recursive=True)  # the engine is never traced
+        forward = compute.guard(forward)
         forward._isp_comm_wrapped = True  # type: ignore[attr-defined]
         self._orig_forwards.append((block, block.__dict__.get("forward")))
         block.forward = forward
@@ -414,6 +413,7 @@ class ISPCommunicator:
                 del block.forward
             else:
                 block.forward = fwd
+            block.__dict__.pop("compile", None)  # BlockCompute's, see [Note: compiled blocks]
         self.pool.close()
         self.rs_buffers.close()
         self.backend.close()

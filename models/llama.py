@@ -213,3 +213,26 @@ def build(cfg: LlamaConfig, seed: int = 0) -> Llama:
         return Llama(cfg)
     finally:
         torch.random.set_rng_state(gen_state)
+
+
+def from_export(path: str) -> Llama:
+    """The unwrapped model of an ``isp-export -o PATH`` file (``.pt`` or
+    ``.safetensors``), rebuilt from the config written beside it
+    (``PATH`` without its suffix, plus ``.config.json``), with its weights loaded."""
+    import json
+
+    stem = path.rsplit(".", 1)[0]
+    with open(stem + ".config.json") as f:
+        cfg = LlamaConfig(**json.load(f))
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path)
+    else:
+        sd = torch.load(path, weights_only=True)
+    if any(".lora_" in k for k in sd):
+        raise ValueError(f"{path} holds LoRA adapters: export it with --merge-lora to rebuild the plain model")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.load_state_dict(sd, assign=True)
+    return model

@@ -384,3 +384,87 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, mod
         a, b = merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits
     # the merge folds B @ A into W once (fp32); peft adds x A^T B^T: a few fp32 ulps
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _train1(*args: str) -> subprocess.CompletedProcess:
+    """isp-train as one process (world 1), small and quick."""
+    cmd = [sys.executable, "-m", "isp_comm.train", *SMALL, "--no-trace", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _one_line(res: subprocess.CompletedProcess, *words: str) -> str:
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def test_run_folder_lifecycle(tmp_path) -> None:
+    """A new run into a folder with checkpoints is refused (two ways on named),
+    --overwrite clears it, a resume from an earlier checkpoint cuts metrics.jsonl back
+    (each step once, in order) and says where it starts, --steps at or below the
+    checkpoint is refused, and run.json keeps the earlier run."""
+    out = str(tmp_path / "run")
+    assert _train1("--steps", "4", "--save-every", "2", "--out", out).returncode == 0
+    _one_line(_train1("--steps", "4", "--out", out), "holds checkpoints", "--resume", "--overwrite")
+    _one_line(_train1("--steps", "4", "--resume", "--out", out), "step 4", "--steps 4 must be larger")
+    shutil.rmtree(os.path.join(out, "checkpoints", "step_000004"))
+    with open(os.path.join(out, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002")
+    res = _train1("--steps", "5", "--resume", "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resuming from" in res.stdout and "step_000002 (step 2; saved by a run at world 1, wp 1)" in res.stdout
+    assert list(losses(out)) == [1, 2, 3, 4, 5]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]
+    with open(os.path.join(out, "run.json")) as f:
+        run = json.load(f)
+    assert run["started_at"] == 2 and run["history"][0]["config"]["steps"] == 4
+    res = _train1("--steps", "2", "--overwrite", "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
+    assert list(losses(out)) == [1, 2]
+
+
+def test_config_files_are_checked_key_by_key(tmp_path) -> None:
+    """TOML keys, types and values are checked with one line each (booleans strictly),
+    and the config.json a run writes is accepted back by --config."""
+    bad = {
+        'bf16 = "no"': "bf16 must be true or false",
+        'seq = "64"': "seq must be an integer",
+        "steps = 2.5": "steps must be an integer",
+        "kv-heads = 4": "keys use underscores: kv_heads",
+        "lr = -1.0": "--lr must be > 0",
+        "steps = [": "not valid TOML",
+    }
+    for i, (text, words) in enumerate(bad.items()):
+        path = tmp_path / f"c{i}.toml"
+        path.write_text(text + "\n")
+        named = () if words.startswith("--") else (str(path),)  # a bad value names its flag
+        _one_line(_train1("--config", str(path), "--out", str(tmp_path / "x")), *named, words)
+    out = str(tmp_path / "run")
+    assert _train1("--steps", "2", "--out", out).returncode == 0
+    again = _train1("--config", os.path.join(out, "config.json"), "--overwrite")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert list(losses(out)) == [1, 2]
+
+
+def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
+    """isp-export on the run folder itself writes model.pt and its config into it;
+    models.llama.from_export rebuilds the unwrapped model with the trained weights;
+    a wrong folder is one line."""
+    from models.llama import from_export
+
+    out = str(tmp_path / "run")
+    assert _train1("--steps", "2", "--out", out).returncode == 0
+    res = export_cli(out)
+    assert res.returncode == 0, res.stderr
+    sd = torch.load(os.path.join(out, "model.pt"), weights_only=True)
+    model = from_export(os.path.join(out, "model.pt"))
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    assert model(x).shape == (2, 8, model.cfg.vocab_size)
+    for wrong, words in ((str(tmp_path / "nowhere"), "no such folder"), (str(tmp_path), "no run folder")):
+        res = export_cli(wrong)
+        assert res.returncode == 2 and "Traceback" not in res.stderr and words in res.stderr, res.stderr

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import NoReturn
 
 import torch
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
 from isp_comm.discovery import find_blocks
 from isp_comm.groups import first_error
-from isp_comm.train import checkpoint, hf_model, lora
+from isp_comm.train import checkpoint, hf_model, lora, run_folder
 from isp_comm.train import metrics as metrics_mod
 from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
@@ -71,6 +72,8 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
     meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
+    resume_from = run_folder.prepare(cfg)  # one line, on every rank, for a folder in the way
+    previous = run_folder.previous_run(cfg.out) if rank == 0 else {}
     tokens, vocab, tok_dir = load_data(cfg)
     if tokens.numel() < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
@@ -130,17 +133,16 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     except OSError as exc:
         raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
     start = 0
-    if cfg.resume:
-        path = checkpoint.latest(cfg.out)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint in {cfg.out}/checkpoints")
-        start = checkpoint.load(path, comm, opt)
+    if resume_from is not None:
+        start = checkpoint.load(resume_from, comm, opt)
+        if rank == 0:
+            print(run_folder.resume_line(resume_from, previous), flush=True)
+            run_folder.cut_metrics(cfg.out, start)
     saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=device.type == "cuda")
-    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w") if rank == 0 else None
+    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
     if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
-        with open(os.path.join(cfg.out, "run.json"), "w") as f:
-            json.dump({"config": as_dict(cfg), "world": world, "rank0_shapes": shards}, f, indent=1)
+        run_folder.write_run(cfg.out, cfg, world, shards, previous, start, {} if cfg.model else asdict(mcfg))
         if cfg.model:
             hf_model.save_run_files(model, tok_dir, cfg.out)
         n_train = sum(p.numel() for p in trainable)

@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import os
 import sys
 import textwrap
@@ -111,7 +112,11 @@ class TrainConfig:
     """Write checkpoints in the background (dcp.async_save) while training goes on;
     the next save, or the end of the run, waits for the previous one."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in --out."""
+    """Continue from the latest complete checkpoint in --out (metrics.jsonl is cut back
+    to its step; --steps must be larger)."""
+    overwrite: bool = False
+    """Start again in an --out that holds a run: its metrics, trace, run files and
+    checkpoints are removed first (without it, such a folder is refused)."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
 
@@ -134,6 +139,8 @@ class TrainConfig:
             raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
@@ -210,7 +217,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         "torchrun (torchrun --nproc-per-node N -m isp_comm.train ...); every flag can also be set in --config.",
     )
     keys = "keys with underscores, e.g. kv_heads = 2"
-    p.add_argument("--config", default="", help=f"a TOML file setting any of the flags below ({keys})")
+    p.add_argument("--config", default="", help=f"a TOML or JSON file (a run's config.json) setting flags ({keys})")
     docs = field_docs(TrainConfig)
     for f in fields(TrainConfig):
         kind = type(f.default)
@@ -224,20 +231,58 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     values: dict = {}
     if args.config:
         try:
-            with open(args.config, "rb") as fh:
-                values = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            values = read_config_file(args.config)
+        except ValueError as exc:
             p.error(f"--config {args.config}: {exc}")
-        known = {f.name for f in fields(TrainConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            p.error(f"--config {args.config}: unknown keys {unknown}")
     values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
     try:
         return TrainConfig(**values)
     except (ValueError, TypeError) as exc:
         p.error(str(exc))
     raise AssertionError("unreachable")
+
+
+def read_config_file(path: str) -> dict:
+    """The fields set in a TOML file, or in a JSON one (such as the ``config.json`` a
+    run writes), checked key by key: a ``ValueError`` naming an unknown key (with the
+    field it likely means) or a value of the wrong type. Booleans are strictly
+    ``true`` / ``false``; a JSON ``null`` leaves the field at its default."""
+    try:
+        with open(path, "rb") as fh:
+            values = json.load(fh) if path.endswith(".json") else tomllib.load(fh)
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from exc
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not valid {'JSON' if path.endswith('.json') else 'TOML'}: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError("expected a table of flags")
+    kinds = {f.name: (f.type, f.default) for f in fields(TrainConfig)}
+    for key, value in values.items():
+        if key not in kinds:
+            close = key.replace("-", "_")
+            hint = f" (keys use underscores: {close})" if close in kinds else ""
+            raise ValueError(f"unknown key {key!r}{hint}")
+        annotation, default = kinds[key]
+        expected = _expected_type(str(annotation), default)
+        if value is None:
+            if default is not None and key != "bf16":
+                raise ValueError(f"{key} = null: give a {expected.__name__}")
+            continue
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"{key} must be {_KIND_NAMES[expected]}, got {value!r} ({type(value).__name__})")
+    return {k: v for k, v in values.items() if v is not None}
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _expected_type(annotation: str, default: object) -> type:
+    if "bool" in annotation:
+        return bool
+    return type(default) if default is not None else str
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:

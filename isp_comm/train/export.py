@@ -40,6 +40,8 @@ from isp_comm.train.lora import ADAPTER, LORA_SCALING, merge_lora
 
 def _run_dir(checkpoint_dir: str, what: str) -> str:
     """The run's OUT folder (the one with run.json) above ``checkpoint_dir``."""
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"{checkpoint_dir}: no such folder")
     here = os.path.abspath(checkpoint_dir)
     for up in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
         if os.path.isfile(os.path.join(up, "run.json")):
@@ -58,10 +60,20 @@ def _lora_scaling(checkpoint_dir: str) -> float:
 
 
 def _resolve(checkpoint_dir: str) -> str:
-    """A run's checkpoints/ folder means its latest checkpoint."""
+    """A run folder or its checkpoints/ folder means the latest checkpoint; anything
+    that is not a checkpoint is a ``ValueError`` saying what was expected."""
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"{checkpoint_dir}: no such folder")
+    if os.path.isdir(os.path.join(checkpoint_dir, "checkpoints")):  # the run folder
+        checkpoint_dir = os.path.join(checkpoint_dir, "checkpoints")
     if os.path.isfile(os.path.join(checkpoint_dir, "latest")):
         with open(os.path.join(checkpoint_dir, "latest")) as f:
-            return os.path.join(checkpoint_dir, f.read().strip())
+            checkpoint_dir = os.path.join(checkpoint_dir, f.read().strip())
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        raise ValueError(
+            f"{checkpoint_dir} is not a checkpoint (no .metadata): give a run folder, its checkpoints/ "
+            "folder or one checkpoint step_N/ in it"
+        )
     return checkpoint_dir
 
 
@@ -75,8 +87,7 @@ def _read(reader: FileSystemReader, key: str, shape, dtype) -> torch.Tensor:
 
 
 def _run_config(checkpoint_dir: str) -> dict:
-    with open(os.path.join(_run_dir(checkpoint_dir, "isp-export"), "run.json")) as f:
-        return json.load(f)["config"]
+    return _run_config_file(checkpoint_dir).get("config", {})
 
 
 def export_hf(
@@ -175,6 +186,10 @@ def _export_adapter(reader: FileSystemReader, stored, run: dict, out_dir: str, s
 
 
 def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict of a checkpoint, written to ``output`` with the reference
+    model's config beside it (``OUTPUT_STEM.config.json``, for
+    ``models.llama.from_export``)."""
+    model_config = _run_config_file(checkpoint_dir).get("model_config")
     checkpoint_dir = _resolve(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         flat = os.path.join(tmp, "all.pt")
@@ -182,19 +197,34 @@ def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, t
         model = torch.load(flat, weights_only=True)["model"]
     if merge:
         model = merge_lora(model, _lora_scaling(checkpoint_dir))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if output.endswith(".safetensors"):
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in model.items()}, output)
     else:
         torch.save(model, output)
+    if model_config:
+        with open(output.rsplit(".", 1)[0] + ".config.json", "w") as f:
+            json.dump(model_config, f, indent=1)
     return model
+
+
+def _run_config_file(checkpoint_dir: str) -> dict:
+    """The run.json of the run above ``checkpoint_dir``, or ``{}``."""
+    try:
+        with open(os.path.join(_run_dir(checkpoint_dir, "isp-export"), "run.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="isp-export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="a checkpoint directory, or a run's checkpoints/ directory (latest)")
-    ap.add_argument("-o", "--output", default="model.pt", help="model.pt (torch.save) or model.safetensors")
+    ap.add_argument("checkpoint", help="a run folder, its checkpoints/ folder (the latest) or one checkpoint")
+    ap.add_argument(
+        "-o", "--output", default="", help="model.pt (torch.save) or model.safetensors (default: the run's model.pt)"
+    )
     ap.add_argument("--hf", metavar="OUT_DIR", default="", help="a folder for transformers' from_pretrained instead")
     ap.add_argument(
         "--merge-lora",
@@ -207,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             placed = export_hf(args.checkpoint, args.hf, merge=args.merge_lora)
             print(f"{args.hf}: {len(placed)} tensors in {len(set(placed.values()))} safetensors file(s)")
             return 0
+        if not os.path.isdir(args.checkpoint):
+            raise ValueError(f"{args.checkpoint}: no such folder")
+        if not args.output:  # into the run folder
+            try:
+                args.output = os.path.join(_run_dir(args.checkpoint, "isp-export"), "model.pt")
+            except ValueError:
+                where = f"{args.checkpoint} is in no run folder (no run.json above it)"
+                raise ValueError(f"{where}: give -o OUTPUT") from None
         sd = export(args.checkpoint, args.output, args.merge_lora)
     except (OSError, KeyError, ImportError, RuntimeError, ValueError) as exc:
         print(f"isp-export: error: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from isp_comm.trace import LANES, chrome_events
@@ -58,9 +59,10 @@ def draw(trace_path: str, png_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="isp-timeline", description="Draw an isp-comm trace as a PNG timeline.")
-    ap.add_argument("trace")
-    ap.add_argument("-o", "--output", default="timeline.png")
+    ap.add_argument("trace", help="a trace.json written by isp-train")
+    ap.add_argument("-o", "--output", default="", help="the PNG (default: timeline.png next to the trace)")
     args = ap.parse_args(argv)
+    args.output = args.output or os.path.join(os.path.dirname(os.path.abspath(args.trace)), "timeline.png")
     try:
         draw(args.trace, args.output)
     except (OSError, ValueError, KeyError) as exc:

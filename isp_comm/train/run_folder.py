@@ -1,0 +1,125 @@
+"""The run folder's lifecycle: a new run never silently mixes with an old one, a resume
+says where it starts and cuts the metrics back to it, and run.json keeps the history.
+
+Every check is made by rank 0 and agreed collectively (``first_error``), so every
+rank stops with the same one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch.distributed as dist
+
+from isp_comm.groups import first_error
+from isp_comm.train import checkpoint
+from isp_comm.train.config import TrainConfig, as_dict
+
+OWN = ("metrics.jsonl", "trace.json", "timeline.png", "run.json", "config.json", "checkpoints", "hf_model")
+"""What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of a checkpoint folder ``.../step_000020``."""
+    return int(os.path.basename(path).removeprefix("step_"))
+
+
+def _saved(out: str) -> list[str]:
+    root = os.path.join(out, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(checkpoint.PARTIAL))
+
+
+def prepare(cfg: TrainConfig) -> str | None:
+    """Collective, before anything is written: refuse a new run into a folder with
+    checkpoints (unless ``--overwrite``, which clears isp-train's files first), and
+    for ``--resume`` find the checkpoint and refuse a ``--steps`` it already reached.
+    Returns the checkpoint to resume from (``None`` for a new run)."""
+    error, path = None, None
+    if dist.get_rank() == 0:
+        error, path = _check(cfg)
+    first = first_error(error)
+    if first:
+        raise ValueError(first)
+    box = [path]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
+    saved = _saved(cfg.out)
+    if cfg.resume:
+        path = checkpoint.latest(cfg.out)
+        if path is None:
+            return f"--resume: no complete checkpoint in {cfg.out}/checkpoints", None
+        step = checkpoint_step(path)
+        if cfg.steps <= step:
+            return f"--resume: {path} is at step {step}; --steps {cfg.steps} must be larger to train on", None
+        return None, path
+    if saved and not cfg.overwrite:
+        shown = ", ".join(saved[:3]) + (f" and {len(saved) - 3} more" if len(saved) > 3 else "")
+        return (
+            f"--out {cfg.out} holds checkpoints ({shown}): add --resume to continue from the latest, "
+            "or --overwrite to clear the folder and start again"
+        ), None
+    if cfg.overwrite:
+        for name in OWN:
+            target = os.path.join(cfg.out, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.remove(target)
+    return None, None
+
+
+def previous_run(out: str) -> dict:
+    """The run.json of the run that wrote ``out`` (empty when there is none)."""
+    try:
+        with open(os.path.join(out, "run.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def resume_line(path: str, previous: dict) -> str:
+    """Where a resume starts: step, checkpoint, and the saved run's world and wp."""
+    cfg = previous.get("config", {})
+    world = previous.get("world", "?")
+    wp = cfg.get("wp") or (world if isinstance(world, int) else "?")
+    return f"isp-train: resuming from {path} (step {checkpoint_step(path)}; saved by a run at world {world}, wp {wp})"
+
+
+def cut_metrics(out: str, step: int) -> None:
+    """Keep the metrics of steps up to ``step`` only: a resume from an earlier
+    checkpoint retrains the steps after it, and each step appears once, in order."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def write_run(
+    out: str, cfg: TrainConfig, world: int, shapes: dict, previous: dict, resumed_at: int, model_config: dict
+) -> None:
+    """run.json: this run's flags, world, the reference model's config (what
+    ``isp-export`` writes beside the weights), rank 0's shard shapes, and under
+    ``history`` every earlier run of this folder (flags, world, the step it started at)."""
+    history = list(previous.get("history", []))
+    if previous and resumed_at:
+        earlier = {k: previous[k] for k in ("config", "world", "started_at") if k in previous}
+        history.append(earlier)
+    run = {"config": as_dict(cfg), "world": world, "started_at": resumed_at, "rank0_shapes": shapes}
+    if model_config:
+        run["model_config"] = model_config
+    if history:
+        run["history"] = history
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump(run, f, indent=1)
