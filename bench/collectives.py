@@ -9,7 +9,7 @@ symmetric buffer from ``backend.empty(..., group=...)`` as the all-gather output
 reduce-scatter input, which peers write into / read from directly (what the memory
 pool's slots and buffers are).
 Each time is the median over repetitions of the slowest rank. Prints a markdown
-table and writes bench/results/collectives.json.
+table and writes OUT/collectives.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, markdown_table, save_results  # noqa: E402
+from bench.common import MIB, add_out, markdown_table, save_results  # noqa: E402
 from isp_comm.backends import SymmCpuBackend, TorchBackend  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=7)
+    add_out(ap)
     args = ap.parse_args()
     sizes = [int(s * MIB) for s in args.sizes_mib]
     rows = []

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 MIB = 2**20
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+LOCAL = os.path.join(RESULTS, "local")
+"""Where a run writes its raw JSON unless told (``--out``): untracked, so benchmarking
+never changes the repository; the figures the README quotes are copies in RESULTS."""
+
+
+def add_out(ap) -> None:
+    """The ``--out DIR`` every benchmark takes for its raw JSON."""
+    ap.add_argument("--out", default=LOCAL, help="folder for the raw JSON (default: bench/results/local, untracked)")
+
+
+def progress(message: str) -> None:
+    """One line on stderr while a long benchmark runs."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def proc_status_bytes(field: str) -> int:
@@ -34,9 +48,11 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], alig
 
 
 def save_results(name: str, args: object, rows: list) -> str:
-    """Write ``{"args": ..., "rows": ...}`` to ``bench/results/NAME.json``; returns the path."""
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"{name}.json")
+    """Write ``{"args": ..., "rows": ...}`` to ``OUT/NAME.json`` (``args.out``, else
+    bench/results/local); returns the path."""
+    folder = getattr(args, "out", None) or LOCAL
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"args": vars(args) if hasattr(args, "__dict__") else args, "rows": rows}, f, indent=1)
     return path

@@ -8,7 +8,7 @@ The reference llama (default about 30M parameters: 8 layers, hidden 512, FFN 140
 seed and data for every run. Step time is the median over the steps after warm-up
 (slowest rank); exposed communication is the share of the step the training thread
 waited on isp-comm's collectives (FSDP2 does not report it). Prints a markdown table
-and writes bench/results/e2e.json. Peak RSS is each process's high-water mark (VmHWM)
+and writes OUT/e2e.json (--out, default bench/results/local). Peak RSS is each process's high-water mark (VmHWM)
 since it started training set-up.
 
 ``--param-types`` measures what keeping plain tensors as parameters saves over
@@ -17,7 +17,7 @@ AdamW step and gradient clipping. After two ISP training steps (everything
 sharded), the same shards and gradients are stepped as plain tensors with
 ``comm.clip_grad_norm_`` and as DTensor views of them with the stock
 ``torch.nn.utils.clip_grad_norm_``, alternately, and both norms are checked equal.
-Writes bench/results/e2e_param_types.json.
+Writes OUT/e2e_param_types.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
+from bench.common import MIB, add_out, proc_status_bytes, progress, reset_peak_rss, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--param-types", action="store_true", help="only the plain-vs-DTensor parameter measurement")
     ap.add_argument("--repeats", type=int, default=7, help="--param-types: timed repetitions")
+    add_out(ap)
     args = ap.parse_args()
     if args.param_types:
         print("| world | clip + AdamW step, plain ms | DTensor ms | ratio |\n|---:|---:|---:|---:|")
@@ -183,6 +184,7 @@ def main() -> None:
     rows = [{"run": "single process", "world": 1, **_train(build(model_config(args.layers), seed=0), args.steps, 0, 1)}]
     for world in args.worlds:
         for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm", "isp:symm+outer"):
+            progress(f"e2e: {kind} at world {world} ...")
             res = run_ranks(_worker, world, kind, args.layers, args.steps, timeout_s=3600)
             rows.append({"run": kind, "world": world, **res[0], "peak_rss_mib": max(r["peak_rss_mib"] for r in res)})
     w = args.warmup

@@ -19,7 +19,7 @@ Each run: 3 warm-up steps (compilation included), then ``--windows`` windows of
 ``--steps`` steps, each timed with a device synchronisation at its ends only. The
 table gives the median window's ms/step with the range, MFU (FLOPs counted as in
 isp_comm/train/metrics.py, against the device's peak from its table) and peak
-allocated / reserved memory. Raw figures go to bench/results/gpu.json. ``--profile
+allocated / reserved memory. Raw figures go to --out (default bench/results/local/gpu.json). ``--profile
 NAME`` also writes ``torch.profiler`` key averages (by CUDA time and by self CPU
 time) of two steps of run NAME to gpu_profile_NAME.txt beside the JSON.
 """
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import LOCAL  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.train.metrics import flops_per_token, peak_tflops  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
@@ -162,7 +163,7 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.json"))
+    ap.add_argument("--out", default=os.path.join(LOCAL, "gpu.json"), help="the raw JSON (untracked by default)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: needs a CUDA device (or --device cpu)")

@@ -22,14 +22,14 @@ first creating AdamW's states), ``save`` (``dcp.save``), ``async save``
 (``dcp.async_save`` until the write completes) and ``load`` (in fresh processes:
 build, wrap, an optimizer, then ``dcp.load`` and loading into model and optimizer;
 the figure covers the load only). Prints a markdown table and writes
-bench/results/lifecycle.json (every repeat's raw figures).
+OUT/lifecycle.json (--out, default bench/results/local) (every repeat's raw figures).
 
 ``--hf``: the same shape as a transformers ``LlamaForCausalLM`` going through
 Hugging Face checkpoints instead. ``single`` is ``from_pretrained`` (load), two
 training steps, ``save_pretrained`` (save); ``isp`` builds on meta, wraps (init),
 ``comm.load_hf_checkpoint`` (load), trains, ``comm.save_hf_checkpoint`` (save). The
 source folder is written once by ``save_pretrained`` in 2 GB files; results in
-bench/results/lifecycle_hf.json.
+OUT/lifecycle_hf.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
+from bench.common import MIB, add_out, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
 
@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1, help="repeat every run; the table shows medians and ranges")
     ap.add_argument("--hf", action="store_true", help="Hugging Face checkpoints in and out (see above)")
+    add_out(ap)
     args = ap.parse_args()
     if args.hf:
         return main_hf(args)

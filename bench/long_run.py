@@ -4,7 +4,7 @@
 
 Per rank: RSS after warm-up (step 20) and at the end, pool bytes, slots held,
 reduce-scatter buffers in use and outstanding handles at every step end, and the
-isp-comm segments in /dev/shm. Prints a markdown table; writes bench/results/long_run.json.
+isp-comm segments in /dev/shm. Prints a markdown table; writes OUT/long_run.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import save_results  # noqa: E402
+from bench.common import add_out, save_results  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from tests.parity import WARMUP, long_run_worker  # noqa: E402
 
@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backend", default="auto")
+    add_out(ap)
     args = ap.parse_args()
     rows = run_ranks(long_run_worker, args.world, args.steps, args.backend, timeout_s=3600)
     print(f"{args.steps} steps, world {args.world}, backend {args.backend}; RSS growth from step {WARMUP} to the end\n")

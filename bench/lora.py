@@ -11,7 +11,7 @@ the peak RSS per rank (VmHWM from set-up on, the largest rank) and the bytes
 reduce-scattered per step and rank (isp-comm's counter; for FSDP2 the inputs of its
 ``reduce_scatter_single`` calls, counted by wrapping that function). Every run is
 repeated ``--repeats`` times; the table shows medians and ranges. Writes
-bench/results/lora.json.
+OUT/lora.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
+from bench.common import MIB, add_out, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from bench.e2e import BATCH, CORES, SEQ, batch, model_config  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    add_out(ap)
     args = ap.parse_args()
     raw = []
     for repeat in range(args.repeats):

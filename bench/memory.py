@@ -5,7 +5,7 @@
 The model is built on the meta device and materialised shard by shard at wrap time,
 so no rank ever holds the full model. The peak is reset after wrapping
 (/proc/self/clear_refs) and read after the steps (VmHWM). Prints a markdown table and
-writes bench/results/memory.json.
+writes OUT/memory.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
+from bench.common import MIB, add_out, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    add_out(ap)
     args = ap.parse_args()
     rows = []
     for layers in args.layers:

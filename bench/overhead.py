@@ -13,7 +13,7 @@ World 1, one thread, gloo. The same model of ``--blocks`` llama blocks of width
 The runs alternate ``--repeats`` times (plain, fsdp2, isp, plain, ...), each a timed
 window of ``--steps`` steps after 3 warm-up steps. Per-block overhead = (median ms
 per step - plain's median) / blocks. Goal (issue 21): isp's per-block overhead at
-most FSDP2's. Prints a markdown table; raw figures to bench/results/overhead.json.
+most FSDP2's. Prints a markdown table; raw figures to --out (default bench/results/local/overhead.json).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import LOCAL  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -87,8 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
-    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    ap.add_argument("--out", default=os.path.join(results, "overhead.json"))
+    ap.add_argument("--out", default=os.path.join(LOCAL, "overhead.json"), help="the raw JSON (untracked by default)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -8,7 +8,7 @@ Each (sp, sequence length) runs in fresh processes: one SGD step on one sequence
 SP group, then the peak RSS of each rank (VmHWM, whole process: interpreter, torch,
 model shards, activations, communication buffers). Lengths double from --start until
 a rank's peak exceeds the budget. Prints a markdown table and writes
-bench/results/sequence.json.
+OUT/sequence.json (--out, default bench/results/local).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MIB, markdown_table, proc_status_bytes, save_results  # noqa: E402
+from bench.common import MIB, add_out, markdown_table, proc_status_bytes, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=1024)
     ap.add_argument("--start", type=int, default=1024)
     ap.add_argument("--max-seq", type=int, default=65536)
+    add_out(ap)
     args = ap.parse_args()
     rows, longest = [], {}
     for sp in (1, WORLD):

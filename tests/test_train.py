@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -468,3 +470,61 @@ def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
     for wrong, words in ((str(tmp_path / "nowhere"), "no such folder"), (str(tmp_path), "no run folder")):
         res = export_cli(wrong)
         assert res.returncode == 2 and "Traceback" not in res.stderr and words in res.stderr, res.stderr
+
+
+def _launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", "2", *args]
+
+
+@pytest.mark.timeout(200)
+def test_self_launch_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path) -> None:
+    """isp-train --nproc-per-node 2 (no torchrun): SIGTERM mid-run saves a checkpoint at
+    the next step boundary with one line and exit code 143; --resume from it then
+    trains the remaining steps bitwise like an uninterrupted run. A rank's error is one
+    line and exit 2."""
+    args = [*SMALL, "--steps", "300", "--save-every", "1000", "--no-trace", "--log-every", "1000"]
+    out, ref = str(tmp_path / "run"), str(tmp_path / "ref")
+    proc = subprocess.Popen(_launch(*args, "--out", out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isfile(metrics) and len(open(metrics).readlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted at step" in lines[0], err
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    assert f"checkpoint step_{step:06d}" in lines[0] and 3 <= step < 300
+    assert os.path.isdir(os.path.join(out, "checkpoints", f"step_{step:06d}"))
+    res = subprocess.run(_launch(*args, "--resume", "--out", out), capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = subprocess.run(_launch(*args, "--out", ref), capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert losses(out) == losses(ref)  # every step once; the resumed ones bitwise
+    bad = subprocess.run(_launch(*SMALL, "--wp", "3", "--out", str(tmp_path / "bad")), capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr + bad.stdout
+    assert [line for line in bad.stderr.splitlines() if line.strip()] == [
+        "isp-train: error: wp_size=3 does not divide the world size 2"
+    ]
+
+
+def test_lora_init_from_an_export_adapts_its_weights(tmp_path) -> None:
+    """--lora-rank --init-from MODEL.pt: the frozen base is the exported model, bitwise,
+    so training starts from its loss; without --init-from a warning line says so."""
+    base, lora_run = str(tmp_path / "base"), str(tmp_path / "lora")
+    assert _train1("--steps", "20", "--lr", "1e-2", "--out", base).returncode == 0
+    assert export_cli(base).returncode == 0
+    model_pt = os.path.join(base, "model.pt")
+    res = _train1("--steps", "2", "--lora-rank", "4", "--init-from", model_pt, "--out", lora_run)
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr[-2000:]
+    assert losses(lora_run)[1] < losses(base)[1] - 1.0  # from the trained weights, not a random start
+    trained = _export(os.path.join(lora_run, "checkpoints"), str(tmp_path / "l.pt"))
+    plain = torch.load(model_pt, weights_only=True)
+    for key, value in trained.items():
+        if ".lora_" not in key:
+            assert torch.equal(value, plain[key.removeprefix("base_model.model.").replace(".base_layer.", ".")])
+    res = _train1("--steps", "1", "--lora-rank", "4", "--out", str(tmp_path / "random"))
+    assert res.returncode == 0 and "warning: --lora-rank adapts the reference llama's random" in res.stderr

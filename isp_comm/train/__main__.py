@@ -14,6 +14,7 @@ import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -30,6 +31,7 @@ from isp_comm.train import checkpoint, hf_model, lora, run_folder
 from isp_comm.train import metrics as metrics_mod
 from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
+from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
 
@@ -73,6 +75,7 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
     meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
     resume_from = run_folder.prepare(cfg)  # one line, on every rank, for a folder in the way
+    signals = Signals(cfg.save_on_signal if cfg.save_on_signal is not None else bool(cfg.save_every))
     previous = run_folder.previous_run(cfg.out) if rank == 0 else {}
     tokens, vocab, tok_dir = load_data(cfg)
     if tokens.numel() < cfg.seq + 2:
@@ -123,8 +126,13 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
     comm = ISPCommunicator(model, groups, icfg)
     if cfg.model and not cfg.resume and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
+    if cfg.init_from and not cfg.resume:
+        lora.init_from(comm, cfg.init_from)
     if cfg.lora_rank:
         lora.zero_lora_b(model)
+    if rank == 0:
+        for line in start_warnings(cfg):
+            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     hook = comm.scheduler_hook()
@@ -184,10 +192,12 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
-        avg = step_loss
-        dist.all_reduce(avg)
+        # the loss and whether any rank got a signal: one all-reduce, one host synchronisation, after the step
+        both = torch.stack([step_loss, torch.tensor(float(signals.got), device=device)])
+        dist.all_reduce(both)
         grad_norm = norm.item()
-        loss_value = avg.item() / world  # the step's one host synchronisation, after its work is issued
+        total, flagged = both.tolist()
+        loss_value, interrupted = total / world, flagged > 0
         dt = time.perf_counter() - t0
         if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
             first_step_s, t_start = dt, time.perf_counter()
@@ -227,6 +237,11 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
                 f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
                 f"exposed comm {last['exposed_comm_pct']:4.1f}%  {meter.line(last)}"
             )
+        if interrupted and signals.armed and step != cfg.steps:
+            saver.save(step, comm, opt)
+            saver.close()
+            comm.close()
+            raise Interrupted(step, signals.got or signal.SIGTERM)
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
             saver.save(step, comm, opt)
     bar.close()
@@ -251,6 +266,44 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
             )
 
 
+def start_warnings(cfg: TrainConfig) -> list[str]:
+    """What a run does that its flags may not have meant (one line each, rank 0)."""
+    out = []
+    if cfg.model and not cfg.data:
+        out.append(
+            "--model without --data trains on the built-in corpus (a synthetic Markov chain over 256 "
+            "byte tokens), not text: give --data FILE"
+        )
+    if cfg.lora_rank and not cfg.model and not cfg.init_from and not cfg.resume:
+        out.append(
+            "--lora-rank adapts the reference llama's random initialisation: give --init-from MODEL.pt "
+            "(isp-export of a trained run) to adapt trained weights"
+        )
+    return out
+
+
+class Interrupted(Exception):
+    """A signal arrived and a checkpoint was saved at the step boundary."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(f"interrupted at step {step}; checkpoint step_{step:06d}")
+        self.step, self.signum = step, int(signum)
+
+
+class Signals:
+    """With ``armed``: Ctrl-C and SIGTERM are noted (``got``), not raised, so the step
+    in progress finishes, a checkpoint is saved and the run leaves with one line."""
+
+    def __init__(self, armed: bool) -> None:
+        self.armed, self.got = armed, 0
+        if armed:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._note)
+
+    def _note(self, signum: int, _frame) -> None:
+        self.got = signum
+
+
 def dist_backend(device: torch.device) -> str:
     """NCCL for one process per GPU; gloo on CPU, and when several local ranks share a
     GPU (NCCL refuses that: "Duplicate GPU detected"; gloo carries CUDA tensors)."""
@@ -267,6 +320,9 @@ def dist_backend(device: torch.device) -> str:
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the job and end the process: exit code 0, or 2 after one line."""
     cfg = parse_config(argv)  # exits 2 with one line on a bad flag
+    if cfg.nproc_per_node and "LOCAL_RANK" not in os.environ:  # launch the ranks ourselves
+        args = worker_argv(sys.argv[1:] if argv is None else argv)
+        leave(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args))
     torch.set_num_threads(1)
     device = resolve_device(cfg)
     if device.type == "cuda":
@@ -280,6 +336,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except ValueError as exc:
         dist.destroy_process_group()
         fail(str(exc), hard=True)
+    except Interrupted as exc:
+        if dist.get_rank() == 0:
+            print(f"isp-train: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        leave(128 + exc.signum)
     gc.collect()  # process groups held in reference cycles go while torch is whole
     dist.destroy_process_group()
     # [Note: leaving without teardown] In two full-suite runs a rank that had finished

@@ -95,6 +95,9 @@ class TrainConfig:
     lora_rank: int = 0
     """Fine-tune LoRA adapters of this rank (alpha = 2 x rank) on --lora-targets instead
     of every weight (0: off; needs the peft package)."""
+    init_from: str = ""
+    """Start from the weights of a model.pt or model.safetensors (what isp-export
+    writes) instead of the initialisation; with --lora-rank, they are the frozen base."""
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     """Comma-separated names of the linears that get LoRA adapters (the model's own
     module names; the default is the attention projections of the reference llama and
@@ -119,12 +122,23 @@ class TrainConfig:
     checkpoints are removed first (without it, such a folder is refused)."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
+    save_on_signal: bool | None = None
+    """On Ctrl-C or SIGTERM (a preemption), save a checkpoint at the next step boundary
+    and leave with one line; --resume continues from it. Default: on when --save-every
+    is set."""
+    nproc_per_node: int = 0
+    """Launch this many ranks on this machine (through torch's elastic launcher: no
+    torchrun needed); 0: the ranks are launched already (torchrun) or this is the one."""
+    nnodes: int = 1
+    """Machines taking part, with --nproc-per-node on each (they meet at --rdzv-endpoint)."""
+    rdzv_endpoint: str = ""
+    """host:port where the machines of a --nnodes > 1 launch meet (c10d rendezvous)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "grad_accum", "sp", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("wp", "warmup", "save_every", "lora_rank"):
+        for name in ("wp", "warmup", "save_every", "lora_rank", "nproc_per_node"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.ckpt <= 1.0:
@@ -139,6 +153,8 @@ class TrainConfig:
             raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
+        if self.nnodes < 1 or (self.nnodes > 1 and not (self.nproc_per_node and self.rdzv_endpoint)):
+            raise ValueError("--nnodes > 1 needs --nproc-per-node and --rdzv-endpoint HOST:PORT on every machine")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if self.backend not in BACKENDS:
@@ -151,6 +167,8 @@ class TrainConfig:
             from isp_comm.train.hf_model import model_type
 
             model_type(self.model)  # one line naming the supported types
+        if self.init_from and not os.path.isfile(self.init_from):
+            raise ValueError(f"--init-from {self.init_from}: no such file")
         if self.tokenizer:
             if not os.path.isdir(self.tokenizer):
                 raise ValueError(f"--tokenizer {self.tokenizer}: no such folder")

@@ -57,3 +57,23 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
             value = value + scaling * (b.float() @ a.float()).to(value.dtype)
         out[plain] = value
     return out
+
+
+def init_from(comm, path: str) -> None:
+    """Load the weights of a plain state dict file (``model.pt`` / ``.safetensors``, as
+    isp-export writes) into the wrapped model; under peft, into the base weights (the
+    adapters keep their initialisation). Each rank keeps its own rows."""
+    from isp_comm.hf_checkpoint import base_names
+
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        full = load_file(path)
+    else:
+        full = torch.load(path, weights_only=True, map_location="cpu")
+    current = comm.state_dict()
+    names = base_names(current)
+    missing = sorted(plain for plain in names.values() if plain not in full)
+    if missing:
+        raise ValueError(f"--init-from {path}: lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    comm.load_state_dict({**current, **{ours: full[plain] for ours, plain in names.items()}})

@@ -1,0 +1,71 @@
+"""``isp-train --nproc-per-node N``: isp-train launches its own ranks, so one command
+needs no torchrun, and its failures stay one line.
+
+The ranks are started through torch's elastic launcher API (what torchrun runs), with
+``max_restarts=0``. A rank that fails has printed its one line (rank 0 prints, see
+``config.fail``); the launcher then adds nothing and exits 2. A signal (Ctrl-C, or the
+SIGTERM of a preemption) reaches every rank: each saves at the next step boundary
+when ``--save-on-signal`` is on and leaves with one line (rank 0), and the launcher
+exits with 128 + the signal's number, quietly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint")
+"""TrainConfig fields that the launcher consumes (the ranks never see them)."""
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the launch flags (``--flag value`` and ``--flag=value``)."""
+    flags = {"--" + f.replace("_", "-") for f in LAUNCH_FLAGS}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str]) -> int:
+    """Run ``python -m isp_comm.train ARGV`` on ``nproc`` local ranks (of ``nnodes``
+    machines meeting at ``rdzv_endpoint``); returns the exit code for this process."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own warnings and tracebacks
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id="isp-train" if nnodes > 1 else str(uuid.uuid4()),  # every machine names the same run
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        signals = [c for c in codes if c > 128]
+        return signals[0] if signals and codes == set(signals) else 2
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
+        print(f"isp-train: error: launching {nproc} ranks failed: {exc}", file=sys.stderr)
+        return 2
+    return 0
