@@ -59,8 +59,9 @@ def test_parity_replicas_and_no_overlap() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_torch_backend(world: int) -> None:
-    # The matrix above runs the default backend ("auto": shared memory on CPU).
-    _check(run_ranks(_parity_worker, world, world, CASES[::4], {"backend": "torch"}, timeout_s=280))
+    # The matrix above runs the default backend ("auto": shared memory on CPU). Every
+    # 5th case from the 3rd covers each optimizer, micro count, checkpoint ratio and bias.
+    _check(run_ranks(_parity_worker, world, world, CASES[2::5], {"backend": "torch"}, timeout_s=280))
 
 
 def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
@@ -82,7 +83,9 @@ def test_parity_with_outer_params_sharded(world: int, backend: str) -> None:
     # Embedding sharded along the hidden dim, final norm and head along dim 0 (vocab 37
     # pads at wp 2 and 4).
     kw = {"shard_outer_params": True, "backend": backend}
-    _check(run_ranks(_parity_worker, world, world, CASES[::3], kw, timeout_s=280))
+    # every 5th case covers each optimizer, micro count, checkpoint ratio (full too) and bias
+    assert {c.ckpt for c in CASES[::5]} == {0.0, 0.5, 1.0} and {c.bias for c in CASES[::5]} == {False, True}
+    _check(run_ranks(_parity_worker, world, world, CASES[::5], kw, timeout_s=280))
 
 
 def _outer_dims_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:

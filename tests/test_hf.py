@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.testing import run_ranks
-
-transformers = pytest.importorskip("transformers")
 
 
 def _hf_model(gc: str):

@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.testing import run_ranks, tiny_hf_config
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301  # uneven over 2, 3 and 4 ranks, as are the k/v projections (16 rows) and the MLP (100)
 ARCHS = {

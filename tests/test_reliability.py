@@ -147,3 +147,20 @@ def test_long_run_does_not_grow(backend: str) -> None:
     for r in run_ranks(long_run_worker, 2, 100, backend, timeout_s=100):
         assert r["growth_pct"] < 2.0, r
         assert r["constant"] and r["max_outstanding"] == 0 and r["shm_max"] == 0, r
+
+
+CLEAN_EXIT_RUNS = int(os.environ.get("ISP_CLEAN_EXIT_RUNS", "1"))
+"""Runs of the clean-exit script per backend: 1 in CI (time); 30 by hand, see the README."""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_library_script_exits_cleanly_every_time(backend: str) -> None:
+    """A user's script (wrap, train, async save, close, destroy, exit) under torchrun
+    at world 4 exits 0, run after run, with no abort in the interpreter's teardown."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["tests/scripts/clean_exit.py", backend]
+    for i in range(CLEAN_EXIT_RUNS):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."})
+        assert res.returncode == 0, (i, res.stderr[-3000:])
+        assert "terminate called" not in res.stderr, (i, res.stderr[-3000:])

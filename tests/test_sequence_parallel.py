@@ -137,7 +137,7 @@ def _sp_worker(
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 def test_sp_wp_parity(kind: str) -> None:
     if kind == "hf":
-        pytest.importorskip("transformers")
+        import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
     # 8 heads over 2 KV heads: at sp = 4 the KV heads are repeated (GQA, SP > KV heads).
     cases = [(sp, wp, kind, False, False, None) for sp, wp in [(1, 4), (2, 2), (4, 4), (2, 4), (4, 1)]]
     # embedding and head sharded too; tied (HF): the head's weight is the embedding's,
@@ -171,7 +171,7 @@ def test_packed_qkv_parity() -> None:
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 def test_varlen_packed_parity(kind: str) -> None:
     if kind == "hf":
-        pytest.importorskip("transformers")
+        import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
     # packed documents under SP train exactly like each document run alone
     check_sp_cases([(sp, wp, kind, False, False, {"varlen": True}) for sp, wp in [(2, 2), (4, 1), (4, 2), (2, 4)]])
 
@@ -205,7 +205,8 @@ def _each(rank: int, world: int, worker, cases: list[str]) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_sp_refuses_what_it_cannot_split() -> None:
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
+
     cases = {"llama": "6 attention heads cannot be split", "hf-arch": "not 'opt'"}
     for texts in run_ranks(_each, 4, _bad_heads_worker, list(cases), timeout_s=50):
         for text, msg in zip(texts, cases.values()):
@@ -233,7 +234,8 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
 
 @pytest.mark.timeout(60)
 def test_sp_refuses_bad_sequences() -> None:
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
+
     cases = {
         "uneven-chunks": "must be divisible by sp_size=2",
         "bad-cu-seqlens": "cu_seqlens must increase from 0 to the sequence length 8",

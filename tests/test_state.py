@@ -177,19 +177,21 @@ def _reference(optim: str) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 def test_checkpoint_saved_at_wp4_resumes_at_wp2_and_wp3(tmp_path) -> None:
     root = str(tmp_path)
-    saved = run_ranks(_save_worker, 4, root, timeout_s=150)[0]
+    every = run_ranks(_save_worker, 4, root, timeout_s=150)  # every rank's full state is compared
     ref_init = init_weights(_model(), 7).state_dict()
-    for name, sd in saved["init"].items():  # bitwise: the same generator per module
-        assert max_diff(sd, ref_init) == 0.0, name
+    for saved in every:
+        for name, sd in saved["init"].items():  # bitwise: the same generator per module
+            assert max_diff(sd, ref_init) == 0.0, name
     # AdamW / Adam at fp32 over 4 steps: the tolerance of the AdamW parity tests (eps 1e-6
     # amplifies last-bit differences of the reduce-scatter sums); SGD: 2e-6
     tol = {"sgd-momentum": 2e-6, "adamw": 2e-5, "adam-amsgrad": 2e-5}
     refs = {optim: _reference(optim) for optim, _ in CKPT_CASES}
     for optim, _ in CKPT_CASES:
-        assert max_diff(saved[optim], refs[optim]) < tol[optim], optim
+        for saved in every:
+            assert max_diff(saved[optim], refs[optim]) < tol[optim], optim
         _check_no_full_copy(os.path.join(root, optim), wp=4)
     for world in (2, 3):  # 3: uneven (ffn 50 -> 17, 17, 16 rows)
-        for rank_out in run_ranks(_load_worker, world, root, timeout_s=120)[:1]:
+        for rank_out in run_ranks(_load_worker, world, root, timeout_s=120):
             for optim, _ in CKPT_CASES:
                 full, untouched, n_states = rank_out[optim]
                 assert untouched, (world, optim, "optimizer_state_dict() moved the parameters")
@@ -227,10 +229,19 @@ def _errors_worker(rank: int, world: int) -> list[str]:
         comm.load_state_dict({**sd, "layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
     except ValueError as exc:
         msgs.append(str(exc))
-    # full tensors are accepted too: each rank keeps its rows
+    # full tensors are accepted too: each rank keeps its rows. Loaded into a second,
+    # differently initialised model, they must replace its weights (a load that
+    # ignored full tensors would leave them)
     full = comm.full_state_dict()
-    comm.load_state_dict(full)
-    assert max_diff(comm.full_state_dict(), full) == 0.0
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-0.5)
+    comm2 = ISPCommunicator(other, ParallelGroups.create(wp_size=world), ISPConfig())
+    assert max_diff(comm2.full_state_dict(), full) > 0.0
+    comm2.load_state_dict(full)
+    assert max_diff(comm2.full_state_dict(), full) == 0.0
+    comm2.close()
     osd = comm.optimizer_state_dict(opt)
     osd["param_groups"][0]["params"] = osd["param_groups"][0]["params"][1:]
     try:
@@ -243,7 +254,9 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_state_dict_mistakes_are_value_errors() -> None:
-    msgs = run_ranks(_errors_worker, 2, timeout_s=50)[0]
+    every = run_ranks(_errors_worker, 2, timeout_s=50)
+    assert every[0] == every[1]  # every rank refuses alike
+    msgs = every[0]
     assert len(msgs) == 4, msgs
     assert "missing keys [" in msgs[0] and "'layers.0.mlp.gate_proj.weight'" in msgs[0]
     assert "unexpected keys ['extra.weight']" in msgs[1]

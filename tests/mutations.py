@@ -1,0 +1,118 @@
+"""Mutation check: plant each fault the suite must catch, one at a time, in a copy of the
+package, run the tests that should catch it, and report which ones did.
+
+    python tests/mutations.py [--only NAME]
+
+Each mutation is a textual patch of one place in ``isp_comm/`` (checked to apply
+exactly once). A mutation is *killed* when its tests fail. The kill rate goes to the
+README; this script is not part of the CI suite (it reruns several slow tests per
+mutation, about 6 minutes on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (file, old text, new text, tests that must fail)
+MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
+    "skipped update of one block": (
+        "isp_comm/hooks/reductions.py",
+        "        r.unit.accumulate_grad(r.out, r.group)",
+        "        if r.unit.index != 1:\n            r.unit.accumulate_grad(r.out, r.group)",
+        ["tests/test_engine_parity.py::test_parity_replicas_and_no_overlap"],
+    ),
+    "gradients at 0.75x (bf16 run)": (
+        "isp_comm/hooks/reductions.py",
+        "            r.out.div_(self.groups.world_size)",
+        "            r.out.div_(self.groups.world_size / 0.75)",
+        ["tests/test_mixed_precision.py::test_bf16_training_tracks_fp32"],
+    ),
+    "local-norm clip": (
+        "isp_comm/state.py",
+        "        if self.groups.wp_size > 1:  # the sharded part, in place",
+        "        if False:  # mutation: the sharded part stays local",
+        ["tests/test_state.py::test_clip_grad_norm_equals_single_process"],
+    ),
+    "no-op load_state_dict": (
+        "isp_comm/state.py",
+        '        into the shards and replicated tensors. Keys must match exactly."""',
+        '        into the shards and replicated tensors. Keys must match exactly."""\n        return',
+        ["tests/test_state.py::test_state_dict_mistakes_are_value_errors"],
+    ),
+    "no-op optimizer-state load": (
+        "isp_comm/communicator.py",
+        "        self._state.load_optimizer_state_dict(opt, osd)",
+        "        return",
+        ["tests/test_state.py::test_checkpoint_saved_at_wp4_resumes_at_wp2_and_wp3"],
+    ),
+    "bf16 accumulation in a reduction": (
+        "isp_comm/backends/symm_cpu.py",
+        "        if out.dtype in (torch.float32, torch.float64) or not out.is_floating_point():",
+        "        if True:  # mutation: accumulate in the dtype itself",
+        [
+            "tests/test_backends.py::test_backend_contract",
+            "tests/test_backends.py::test_symmetric_buffers_are_written_by_peers",
+        ],
+    ),
+    "a replica that drifts": (
+        "isp_comm/hooks/reductions.py",
+        "        if self.groups.replica_size > 1:\n            self.ctx.delay()",
+        "        if False:\n            self.ctx.delay()",
+        ["tests/test_engine_parity.py::test_parity_replicas_and_no_overlap"],
+    ),
+}
+
+
+def _copy_repo(dest: str) -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)) or dest, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
+
+
+def run(name: str) -> tuple[bool, float, str]:
+    """(killed, seconds, the failing test's last line) for mutation ``name``."""
+    path, old, new, tests = MUTATIONS[name]
+    with tempfile.TemporaryDirectory(prefix="isp-mutation-") as tmp:
+        _copy_repo(tmp)
+        target = os.path.join(tmp, path)
+        with open(target) as f:
+            text = f.read()
+        if text.count(old) != 1:
+            raise SystemExit(f"mutation {name!r}: the patched text occurs {text.count(old)} times in {path}")
+        with open(target, "w") as f:
+            f.write(text.replace(old, new))
+        t0 = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": tmp}
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+        lines = [line for line in res.stdout.splitlines() if line.strip()]
+        return res.returncode != 0, time.monotonic() - t0, lines[-1] if lines else ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="run the mutations whose name contains this")
+    args = ap.parse_args()
+    names = [n for n in MUTATIONS if args.only in n]
+    killed = 0
+    print("| mutation | tests | caught | s |\n|---|---|---|---:|")
+    for name in names:
+        dead, secs, last = run(name)
+        killed += dead
+        tests = ", ".join(t.split("::")[-1] for t in MUTATIONS[name][3])
+        print(f"| {name} | {tests} | {'yes' if dead else 'NO: ' + last} | {secs:.0f} |", flush=True)
+    print(f"\nkill rate: {killed}/{len(names)}")
+    return 0 if killed == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
