@@ -116,7 +116,12 @@ def test_optimizer_created_before_wrapping_is_refused() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
-def test_torchrun_job_with_killed_rank_exits_nonzero(backend: str) -> None:
+def test_torchrun_job_with_killed_rank_leaves_no_orphans(backend: str) -> None:
+    """Under torchrun, a killed rank ends the job with a failure and no rank is left
+    running. torchrun itself kills the survivors at once, before their deadline, so this
+    checks only that the library holds nothing that outlives them (no orphaned process);
+    the library's own detection (a named ISPCommTimeout within the deadline) is
+    test_killed_rank_fails_survivors_fast, with spawned ranks that nothing kills."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     cmd += ["tests/scripts/kill_job.py", backend]
     t0 = time.monotonic()
@@ -149,10 +154,11 @@ def test_long_run_does_not_grow(backend: str) -> None:
         assert r["constant"] and r["max_outstanding"] == 0 and r["shm_max"] == 0, r
 
 
-CLEAN_EXIT_RUNS = int(os.environ.get("ISP_CLEAN_EXIT_RUNS", "1"))
-"""Runs of the clean-exit script per backend: 1 in CI (time); 30 by hand, see the README."""
+CLEAN_EXIT_RUNS = int(os.environ.get("ISP_CLEAN_EXIT_RUNS", "30"))
+"""Runs of the clean-exit script per backend (slow tier: 30, see the README)."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_library_script_exits_cleanly_every_time(backend: str) -> None:

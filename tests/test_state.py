@@ -274,10 +274,14 @@ def _async_worker(rank: int, world: int, root: str) -> dict:
     _steps(comm, model, opt, rank, world, data[:SAVED_AT])
     at_call = comm.full_state_dict()
     state = {"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}
-    future = dcp.async_save(state, checkpoint_id=f"{root}/async")  # the default stager
+    # the default stager; a process group of its own, so that the background write's
+    # collectives never interleave with the main thread's (torchtitan does the same)
+    group = torch.distributed.new_group(backend="gloo")
+    future = dcp.async_save(state, checkpoint_id=f"{root}/async", process_group=group)
     _steps(comm, model, opt, rank, world, data[SAVED_AT:])  # training goes on while it writes
     dcp.save({"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}, checkpoint_id=f"{root}/after")
     future.result()
+    torch.distributed.destroy_process_group(group)
     comm.close()
     loaded = {}
     for name in ("async", "after"):

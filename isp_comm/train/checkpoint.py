@@ -154,6 +154,9 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._group is not None:  # its threads end with the job, not in the interpreter's teardown
+            dist.destroy_process_group(self._group)
+            self._group = None
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight, then commit it."""
