@@ -11,10 +11,11 @@ embedding the same way.
 
 [Note: gradients] The backward is the inverse all-to-all: each rank receives the
 output gradient of its columns for every token of the group and adds it into its
-shard's rows (``index_add``), so the shard's gradient is the sum over the WP group
-(as for the vocab-parallel head: the engine only all-reduces it over replicas and
-divides by the world, see ``wp_summed`` in the engine). A ``padding_idx`` row gets
-no gradient, as in ``nn.Embedding``.
+shard's rows (``index_add``, in the master's dtype: fp32 under bf16 compute), so
+the shard's gradient is the sum over the WP group (as for the vocab-parallel head:
+the engine only all-reduces it over replicas and divides by the world, see
+``wp_summed`` in the engine). A ``padding_idx`` row gets no gradient, as in
+``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ def supports_hidden_split(embedding: nn.Embedding) -> bool:
 class _HiddenSplitLookup(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, ids: torch.Tensor, shard: torch.Tensor, hidden: int, chunk: int, padding_idx: int | None, comm: WPComm
+        ctx: Any,
+        ids: torch.Tensor,
+        shard: torch.Tensor,
+        hidden: int,
+        chunk: int,
+        padding_idx: int | None,
+        comm: WPComm,
+        dtype: torch.dtype | None,
     ) -> torch.Tensor:
-        # ids: this rank's tokens; shard: [vocab, cols] (cols <= chunk, this rank's columns)
+        # ids: this rank's tokens; shard: [vocab, cols] (cols <= chunk, this rank's columns),
+        # the master; looked up in ``dtype`` (param_dtype) when set
         every = comm.all_gather(ids, "all-gather of token ids for the hidden-split embedding")  # [wp, *ids]
         cols = shard.shape[1]
-        mine = F.embedding(every, shard)  # [wp, *ids, cols]: my columns of every rank's tokens
+        mine = F.embedding(every, shard if dtype is None else shard.to(dtype))  # [wp, *ids, cols]
         if cols < chunk:
             mine = F.pad(mine, (0, chunk - cols))
         got = torch.empty_like(mine)  # [wp (column owner), *ids, chunk]
@@ -50,14 +59,14 @@ class _HiddenSplitLookup(torch.autograd.Function):
             "all-to-all of the hidden-split embedding",
         )
         ctx.save_for_backward(every)
-        ctx.meta = (hidden, chunk, cols, padding_idx, comm, shard.shape[0])
+        ctx.meta = (hidden, chunk, cols, padding_idx, comm, shard.shape[0], shard.dtype)
         out = got.movedim(0, -2).flatten(-2)  # [*ids, wp * chunk]
         return out[..., :hidden].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (every,) = ctx.saved_tensors
-        hidden, chunk, cols, padding_idx, comm, vocab = ctx.meta
+        hidden, chunk, cols, padding_idx, comm, vocab, master = ctx.meta
         wp = comm.size
         g = F.pad(grad, (0, wp * chunk - hidden)) if wp * chunk > hidden else grad
         g = g.unflatten(-1, (wp, chunk)).movedim(-2, 0).contiguous()  # [wp (column owner), *ids, chunk]
@@ -67,11 +76,13 @@ class _HiddenSplitLookup(torch.autograd.Function):
             "all-to-all of the hidden-split embedding's gradient",
         )
         rows = every.reshape(-1)
-        g_shard = torch.zeros(vocab, cols, dtype=grad.dtype, device=grad.device)
-        g_shard.index_add_(0, rows, back.reshape(-1, chunk)[:, :cols])
+        # accumulated in the master's dtype (fp32 under bf16 compute): a frequent token's
+        # row sums many contributions, which bf16 would round at every addition
+        g_shard = torch.zeros(vocab, cols, dtype=master, device=grad.device)
+        g_shard.index_add_(0, rows, back.reshape(-1, chunk)[:, :cols].to(master))
         if padding_idx is not None:
             g_shard[padding_idx] = 0
-        return None, g_shard, None, None, None, None
+        return None, g_shard, None, None, None, None, None
 
 
 class HiddenSplitEmbedding:
@@ -82,5 +93,4 @@ class HiddenSplitEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embedding
-        shard = e.weight if self.dtype is None else e.weight.to(self.dtype)
-        return _HiddenSplitLookup.apply(ids, shard, self.hidden, self.chunk, e.padding_idx, self.comm)
+        return _HiddenSplitLookup.apply(ids, e.weight, self.hidden, self.chunk, e.padding_idx, self.comm, self.dtype)

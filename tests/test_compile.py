@@ -101,10 +101,18 @@ def test_compiled_blocks_with_replicas_and_wp2() -> None:
     _check(run_ranks(_case_worker, 2, cases, timeout_s=280), _tol)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_blocks_at_wp4_and_wp2_replicas() -> None:
     cases = [(4, "before", FAST, 0.5, {}), (2, "after", FAST, 0.0, {"shard_outer_params": True})]
     _check(run_ranks(_case_worker, 4, cases, timeout_s=280), _tol)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_blocks_at_wp3() -> None:
+    # uneven shards (ffn 50 -> 17, 17, 16 rows; one KV head: 6 -> 2, 2, 2), checkpointing
+    _check(run_ranks(_case_worker, 3, [(3, "before", FAST, 0.5, {}), (3, "after", FAST, 0.0, {})], timeout_s=280), _tol)
 
 
 def _sp_worker(rank: int, world: int) -> float:

@@ -242,3 +242,41 @@ def test_whole_model_bf16_matches_fsdp2_policy(outer: bool) -> None:
         diffs = [abs(a - b) for a, b in zip(r["isp"], r["fsdp"])]
         assert max(diffs) < 1e-5, (diffs, r)
         assert diffs[0] == 0.0, diffs  # the first forward: identical bf16 weights and math
+
+
+def _fp16_worker(rank: int, world: int, scale: float) -> dict:
+    """fp32 compute, gradients reduce-scattered in fp16, the loss scaled so that each
+    rank's gradients come near fp16's largest value (65504): the sum over the ranks
+    would overflow; divided by ``pre`` first and ``post`` after, it does not."""
+    case = Case(bias=True)
+    grads = {}
+    for reduce_dtype in (torch.float32, torch.float16):
+        model = build(case.model_config())
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(reduce_dtype=reduce_dtype))
+        x, y = batches(case, world)[0][0]
+        (loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]) * scale).backward()
+        grads[reduce_dtype] = {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and p.grad.numel()
+        }
+        comm.close()
+    # the blocks' gradients (the ones reduce-scattered in reduce_dtype; the replicated
+    # embedding, norms and head are all-reduced in their own fp32)
+    local_max = max(g.abs().max().item() for n, g in grads[torch.float32].items() if n.startswith("layers."))
+    fp16, fp32 = grads[torch.float16], grads[torch.float32]
+    return {
+        "finite": all(torch.isfinite(g).all().item() for g in fp16.values()),
+        "rel": max(((fp16[n] - fp32[n]).abs().max() / fp32[n].abs().max().clamp_min(1e-30)).item() for n in fp32),
+        "max": local_max,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_fp16_reduction_divides_before_and_after() -> None:
+    # world 4: divided by 2 before the fp16 reduce-scatter and by 2 after. The loss is
+    # scaled so that the blocks' averaged gradients reach 1.76e4: their 4-rank sum
+    # (7e4) passes fp16's range. Measured: with the division finite and 6.0e-4 from the
+    # fp32 reduction; dividing only after (the code before) gives inf.
+    for r in run_ranks(_fp16_worker, 4, 6e5, timeout_s=110):
+        assert r["finite"], r
+        assert r["max"] > 65504 / 4, r  # the averaged gradient: its 4-rank sum passes fp16's range
+        assert r["rel"] < 3e-3, r  # 5x the measured 6.0e-4 (fp16: 11 bits, a few roundings)

@@ -343,6 +343,7 @@ def test_help_names_every_flag_with_its_text_and_default() -> None:
     assert text.count("(default: ") == len(fields(TrainConfig))
 
 
+@pytest.mark.slow
 def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
     """--batch 4 --grad-accum 2 trains like --batch 8: the same sequences per step, the
     gradient averaged over all of them (fp32: summation order only). The log of a
@@ -364,7 +365,11 @@ def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "model_type, world",
-    [("qwen2", 1), pytest.param("llama", 4, marks=pytest.mark.slow), pytest.param("qwen2", 4, marks=pytest.mark.slow)],
+    [
+        pytest.param("qwen2", 1, marks=pytest.mark.slow),
+        pytest.param("llama", 4, marks=pytest.mark.slow),
+        pytest.param("qwen2", 4, marks=pytest.mark.slow),
+    ],
 )
 def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, model_type: str, world: int) -> None:
     """--model DIR --lora-rank with --sp 2 (wp 2 at world 4): the adapters move, the base stays
@@ -508,6 +513,7 @@ def _launch(*args: str, n: int = 1) -> list[str]:
     return [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", str(n), *args]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_self_launch_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path) -> None:
     """isp-train --nproc-per-node N (no torchrun): SIGTERM mid-run saves a checkpoint at
@@ -547,6 +553,7 @@ def test_self_launch_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path
     assert flag.returncode == 2 and flag.stderr.strip() == "isp-train: error: unrecognized arguments: --bogus"
 
 
+@pytest.mark.slow
 def test_lora_init_from_an_export_adapts_its_weights(tmp_path) -> None:
     """--lora-rank --init-from MODEL.pt: the frozen base is the exported model, bitwise,
     so training starts from its loss; without --init-from a warning line says so."""

@@ -24,6 +24,21 @@ from isp_comm.layout import ReduceGroup
 from isp_comm.memory_pool import ReduceScatterBuffers
 from isp_comm.units import BlockUnit
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def divide_factors(world: int) -> tuple[float, float]:
+    """(pre, post) with pre * post = world: an fp16 / bf16 sum over ``world`` ranks is
+    divided by ``pre`` before it is reduced and by ``post`` after, so that neither the
+    partial sums overflow nor small gradients underflow (FSDP2 divides the same way).
+    fp32 sums are divided once, after: the order the fp32 parity tests hold bitwise."""
+    if world <= 1:
+        return 1.0, 1.0
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return float(pre), world / pre
+
 
 @dataclass
 class InflightReduce:
@@ -58,6 +73,7 @@ class GradientReducer:
         """Shards whose own backward sums their gradients over WP (vocab-parallel head,
         hidden-split embedding): averaged over replicas only."""
         self.inflight: deque[InflightReduce] = deque()
+        self._pre, self._post = divide_factors(groups.world_size)
         self._stash: dict[nn.Parameter, torch.Tensor] = {}
         self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -91,6 +107,8 @@ class GradientReducer:
             self._issue(root, group, (inp, out), inp, out, module=False, pooled=False)
 
     def _issue(self, unit, group, pair, inp: torch.Tensor, out: torch.Tensor, module: bool, pooled: bool) -> None:
+        if group.dtype in LOW_PRECISION and self._pre > 1:  # see divide_factors
+            inp.div_(self._pre)
         self.ctx.delay()
         wp = self.groups.wp_group
         if self.groups.wp_size == 1:  # the packed gradients are the reduced shard already
@@ -118,7 +136,7 @@ class GradientReducer:
             self.ctx.counters.all_reduces += 1
             self.ctx.wait(self.backend.all_reduce(r.out, self.groups.replica_group), f"replica all-reduce of {what}")
         if self.groups.world_size > 1:
-            r.out.div_(self.groups.world_size)
+            r.out.div_(self._post if r.group.dtype in LOW_PRECISION else self.groups.world_size)
         r.unit.accumulate_grad(r.out, r.group)
         if r.pooled:
             self.rs_buffers.release(r.group.dtype, r.pair)
