@@ -149,8 +149,12 @@ def test_long_run_does_not_grow(backend: str) -> None:
     # The suite's short version of bench/long_run.py (300 steps there).
     from tests.parity import long_run_worker
 
+    # RSS growth over 80 steps after warm-up, measured: symm 0.06%, torch (gloo) 0.53%
+    # (gloo's own allocations; not isp-comm's buffers, which "constant" checks). Limits:
+    # 5x the symm figure, 4x the gloo one.
+    limit = {"symm": 0.3, "torch": 2.0}[backend]
     for r in run_ranks(long_run_worker, 2, 100, backend, timeout_s=100):
-        assert r["growth_pct"] < 2.0, r
+        assert r["growth_pct"] < limit, r
         assert r["constant"] and r["max_outstanding"] == 0 and r["shm_max"] == 0, r
 
 
