@@ -273,10 +273,12 @@ def _fp16_worker(rank: int, world: int, scale: float) -> dict:
 @pytest.mark.timeout(120)
 def test_fp16_reduction_divides_before_and_after() -> None:
     # world 4: divided by 2 before the fp16 reduce-scatter and by 2 after. The loss is
-    # scaled so that the blocks' averaged gradients reach 1.76e4: their 4-rank sum
-    # (7e4) passes fp16's range. Measured: with the division finite and 6.0e-4 from the
-    # fp32 reduction; dividing only after (the code before) gives inf.
-    for r in run_ranks(_fp16_worker, 4, 6e5, timeout_s=110):
+    # scaled so that the blocks' averaged gradients reach 1.88e4 on some rank: their
+    # 4-rank sum (7.5e4) passes fp16's range. Measured: with the division every rank's
+    # gradients are finite, 5.1e-4 to 6.9e-4 from the fp32 reduction; dividing only
+    # after (the code before) gives inf on two of the four ranks.
+    every = run_ranks(_fp16_worker, 4, 4.5e5, timeout_s=110)
+    assert max(r["max"] for r in every) > 65504 / 4, every  # some 4-rank sum passes fp16's range
+    for r in every:
         assert r["finite"], r
-        assert r["max"] > 65504 / 4, r  # the averaged gradient: its 4-rank sum passes fp16's range
-        assert r["rel"] < 3e-3, r  # 5x the measured 6.0e-4 (fp16: 11 bits, a few roundings)
+        assert r["rel"] < 3.5e-3, r  # 5x the measured 6.9e-4 (fp16: 11 bits, a few roundings)
