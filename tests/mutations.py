@@ -31,8 +31,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "gradients at 0.75x (bf16 run)": (
         "isp_comm/hooks/reductions.py",
-        "            r.out.div_(self.groups.world_size)",
-        "            r.out.div_(self.groups.world_size / 0.75)",
+        "            r.out.div_(self._post if r.group.dtype in LOW_PRECISION else self.groups.world_size)",
+        "            r.out.div_((self._post if r.group.dtype in LOW_PRECISION else self.groups.world_size) / 0.75)",
         ["tests/test_mixed_precision.py::test_bf16_training_tracks_fp32"],
     ),
     "local-norm clip": (
