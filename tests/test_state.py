@@ -306,3 +306,38 @@ def test_async_save_with_dcp_stager_equals_the_state_at_the_call(tmp_path) -> No
         assert max_diff(r["async"], r["at_call"]) == 0.0  # written: the state at the call
         assert max_diff(r["resumed"], r["after"]) == 0.0  # and resuming from it is bitwise
         assert max_diff(r["async"], r["after"]) > 0.0  # training did go on meanwhile
+
+
+def _optim_copy_worker(rank: int, world: int) -> float:
+    """An optimizer state dict that shares no memory with the optimizer it is loaded
+    into (full tensors, as a user's own file would hold) must land in it."""
+    from torch.distributed.tensor import DTensor
+
+    data = _data(GLOBAL, 2)
+    model = _model()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    trained = _optim("adamw", model.parameters())
+    _steps(comm, model, trained, rank, world, data)
+    osd = comm.optimizer_state_dict(trained)
+    full = {
+        "param_groups": osd["param_groups"],
+        "state": {
+            k: {n: (v.full_tensor() if isinstance(v, DTensor) else v.clone()) for n, v in st.items()}
+            for k, st in osd["state"].items()
+        },
+    }
+    fresh = _optim("adamw", model.parameters())
+    comm.load_optimizer_state_dict(fresh, full)
+    worst = 0.0
+    for p in model.parameters():
+        a, b = trained.state[p], fresh.state[p]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            worst = max(worst, (a[key].float() - b[key].float()).abs().max().item() if a[key].numel() else 0.0)
+    comm.close()
+    return worst
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_state_from_full_tensors_is_loaded() -> None:
+    for worst in run_ranks(_optim_copy_worker, 2, timeout_s=50):
+        assert worst == 0.0, worst  # every rank's rows of every state, bitwise
