@@ -56,3 +56,24 @@ def save_results(name: str, args: object, rows: list) -> str:
     with open(path, "w") as f:
         json.dump({"args": vars(args) if hasattr(args, "__dict__") else args, "rows": rows}, f, indent=1)
     return path
+
+
+def wrap_world1(kind: str, model, bf16: bool):
+    """``model`` as the world-1 run ``kind`` trains it: ``"fsdp2"`` (``fully_shard`` per
+    block and root), ``"isp"`` (an ISPCommunicator, returned to close) or anything else
+    (left as it is); ``bf16``: bf16 compute, fp32 reduction, as each wrapper spells it."""
+    import torch
+
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        for block in model.layers:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    elif kind == "isp":
+        from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+
+        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+        return ISPCommunicator(model, ParallelGroups.create(wp_size=1), ISPConfig(**mp))
+    return None

@@ -40,8 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import LOCAL  # noqa: E402
-from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from bench.common import LOCAL, wrap_world1  # noqa: E402
 from isp_comm.train.metrics import flops_per_token, peak_tflops  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -60,17 +59,7 @@ def build(kind: str, cfg: LlamaConfig, device: torch.device, bf16: bool):
     if compiled:
         for block in model.layers:
             block.compile()
-    comm = None
-    if base == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-        for block in model.layers:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-    elif base == "isp":
-        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=1), ISPConfig(**mp))
+    comm = wrap_world1(base, model, bf16)
     autocast = base == "plain" and bf16
     return model, autocast, comm
 

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import LOCAL  # noqa: E402
-from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from bench.common import LOCAL, wrap_world1  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 
 RUNS = ("plain", "fsdp2", "isp")
@@ -41,18 +40,7 @@ RUNS = ("plain", "fsdp2", "isp")
 def build(kind: str, cfg: LlamaConfig, bf16: bool):
     torch.manual_seed(0)
     model = Llama(cfg)
-    comm = None
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        kw = {"mp_policy": policy} if policy else {}
-        for block in model.layers:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-    elif kind == "isp":
-        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=1), ISPConfig(**mp))
+    comm = wrap_world1(kind, model, bf16)
     return model, comm
 
 

@@ -89,11 +89,9 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
         raise ValueError(f"load_hf_checkpoint: {path} is not a folder")
     if not has_hf_weights(path):
         raise ValueError(f"load_hf_checkpoint: {path} holds neither model.safetensors nor {INDEX}")
-    aliases = tied_aliases(model)
-    wanted = {k: v for k, v in state_dict.items() if k not in aliases}
-    names = base_names(wanted)  # a peft-wrapped model: its base model's names, adapters left out
-    wanted = {names[k]: v for k, v in wanted.items() if k in names}
-    aliases = {base_names({k: None}).get(k, k): v for k, v in aliases.items()}
+    names = base_names(state_dict)  # a peft-wrapped model: its base model's names, adapters left out
+    aliases = {names.get(k, k): v for k, v in tied_aliases(model).items()}
+    wanted = {names[k]: v for k, v in state_dict.items() if k in names and names[k] not in aliases}
     reader = HuggingFaceStorageReader(path)
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(wanted.keys() - stored.keys())

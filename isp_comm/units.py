@@ -86,6 +86,7 @@ class BlockUnit(BlockLayout):
         self.grad_flat: torch.Tensor | None = None
         self._trainable: tuple[bool, ...] = ()
         self.groups: tuple[ReduceGroup, ...] = ()
+        self.whole_group: ReduceGroup | None = None
         self.refresh_trainable()
 
     # ---- frozen parameters ----------------------------------------------------------
@@ -115,6 +116,7 @@ class BlockUnit(BlockLayout):
         if now != self._trainable:
             self._trainable = now
             self.groups = self._reduce_groups(now)
+            self.whole_group = self._whole_group(self.groups)
 
     # ---- construction -------------------------------------------------------------
     def _install_shards(self, materialize: Callable[[nn.Module, str], None]) -> None:
@@ -161,18 +163,15 @@ class BlockUnit(BlockLayout):
         for module, name, i, _ in self.aliases:
             module._parameters[name] = self.shards[i]
 
-    def _whole(self, group: ReduceGroup, reduced: torch.Tensor) -> bool:
-        """Whether ``group``'s reduced shard is laid out exactly like the flat shard
-        (every parameter trainable, one dtype, the shard's own): then ``.grad`` of all
-        shards is one buffer, written by one copy or add."""
-        return (
-            not self.mixed
-            and reduced.dtype == self.grad_flat.dtype
-            and len(group.members) == len(self.params)
-            and all(self._trainable)
-            and group.layout.offsets == tuple(sp.offset for sp in self.params)
-            and group.layout.numel == self.grad_flat.numel()
-        )
+    def _whole_group(self, groups: tuple[ReduceGroup, ...]) -> ReduceGroup | None:
+        """The reduce group laid out exactly like the flat shard (every parameter
+        trainable, in the shard's own dtype), if there is one: its ``.grad`` of all shards
+        is then one buffer, written by one copy or add. Decided when the groups are."""
+        if self.mixed or len(groups) != 1:
+            return None
+        (group,) = groups
+        same = group.dtype == self.dtype and group.layout.offsets == self.store.offsets
+        return group if same and len(group.members) == len(self.params) else None
 
     def accumulate_grad(self, reduced: torch.Tensor, group: ReduceGroup) -> None:
         """Add ``group``'s reduced gradient shard into the shard parameters' ``.grad``.
@@ -183,7 +182,7 @@ class BlockUnit(BlockLayout):
         """
         if self.grad_flat is None:
             self.grad_flat = torch.zeros_like(self.flat_shard)
-        if self._whole(group, reduced):  # one kernel for the whole block
+        if group is self.whole_group:  # one kernel for the whole block
             fresh = [s for s in self.shards if s.grad is None]
             if len(fresh) == len(self.shards):
                 for sp, shard in zip(self.params, self.shards):

@@ -51,11 +51,8 @@ def _run_dir(checkpoint_dir: str, what: str) -> str:
 
 def _lora_scaling(checkpoint_dir: str) -> float:
     """alpha / r of the run that wrote ``checkpoint_dir`` (its OUT/run.json)."""
-    path = os.path.join(_run_dir(checkpoint_dir, "--merge-lora"), "run.json")
-    with open(path) as f:
-        lora_rank = json.load(f)["config"].get("lora_rank", 0)
-    if not lora_rank:
-        raise ValueError(f"--merge-lora: {path} is not a LoRA run (lora_rank 0)")
+    if not _run_config(checkpoint_dir).get("lora_rank", 0):
+        raise ValueError(f"--merge-lora: {checkpoint_dir} is not from a LoRA run (lora_rank 0)")
     return LORA_SCALING
 
 
