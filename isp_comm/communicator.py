@@ -25,7 +25,14 @@ from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.layout import Layout, full_views, to_param_major
-from isp_comm.memory_pool import MemoryPlan, ReduceScatterBuffers, SlotPool, gather_landing, make_plan
+from isp_comm.memory_pool import (
+    MemoryPlan,
+    ReduceScatterBuffers,
+    SlotPool,
+    gather_landing,
+    make_plan,
+    shared_memory_need,
+)
 from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
 from isp_comm.state import ShardedState
 from isp_comm.trace import Tracer
@@ -149,20 +156,18 @@ class ISPCommunicator:
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
     def _shared_memory_need(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> tuple[int, list[int]]:
-        """What one rank puts in shared memory: the pool's symmetric buffers (when
-        pooled over more than one rank), and the largest collective of each group
-        that uses the backend's scratch (WP gathers, replica and world all-reduces)."""
+        """See :func:`~isp_comm.memory_pool.shared_memory_need` (what is ever gathered:
+        the blocks and the outer parameters' unit)."""
         g = self.groups
-        buffers = plan.pool_bytes if self.config.memory_pool and g.wp_size > 1 else 0
-        units = [u for u in (*self.units, self.root) if u is not None]  # what is ever gathered
-        largest = []
-        if g.wp_size > 1:
-            largest.append(max(u.gathered_numel * u.flat_shard.element_size() for u in units))
-        if g.replica_size > 1:
-            largest.append(max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units))
-        if g.world_size > 1 and replicated:
-            largest.append(sum(p.numel() * p.element_size() for p in replicated))
-        return buffers, largest
+        units = [u for u in (*self.units, self.root) if u is not None]
+        return shared_memory_need(
+            plan.pool_bytes,
+            self.config.memory_pool,
+            (g.wp_size, g.replica_size, g.world_size),
+            max(u.gathered_numel * u.flat_shard.element_size() for u in units),
+            max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units),
+            sum(p.numel() * p.element_size() for p in replicated),
+        )
 
     @property
     def sharded_units(self) -> list[BlockUnit]:

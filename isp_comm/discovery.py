@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,29 +119,33 @@ class Units:
     root: BlockUnit | None = None
 
 
-def build_units(
-    model: nn.Module,
-    block_list: list[nn.Module],
-    groups: ParallelGroups,
-    config: ISPConfig,
-    device: torch.device,
-    head: nn.Module | None = None,
-) -> Units:
-    """Shard the model: each block's linears (weights and biases) along dim 0; with
-    ``vocab_parallel`` the head along the vocab; with ``shard_outer_params`` an untied
-    embedding along its hidden dim and every other outer parameter along dim 0 (a
-    weight tied to a linear follows the linear). Then materialise what is still on
-    meta (see isp_comm/materialize.py)."""
+@dataclass
+class UnitSpec:
+    """What one unit shards, decided from the model alone (no memory, no group): the
+    one source of truth for :func:`build_units` and for the memory forecast."""
+
+    index: int
+    """Block index; -1 the other outer parameters, -2 the vocab-parallel head, -3 the
+    hidden-split embedding."""
+    block: nn.Module
+    owners: list[tuple[str, nn.Module]]
+    replicated: list[ReplicatedParam] = field(default_factory=list)
+    names: tuple[str, ...] | None = ("weight", "bias")
+    dim1: frozenset[int] = frozenset()
+    cast: bool = True
+    """Gathered and reduced in ``param_dtype`` / ``reduce_dtype`` (the vocab-parallel
+    head and the hidden-split embedding are never gathered)."""
+
+
+def unit_specs(
+    model: nn.Module, block_list: list[nn.Module], config: ISPConfig, head: nn.Module | None = None
+) -> list[UnitSpec]:
+    """Each block's linears (weights and biases) along dim 0; with ``vocab_parallel``
+    the head along the vocab; with ``shard_outer_params`` an untied embedding along its
+    hidden dim and every other outer parameter along dim 0 (a weight tied to a linear
+    follows the linear). In that order: blocks, vocab head, embedding, root."""
     names = {m: n for n, m in model.named_modules()}
-    materialize = functools.partial(
-        materialize_module, device=device, seed=config.init_seed, init=model_initializer(model)
-    )
-    wp, rank = groups.wp_size, groups.wp_rank
-
-    def unit(index: int, block: nn.Module, owners, replicated=(), **kw: Any) -> BlockUnit:
-        return BlockUnit(index, block, owners, list(replicated), wp, rank, device, materialize, **kw)
-
-    blocks = []
+    specs = []
     for i, block in enumerate(block_list):
         linears = [(names[m], m) for m in block.modules() if isinstance(m, nn.Linear)]
         sharded = {id(p) for _, m in linears for p in m.parameters(recurse=False)}
@@ -151,20 +155,19 @@ def build_units(
             for pn, p in m.named_parameters(recurse=False)
             if id(p) not in sharded
         ]
-        blocks.append(
-            unit(i, block, linears, replicated, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-        )
-    built = Units(blocks)
+        specs.append(UnitSpec(i, block, linears, replicated))
+    vocab = None
     if config.vocab_parallel:
-        head = find_output_head(model, head, block_list)
-        built.vocab = unit(-2, head, [(names[head], head)], names=("weight",))
+        vocab = find_output_head(model, head, block_list)
+        specs.append(UnitSpec(-2, vocab, [(names[vocab], vocab)], names=("weight",), cast=False))
     if config.shard_outer_params:
         inside = {id(m) for b in block_list for m in b.modules()}
-        if built.vocab is not None:
-            inside.add(id(built.vocab.block))
+        if vocab is not None:
+            inside.add(id(vocab))
         emb = hidden_split_embedding(model, inside)
         if emb is not None:  # split along hidden and never gathered (isp_comm/embedding.py)
-            built.embed = unit(-3, emb, [(names[emb], emb)], names=("weight",), dim1=frozenset({id(emb.weight)}))
+            dim1 = frozenset({id(emb.weight)})
+            specs.append(UnitSpec(-3, emb, [(names[emb], emb)], names=("weight",), dim1=dim1, cast=False))
             inside.add(id(emb))
         owners = [(n, m) for n, m in model.named_modules() if id(m) not in inside and m._parameters]
         if owners:
@@ -172,8 +175,34 @@ def build_units(
             dim1 = frozenset(
                 id(m.weight) for _, m in owners if isinstance(m, nn.Embedding) and id(m.weight) not in in_linear
             )
-            mp = dict(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)  # cast like the blocks
-            built.root = unit(-1, model, owners, names=None, dim1=dim1, **mp)
+            specs.append(UnitSpec(-1, model, owners, names=None, dim1=dim1))  # cast like the blocks
+    return specs
+
+
+def build_units(
+    model: nn.Module,
+    block_list: list[nn.Module],
+    groups: ParallelGroups,
+    config: ISPConfig,
+    device: torch.device,
+    head: nn.Module | None = None,
+) -> Units:
+    """Shard the model as :func:`unit_specs` says, then materialise what is still on
+    meta (see isp_comm/materialize.py)."""
+    materialize = functools.partial(
+        materialize_module, device=device, seed=config.init_seed, init=model_initializer(model)
+    )
+    built = Units([])
+    for s in unit_specs(model, block_list, config, head):
+        mp = dict(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype) if s.cast else {}
+        unit = BlockUnit(
+            s.index, s.block, s.owners, s.replicated, groups.wp_size, groups.wp_rank, device, materialize,
+            names=s.names, dim1=s.dim1, **mp,
+        )  # fmt: skip
+        if s.index >= 0:
+            built.blocks.append(unit)
+        else:
+            setattr(built, {-1: "root", -2: "vocab", -3: "embed"}[s.index], unit)
     materialize_rest(model, materialize)  # what is still on meta lies outside the units
     return built
 

@@ -25,6 +25,39 @@ class ReplicatedParam:
     name: str
 
 
+def find_sharded(
+    owners: list[tuple[str, nn.Module]],
+    names: tuple[str, ...] | None,
+    dim1: frozenset[int],
+    wp_size: int,
+    wp_rank: int,
+) -> tuple[list[ShardedParam], list[tuple[nn.Module, str, int, str]]]:
+    """The parameters of ``owners`` that one unit shards, each with its rows on
+    ``wp_rank`` (offsets not yet set), and the aliases of tied ones: ``(module, name,
+    index in found, fqn)``. See :class:`BlockUnit` for the arguments."""
+    found: list[ShardedParam] = []
+    alias_of: list[tuple[nn.Module, str, int, str]] = []
+    seen: dict[int, int] = {}
+    for fqn_prefix, module in owners:
+        for name, p in list(module._parameters.items()):
+            if p is None or (names is not None and name not in names):
+                continue
+            fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
+            if id(p) in seen:
+                alias_of.append((module, name, seen[id(p)], fqn))
+                continue
+            if p.dim() == 0:
+                raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
+            dim = 1 if id(p) in dim1 else 0
+            assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
+            out = p.shape[dim]
+            chunk = -(-out // wp_size)
+            valid = max(0, min(chunk, out - wp_rank * chunk))
+            seen[id(p)] = len(found)
+            found.append(ShardedParam(module, name, fqn, p.shape, chunk, valid, 0, dim, p.dtype))
+    return found, alias_of
+
+
 class BlockUnit(BlockLayout):
     """One transformer block's sharded parameters: the unit of gather and reduce-scatter."""
 
@@ -54,27 +87,8 @@ class BlockUnit(BlockLayout):
         self.index = index
         self.block = block
         self.replicated = replicated
-        found: list[tuple[ShardedParam, nn.Parameter]] = []
-        alias_of: list[tuple[nn.Module, str, int, str]] = []  # (module, name, index in found, fqn)
-        seen: dict[int, int] = {}
-        for fqn_prefix, module in owners:
-            for name, p in list(module._parameters.items()):
-                if p is None or (names is not None and name not in names):
-                    continue
-                fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
-                if id(p) in seen:
-                    alias_of.append((module, name, seen[id(p)], fqn))
-                    continue
-                if p.dim() == 0:
-                    raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
-                dim = 1 if id(p) in dim1 else 0
-                assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
-                out = p.shape[dim]
-                chunk = -(-out // wp_size)
-                valid = max(0, min(chunk, out - wp_rank * chunk))
-                seen[id(p)] = len(found)
-                found.append((ShardedParam(module, name, fqn, p.shape, chunk, valid, 0, dim, p.dtype), p))
-        super().__init__([sp for sp, _ in found], wp_size, wp_rank, param_dtype, reduce_dtype)
+        found, alias_of = find_sharded(owners, names, dim1, wp_size, wp_rank)
+        super().__init__(found, wp_size, wp_rank, param_dtype, reduce_dtype)
         if self.order is not None:
             position = {old: new for new, old in enumerate(self.order)}
             alias_of = [(m, n, position[i], f) for m, n, i, f in alias_of]

@@ -98,3 +98,29 @@ def make_plan(
         rs_buffers=rs_buffers,
         wp_size=wp_size,
     )
+
+
+def shared_memory_need(
+    pool_bytes: int,
+    pooled: bool,
+    sizes: tuple[int, int, int],
+    gathered_bytes: int,
+    shard_bytes: int,
+    replicated_bytes: int,
+) -> tuple[int, list[int]]:
+    """What one rank puts in shared memory: the pool's symmetric buffers (when pooled
+    over more than one rank), and the largest collective of each group that uses the
+    backend's scratch. ``sizes``: (wp, replica, world); ``gathered_bytes`` /
+    ``shard_bytes``: the largest gathered unit and the largest flat shard (WP gathers,
+    replica all-reduces); ``replicated_bytes``: the replicated parameters (the world
+    all-reduce of their gradients)."""
+    wp, replica, world = sizes
+    buffers = pool_bytes if pooled and wp > 1 else 0
+    largest = []
+    if wp > 1:
+        largest.append(gathered_bytes)
+    if replica > 1:
+        largest.append(shard_bytes)
+    if world > 1 and replicated_bytes:
+        largest.append(replicated_bytes)
+    return buffers, largest
