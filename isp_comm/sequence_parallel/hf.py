@@ -15,6 +15,7 @@ to the model's forward; the local attention is flash-attn on CUDA when installed
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -31,11 +32,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+    """Whether ``model`` is a transformers model. transformers is never imported here
+    (that alone costs a rank 64 MiB): a model of its classes exists only once it was."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
 def apply_hf_sequence_parallel(
