@@ -43,6 +43,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,13 @@ def scratch_bytes(nbytes: int) -> int:
     """A group's scratch segment for collectives of up to ``nbytes`` per rank: the next
     power of two, at least 64 KiB (grown collectively when a larger one comes)."""
     return max(_MIN_SCRATCH, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+def _stop_worker(q: queue.SimpleQueue, stopping: threading.Event, worker: threading.Thread) -> None:
+    """See [Note: the worker at interpreter exit]."""
+    stopping.set()
+    q.put(None)
+    worker.join(timeout=10.0)
 
 
 def host_id() -> str:
@@ -128,8 +136,16 @@ class SymmCpuBackend:
         self._fallback = TorchBackend()
         self._groups: dict[tuple[int, ...], _Group | None] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
         self._worker = threading.Thread(target=self._run, name="isp-symm", daemon=True)
         self._worker.start()
+        # [Note: the worker at interpreter exit] A daemon thread that is inside a torch
+        # op when the interpreter finalises is ended as it takes the GIL back, from a
+        # C++ destructor, and the process aborts ("terminate called without an active
+        # exception"). So a backend never closed (a script that leaves on an error) stops
+        # its worker at exit, before finalisation: the wait it may be in gives up, and
+        # the thread is joined. weakref.finalize runs at exit and holds no ref to self.
+        self._stop_at_exit = weakref.finalize(self, _stop_worker, self._queue, self._stopping, self._worker)
         self._last: SymmHandle | None = None
         self._closed = False
         self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
@@ -357,6 +373,8 @@ class SymmCpuBackend:
                 continue
             now = time.monotonic()
             late = [g.ranks[r] for r in missing]
+            if self._stopping.is_set():
+                raise ISPCommTimeout(f"{what} (symm, epoch {target}): abandoned, the backend is closing")
             if now > deadline:
                 raise ISPCommTimeout(
                     f"{what} (symm, epoch {target}): ranks {late} of group {list(g.ranks)} did not arrive "
@@ -476,8 +494,9 @@ class SymmCpuBackend:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._queue.put(None)  # after the collectives queued before it
         self._worker.join(timeout=self.timeout_s)
+        self._stop_at_exit()
         for g in self._groups.values():
             if g is not None:
                 for seg in (g.ctrl, *g.scratch, *(s for _, _, segs in g.buffers for s in segs)):
