@@ -5,6 +5,7 @@ from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.errors import HookOrderError, ISPCommTimeout
 from isp_comm.groups import ParallelGroups
+from isp_comm.memory_forecast import MemoryForecast, forecast
 
 __all__ = [
     "CommContext",
@@ -12,7 +13,9 @@ __all__ = [
     "ISPCommTimeout",
     "ISPCommunicator",
     "ISPConfig",
+    "MemoryForecast",
     "ParallelGroups",
     "find_blocks",
+    "forecast",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ config.json and the tokenizer, for ``isp-export --hf``); ``--resume`` continues 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -27,9 +28,10 @@ from tqdm import tqdm
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
 from isp_comm.discovery import find_blocks
 from isp_comm.groups import first_error
+from isp_comm.memory_forecast import KNOBS, forecast
 from isp_comm.train import checkpoint, hf_model, lora, run_folder
 from isp_comm.train import metrics as metrics_mod
-from isp_comm.train.config import TrainConfig, as_dict, fail, leave, parse_config, resolve_device
+from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.timeline import draw, write_trace
@@ -70,7 +72,9 @@ def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str]:
     return tokens, vocab, tok_dir
 
 
-def run(cfg: TrainConfig, device: torch.device) -> None:
+def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> None:
+    """The job on this rank; what it opens that holds threads or groups (the
+    communicator, the checkpointer) is closed by ``closing``, also after an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
     meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
@@ -87,43 +91,19 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
         raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {dp}")
     if cfg.seq % cfg.sp:
         raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
-    mcfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden=cfg.hidden,
-        ffn_hidden=cfg.hidden * 8 // 3,
-        n_layers=cfg.layers,
-        n_heads=cfg.heads,
-        n_kv_heads=cfg.kv_heads,
-        max_seq_len=cfg.seq,
-    )
-    if cfg.model:  # on meta too (see isp_comm/train/hf_model.py)
-        model = hf_model.build_model(cfg.model)
-        what = f"--tokenizer {tok_dir}" if tok_dir else f"--data {cfg.data or '(the embedded corpus)'}"
-        hf_model.check_vocab(what, vocab, model.config.vocab_size, cfg.model)
-    else:
-        with torch.device("meta"):  # never the whole model: each module is made real alone while sharded
-            model = build(mcfg)
-    if cfg.lora_rank:  # peft adapters on the meta model; the base is frozen and never reduce-scattered
-        with torch.device("meta"):
-            model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
+    model, mcfg = build_meta_model(cfg, vocab, tok_dir)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = metrics_mod.flops_per_token(model, cfg.seq)
+    icfg = isp_config(cfg, bf16)
+    if rank == 0:
+        for line in memory_warnings(cfg, model, icfg, world, device):
+            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
     if cfg.compile:  # the torchtitan recipe: every block compiled, then wrapped
         for block in find_blocks(model):
             block.compile()
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
-    icfg = ISPConfig(
-        overlap=cfg.overlap,
-        memory_pool=cfg.memory_pool,
-        activation_checkpointing=cfg.ckpt,
-        shard_outer_params=cfg.shard_outer,
-        vocab_parallel=cfg.vocab_parallel,
-        backend=cfg.backend,
-        param_dtype=torch.bfloat16 if bf16 else None,
-        reduce_dtype=torch.float32 if bf16 else None,
-        init_seed=cfg.seed,  # the same initial weights on every WP size
-    )
     comm = ISPCommunicator(model, groups, icfg)
+    closing.callback(comm.close)
     if cfg.model and not cfg.resume and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
     if cfg.init_from and not cfg.resume:
@@ -147,6 +127,7 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
             print(run_folder.resume_line(resume_from, previous), flush=True)
             run_folder.cut_metrics(cfg.out, start)
     saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=device.type == "cuda")
+    closing.callback(saver.close)
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
     if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -266,6 +247,117 @@ def run(cfg: TrainConfig, device: torch.device) -> None:
             )
 
 
+def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.nn.Module, LlamaConfig | None]:
+    """The model to train, on meta (never the whole model: each module is made real
+    alone while sharded), with its LoRA adapters; and the reference llama's config."""
+    mcfg = None
+    if cfg.model:  # on meta too (see isp_comm/train/hf_model.py)
+        model = hf_model.build_model(cfg.model)
+        what = f"--tokenizer {tok_dir}" if tok_dir else f"--data {cfg.data or '(the embedded corpus)'}"
+        hf_model.check_vocab(what, vocab, model.config.vocab_size, cfg.model)
+    else:
+        mcfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden=cfg.hidden,
+            ffn_hidden=cfg.hidden * 8 // 3,
+            n_layers=cfg.layers,
+            n_heads=cfg.heads,
+            n_kv_heads=cfg.kv_heads,
+            max_seq_len=cfg.seq,
+        )
+        with torch.device("meta"):
+            model = build(mcfg)
+    if cfg.lora_rank:  # peft adapters on the meta model; the base is frozen and never reduce-scattered
+        with torch.device("meta"):
+            model = lora.apply_lora(model, cfg.lora_rank, [t for t in cfg.lora_targets.split(",") if t])
+    return model, mcfg
+
+
+def isp_config(cfg: TrainConfig, bf16: bool) -> ISPConfig:
+    return ISPConfig(
+        overlap=cfg.overlap,
+        memory_pool=cfg.memory_pool,
+        activation_checkpointing=cfg.ckpt,
+        shard_outer_params=cfg.shard_outer,
+        vocab_parallel=cfg.vocab_parallel,
+        backend=cfg.backend,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+        init_seed=cfg.seed,  # the same initial weights on every WP size
+    )
+
+
+def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, device: torch.device):
+    """The forecast for this run's flags (see isp_comm/memory_forecast.py)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc_per_node or world))
+    wp = cfg.wp or world
+    return forecast(model, icfg, world, wp, cfg.sp, cfg.batch, cfg.seq, device=device.type, local_world=local)
+
+
+def memory_warnings(
+    cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, device: torch.device
+) -> list[str]:
+    """One line when the forecast's highest phase exceeds what this rank can have:
+    the phase, its biggest part and the knob that shrinks it."""
+    try:
+        fc = memory_forecast(cfg, model, icfg, world, device)
+    except Exception as exc:  # a model the meta trace cannot run: train anyway, say so
+        return [f"no memory forecast for this model ({type(exc).__name__}: {exc})"]
+    free = free_memory_per_rank(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    phase = fc.worst()
+    need = fc.peak(phase) + (0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS"))
+    if need <= free:
+        return []
+    part, size = fc.biggest(phase)
+    knob = KNOBS.get(part.split(" (")[0], "a larger --wp")
+    return [
+        f"the memory forecast for the {phase} phase is {need / 2**20:.0f} MiB per rank, more than the "
+        f"{free / 2**20:.0f} MiB free; its biggest part is {part} ({size / 2**20:.0f} MiB): try {knob} "
+        "(isp-train --plan prints the table)"
+    ]
+
+
+def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:
+    """Free bytes this rank can count on: the GPU's free memory, or the host's
+    available memory shared by its ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return avail // max(local_ranks, 1)
+
+
+def plan(cfg: TrainConfig, argv_world: int) -> None:
+    """``--plan``: the forecast table for these flags, then one JSON line (phase -> MiB
+    per rank, absolute: the baseline of this process, torch loaded and the model on
+    meta, included)."""
+    device = resolve_device(cfg)
+    bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
+    if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
+        vocab, tok_dir = 0, ""
+    elif cfg.tokenizer:
+        vocab, tok_dir = len(hf_model.load_tokenizer(cfg.tokenizer)), cfg.tokenizer
+    else:
+        vocab, tok_dir = load_tokens(cfg.data)[1], ""
+    model, _ = build_meta_model(cfg, vocab, tok_dir)
+    world = argv_world
+    if world % cfg.sp or cfg.batch % (world // cfg.sp) or (cfg.wp and world % cfg.wp):
+        raise ValueError(f"world {world}: --sp, --wp and --batch / (world / sp) must divide it")
+    fc = memory_forecast(cfg, model, isp_config(cfg, bf16), world, device)
+    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
+    what = "CUDA allocated" if device.type == "cuda" else "RSS"
+    print(
+        f"isp-train --plan: {device.type}{' bf16' if bf16 else ''}, world {world}, wp {cfg.wp or world}, "
+        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({what})"
+    )
+    print(fc.table(base))
+    if fc.shm_bytes:
+        print(f"shared memory (/dev/shm) of the host for the symmetric-memory backend: {fc.shm_bytes / 2**20:.1f} MiB")
+    for ph, nbytes in fc.host_staging.items():
+        print(f"host memory per rank for DCP's staging in {ph}: {nbytes / 2**20:.1f} MiB")
+    print(fc.json_line(base))
+
+
 def start_warnings(cfg: TrainConfig) -> list[str]:
     """What a run does that its flags may not have meant (one line each, rank 0)."""
     out = []
@@ -320,9 +412,16 @@ def dist_backend(device: torch.device) -> str:
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the job and end the process: exit code 0, or 2 after one line."""
     cfg = parse_config(argv)  # exits 2 with one line on a bad flag
+    if cfg.plan:  # no process group, no launch: the forecast for the world the flags describe
+        world = int(os.environ.get("WORLD_SIZE", 0)) or (cfg.nproc_per_node or 1) * cfg.nnodes
+        try:
+            plan(cfg, world)
+        except ValueError as exc:
+            fail(str(exc))
+        sys.exit(0)
     if cfg.nproc_per_node and "LOCAL_RANK" not in os.environ:  # launch the ranks ourselves
         args = worker_argv(sys.argv[1:] if argv is None else argv)
-        leave(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args))
+        sys.exit(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args))
     torch.set_num_threads(1)
     device = resolve_device(cfg)
     if device.type == "cuda":
@@ -332,23 +431,19 @@ def main(argv: list[str] | None = None) -> NoReturn:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
         dist.init_process_group(dist_backend(device))
     try:
-        run(cfg, device)
+        with contextlib.ExitStack() as closing:
+            run(cfg, device, closing)
     except ValueError as exc:
         dist.destroy_process_group()
-        fail(str(exc), hard=True)
+        fail(str(exc))
     except Interrupted as exc:
         if dist.get_rank() == 0:
             print(f"isp-train: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        leave(128 + exc.signum)
+        sys.exit(128 + exc.signum)
     gc.collect()  # process groups held in reference cycles go while torch is whole
     dist.destroy_process_group()
-    # [Note: leaving without teardown] In two full-suite runs a rank that had finished
-    # (once after its one-line error, once after a clean run) then aborted in the
-    # interpreter's teardown ("terminate called without an active exception", SIGABRT)
-    # while torch's native threads were destroyed, so torchrun reported a failure. The
-    # work is done and written here: leave with the exit code, without that teardown.
-    leave(0)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,11 @@ class TrainConfig:
     overwrite: bool = False
     """Start again in an --out that holds a run: its metrics, trace, run files and
     checkpoints are removed first (without it, such a folder is refused)."""
+    plan: bool = False
+    """Print the memory forecast of these flags (MiB per rank for every phase: wrap,
+    forward, backward, optimizer, save, async save, load, by part) and exit; the last
+    line is one JSON object, phase -> MiB, comparable with the peak memory a run logs.
+    The world is --nproc-per-node x --nnodes (or WORLD_SIZE)."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
     save_on_signal: bool | None = None
@@ -187,27 +192,14 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def fail(message: str, hard: bool = False) -> None:
+def fail(message: str) -> NoReturn:
     """Exit 2 with one line, printed by rank 0. The other ranks leave a moment later,
-    so that torchrun, which stops the job at the first failed rank, lets rank 0 print.
-
-    ``hard``: leave at once, without the interpreter's teardown (see [Note: leaving
-    without teardown] in isp_comm/train/__main__.py)."""
+    so that torchrun, which stops the job at the first failed rank, lets rank 0 print."""
     if os.environ.get("RANK", "0") == "0":
         print(f"isp-train: error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(1.0)
-    if hard:
-        leave(2)
     raise SystemExit(2)
-
-
-def leave(code: int) -> NoReturn:
-    """End the process with ``code`` now, output flushed, without the interpreter's
-    teardown (see [Note: leaving without teardown] in isp_comm/train/__main__.py)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def field_docs(cls: type) -> dict[str, str]:

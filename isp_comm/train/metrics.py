@@ -49,6 +49,21 @@ def flops_per_token(model: nn.Module, seq: int) -> float:
     return 6.0 * n + 12.0 * layers * width * seq
 
 
+def proc_status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ``RssFile``, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's VmHWM to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 class StepMeter:
     """Per-step MFU and peak memory for the metrics and the progress bar."""
 

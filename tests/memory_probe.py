@@ -1,0 +1,205 @@
+"""Measured memory, phase by phase, of a small ISP training on CPU (or CUDA) ranks:
+what the forecast (isp_comm/memory_forecast.py) is checked against, by tests/test_forecast.py
+and bench/forecast.py.
+
+Each rank measures each phase's peak above its baseline (taken after the process
+groups and the meta model exist): the peak is reset (``/proc/self/clear_refs``)
+before the phase and read (``VmHWM``) after it, at the second step, when the
+gradient shards and the optimizer state exist. Pages of files (the code of torch's
+kernels, faulted in as each runs for the first time: about 20 MiB over a first step)
+are left out: the peak is ``VmHWM`` less ``RssFile`` at the phase's end, so what the
+run allocates is compared. glibc is told to return every allocation of 64 KiB or
+more to the system when freed (``MALLOC_MMAP_THRESHOLD_``), so that RSS follows what
+is live rather than what the allocator keeps. The ranks use the torch backend (the
+shared-memory backend's pages are the host's, forecast apart). On CUDA the peak is
+``torch.cuda.max_memory_allocated``, reset per phase.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from dataclasses import dataclass
+
+from isp_comm.train.metrics import proc_status_bytes, reset_peak_rss
+
+MMAP_THRESHOLD = "65536"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: a model, the run's sizes and knobs."""
+
+    world: int = 2
+    wp: int = 2
+    sp: int = 1
+    ckpt: float = 0.0
+    shard_outer: bool = False
+    vocab_parallel: bool = False
+    bf16: bool = False
+    optimizer: str = "adamw"
+    model: str = "llama"  # or "qwen2" (transformers)
+    batch: int = 4
+    seq: int = 256
+    hidden: int = 256
+    layers: int = 4
+    vocab: int = 4096
+
+    def label(self) -> str:
+        knobs = [f"w{self.world} wp{self.wp} sp{self.sp}", self.model, self.optimizer]
+        knobs += [f"ckpt {self.ckpt:g}"] if self.ckpt else []
+        knobs += ["shard-outer"] if self.shard_outer else []
+        knobs += ["vocab-par"] if self.vocab_parallel else []
+        knobs += ["bf16"] if self.bf16 else []
+        return ", ".join(knobs)
+
+
+def build_model(pt: Point):
+    """The point's model, on meta."""
+    import torch
+
+    with torch.device("meta"):
+        if pt.model == "qwen2":
+            from transformers import Qwen2Config, Qwen2ForCausalLM
+
+            cfg = Qwen2Config(
+                vocab_size=pt.vocab,
+                hidden_size=pt.hidden,
+                intermediate_size=pt.hidden * 8 // 3,
+                num_hidden_layers=pt.layers,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                tie_word_embeddings=False,
+                attn_implementation="sdpa",
+            )
+            return Qwen2ForCausalLM(cfg)
+        from models.llama import LlamaConfig, build
+
+        return build(
+            LlamaConfig(
+                vocab_size=pt.vocab, hidden=pt.hidden, ffn_hidden=pt.hidden * 8 // 3, n_layers=pt.layers, n_heads=8,
+                n_kv_heads=2,
+            )
+        )  # fmt: skip
+
+
+def isp_config(pt: Point):
+    import torch
+
+    from isp_comm import ISPConfig
+
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if pt.bf16 else {}
+    return ISPConfig(
+        backend="torch",
+        activation_checkpointing=pt.ckpt,
+        shard_outer_params=pt.shard_outer,
+        vocab_parallel=pt.vocab_parallel,
+        init_seed=0,
+        **mp,
+    )
+
+
+def forecast_point(pt: Point, device: str = "cpu"):
+    from isp_comm.memory_forecast import forecast
+
+    return forecast(
+        build_model(pt),
+        isp_config(pt),
+        world=pt.world,
+        wp=pt.wp,
+        sp=pt.sp,
+        batch=pt.batch,
+        seq=pt.seq,
+        optimizer=pt.optimizer,  # type: ignore[arg-type]
+        device=device,  # type: ignore[arg-type]
+    )
+
+
+def _measure(rank: int, world: int, pt: Point, folder: str, device: str) -> dict:
+    """Train ``pt`` for two steps and measure each phase's peak above the baseline."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from isp_comm import ISPCommunicator, ParallelGroups
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    groups = ParallelGroups.create(wp_size=pt.wp, sp_size=pt.sp)
+    model = build_model(pt)
+    cuda = dev.type == "cuda"
+
+    def reset() -> None:
+        gc.collect()  # what earlier phases left in reference cycles (DCP's staged copies) is not this phase's
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss()
+
+    def peak() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return proc_status_bytes("VmHWM") - proc_status_bytes("RssFile")  # see the module note
+
+    base = torch.cuda.memory_allocated() if cuda else proc_status_bytes("VmRSS") - proc_status_bytes("RssFile")
+    out: dict[str, float] = {}
+    reset()
+    comm = ISPCommunicator(model, groups, isp_config(pt))
+    out["wrap"] = peak() - base
+    params = [p for p in model.parameters() if p.requires_grad]
+    if pt.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-4)
+    else:
+        opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9 if pt.optimizer == "sgd_momentum" else 0.0)
+    dp, per = world // pt.sp, pt.batch // (world // pt.sp)
+    dp_rank, sp_rank = groups.rank // pt.sp, groups.sp_rank
+    lo, hi = sp_rank * pt.seq // pt.sp, (sp_rank + 1) * pt.seq // pt.sp
+    g = torch.Generator().manual_seed(dp_rank)
+    positions = torch.arange(lo, hi, device=dev)
+    hook = comm.scheduler_hook()
+    for _ in (1, 2):
+        x = torch.randint(0, pt.vocab, (per, pt.seq + 1), generator=g)[:, lo : hi + 1].to(dev)
+        ids, labels = x[:, :-1], x[:, 1:]
+        reset()
+        hook.before_forward()
+        if pt.model == "qwen2":
+            logits = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
+        else:
+            logits = model(ids, position_ids=positions)
+        loss = comm.cross_entropy(logits.float(), labels)
+        out["forward"] = peak() - base
+        reset()
+        hook.before_backward()
+        loss.backward()
+        hook.after_backward()
+        out["backward"] = peak() - base
+        del logits, loss
+        reset()
+        comm.clip_grad_norm_(1.0)
+        opt.step()
+        out["optimizer"] = peak() - base
+        opt.zero_grad()
+    del dp
+    state = {"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}
+    reset()
+    dcp.save(state, checkpoint_id=os.path.join(folder, "sync"))
+    out["save"] = peak() - base
+    reset()
+    dcp.async_save(state, checkpoint_id=os.path.join(folder, "async")).result()
+    out["async_save"] = peak() - base
+    reset()
+    dcp.load(state, checkpoint_id=os.path.join(folder, "sync"))
+    out["load"] = peak() - base
+    comm.close()
+    return {"rank": rank, "baseline": base, "measured": out}
+
+
+def measure(pt: Point, device: str = "cpu", timeout_s: float = 600.0) -> list[dict]:
+    """Every rank's measured phase peaks (bytes above its baseline) for ``pt``."""
+    from isp_comm.testing import run_ranks
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's glibc
+    with tempfile.TemporaryDirectory(prefix="isp-forecast-") as folder:
+        return run_ranks(_measure, pt.world, pt, folder, device, timeout_s=timeout_s)
