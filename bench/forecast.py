@@ -1,6 +1,6 @@
 """The memory forecast against measured peaks, phase by phase, over a grid of runs.
 
-    python bench/forecast.py [--grid small|full] [--only I ...] [--big SEQ]
+    python bench/forecast.py [--grid small|full] [--only I ...] [--repeat N] [--big SEQ]
 
 Each grid point trains a small model for real on CPU ranks and measures each phase's
 peak above the rank's baseline, as tests/memory_probe.py says (RSS less file pages,
@@ -16,7 +16,9 @@ OUT/forecast.json (--out, default bench/results/local).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 from dataclasses import asdict
 
@@ -117,6 +119,8 @@ def main() -> None:
     ap.add_argument("--big", type=int, metavar="SEQ", help="print the 7B/13B/70B forecasts at this seq instead")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--only", type=int, nargs="*", help="grid indices to run")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the grid (median and range)")
+    ap.add_argument("--summarize", nargs="*", metavar="JSON", help="summarise earlier runs' raw JSON instead")
     add_out(ap)
     args = ap.parse_args()
     if args.big:
@@ -132,24 +136,63 @@ def main() -> None:
         print(markdown_table(header, table, "lrrlrrrrlr"))
         print(f"raw: {save_results('forecast_big', args, big)}")
         return
-    rows: list[dict] = []
+    if args.summarize:
+        runs = []
+        for path in args.summarize:
+            with open(path) as f:
+                runs.append(json.load(f)["rows"])
+        print(summary(runs))
+        return
+    runs = []
     points = grid(args.grid)
-    for i, pt in enumerate(points):
-        if args.only and i not in args.only:
-            continue
-        progress(f"[{i + 1}/{len(points)}] {pt.label()}")
-        got = compare(pt, args.device)
-        progress("  " + ", ".join(f"{r['phase']} {r['error_pct']:+.1f}%" for r in got))
-        rows += [{**r, "config": asdict(pt)} for r in got]
-    table = [
-        [r["point"], r["phase"], f"{r['forecast_mib']:.1f}", f"{r['measured_mib']:.1f}", f"{r['error_pct']:+.1f}%",
-         r["biggest"]]
-        for r in rows
-    ]  # fmt: skip
-    print(markdown_table(["point", "phase", "forecast MiB", "measured MiB", "error", "biggest part"], table, "llrrrl"))
-    within = sum(abs(r["error_pct"]) <= 10 for r in rows)
-    print(f"\n{within} of {len(rows)} phases within 10% of the measured peak above baseline")
-    print(f"raw: {save_results('forecast', args, rows)}")
+    for rep in range(args.repeat):
+        rows: list[dict] = []
+        for i, pt in enumerate(points):
+            if args.only and i not in args.only:
+                continue
+            progress(f"[run {rep + 1}/{args.repeat}, {i + 1}/{len(points)}] {pt.label()}")
+            got = compare(pt, args.device)
+            progress("  " + ", ".join(f"{r['phase']} {r['error_pct']:+.1f}%" for r in got))
+            rows += [{**r, "config": asdict(pt)} for r in got]
+        runs.append(rows)
+    print(summary(runs))
+    print(f"raw: {save_results('forecast', args, [r for rows in runs for r in rows])}")
+
+
+def summary(runs: list[list[dict]]) -> str:
+    """One row per grid point: each phase's error, median of the runs with the range,
+    then the forecast and measured MiB of the phase with the largest error."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for rows in runs:
+        for r in rows:
+            by.setdefault((r["point"], r["phase"]), []).append(r)
+    points = list(dict.fromkeys(p for p, _ in by))
+    phases = list(dict.fromkeys(ph for _, ph in by))
+    table, within, total = [], 0, 0
+    for pt in points:
+        cells = []
+        for ph in phases:
+            errs = sorted(r["error_pct"] for r in by[(pt, ph)])
+            med = statistics.median(errs)
+            within += abs(med) <= 10
+            total += 1
+            span = f" ({errs[0]:+.1f}..{errs[-1]:+.1f})" if len(errs) > 1 else ""
+            cells.append(f"{med:+.1f}%{span}")
+        table.append([pt, *cells])
+    n = len(runs)
+    detail = []
+    for (pt, ph), rs in by.items():
+        fc = statistics.median(r["forecast_mib"] for r in rs)
+        me = statistics.median(r["measured_mib"] for r in rs)
+        err = statistics.median(r["error_pct"] for r in rs)
+        detail.append([pt, ph, f"{fc:.1f}", f"{me:.1f}", f"{err:+.1f}%", rs[0]["biggest"]])
+    header = ["point", "phase", "forecast MiB", "measured MiB", "error", "biggest part"]
+    detailed = markdown_table(header, detail, "llrrrl")
+    head = markdown_table(["point", *phases], table, "l" + "r" * len(phases))
+    return (
+        f"{detailed}\n\nError per phase, median of {n} run{'s' * (n > 1)} (range):\n\n{head}\n\n"
+        f"{within} of {total} phases within 10%"
+    )
 
 
 if __name__ == "__main__":

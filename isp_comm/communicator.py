@@ -303,20 +303,36 @@ class ISPCommunicator:
         return fqn in self._sharded
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unpadded state dict with the original keys and shapes (collective)."""
+    def full_state_dict(self, cpu: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The full, unpadded state dict with the original keys and shapes (collective
+        over the world: every rank must call it).
+
+        ``cpu``: each full tensor is moved to host memory as soon as its unit is
+        gathered, so the device holds one unit's full tensors at a time (as DCP's
+        ``StateDictOptions(full_state_dict=True, cpu_offload=True)``). ``rank0_only``:
+        the other ranks gather too but keep nothing and return ``{}`` (for exporting
+        from rank 0 without every rank holding the whole model)."""
         self._check_idle("full_state_dict()")
-        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        keep = not rank0_only or self.groups.rank == 0
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu") if cpu and t.device.type != "cpu" else t
+
+        sharded = {sp.fqn for unit in self.sharded_units for sp in unit.params}
+        sharded |= {fqn for unit in self.sharded_units for _, _, _, fqn in unit.aliases}
+        order = list(self.model.state_dict(keep_vars=True))
+        sd = {k: out(v.detach()).clone() for k, v in self.model.state_dict().items() if k not in sharded and keep}
         for unit in self.sharded_units:
             fulls = self.gather_full(unit, list(unit.shards))
+            if not keep:
+                continue
+            fulls = [out(f) for f in fulls]
             for sp, full in zip(unit.params, fulls):
                 sd[sp.fqn] = full
             for _, _, i, fqn in unit.aliases:
-                if fqn in sd:
-                    sd[fqn] = fulls[i]
-        return sd
+                sd[fqn] = fulls[i]
+        return {k: sd[k] for k in order if k in sd}
 
-    @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
         self._check_idle("load_full_state_dict()")

@@ -233,6 +233,13 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     # differently initialised model, they must replace its weights (a load that
     # ignored full tensors would leave them)
     full = comm.full_state_dict()
+    # exporting from rank 0: the same tensors and keys there, nothing kept elsewhere
+    # (the gathers are collective: rank 1 must call it too)
+    only0 = comm.full_state_dict(cpu=True, rank0_only=True)
+    if rank == 0:
+        assert list(only0) == list(full) and max_diff(only0, full) == 0.0
+    else:
+        assert only0 == {}
     other = _model()
     with torch.no_grad():
         for p in other.parameters():
