@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import fully_shard
 
+from isp_comm.backends import SymmCpuBackend
 from isp_comm.integrations.fsdp2 import use_symm_collectives
 from isp_comm.testing import run_ranks
 from tests.parity import Case, batches, loss_fn, max_diff, train_reference
@@ -18,6 +19,7 @@ def _fsdp_worker(rank: int, world: int, symm: bool) -> tuple[float, int]:
     for m in mods:
         fully_shard(m)
     backend = use_symm_collectives(mods) if symm else None
+    assert backend is None or isinstance(backend, SymmCpuBackend)  # chosen by the parameters' device
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in batches(case, world):
         for x, y in step:

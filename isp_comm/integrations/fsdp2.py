@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from isp_comm.backends import Backend, SymmCpuBackend
+from isp_comm.backends import Backend, make_backend
 
 
 class BackendAllGather(AllGather):
@@ -55,14 +55,22 @@ class BackendReduceScatter(ReduceScatter):
         return None
 
 
-def use_symm_collectives(modules: Iterable[FSDPModule], timeout_s: float = 300.0) -> SymmCpuBackend:
+def use_symm_collectives(modules: Iterable[FSDPModule], timeout_s: float = 300.0) -> Backend:
     """Route the all-gathers and reduce-scatters of these ``fully_shard``-ed modules
-    through one CPU symmetric-memory backend; ``close()`` it when training ends."""
-    backend = SymmCpuBackend(timeout_s)
-    ag, rs = BackendAllGather(backend, timeout_s), BackendReduceScatter(backend, timeout_s)
+    through one symmetric-memory backend, chosen by the parameters' device: shared
+    memory for CPU parameters, torch's symmetric memory for CUDA ones (its handles
+    make the calling stream, FSDP2's all-gather or reduce-scatter stream, wait on an
+    event: no host thread touches CUDA tensors); ``close()`` it when training ends."""
+    modules = list(modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise TypeError(f"{type(m).__name__} is not an FSDP2 module: call fully_shard on it first")
+    devices = {p.device for m in modules for p in m.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"the modules' parameters must be on one device, found {sorted(map(str, devices))}")
+    backend = make_backend("symm", devices.pop(), timeout_s)
+    ag, rs = BackendAllGather(backend, timeout_s), BackendReduceScatter(backend, timeout_s)
+    for m in modules:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
     return backend
