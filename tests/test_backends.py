@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from isp_comm.backends import SymmCpuBackend, TorchBackend
+from isp_comm.backends.base import symmetric_refusal
 from isp_comm.backends.symm_cpu import HOST_ENV
 from isp_comm.errors import ISPCommTimeout
 from isp_comm.testing import run_ranks
@@ -145,6 +146,16 @@ def _two_host_worker(rank: int, world: int) -> bool:
 @pytest.mark.timeout(60)
 def test_group_across_hosts_falls_back_to_torch() -> None:
     assert all(run_ranks(_two_host_worker, 4, timeout_s=50))
+
+
+def test_symmetric_refusal_per_group() -> None:
+    """The one decision both symmetric-memory backends take per group (the CPU one
+    above with two simulated hosts; the CUDA one adds each rank's peer access)."""
+    assert symmetric_refusal(["a", "a"]) is None
+    assert symmetric_refusal(["a", "a"], [True, True]) is None
+    assert "spans hosts ['a', 'b']" in symmetric_refusal(["a", "b", "a"])
+    assert "peer access" in symmetric_refusal(["a", "a"], [True, False])
+    assert "spans hosts" in symmetric_refusal(["a", "b"], [False, False])  # the host decides first
 
 
 def _stalled_peer_worker(rank: int, world: int) -> str:

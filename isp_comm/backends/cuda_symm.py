@@ -13,11 +13,17 @@ Not exercised by CI (no GPU there): its tests live in ``tests/gpu/``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle, cuda_with
+from isp_comm.backends.base import CompletedHandle, Handle, cuda_with, symmetric_refusal
+from isp_comm.backends.symm_cpu import host_id
+from isp_comm.backends.torch_backend import TorchBackend
+
+log = logging.getLogger("isp_comm")
 
 
 def available() -> bool:
@@ -25,15 +31,15 @@ def available() -> bool:
 
 
 class CudaEventHandle:
-    __slots__ = ("_event",)
+    __slots__ = ("_device", "_event")
 
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self._event = event
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self._event, self._device = event, device
 
     def wait(self, timeout_s: float) -> None:
         # The device-side barriers carry the deadline (timeout_ms); here the
         # caller's stream simply orders itself after the collective.
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 class CudaSymmBackend:
@@ -45,14 +51,41 @@ class CudaSymmBackend:
         self._symm = symm_mem
         self._timeout_ms = int(timeout_s * 1000)
         self._groups: dict[str, tuple[torch.Tensor, object]] = {}
-        self._stream = torch.cuda.Stream()
+        self._local: dict[str, bool] = {}  # group -> symmetric memory (else NCCL, see _symmetric)
+        self._fallback = TorchBackend()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # per device: made on the tensors' own
+
+    def _symmetric(self, group: ProcessGroup, device: torch.device) -> bool:
+        """Whether ``group`` uses symmetric memory: its ranks share a host and their
+        GPUs reach each other (decided once per group, collectively, at its first
+        collective; every rank issues the same collectives, so all decide alike).
+        Otherwise NCCL serves it, said in one line."""
+        key = group.group_name
+        if key not in self._local:
+            props = torch.cuda.get_device_properties
+            mine = str(props(device).uuid)
+            infos: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(infos, (host_id(), mine), group=group)
+            here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
+            index = {str(props(i).uuid): i for i in range(torch.cuda.device_count())}
+            ok = len(set(here)) == len(here) and all(  # one GPU per rank, each reaching the others
+                u == mine or (u in index and torch.cuda.can_device_access_peer(device, index[u])) for u in here
+            )
+            flags: list = [None] * len(infos)
+            dist.all_gather_object(flags, ok, group=group)
+            refusal = symmetric_refusal([h for h, _ in infos], flags)
+            self._local[key] = refusal is None
+            if refusal is not None and dist.get_rank(group) == 0:
+                ranks = dist.get_process_group_ranks(group)
+                log.warning("isp-comm: group %s: %s; using NCCL for it", ranks, refusal)
+        return self._local[key]
 
     def _buffer(self, group: ProcessGroup, nbytes: int, device: torch.device):
         key = group.group_name
         have = self._groups.get(key)
         if have is None or have[0].numel() < nbytes:
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            torch.cuda.current_stream().synchronize()  # the old buffer is no longer read
+            torch.cuda.current_stream(device).synchronize()  # the old buffer is no longer read
             buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
             have = (buf, self._symm.rendezvous(buf, group))
             self._groups[key] = have
@@ -63,8 +96,11 @@ class CudaSymmBackend:
             body(None, None)
             return CompletedHandle()
         buf, hdl = self._buffer(group, nbytes, device)
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
             if inp is not None and inp.numel():
                 flat = inp.reshape(-1)
                 buf[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
@@ -72,17 +108,19 @@ class CudaSymmBackend:
             body(hdl, buf)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         for t in (inp,):
             if t is not None:
-                t.record_stream(self._stream)
-        return CudaEventHandle(event)
+                t.record_stream(stream)
+        return CudaEventHandle(event, device)
 
     @staticmethod
     def _peer(hdl, r: int, n: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         return hdl.get_buffer(r, (n,), dtype, offset)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if not self._symmetric(group, inp.device):
+            return self._fallback.all_gather(out, inp, group)
         n, w = inp.numel(), dist.get_world_size(group)
 
         def body(hdl, _buf):
@@ -102,6 +140,8 @@ class CudaSymmBackend:
         out.copy_(acc)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if not self._symmetric(group, inp.device):
+            return self._fallback.reduce_scatter(out, inp, group)
         n, w = out.numel(), dist.get_world_size(group)
 
         def body(hdl, _buf):
@@ -113,6 +153,8 @@ class CudaSymmBackend:
         return self._run(group, inp, inp.numel() * inp.element_size(), inp.device, body)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
+        if not self._symmetric(group, tensor.device):
+            return self._fallback.all_reduce(tensor, group)
         n, w = tensor.numel(), dist.get_world_size(group)
 
         def body(hdl, _buf):
@@ -122,6 +164,8 @@ class CudaSymmBackend:
         return self._run(group, tensor, n * tensor.element_size(), tensor.device, body)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if not self._symmetric(group, inp.device):
+            return self._fallback.all_to_all(out, inp, group)
         w = dist.get_world_size(group)
         n = inp.numel() // w
 
@@ -146,3 +190,4 @@ class CudaSymmBackend:
     def close(self) -> None:
         torch.cuda.synchronize()
         self._groups.clear()
+        self._fallback.close()

@@ -84,7 +84,7 @@ class NvshmemBackend:
     def _finish(self) -> Handle:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
-        return CudaEventHandle(event)
+        return CudaEventHandle(event, torch.device("cuda", torch.cuda.current_device()))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle
+from isp_comm.backends.base import CompletedHandle, Handle, symmetric_refusal
 from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
@@ -227,8 +227,9 @@ class SymmCpuBackend:
     def _setup(self, group: ProcessGroup, ranks: tuple[int, ...]) -> _Group | None:
         infos: list = [None] * len(ranks)
         dist.all_gather_object(infos, (host_id(), os.getpid(), secrets.token_hex(4)), group=group)
-        if len({h for h, _, _ in infos}) > 1:
-            log.warning("isp-comm: group %s spans hosts; using torch.distributed for it", list(ranks))
+        refusal = symmetric_refusal([h for h, _, _ in infos])
+        if refusal is not None:
+            log.warning("isp-comm: group %s: %s; using torch.distributed for it", list(ranks), refusal)
             return None
         me = ranks.index(dist.get_rank())
         pids, token = [p for _, p, _ in infos], infos[0][2]
