@@ -64,14 +64,24 @@ def reset_module(module: nn.Module, fqn: str, seed: int | None, init: Initialize
     if not hasattr(module, "reset_parameters") and init is None:
         for p in module.parameters(recurse=False):
             p.zero_()
-    cuda = sorted({t.device.index or 0 for t in _own_tensors(module) if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+    own = _own_tensors(module)
+    device = own[0].device if own else torch.device("cpu")
+    # [Note: seeded initialisation on the host] With a seed, a module's values are
+    # drawn on the CPU from the CPU generator alone, then copied to its device: the
+    # weights are then the same on CPU and GPU (a CUDA generator draws other numbers),
+    # and no GPU's RNG is seeded or advanced (torch.manual_seed would seed them all).
+    on_host = seed is not None and device.type != "cpu"
+    if on_host:
+        module._apply(lambda t: t.to("cpu"), recurse=False)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
-            torch.manual_seed(module_seed(seed, fqn))
+            torch.random.default_generator.manual_seed(module_seed(seed, fqn))
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
         if init is not None:
             init(module)
+    if on_host:
+        module._apply(lambda t: t.to(device), recurse=False)
 
 
 def materialize_module(

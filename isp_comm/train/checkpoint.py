@@ -102,13 +102,20 @@ def _crc(path: str) -> int:
     return crc
 
 
-def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int) -> dict:
-    return {
+def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int, cuda_rng: bool = True) -> dict:
+    """What a checkpoint holds. With parameters on a GPU also that GPU's RNG state
+    (dropout after a resume draws what it would have drawn), unless ``cuda_rng`` is
+    off (loading a checkpoint written without one)."""
+    state = {
         "model": comm.state_dict(),
         "optim": comm.optimizer_state_dict(opt),
         "meta": {"step": torch.tensor(step)},
         "rng": torch.get_rng_state(),
     }
+    device = comm.units[0].device
+    if cuda_rng and device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 class Checkpointer:
@@ -255,7 +262,7 @@ def verify(path: str) -> None:
 def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
     """Load ``path`` into the wrapped model and ``opt`` (any WP size); returns its step."""
     verify(path)
-    state = _state(comm, opt, 0)
+    state = _state(comm, opt, 0, cuda_rng="cuda_rng" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure (a BaseException)
@@ -263,4 +270,6 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
     torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], comm.units[0].device)
     return int(state["meta"]["step"])

@@ -178,3 +178,16 @@ def test_isp_train_on_cuda(tmp_path, nproc: int, extra: list[str]) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all("peak_alloc_mib" in r for r in rows), rows[-1]
     assert "cuda bf16" in res.stdout + res.stderr
+
+
+def test_seeded_meta_init_is_the_same_on_cpu_and_cuda_and_leaves_cuda_rng_alone() -> None:
+    """[Note: seeded initialisation on the host]: init_weights of a CUDA model draws on
+    the CPU, so it equals the CPU model's, and the GPU's RNG state is untouched."""
+    from isp_comm.materialize import init_weights
+
+    cpu, gpu = Case(bias=True).build(), Case(bias=True).build().to(DEV)
+    before = torch.cuda.get_rng_state(DEV)
+    init_weights(cpu, 11), init_weights(gpu, 11)
+    assert torch.equal(torch.cuda.get_rng_state(DEV), before)
+    for (name, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values()):
+        assert torch.equal(a, b.cpu()), name
