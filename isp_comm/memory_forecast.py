@@ -206,18 +206,17 @@ def forecast(
         wp,
         gather_landing(wp, config.comm_granularity),
     )
-    rs_bytes = plan.rs_buffers * sum(n * dt.itemsize + -(-n // wp) * dt.itemsize for dt, n in plan.rs_numel.items())
-    pool_bytes = plan.pool_bytes - rs_bytes
+    rs_bytes, pool_bytes = plan.rs_bytes, plan.pool_bytes - plan.rs_bytes
 
     shm = 0
     if device == "cpu" and config.backend in ("auto", "symm") and world > 1:
-        gathered = [(lay, tr) for i, lay, tr in layouts if i >= -1]
+        gathered = [lay for i, lay, _ in layouts if i >= -1]  # the blocks and the outer unit
         buffers, largest = shared_memory_need(
             plan.pool_bytes,
             config.memory_pool,
             (wp, world // wp, world),
-            max(lay.gathered_numel * lay.dtype.itemsize for lay, _ in gathered),
-            max(flat_bytes(lay) for lay, _ in gathered),
+            max(lay.gathered_numel * lay.dtype.itemsize for lay in gathered),
+            max(flat_bytes(lay) for lay in gathered),
             repl_bytes,
         )
         shm = (buffers + sum(scratch_bytes(n) for n in largest)) * (local_world or world)

@@ -30,18 +30,17 @@ class MemoryPlan:
     about: every local rank's pool buffers and collective scratch (0: not used)."""
     pool_bytes: int = field(init=False)
     """Slots plus staging plus reduce-scatter buffers, in bytes."""
+    rs_bytes: int = field(init=False)
+    """The reduce-scatter buffers alone (inputs and outputs), in bytes."""
 
     def __post_init__(self) -> None:
         def nbytes(d: dict[torch.dtype, int]) -> int:
             return sum(n * dt.itemsize for dt, n in d.items())
 
         rs_out = sum(-(-n // self.wp_size) * dt.itemsize for dt, n in self.rs_numel.items())
-        total = (
-            self.n_slots * nbytes(self.slot_numel)
-            + nbytes(self.staging_numel)
-            + self.rs_buffers * (nbytes(self.rs_numel) + rs_out)
-        )
-        object.__setattr__(self, "pool_bytes", total)
+        rs = self.rs_buffers * (nbytes(self.rs_numel) + rs_out)
+        object.__setattr__(self, "rs_bytes", rs)
+        object.__setattr__(self, "pool_bytes", self.n_slots * nbytes(self.slot_numel) + nbytes(self.staging_numel) + rs)
 
     def describe(self) -> str:
         parts = [
