@@ -333,6 +333,7 @@ class ISPCommunicator:
                 sd[fqn] = fulls[i]
         return {k: sd[k] for k in order if k in sd}
 
+    @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
         self._check_idle("load_full_state_dict()")
