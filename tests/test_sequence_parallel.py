@@ -168,7 +168,7 @@ def test_packed_qkv_parity() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("hf", marks=pytest.mark.slow)])
 def test_varlen_packed_parity(kind: str) -> None:
     if kind == "hf":
         import transformers  # noqa: F401  (the test extra installs it: never a silent skip)

@@ -12,7 +12,7 @@ from tests.test_sequence_parallel import _model, check_sp_cases
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("hf", marks=pytest.mark.slow)])
 def test_vocab_parallel_parity(kind: str) -> None:
     if kind == "hf":
         import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
