@@ -157,7 +157,7 @@ def _errors(root: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_hf_round_trip(sources: str, world: int) -> None:
     results = run_ranks(_round_trips, world, sources, timeout_s=380)
     if world == 2:
