@@ -78,10 +78,10 @@ def test_parity_symm_two_host_simulation() -> None:
 
 
 @pytest.mark.timeout(300)
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("world, backend", [(2, "symm"), pytest.param(3, "torch", marks=SLOW), pytest.param(4, "symm", marks=SLOW)])
+@pytest.mark.parametrize(
+    "world, backend",
+    [(2, "symm"), pytest.param(3, "torch", marks=pytest.mark.slow), pytest.param(4, "symm", marks=pytest.mark.slow)],
+)
 def test_parity_with_outer_params_sharded(world: int, backend: str) -> None:
     # Embedding sharded along the hidden dim, final norm and head along dim 0 (vocab 37
     # pads at wp 2 and 4).
