@@ -318,10 +318,8 @@ class ISPCommunicator:
         def out(t: torch.Tensor) -> torch.Tensor:
             return t.to("cpu") if cpu and t.device.type != "cpu" else t
 
-        sharded = {sp.fqn for unit in self.sharded_units for sp in unit.params}
-        sharded |= {fqn for unit in self.sharded_units for _, _, _, fqn in unit.aliases}
-        order = list(self.model.state_dict(keep_vars=True))
-        sd = {k: out(v.detach()).clone() for k, v in self.model.state_dict().items() if k not in sharded and keep}
+        own = self.model.state_dict()
+        sd = {k: out(v).clone() for k, v in own.items() if k not in self._sharded and keep}
         for unit in self.sharded_units:
             fulls = self.gather_full(unit, list(unit.shards))
             if not keep:
@@ -331,7 +329,7 @@ class ISPCommunicator:
                 sd[sp.fqn] = full
             for _, _, i, fqn in unit.aliases:
                 sd[fqn] = fulls[i]
-        return {k: sd[k] for k in order if k in sd}
+        return {k: sd[k] for k in own if k in sd}
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -33,7 +33,8 @@ Modelled, not traced: the loss (logits held by the loop, their fp32 copy and
 log-softmax, and two fp32 logits-sized tensors in its backward), the activation
 gradients inside a block's backward (two hidden states and the block's largest saved
 tensor), and the optimizer's temporaries (torch's for-each AdamW on CUDA: one
-``sqrt`` of every second moment; the per-parameter one on CPU: the largest shard).
+``sqrt`` of every second moment; the per-parameter one on CPU: the largest one's
+sqrt and quotient).
 On CPU, two parts are measured constants rather than counts: what gloo and the bf16
 kernels keep outside tensors (``_cpu_runtime``). ``bench/forecast.py`` measures how
 close this comes.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -79,8 +81,6 @@ class MemoryForecast:
     in, per phase (save, async_save, load); on CPU that is the device's, in ``phases``."""
     activations_by_block: list[int]
     """Bytes each block keeps for backward (a checkpointed one: its input only)."""
-    checkpointed: int
-    """How many blocks (from the first) recompute their activations."""
 
     def peak(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -184,7 +184,7 @@ def forecast(
         trainable = [sp_.module._parameters[sp_.name].requires_grad for sp_ in layout.params]
         layouts.append((s.index, layout, trainable))
     in_units = {id(sp_.module._parameters[sp_.name]) for _, lay, _ in layouts for sp_ in lay.params}
-    replicated = [p for p in _unique_params(model) if id(p) not in in_units]
+    replicated = [p for p in model.parameters() if id(p) not in in_units]  # each tied one once
 
     def flat_bytes(lay: BlockLayout) -> int:
         return lay.store.numel * lay.dtype.itemsize
@@ -232,10 +232,9 @@ def forecast(
     n_ckpt = round(config.activation_checkpointing * len(block_list))
     traced = _trace(model, block_list, batch // dp, seq // sp, pd, forward)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
-    f32 = 4
-    logits = traced.logits_bytes
-    logits_f32 = traced.logits_numel * f32
-    loss_fwd = logits + (logits_f32 if traced.logits_dtype != torch.float32 else 0) + logits_f32
+    numel, dtype = traced.logits
+    logits, logits_f32 = numel * dtype.itemsize, numel * 4
+    loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
     loss_bwd = logits + 2 * logits_f32  # held logits, then log-softmax's output and its gradient
 
     persistent = {
@@ -278,30 +277,24 @@ def forecast(
         "logits and loss": loss_fwd,
     }
 
-    # backward: from the loss back to the embedding, block by block
-    grad_dtype = {i: (lay.gather_dtype.itemsize) for i, lay, _ in layouts}
+    # backward: from the loss back to the embedding, block by block; its peak is the
+    # largest of these moments
     head_grads = sum(repl_trainable)  # upper bound: the embedding's comes last, the head's first
-    best: dict[str, int] = {}
-    best_total = -1
-    moments = [{act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_bwd, "replicated grads": head_grads}]
-    for i in reversed(range(len(block_list))):
-        lay, tr = block_layouts[i]
-        full_grads = sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t) * grad_dtype[i]
-        working = 2 * traced.hidden_bytes + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0)
+    hidden = max(traced.inputs, default=0)
+    kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
+    moments = [{act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, "replicated grads": head_grads}]
+    for i, (lay, tr) in enumerate(block_layouts):
         moments.append(
             {
-                act_label: sum(acts[: i + 1]) + traced.outer_saved,
-                "block gradients (unsharded)": full_grads,
-                "activation gradients": working,
+                act_label: kept[i] + traced.outer_saved,
+                "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
+                * lay.gather_dtype.itemsize,
+                "activation gradients": 2 * hidden + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0),
                 "replicated grads": head_grads,
                 "logits and loss": logits,
             }
         )
-    for m in moments:
-        total = sum(m.values())
-        if total > best_total:
-            best, best_total = m, total
-    phases["backward"] = {**step_parts, **best}
+    phases["backward"] = {**step_parts, **max(moments, key=lambda m: sum(m.values()))}
 
     all_trainable = trainable_shards + repl_trainable
     temporaries = 0
@@ -310,8 +303,7 @@ def forecast(
         temporaries = sum(all_trainable) if device == "cuda" else 2 * max(all_trainable, default=0)
     phases["optimizer"] = {**steady, "replicated grads": sum(repl_trainable), "optimizer temporaries": temporaries}
 
-    items = [*trainable_shards, *repl_trainable]
-    largest_item = max([flat_bytes(lay) for _, lay, _ in layouts] + items, default=0)
+    largest_item = max([flat_bytes(lay) for _, lay, _ in layouts] + all_trainable, default=0)
     state_bytes = master + repl_bytes + opt_state
     staging = {"save": largest_item, "async_save": state_bytes, "load": 2 * largest_item}
     for ph, nbytes in staging.items():  # on CUDA, DCP stages in host memory (pinned for async saves)
@@ -321,7 +313,6 @@ def forecast(
         shm_bytes=shm,
         host_staging=staging if device == "cuda" else {},
         activations_by_block=acts,
-        checkpointed=n_ckpt,
     )
 
 
@@ -349,24 +340,13 @@ def _trainable_bytes(layout: BlockLayout, trainable: list[bool]) -> list[int]:
     return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.params, trainable) if t]
 
 
-def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
-
-
 @dataclasses.dataclass
 class _Traced:
     saved: list[int]  # per block: bytes kept for backward
     inputs: list[int]  # per block: bytes of its hidden-state input
     largest: list[int]  # per block: its largest saved tensor
     outer_saved: int  # outside the blocks (embedding, final norm, head)
-    hidden_bytes: int
-    logits_numel: int
-    logits_bytes: int
-    logits_dtype: torch.dtype
+    logits: tuple[int, torch.dtype]  # numel and dtype of the model's output
 
 
 def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -460,7 +440,7 @@ def _trace(
     twin_of: dict[int, int] = {}  # a block shaped like an earlier one is not traced again
     first: dict[tuple, int] = {}
     for i, b in enumerate(blocks):
-        key = (type(b), tuple((n, p.shape, p.dtype, p.requires_grad) for n, p in b.named_parameters()))
+        key = (type(b), tuple((name, p.shape, p.dtype, p.requires_grad) for name, p in b.named_parameters()))
         if key in first:
             twin_of[i] = first[key]
         else:
@@ -504,7 +484,4 @@ def _trace(
             h.remove()
     for i, j in twin_of.items():
         saved[i], largest[i] = saved[j], largest[j]
-    hidden = max(inputs) if any(inputs) else 0
-    return _Traced(
-        saved, inputs, largest, outer[0], hidden, logits.numel(), logits.numel() * logits.element_size(), logits.dtype
-    )
+    return _Traced(saved, inputs, largest, outer[0], (logits.numel(), logits.dtype))

@@ -76,7 +76,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     """The job on this rank; what it opens that holds threads or groups (the
     communicator, the checkpointer) is closed by ``closing``, also after an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
+    bf16 = use_bf16(cfg, device)
     meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
     resume_from = run_folder.prepare(cfg)  # one line, on every rank, for a folder in the way
     signals = Signals(cfg.save_on_signal if cfg.save_on_signal is not None else bool(cfg.save_every))
@@ -273,6 +273,16 @@ def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.
     return model, mcfg
 
 
+def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    """--bf16 / --no-bf16, else bf16 on a GPU."""
+    return cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
+
+
+def local_ranks(cfg: TrainConfig, world: int) -> int:
+    """Ranks on this host: torchrun's count, else what the flags launch here."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.nproc_per_node or world
+
+
 def isp_config(cfg: TrainConfig, bf16: bool) -> ISPConfig:
     return ISPConfig(
         overlap=cfg.overlap,
@@ -289,9 +299,10 @@ def isp_config(cfg: TrainConfig, bf16: bool) -> ISPConfig:
 
 def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, device: torch.device):
     """The forecast for this run's flags (see isp_comm/memory_forecast.py)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc_per_node or world))
-    wp = cfg.wp or world
-    return forecast(model, icfg, world, wp, cfg.sp, cfg.batch, cfg.seq, device=device.type, local_world=local)
+    wp = cfg.wp or world  # as ParallelGroups.create gets it
+    return forecast(
+        model, icfg, world, wp, cfg.sp, cfg.batch, cfg.seq, device=device.type, local_world=local_ranks(cfg, world)
+    )
 
 
 def memory_warnings(
@@ -303,7 +314,7 @@ def memory_warnings(
         fc = memory_forecast(cfg, model, icfg, world, device)
     except Exception as exc:  # a model the meta trace cannot run: train anyway, say so
         return [f"no memory forecast for this model ({type(exc).__name__}: {exc})"]
-    free = free_memory_per_rank(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    free = free_memory_per_rank(device, local_ranks(cfg, world))
     phase = fc.worst()
     need = fc.peak(phase) + (0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS"))
     if need <= free:
@@ -327,12 +338,12 @@ def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:
     return avail // max(local_ranks, 1)
 
 
-def plan(cfg: TrainConfig, argv_world: int) -> None:
+def plan(cfg: TrainConfig, world: int) -> None:
     """``--plan``: the forecast table for these flags, then one JSON line (phase -> MiB
     per rank, absolute: the baseline of this process, torch loaded and the model on
     meta, included)."""
     device = resolve_device(cfg)
-    bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
+    bf16 = use_bf16(cfg, device)
     if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
         vocab, tok_dir = 0, ""
     elif cfg.tokenizer:
@@ -340,9 +351,6 @@ def plan(cfg: TrainConfig, argv_world: int) -> None:
     else:
         vocab, tok_dir = load_tokens(cfg.data)[1], ""
     model, _ = build_meta_model(cfg, vocab, tok_dir)
-    world = argv_world
-    if world % cfg.sp or cfg.batch % (world // cfg.sp) or (cfg.wp and world % cfg.wp):
-        raise ValueError(f"world {world}: --sp, --wp and --batch / (world / sp) must divide it")
     fc = memory_forecast(cfg, model, isp_config(cfg, bf16), world, device)
     base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
     what = "CUDA allocated" if device.type == "cuda" else "RSS"
