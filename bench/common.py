@@ -35,13 +35,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], alig
 
 
 def save_results(name: str, args: object, rows: list) -> str:
-    """Write ``{"args": ..., "rows": ...}`` to ``OUT/NAME.json`` (``args.out``, else
-    bench/results/local); returns the path."""
+    """Write ``{"args": ..., "machine": ..., "rows": ...}`` to ``OUT/NAME.json``
+    (``args.out``, else bench/results/local); returns the path. ``machine``: cores,
+    torch and its CPU capability (the CPU kernels, and so some figures, depend on it)."""
+    import torch
+
     folder = getattr(args, "out", None) or LOCAL
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.json")
+    machine = {"cores": os.cpu_count(), "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
     with open(path, "w") as f:
-        json.dump({"args": vars(args) if hasattr(args, "__dict__") else args, "rows": rows}, f, indent=1)
+        args = vars(args) if hasattr(args, "__dict__") else args
+        json.dump({"args": args, "machine": machine, "rows": rows}, f, indent=1)
     return path
 
 
