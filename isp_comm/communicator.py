@@ -33,9 +33,9 @@ from isp_comm.memory_pool import (
     make_plan,
     shared_memory_need,
 )
-from isp_comm.sequence_parallel.apply import apply_sequence_parallel, check_sequence_chunks
+from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel, boundaries_key
 from isp_comm.state import ShardedState
-from isp_comm.trace import Tracer
+from isp_comm.trace import Tracer, clock_for
 from isp_comm.units import BlockUnit
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, vocab_parallel_cross_entropy
 
@@ -75,7 +75,7 @@ class ISPCommunicator:
         else:
             check_same_weights(model, device)
         self.backend = make_backend(config.backend, device, config.timeout_s)
-        self.ctx = CommContext(groups.rank, config.timeout_s, config.debug_delay_s)
+        self.ctx = CommContext(groups.rank, config.timeout_s, config.debug_delay_s, clock_for(device))
         try:  # before anything is sharded: a refused SP set-up leaves the model as it was
             self._undo_sp = self._apply_sequence_parallel() if groups.sp_size > 1 else None
         except Exception:
@@ -117,6 +117,17 @@ class ISPCommunicator:
             shm = check(*self._shared_memory_need(plan, replicated))
             if not getattr(self.backend, "disabled", False):
                 plan = dataclasses.replace(plan, shm_bytes=shm)
+        reserve = getattr(self.backend, "reserve", None)  # CUDA symmetric memory: scratch sized once, here
+        if reserve is not None:
+            g = self.groups
+            gathered, shard, repl = self._largest_collectives(replicated)
+            for group, size, nbytes in (
+                (g.wp_group, g.wp_size, gathered),
+                (g.replica_group, g.replica_size, shard),
+                (g.world_group, g.world_size, repl),
+            ):
+                if size > 1 and nbytes:
+                    reserve(group, nbytes, units[0].device)
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool
@@ -149,21 +160,22 @@ class ISPCommunicator:
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._chunk_check = None
         if g.sp_size > 1:
-
-            def check(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-                check_sequence_chunks(args, kwargs, g.sp_group, g.sp_size, self.backend, self.ctx)
-
+            check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, boundaries_key(model))
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
     def _shared_memory_need(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> tuple[int, list[int]]:
         """See :func:`~isp_comm.memory_pool.shared_memory_need` (what is ever gathered:
         the blocks and the outer parameters' unit)."""
         g = self.groups
+        sizes = (g.wp_size, g.replica_size, g.world_size)
+        largest = self._largest_collectives(replicated)
+        return shared_memory_need(plan.pool_bytes, self.config.memory_pool, sizes, *largest)
+
+    def _largest_collectives(self, replicated: list[nn.Parameter]) -> tuple[int, int, int]:
+        """Bytes per rank of the largest collective of each group: a gathered unit
+        (WP), a flat shard (replica all-reduce), every replicated parameter (world)."""
         units = [u for u in (*self.units, self.root) if u is not None]
-        return shared_memory_need(
-            plan.pool_bytes,
-            self.config.memory_pool,
-            (g.wp_size, g.replica_size, g.world_size),
+        return (
             max(u.gathered_numel * u.flat_shard.element_size() for u in units),
             max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units),
             sum(p.numel() * p.element_size() for p in replicated),
@@ -232,15 +244,21 @@ class ISPCommunicator:
 
     def start_trace(self) -> None:
         """Record compute and communication spans from now on (see ``trace_spans``)."""
-        self.ctx.tracer = Tracer()
+        self.ctx.tracer = Tracer(self.ctx.clock)
 
     def stop_trace(self) -> list[tuple[str, str, float, float]]:
         """Stop recording; the (lane, name, start_s, end_s) spans since ``start_trace``."""
         tracer, self.ctx.tracer = self.ctx.tracer, None
-        return list(tracer.spans) if tracer is not None else []
+        if tracer is None:
+            return []
+        tracer.clock.settle()  # outside a step: every CUDA event may complete
+        return tracer.spans()
 
     def stats(self) -> dict[str, float | int]:
-        """Counters of communication and memory since wrapping."""
+        """Counters of communication and memory since wrapping. On CUDA,
+        ``exposed_comm_s`` counts the waits whose events have completed by now (all of
+        them once the host has waited for the step, e.g. for its loss)."""
+        self.ctx.settle_waits()
         c = self.ctx.counters
         return {
             "all_gathers": c.all_gathers,

@@ -76,6 +76,13 @@ class ISPConfig:
     """Reduce-scatters in flight at once; an older one is waited before a new one is
     issued, which bounds gradient-buffer memory."""
 
+    bucket_mb: float = 25.0
+    """Size of the buckets in which the gradients autograd leaves whole (replicated
+    parameters over the world, the vocab-parallel head's and hidden-split
+    embedding's shards over replicas) are all-reduced as soon as each bucket's
+    gradients exist, during backward, as DDP's ``bucket_cap_mb``. Larger buckets mean
+    fewer, later collectives."""
+
     backend: BackendName = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
     ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
@@ -115,6 +122,8 @@ class ISPConfig:
         k = self.max_inflight_reduce_scatter
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
         if self.comm_granularity not in get_args(CommGranularity):
             raise ValueError(f"comm_granularity must be 'block' or 'module', got {self.comm_granularity!r}")
         if self.backend not in BACKENDS:

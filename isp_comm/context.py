@@ -1,11 +1,11 @@
 """The communication context: what every component that issues or waits on a
 collective is handed explicitly (compare FSDP2's ``FSDPCommContext``).
 
-It owns the deadline of every wait, the failure flag, the counters, the tracer and
-the event log. Waiting goes through :meth:`CommContext.wait` and nowhere else, so
-every timeout names the rank, sets the failure flag (after which nobody waits on
-the vanished peers again) and counts as exposed communication, whoever waits: the
-block engine, the vocab-parallel head, the hidden-split embedding, the
+It owns the deadline of every wait, the failure flag, the counters, the clock, the
+tracer and the event log. Waiting goes through :meth:`CommContext.wait` and nowhere
+else, so every timeout names the rank, sets the failure flag (after which nobody
+waits on the vanished peers again) and counts as exposed communication, whoever
+waits: the block engine, the vocab-parallel head, the hidden-split embedding, the
 sequence-parallel all-to-all or the chunk check.
 """
 
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from isp_comm.backends.base import Handle
-from isp_comm.trace import Tracer
+from isp_comm.trace import Clock, HostClock, Tracer
 
 
 @dataclass
@@ -29,15 +31,17 @@ class CommCounters:
     bytes_gathered: int = 0
     bytes_reduced: int = 0
     exposed_comm_s: float = 0.0
-    """Time the training thread spent waiting for collectives."""
+    """Time the training thread (CPU), or the compute stream (CUDA), stood still
+    waiting for collectives; see [Note: two clocks] in ``isp_comm/trace.py``."""
 
 
 class CommContext:
-    """Deadline, failure flag, counters, tracer and event log of one communicator."""
+    """Deadline, failure flag, counters, clock, tracer and event log of one communicator."""
 
-    def __init__(self, rank: int, timeout_s: float, debug_delay_s: float = 0.0) -> None:
+    def __init__(self, rank: int, timeout_s: float, debug_delay_s: float = 0.0, clock: Clock | None = None) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
+        self.clock: Clock = clock if clock is not None else HostClock()
         self.counters = CommCounters()
         self.tracer: Tracer | None = None
         """Records compute and communication spans while set (``comm.start_trace()``)."""
@@ -47,32 +51,59 @@ class CommContext:
         """A wait failed: peers are gone, so in-flight collectives are abandoned."""
         self._debug_delay_s = debug_delay_s
         self._delay_rng = random.Random(rank) if debug_delay_s > 0 else None
+        self._unresolved: deque[tuple[Any, Any]] = deque()  # CUDA waits whose events have not completed
 
-    def wait(self, handle: Handle, what: str, span: tuple[str, str, float] | None = None) -> float:
-        """Wait for ``handle`` within the deadline; returns when it completed.
+    def wait(self, handle: Handle, what: str, span: tuple[str, str, Any] | None = None) -> None:
+        """Wait for ``handle`` within the deadline.
 
         A failure or timeout re-raises with ``what`` and this rank named, and sets
-        ``failed``. ``span`` = (lane, name, issued_at) records the collective's span
-        from its issue to now in the tracer; the wait itself is recorded too."""
-        t0 = time.perf_counter()
+        ``failed``. ``span`` = (lane, name, issued) with ``issued`` from
+        :meth:`issued` records the collective's span in the tracer; the wait itself
+        is recorded too."""
+        t0 = self.clock.now()
         try:
             handle.wait(self.timeout_s)
         except Exception as exc:
             self.failed = True
             raise type(exc)(f"{what} (rank {self.rank}): {exc}") from exc
-        t1 = time.perf_counter()
-        self.counters.exposed_comm_s += t1 - t0
+        t1 = self.clock.now()
+        self._unresolved.append((t0, t1))
+        if not self.clock.cuda or len(self._unresolved) > 256:
+            self.settle_waits()
         if self.tracer is not None:
-            if t1 - t0 > 1e-5:
-                self.tracer.add("wait", what, t0, t1)
-            if span is not None:
-                self.tracer.add(span[0], span[1], span[2], t1)
-        return t1
+            self.tracer.add("wait", what, t0, t1)
+            if span is not None and span[2] is not None:
+                start, done = span[2] if isinstance(span[2], tuple) else (span[2], None)
+                self.tracer.add(span[0], span[1], start, t1 if done is None else done)
 
-    def trace(self, lane: str, name: str, start: float) -> None:
-        """Record a span from ``start`` to now, when tracing."""
-        if self.tracer is not None:
-            self.tracer.add(lane, name, start, time.perf_counter())
+    def settle_waits(self) -> None:
+        """Add the waits whose length is known by now to ``exposed_comm_s`` (on CUDA,
+        those whose events have completed; never blocks)."""
+        while self._unresolved:
+            dt = self.clock.elapsed(*self._unresolved[0])
+            if dt is None:
+                return
+            self._unresolved.popleft()
+            self.counters.exposed_comm_s += dt
+
+    def issued(self, handle: Handle) -> Any:
+        """A collective was just issued: the mark its span starts at, with its
+        completion on its own stream when the clock can tell (CUDA), while tracing;
+        ``None`` otherwise."""
+        if self.tracer is None:
+            return None
+        start = self.clock.now()
+        done = self.clock.completion(handle)
+        return start if done is None else (start, done)
+
+    def mark(self) -> Any:
+        """Now, as the clock marks it, while tracing (else ``None``)."""
+        return self.clock.now() if self.tracer is not None else None
+
+    def trace(self, lane: str, name: str, start: Any) -> None:
+        """Record a span from ``start`` (a :meth:`mark`) to now, when tracing."""
+        if self.tracer is not None and start is not None:
+            self.tracer.add(lane, name, start, self.clock.now())
 
     def delay(self) -> None:
         """Test-only: a random sleep before issuing a collective (``debug_delay_s``)."""

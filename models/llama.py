@@ -5,6 +5,7 @@ Plain PyTorch with no isp_comm imports: it is what users bring, and what isp-com
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +87,12 @@ def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention on [batch, heads, seq, head_dim]; k/v may have fewer (GQA) heads.
     ``(q, kv)`` and ``(qkv,)`` take the packed forms of ``LlamaConfig.qkv_layout``;
-    ``cu_seqlens`` (document boundaries, 0 ... seq) keeps attention inside documents."""
+    ``cu_seqlens`` (document boundaries, 0 ... seq, a tensor or host ints) keeps
+    attention inside documents."""
     if k is None:
         q, k, v = q.unbind(1)
     elif v is None:
@@ -100,7 +102,7 @@ def causal_attention(
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if cu_seqlens is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    cuts = cu_seqlens.tolist()
+    cuts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     docs = [(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
     return torch.cat([F.scaled_dot_product_attention(*d, is_causal=True) for d in docs], dim=2)
 

@@ -144,3 +144,33 @@ def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tupl
 def test_parity_module_granularity(world: int, backend: str) -> None:
     # one collective per parameter, landing in the slot directly (no landing buffer)
     _check(run_ranks(_module_granularity_worker, world, backend, timeout_s=180))
+
+
+def _bucket_worker(rank: int, world: int, case: Case) -> tuple[float, float, list[str], int]:
+    ref_sd, ref_losses = train_reference(case, world)
+    seen: dict = {}
+    sd, losses, _ = train_isp(
+        case, rank, world, 2, after_wrap=lambda comm: seen.update(events=comm.record_events()), bucket_mb=1e-4
+    )
+    phases = [phase for _, _, phase in seen["events"]]
+    start = phases.index("backward")
+    end = phases.index("forward", start)  # the first micro-step's backward
+    first = [kind for kind, _, _ in seen["events"][start:end]]
+    # replicated: the norms, the embedding and the head (everything no block linear holds)
+    n_replicated = sum(not n.startswith("layers.") or "norm" in n for n, _ in case.build().named_parameters())
+    return max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses)), first, n_replicated
+
+
+@pytest.mark.timeout(200)
+def test_whole_gradients_are_reduced_in_buckets_during_backward() -> None:
+    """World 4, wp 2: with buckets of one parameter (``bucket_mb`` tiny), the
+    replicated parameters' gradients are all-reduced as autograd produces them,
+    between the blocks' reduce-scatters (whose replica all-reduces are asynchronous
+    too), and training still equals single-process training."""
+    case = Case(optim="adamw", micro=2, ckpt=0.5, bias=True)
+    for d, ld, kinds, n_replicated in run_ranks(_bucket_worker, 4, case, timeout_s=180):
+        assert d <= ATOL["adamw"] and ld <= 2e-6, (d, ld)
+        reduces = [i for i, k in enumerate(kinds) if k == "reduce_scatter"]
+        buckets = [i for i, k in enumerate(kinds) if k == "all_reduce"]
+        assert len(buckets) == n_replicated, kinds  # one bucket each
+        assert buckets[0] < reduces[0] and buckets[-1] > reduces[-1], kinds  # the head's first, the embedding's last

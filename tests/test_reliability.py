@@ -207,3 +207,84 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cut_short_worker(rank: int, world: int) -> dict:
+    """Rank 1 fails on its own (a planted error): in the forward before gathering block
+    2, so rank 0's gather of block 2 never completes; in the backward just before block
+    1's, so rank 0's reduce-scatter of block 1 and its gather of block 0 never do.
+    Every wait gives up after 2 s, long before the backend's worker would."""
+    import logging
+
+    import torch.distributed as dist
+
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.hooks.block_state import GatherState
+    from isp_comm.memory_pool.slots import RETIRED
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("isp_comm").addHandler(handler)
+
+    def planted(*_: object) -> None:
+        raise RuntimeError("planted")
+
+    case = Case(steps=1)
+    (x, y), out = batches(case, world)[0][0], {}
+    for where in ("forward", "backward"):
+        model, error = case.build(), None
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend="symm", timeout_s=60))
+        comm.ctx.timeout_s = 2.0
+        if rank == 1 and where == "forward":
+            model.layers[1].register_forward_pre_hook(planted)  # after block 1's gather, before block 2's
+        elif rank == 1:
+
+            def pre_backward(unit, original=comm.engine.pre_backward) -> None:
+                planted() if unit.index == 1 else original(unit)
+
+            comm.engine.pre_backward = pre_backward
+        try:
+            loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        except (ISPCommTimeout, RuntimeError) as exc:
+            error = type(exc).__name__
+        pool, rs = comm.pool, comm.rs_buffers
+        gathers = [st for st in comm.engine.states if st.state is GatherState.GATHERING]
+        in_flight = [(st.slot, st.region, st._staging) for st in gathers if not st.handle.is_completed()]
+        pairs = [r.pair for r in comm.engine.reducer.inflight if r.in_flight()]
+        comm.close()
+        leaked = comm.engine.leaked
+        kept = [u for k in leaked for u in (k if isinstance(k, tuple) else (k,))]
+        held = lambda t, kept=kept: any(t is u for u in kept)  # noqa: E731
+        dt = comm.units[0].gather_dtype
+        out[where] = {
+            "error": error,
+            "gathers_in_flight": len(in_flight),
+            "reduces_in_flight": len(pairs),
+            # every buffer an unfinished collective may still touch is kept, none handed back
+            "kept": all(held(r) and (s is None or held(s)) for _, r, s in in_flight) and all(held(p[0]) for p in pairs),
+            "slots_retired": all(pool.owner(dt, slot) == RETIRED for slot, _, _ in in_flight),
+            "pairs_not_free": not any(p[0] is f[0] for p in pairs for f in rs._free.get(dt, [])),
+            "warned": any("cut short" in m for m in said),
+            "leaked": len(leaked),
+        }
+        said.clear()
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_step_cut_short_hands_back_no_buffer_still_in_flight() -> None:
+    """The CPU shared-memory backend's handles say (without waiting) whether their
+    collective is done: after rank 0's waits fail, a gather that its peer never joined
+    is still running on rank 0's worker, and so is a reduce-scatter. Closing must
+    keep their slots, landing buffer and reduce-scatter pair out of the pool."""
+    res = run_ranks(_cut_short_worker, 2, timeout_s=100)
+    fwd, bwd = res[0]["forward"], res[0]["backward"]
+    assert fwd["error"] == bwd["error"] == "ISPCommTimeout", res[0]
+    assert fwd["gathers_in_flight"] == bwd["gathers_in_flight"] == bwd["reduces_in_flight"] == 1, res[0]
+    for case in (fwd, bwd):
+        assert case["kept"] and case["slots_retired"] and case["pairs_not_free"], case
+        assert case["warned"], case
+    assert res[1]["forward"]["error"] == res[1]["backward"]["error"] == "RuntimeError", res[1]
+    assert not res[1]["forward"]["warned"], res[1]  # its peer joined every collective it issued

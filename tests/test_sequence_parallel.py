@@ -262,3 +262,48 @@ def test_local_attention_varlen_and_packed_forms() -> None:
     torch.testing.assert_close(causal_attention(q, kv), causal_attention(q, k[:, :2], v[:, :2]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="cu_seqlens must increase"):
         local_attention(q, k, v, torch.tensor([0, 9, 9, 16]))
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the Python calls that read a tensor's values to the host (on CUDA each
+    one waits for the GPU). A proxy that CPU ranks can run: a read inside a C++ op is
+    not seen (tests/gpu runs a step under ``set_sync_debug_mode("error")`` for that)."""
+
+    NAMES = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads_worker(rank: int, world: int) -> list[int]:
+    model = build(LlamaConfig(**{**SP_CFG, "n_layers": 3}))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig(activation_checkpointing=0.5))
+    seq = sum(DOCS)
+    lo, hi = rank * seq // 2, (rank + 1) * seq // 2
+    pos = torch.cat([torch.arange(n) for n in DOCS])
+    g = torch.Generator().manual_seed(3)
+    reads = []
+    for _ in range(3):
+        x, y = torch.randint(0, 37, (2, seq), generator=g), torch.randint(0, 37, (2, seq), generator=g)
+        cu = torch.tensor([0, *DOCS]).cumsum(0)  # a new boundaries tensor every step, as a data loader gives
+        with HostReads() as mode:
+            loss_fn(model(x[:, lo:hi], position_ids=pos[lo:hi], cu_seqlens=cu), y[:, lo:hi]).backward()
+        reads.append(len(mode.calls))
+    comm.close()
+    return reads
+
+
+@pytest.mark.timeout(60)
+def test_sp_step_reads_the_host_once() -> None:
+    """SP 2 with packed documents, 3 layers, one recomputed: after the first step (the
+    chunk check's lengths, set-up of the groups' shared memory), each step reads only
+    its ``cu_seqlens``, once (not twice per attention layer and recompute, and the
+    chunk lengths: 7 reads a step before)."""
+    for reads in run_ranks(_host_reads_worker, 2, timeout_s=50):
+        assert reads[1:] == [1, 1], reads

@@ -574,3 +574,56 @@ def test_lora_init_from_an_export_adapts_its_weights(tmp_path) -> None:
 
     (warning,) = start_warnings(TrainConfig(lora_rank=4))
     assert "--lora-rank adapts the reference llama's random initialisation" in warning
+
+
+def dropout_resume_worker(rank: int, world: int, folder: str, device: str) -> tuple[list[float], list[float]]:
+    """Train 4 steps of a model with dropout, saving after 2; then a fresh model loads
+    that checkpoint and trains steps 3 and 4. Each rank draws its own dropout masks
+    (seeded by rank), so the RNG state of every rank must come back, not rank 0's.
+    Shared with tests/gpu (``device="cuda"``)."""
+    import torch.nn.functional as F
+
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.train.checkpoint import Checkpointer, load
+    from tests.parity import Case, batches, loss_fn, make_optim
+
+    case = Case(optim="adamw", steps=4, seq=9)
+    data = batches(case, world)
+
+    def run(steps: range, resume: str | None) -> list[float]:
+        model = case.build().to(device)
+        model.embed.register_forward_hook(lambda _m, _a, out: F.dropout(out, 0.3, training=True))
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+        opt = make_optim(case.optim, model.parameters())
+        if resume is not None:
+            load(resume, comm, opt)
+        saver, out = Checkpointer(folder), []
+        for i in steps:
+            x, y = (t.to(device).chunk(world)[rank] for t in data[i][0])
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+            if i == 1:
+                saver.save(2, comm, opt)
+        saver.close()
+        comm.close()
+        return out
+
+    torch.manual_seed(100 + rank)
+    if device == "cuda":
+        torch.cuda.manual_seed(100 + rank)
+    straight = run(range(4), None)
+    torch.manual_seed(7)  # anything: the checkpoint's states replace it
+    if device == "cuda":
+        torch.cuda.manual_seed(7)
+    resumed = run(range(2, 4), os.path.join(folder, "checkpoints", "step_000002"))
+    return straight[2:], resumed
+
+
+def test_resume_after_dropout_is_bitwise_on_every_rank(tmp_path) -> None:
+    from isp_comm.testing import run_ranks
+
+    for straight, resumed in run_ranks(dropout_resume_worker, 2, str(tmp_path), "cpu", timeout_s=100):
+        assert straight == resumed, (straight, resumed)

@@ -38,7 +38,19 @@ def symmetric_refusal(hosts: list[str], peer_access: list[bool] | None = None) -
 
 
 class Handle(Protocol):
-    def wait(self, timeout_s: float) -> None: ...
+    """An issued collective."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Order the caller after the collective, within the deadline: on the host
+        (CPU backends, gloo) it returns once the collective is done; on CUDA streams
+        the caller's stream waits for it and the host goes on."""
+        ...
+
+    def is_completed(self) -> bool:
+        """Whether the collective is done with its buffers, asked without waiting.
+        Used after a failure to tell the buffers that may be reused from those a
+        collective may still read or write (see [Note: buffers of a failed step])."""
+        ...
 
 
 class CompletedHandle:
@@ -46,6 +58,9 @@ class CompletedHandle:
 
     def wait(self, timeout_s: float) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class HandleGroup:
@@ -60,6 +75,20 @@ class HandleGroup:
         deadline = time.monotonic() + timeout_s
         for h in self._handles:
             h.wait(max(deadline - time.monotonic(), 0.0))
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self._handles)
+
+    def completion_event(self, observer):
+        """The last collective's end (they run in issue order on one stream), when
+        every handle can tell its own; else None."""
+        last = None
+        for h in self._handles:
+            fn = getattr(h, "completion_event", None)
+            last = fn(observer) if fn is not None else None
+            if last is None:
+                return None
+        return last
 
 
 class Backend(Protocol):

@@ -14,6 +14,7 @@ Not exercised by CI (no GPU there): its tests live in ``tests/gpu/``.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import CompletedHandle, Handle, cuda_with, symmetric_refusal
 from isp_comm.backends.symm_cpu import host_id
 from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.errors import ISPCommTimeout
 
 log = logging.getLogger("isp_comm")
 
@@ -31,15 +33,28 @@ def available() -> bool:
 
 
 class CudaEventHandle:
-    __slots__ = ("_device", "_event")
+    """A collective on a CUDA stream, ending at ``event``. ``wait`` orders the caller's
+    stream after it without stopping the host; a collective still running
+    ``deadline_s`` after its issue when it is waited raises ``ISPCommTimeout`` (the
+    query does not block)."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    __slots__ = ("_device", "_event", "_issued", "_deadline_s")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, deadline_s: float = float("inf")) -> None:
         self._event, self._device = event, device
+        self._issued, self._deadline_s = time.monotonic(), deadline_s
 
     def wait(self, timeout_s: float) -> None:
-        # The device-side barriers carry the deadline (timeout_ms); here the
-        # caller's stream simply orders itself after the collective.
+        if time.monotonic() - self._issued > min(timeout_s, self._deadline_s) and not self._event.query():
+            raise ISPCommTimeout(f"a CUDA collective did not complete within {timeout_s:.1f}s of its issue")
         torch.cuda.current_stream(self._device).wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+    def completion_event(self, _observer: torch.cuda.Stream) -> torch.cuda.Event:
+        """Recorded on the stream that ran the collective, as it ended (timelines)."""
+        return self._event
 
 
 class CudaSymmBackend:
@@ -49,11 +64,16 @@ class CudaSymmBackend:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._symm = symm_mem
-        self._timeout_ms = int(timeout_s * 1000)
+        self._timeout_s = timeout_s
+        # the device barriers' own deadline comes later than the host's, so that a
+        # late collective is reported by a handle's wait, as ISPCommTimeout, rather than
+        # by a trapped kernel (a sticky CUDA error)
+        self._timeout_ms = int(2 * timeout_s * 1000)
         self._groups: dict[str, tuple[torch.Tensor, object]] = {}
         self._local: dict[str, bool] = {}  # group -> symmetric memory (else NCCL, see _symmetric)
         self._fallback = TorchBackend()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # per device: made on the tensors' own
+        self._streams_by_group: dict[str, torch.cuda.Stream] = {}
 
     def _symmetric(self, group: ProcessGroup, device: torch.device) -> bool:
         """Whether ``group`` uses symmetric memory: its ranks share a host and their
@@ -80,18 +100,37 @@ class CudaSymmBackend:
                 log.warning("isp-comm: group %s: %s; using NCCL for it", ranks, refusal)
         return self._local[key]
 
-    def _buffer(self, group: ProcessGroup, nbytes: int, device: torch.device):
+    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device) -> None:
+        """Size ``group``'s scratch for collectives of up to ``nbytes`` per rank, at
+        set-up (collective over the group). The communicator reserves what its memory
+        plan says each group moves, so no step has to grow a scratch: growing means
+        the host waits until no collective reads the old buffer."""
+        if dist.get_world_size(group) > 1 and self._symmetric(group, device):
+            self._buffer(group, nbytes, device, planned=True)
+
+    def _buffer(self, group: ProcessGroup, nbytes: int, device: torch.device, planned: bool = False):
         key = group.group_name
         have = self._groups.get(key)
         if have is None or have[0].numel() < nbytes:
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            torch.cuda.current_stream(device).synchronize()  # the old buffer is no longer read
+            if have is not None or not planned:
+                log.warning(
+                    "isp-comm: the symmetric scratch of group %s grows to %d bytes for a collective the memory "
+                    "plan did not size (the host waits for the streams once)",
+                    dist.get_process_group_ranks(group),
+                    cap,
+                )
+                torch.cuda.current_stream(device).synchronize()  # the old buffer is no longer read
+                if key in self._streams_by_group:
+                    self._streams_by_group[key].synchronize()
             buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
             have = (buf, self._symm.rendezvous(buf, group))
             self._groups[key] = have
         return have
 
-    def _run(self, group: ProcessGroup, inp: torch.Tensor | None, nbytes: int, device, body) -> Handle:
+    def _run(
+        self, group: ProcessGroup, inp: torch.Tensor | None, out: torch.Tensor | None, nbytes: int, device, body
+    ) -> Handle:
         if dist.get_world_size(group) == 1:
             body(None, None)
             return CompletedHandle()
@@ -99,6 +138,7 @@ class CudaSymmBackend:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
+        self._streams_by_group[group.group_name] = stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             if inp is not None and inp.numel():
@@ -107,12 +147,14 @@ class CudaSymmBackend:
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
             body(hdl, buf)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
-        for t in (inp,):
+        # both ends are used on the side stream: the caching allocator must not hand
+        # their memory to another tensor before the side stream is done with them
+        for t in (inp, out):
             if t is not None:
                 t.record_stream(stream)
-        return CudaEventHandle(event, device)
+        return CudaEventHandle(event, device, self._timeout_s)
 
     @staticmethod
     def _peer(hdl, r: int, n: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -131,7 +173,7 @@ class CudaSymmBackend:
             for r in range(w):
                 flat[r * n : (r + 1) * n].copy_(self._peer(hdl, r, n, inp.dtype))
 
-        return self._run(group, inp, n * inp.element_size(), inp.device, body)
+        return self._run(group, inp, out, n * inp.element_size(), inp.device, body)
 
     def _sum(self, hdl, w: int, n: int, dtype: torch.dtype, offset: int, out: torch.Tensor) -> None:
         acc = self._peer(hdl, 0, n, dtype, offset).float()
@@ -150,7 +192,7 @@ class CudaSymmBackend:
             elif n:
                 self._sum(hdl, w, n, inp.dtype, hdl.rank * n, out.view(-1))
 
-        return self._run(group, inp, inp.numel() * inp.element_size(), inp.device, body)
+        return self._run(group, inp, out, inp.numel() * inp.element_size(), inp.device, body)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._symmetric(group, tensor.device):
@@ -161,7 +203,7 @@ class CudaSymmBackend:
             if hdl is not None and n:
                 self._sum(hdl, w, n, tensor.dtype, 0, tensor.view(-1))
 
-        return self._run(group, tensor, n * tensor.element_size(), tensor.device, body)
+        return self._run(group, tensor, None, n * tensor.element_size(), tensor.device, body)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._symmetric(group, inp.device):
@@ -177,7 +219,7 @@ class CudaSymmBackend:
             for r in range(w):
                 flat[r * n : (r + 1) * n].copy_(self._peer(hdl, r, n, inp.dtype, hdl.rank * n))
 
-        return self._run(group, inp, inp.numel() * inp.element_size(), inp.device, body)
+        return self._run(group, inp, out, inp.numel() * inp.element_size(), inp.device, body)
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         dist.barrier(group=group)

@@ -89,6 +89,9 @@ class SymmHandle:
         self._error = error
         self._done.set()
 
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
     def wait(self, timeout_s: float) -> None:
         if not self._done.wait(timeout_s):
             raise ISPCommTimeout(f"{self.what} did not complete within {timeout_s:.1f}s")
@@ -495,6 +498,10 @@ class SymmCpuBackend:
         if self._closed:
             return
         self._closed = True
+        if self._last is not None and not self._last.is_completed():
+            # closed with collectives still queued or running: a step was cut short
+            # (the owner drains everything otherwise), so they are abandoned, not awaited
+            self._stopping.set()
         self._queue.put(None)  # after the collectives queued before it
         self._worker.join(timeout=self.timeout_s)
         self._stop_at_exit()

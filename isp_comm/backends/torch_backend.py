@@ -32,6 +32,21 @@ class TorchHandle:
         self._what = f"{what} over ranks {dist.get_process_group_ranks(group)}"
         self._host_wait = not _is_nccl(group)
 
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def completion_event(self, observer: torch.cuda.Stream) -> torch.cuda.Event | None:
+        """NCCL: an event at the collective's end, recorded on ``observer``, a stream
+        that does nothing else, after making it wait for the collective (timelines; see
+        [Note: two clocks] in ``isp_comm/trace.py``). Gloo waits on the host: None."""
+        if self._host_wait:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(observer):
+            self._work.wait()  # orders the current stream, here the observer, after the collective
+            event.record(observer)
+        return event
+
     def wait(self, timeout_s: float) -> None:
         try:
             if self._host_wait:

@@ -23,7 +23,6 @@ a bump. The guard is entered in :meth:`BlockState.unshard` and always left, by
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -69,8 +68,8 @@ class BlockState:
         self.slot = -1  # the slot of the last gather (reused when free)
         self.region: torch.Tensor | None = None
         self.handle: Handle | None = None
-        self.issued_at = 0.0  # perf_counter of the last gather's issue (tracing)
-        self.backward_at = 0.0  # perf_counter when the block's backward began (tracing)
+        self.issued_at: Any = None  # the last gather's issue mark (tracing, see CommContext.issued)
+        self.backward_at: Any = None  # when the block's backward began (tracing)
         self.saved_views = False  # the last forward saved views of the slot for backward
         self.reduced = False  # this backward already reduce-scattered the block
         self._staging: torch.Tensor | None = None
@@ -125,7 +124,7 @@ class BlockState:
         self.state, self.slot, self.region, self.handle = GatherState.GATHERING, slot, region, handle
         res.ctx.counters.all_gathers += n_collectives
         res.ctx.counters.bytes_gathered += n * dt.itemsize
-        self.issued_at = time.perf_counter()
+        self.issued_at = res.ctx.issued(handle)
         return True
 
     def wait_for_unshard(self) -> None:
@@ -162,21 +161,30 @@ class BlockState:
         self.state, self.region = GatherState.SHARDED, None
         return True
 
-    def abandon(self) -> None:
-        """Back to SHARDED without waiting: a collective failed and the peers are gone."""
+    def abandon(self) -> list[torch.Tensor]:
+        """Back to SHARDED without waiting: a collective failed or a step was cut
+        short. A gather still in flight may yet write the slot and the landing buffer:
+        those are retired from the pool and returned, for the caller to keep (see
+        [Note: buffers of a failed step] in ``engine.py``)."""
         self.swap_out()
+        unit, staging = self.unit, self._staging
+        in_flight = self.state is GatherState.GATHERING and not self.handle.is_completed()
+        leaked = [t for t in (self.region, staging) if t is not None] if in_flight else []
         self._leave_landing()
         if self.state is not GatherState.SHARDED:
-            unit = self.unit
-            self.res.pool.release(unit.gather_dtype, self.slot, unit.index, unit.gathered_numel)
+            free = self.res.pool.retire if in_flight else self.res.pool.release
+            free(unit.gather_dtype, self.slot, unit.index, unit.gathered_numel)
+            if in_flight and staging is not None:
+                self.res.pool.retire_staging(unit.gather_dtype)
         self.state, self.handle, self.region = GatherState.SHARDED, None, None
+        return leaked
 
     # ---- backward ----------------------------------------------------------------------
     def pre_backward(self, hooks: BackwardHooks) -> None:
         """The block's backward is next (it is GATHERED): swap its weights in, with
         grad, until its gradients exist, so that a recompute calling the block's
         original forward directly sees them."""
-        self.backward_at = time.perf_counter()
+        self.backward_at = self.res.ctx.mark()
         with torch.enable_grad():
             self.swap_in(hooks)
 
@@ -186,8 +194,7 @@ class BlockState:
         assert not self.reduced, f"block {self.unit.index}'s gradients were produced twice in one backward"
         self.reduced = True
         self.swap_out()
-        if self.backward_at:
-            self.res.ctx.trace("compute", f"backward block {self.unit.index}", self.backward_at)
+        self.res.ctx.trace("compute", f"backward block {self.unit.index}", self.backward_at)
 
     # ---- the modules' view of the weights ---------------------------------------------------
     def swap_in(self, hooks: BackwardHooks) -> None:

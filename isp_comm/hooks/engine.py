@@ -9,7 +9,7 @@ autograd engine drains the reduce-scatters when the whole backward has finished.
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
@@ -23,6 +23,8 @@ from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState
 from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
 from isp_comm.units import BlockUnit, ReplicatedParam
+
+log = logging.getLogger("isp_comm")
 
 
 class Phase(Enum):
@@ -58,6 +60,8 @@ class BlockEngine:
         self.outer: list[ReplicatedParam] = []
         """Replicated parameters outside the blocks, cast to ``param_dtype`` for a forward."""
         self._outer_cast: list | None = None
+        self.leaked: list = []
+        """Buffers a step cut short left to collectives in flight (see [Note: buffers of a failed step])."""
 
     def _event(self, kind: str, index: int) -> None:
         if self.ctx.events is not None:  # every block, every step: nothing to do unless recording
@@ -138,7 +142,8 @@ class BlockEngine:
                 self.ctx.delay()
                 handle = self.backend.all_gather(rank_major, send, self.groups.wp_group)
                 what = "the parameters outside the blocks"
-                self.ctx.wait(handle, f"all-gather of {what}", ("all-gather", "outer parameters", time.perf_counter()))
+                span = ("all-gather", "outer parameters", self.ctx.issued(handle))
+                self.ctx.wait(handle, f"all-gather of {what}", span)
                 root.copy_out(rank_major, region)
             self.ctx.counters.all_gathers += 1
             self.ctx.counters.bytes_gathered += region.numel() * region.element_size()
@@ -195,7 +200,7 @@ class BlockEngine:
         st.reduced = False
         self._event("compute", unit.index)
         st.swap_in(self)
-        t0 = time.perf_counter()
+        t0 = self.ctx.mark()
         try:
             out = orig(*args, **kwargs)
         finally:
@@ -268,23 +273,44 @@ class BlockEngine:
     # ---- introspection ---------------------------------------------------------------
     def outstanding(self) -> int:
         gathers = sum(st.state is GatherState.GATHERING for st in self.states)
-        return gathers + len(self.reducer.inflight)
+        return gathers + self.reducer.in_flight()
 
+    # [Note: buffers of a failed step]
+    # A step cut short (a wait failed, or an error left the backward unfinished) can
+    # leave collectives in flight that still read or write their buffers: a slot, the
+    # landing buffer, a cast send buffer, a reduce-scatter pair, a bucket. Handing
+    # such a buffer back (to the pool, or to CUDA's caching allocator by dropping the
+    # last reference) would let new work use memory a collective still writes. So
+    # ``close`` completes nothing then: it asks each handle whether it is done
+    # (``is_completed``, which never waits), returns what is done to the pool, and
+    # keeps the rest in ``leaked``, never reused, for as long as the communicator
+    # lives, saying so in one warning.
     def close(self) -> None:
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
-        if self.ctx.failed:  # abandon in-flight collectives: their peers are gone
+        cut_short = self.ctx.failed or self.phase is Phase.BACKWARD  # the backward's callback never ran
+        if cut_short:
             for st in self.states:
-                st.abandon()
-            self.reducer.close(abandon=True)
+                self.leaked += st.abandon()
+            if self.leaked:  # an abandoned gather may still read its cast send buffer
+                self.leaked += self._res.send.values()
         else:
-            if self.phase is Phase.BACKWARD:
-                self.end_backward()
             for unit in self.units:
                 self.release(unit)
+        self.reducer.close(abandon=cut_short)
+        self.leaked += self.reducer.leaked
+        if self.leaked:
+            n = sum(t.numel() * t.element_size() for t in self.leaked if isinstance(t, torch.Tensor))
+            n += sum(t.numel() * t.element_size() for pair in self.leaked if isinstance(pair, tuple) for t in pair)
+            log.warning(
+                "isp-comm (rank %d): the step was cut short with collectives in flight; %d buffers (%d bytes) they "
+                "may still use are kept, never reused, until the communicator is dropped",
+                self.ctx.rank,
+                len(self.leaked),
+                n,
+            )
         self._res.send.clear()
-        self.reducer.close(abandon=False)
         self._root_region = None
         if self.root is not None:
             self.root.swap_out()

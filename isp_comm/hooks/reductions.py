@@ -1,17 +1,29 @@
 """The gradient half of the engine: reduce-scatters of sharded gradients (bounded in
-flight, drained into ``.grad``) and the averaging of gradients autograd left whole.
+flight, then all-reduced over replicas, drained into ``.grad``) and the bucketed
+averaging of gradients autograd left whole.
 
 :class:`GradientReducer` is owned by the :class:`~isp_comm.hooks.engine.BlockEngine`
 and given everything it uses: the communication context, the groups, the backend,
 the reduce-scatter buffers and the parameters it averages.
+
+[Note: one issue order on every rank]
+Every rank must issue the collectives of a group in the same order, and the CPU
+shared-memory backend runs every group's collectives on one FIFO worker, so a rank
+whose groups' collectives interleave differently from a peer's can deadlock with it.
+So nothing here is issued on a timing-dependent condition (never "when a handle
+happens to be done"): reduce-scatters are issued in autograd's order; a block's
+replica all-reduce when the next block's reduce-scatter has been issued, or when
+room is made or the backward drained; a bucket of whole gradients when it and every
+bucket before it are ready, in the buckets' fixed order. Autograd runs the same
+graph in the same order on every rank, as DDP relies on too.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,22 +52,51 @@ def divide_factors(world: int) -> tuple[float, float]:
     return float(pre), world / pre
 
 
-@dataclass
+@dataclass(eq=False)
 class InflightReduce:
+    """One reduce group of one block, from its reduce-scatter's issue until its shard
+    of the gradient is in ``.grad``: reduce-scatter over WP, then (with replicas) an
+    all-reduce of the shard over the replica group (``replica`` set once issued)."""
+
     unit: BlockUnit
     group: ReduceGroup
     pair: tuple[torch.Tensor, torch.Tensor]
     out: torch.Tensor
     handle: Handle
-    issued_at: float
+    issued_at: Any
     pooled: bool  # ``pair`` came from the reduce-scatter buffers (the root's are its own)
+    replica: Handle | None = None
+    replica_at: Any = None
+
+    def in_flight(self) -> bool:
+        """Whether a collective may still read or write ``pair`` (see ``abandon``)."""
+        return not self.handle.is_completed() or (self.replica is not None and not self.replica.is_completed())
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Whole gradients averaged by one all-reduce: parameters of one dtype and one
+    group, about ``bucket_mb`` together, in reverse registration order (the order
+    their gradients appear in backward, as DDP's buckets)."""
+
+    params: list[nn.Parameter]
+    group: Any
+    size: int  # ranks in ``group``
+    what: str
+    flat: torch.Tensor | None = None  # allocated at the first issue, kept
+    waiting: int = 0  # parameters whose gradient this backward has not produced yet
+    handle: Handle | None = None
+    issued_at: Any = None
+    done: set[int] = field(default_factory=set)  # ids of the parameters ready this backward
 
 
 class GradientReducer:
-    """Reduce-scatter issue and completion, replica all-reduce, DDP-style averaging.
+    """Reduce-scatter issue and completion, replica all-reduce, bucketed DDP-style
+    averaging of the gradients autograd leaves whole.
 
-    At most ``config.max_inflight_reduce_scatter`` reduce-scatters are in flight: the
-    oldest is completed before another is issued, which bounds gradient buffers."""
+    At most ``config.max_inflight_reduce_scatter`` reduce groups are in flight at once
+    (reduce-scatter or its replica all-reduce): the oldest is completed before another
+    is issued, which bounds gradient buffers."""
 
     def __init__(
         self,
@@ -73,14 +114,27 @@ class GradientReducer:
         """Shards whose own backward sums their gradients over WP (vocab-parallel head,
         hidden-split embedding): averaged over replicas only."""
         self.inflight: deque[InflightReduce] = deque()
+        self.leaked: list[Any] = []
+        """Buffers a failed step left to collectives that may still use them (never reused)."""
         self._pre, self._post = divide_factors(groups.world_size)
         self._stash: dict[nn.Parameter, torch.Tensor] = {}
-        self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._trainable: tuple[int, ...] | None = None
+        self._next_bucket = 0  # buckets issued this backward, in order
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
+        self._active = False  # a forward with grad began: hooks issue buckets
 
     # ---- sharded gradients ------------------------------------------------------------
     def _make_room(self) -> None:
         while len(self.inflight) >= self.config.max_inflight_reduce_scatter:
-            self._complete(self.inflight.popleft())
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        """Complete the oldest reduce, then forget it: one that fails stays in
+        ``inflight``, where ``close(abandon=True)`` finds its buffers."""
+        self._complete(self.inflight[0])
+        self.inflight.popleft()
 
     def reduce_block(
         self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...], module: bool, packed: Callable[[], None]
@@ -124,17 +178,33 @@ class GradientReducer:
         self.ctx.counters.bytes_reduced += inp.numel() * inp.element_size()
         if pooled:
             self.ctx.event("reduce_scatter", unit.index, "backward")
-        self.inflight.append(InflightReduce(unit, group, pair, out, handle, time.perf_counter(), pooled))
+        issued = InflightReduce(unit, group, pair, out, handle, self.ctx.issued(handle), pooled)
+        for r in self.inflight:  # the earlier blocks' replica all-reduces, see [Note: one issue order on every rank]
+            self._to_replicas(r)
+        self.inflight.append(issued)
         if not self.config.overlap:
-            self._complete(self.inflight.popleft())
+            self._complete_oldest()
+
+    def _to_replicas(self, r: InflightReduce) -> None:
+        """Wait for ``r``'s reduce-scatter and issue the all-reduce of its shard over
+        the replica group (asynchronous: completed by ``_complete``)."""
+        if self.groups.replica_size == 1 or r.replica is not None:
+            return
+        what = f"block {r.unit.index}"
+        self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
+        r.handle = CompletedHandle()
+        self.ctx.delay()
+        self.ctx.counters.all_reduces += 1
+        r.replica = self.backend.all_reduce(r.out, self.groups.replica_group)
+        r.replica_at = self.ctx.issued(r.replica)
 
     def _complete(self, r: InflightReduce) -> None:
         what = f"block {r.unit.index}"
-        self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         if self.groups.replica_size > 1:
-            self.ctx.delay()
-            self.ctx.counters.all_reduces += 1
-            self.ctx.wait(self.backend.all_reduce(r.out, self.groups.replica_group), f"replica all-reduce of {what}")
+            self._to_replicas(r)
+            self.ctx.wait(r.replica, f"replica all-reduce of {what}", ("all-reduce", what, r.replica_at))
+        else:
+            self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         if self.groups.world_size > 1:
             r.out.div_(self._post if r.group.dtype in LOW_PRECISION else self.groups.world_size)
         r.unit.accumulate_grad(r.out, r.group)
@@ -143,73 +213,138 @@ class GradientReducer:
 
     def drain(self) -> None:
         while self.inflight:
-            self._complete(self.inflight.popleft())
+            self._complete_oldest()
 
     # ---- gradients autograd left whole ------------------------------------------------------
+    # [Note: bucketed whole gradients] The replicated parameters' gradients (and the
+    # WP-summed shards') are averaged like DDP's: in buckets of one dtype and group,
+    # each all-reduced as soon as autograd has accumulated every gradient in it (a
+    # post-accumulate-grad hook counts them), so the reduction overlaps the rest of
+    # the backward. ``stash`` sets earlier micro-steps' gradients aside at the forward,
+    # so ``.grad`` holds this backward's alone when a bucket is packed; ``reduce_whole``
+    # issues what never became ready (unused parameters count as zero), waits in order,
+    # divides and adds the stash back.
+    def _plan_buckets(self) -> None:
+        """(Re)build the buckets when the set of trainable parameters changed (the same
+        decision on every rank: the same model, the same ``requires_grad``)."""
+        world = self.groups.world_size
+        sets = (
+            (self.replicated, self.groups.world_group, world, "replicated gradients"),
+            (self.wp_summed, self.groups.replica_group, self.groups.replica_size, "WP-summed shard gradients"),
+        )
+        trainable = tuple(id(p) for params, *_ in sets for p in params if p.requires_grad)
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        for params, *_ in sets:  # a frozen parameter takes no hook: it gets one when it thaws
+            for p in params:
+                if p.requires_grad and id(p) not in self._hooks:
+                    self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._grad_ready)
+        cap = int(self.config.bucket_mb * 2**20)
+        self._buckets, self._bucket_of = [], {}
+        for params, group, size, what in sets:
+            open_: dict[torch.dtype, Bucket] = {}
+            for p in reversed([p for p in params if p.requires_grad]):
+                b = open_.get(p.dtype)
+                if b is None or (b.params and sum(q.numel() * q.element_size() for q in b.params) >= cap):
+                    b = open_[p.dtype] = Bucket([], group, size, what)
+                    self._buckets.append(b)
+                b.params.append(p)
+                self._bucket_of[id(p)] = b
+
     def stash(self) -> None:
         """A forward with grad begins: keep earlier micro-steps' gradients of the
-        whole-gradient parameters aside (added back once this backward's are averaged)."""
+        whole-gradient parameters aside (added back once this backward's are averaged)
+        and arm the buckets."""
         for p in (*self.replicated, *self.wp_summed):
             if p.grad is not None and p not in self._stash:
                 self._stash[p] = p.grad
                 p.grad = None
+        if self.groups.world_size > 1:
+            self._plan_buckets()
+            for b in self._buckets:
+                b.waiting, b.done, b.handle = len(b.params), set(), None
+            self._next_bucket = 0
+            self._active = self.config.overlap  # without overlap, reduce_whole issues every bucket
 
-    def reduce_whole(self) -> None:
-        """Average the gradients autograd left whole: replicated parameters over the
-        world; shards never gathered (the vocab-parallel head, the hidden-split
-        embedding: already summed over WP in their own backward) over the replica
-        group. Earlier micro-steps' stashed grads are added back."""
-        world = self.groups.world_size
-        for params, group, size, what in (
-            (self.replicated, self.groups.world_group, world, "replicated gradients"),
-            (self.wp_summed, self.groups.replica_group, self.groups.replica_size, "WP-summed shard gradients"),
-        ):
-            params = [p for p in params if p.requires_grad]
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dt, ps in by_dtype.items():
-                if world > 1:
-                    self._average(ps, dt, group, size, world, what)
-                for p in ps:
-                    old = self._stash.pop(p, None)
-                    if old is not None and p.grad is not None:
-                        p.grad = old.add_(p.grad)
-                    elif old is not None:
-                        p.grad = old
-        self._stash.clear()
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        """Autograd accumulated ``p``'s gradient of this backward (see [Note: bucketed whole gradients])."""
+        b = self._bucket_of.get(id(p)) if self._active else None
+        if b is None or id(p) in b.done:
+            return
+        b.done.add(id(p))
+        b.waiting -= 1
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].waiting == 0:
+            self._issue_bucket(self._buckets[self._next_bucket])
+            self._next_bucket += 1
 
-    def _average(self, ps: list[nn.Parameter], dt: torch.dtype, group, size: int, world: int, what: str) -> None:
-        """Sum ``ps``' grads over ``group`` (one flat all-reduce) and divide by ``world``."""
-        total = sum(p.numel() for p in ps)
-        flat = self._flat.get((what, dt))
-        if flat is None:
-            flat = self._flat[(what, dt)] = torch.empty(total, dtype=dt, device=ps[0].device)
+    def _issue_bucket(self, b: Bucket) -> None:
+        """Pack the bucket's gradients (zeros where none came) and all-reduce them."""
+        dt = b.params[0].dtype
+        if b.flat is None:
+            b.flat = torch.empty(sum(p.numel() for p in b.params), dtype=dt, device=b.params[0].device)
         off = 0
-        for p in ps:
-            piece = flat[off : off + p.numel()].view_as(p)
+        for p in b.params:
+            piece = b.flat[off : off + p.numel()].view_as(p)
             piece.copy_(p.grad) if p.grad is not None else piece.zero_()
             off += p.numel()
-        if size > 1:
+        if dt in LOW_PRECISION and self._pre > 1:  # see divide_factors
+            b.flat.div_(self._pre)
+        if b.size > 1:
             self.ctx.delay()
             self.ctx.counters.all_reduces += 1
-            t0 = time.perf_counter()
-            self.ctx.wait(self.backend.all_reduce(flat, group), f"all-reduce of {what}", ("all-reduce", what, t0))
-        flat.div_(world)
-        off = 0
-        for p in ps:
-            piece = flat[off : off + p.numel()].view_as(p)
-            off += p.numel()
-            if p.grad is None:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
+            self.ctx.event("all_reduce", self._buckets.index(b), "backward")
+            b.handle = self.backend.all_reduce(b.flat, b.group)
+            b.issued_at = self.ctx.issued(b.handle)
+        else:
+            b.handle = CompletedHandle()
+
+    def reduce_whole(self) -> None:
+        """The backward is over: issue the buckets that never became ready, wait for
+        every bucket in order, divide, write ``.grad`` and add the stash back."""
+        world = self.groups.world_size
+        if world > 1 and self._buckets:
+            self._active = False
+            for b in self._buckets[self._next_bucket :]:
+                self._issue_bucket(b)
+            self._next_bucket = len(self._buckets)
+            for b in self._buckets:
+                if b.size > 1:
+                    self.ctx.wait(b.handle, f"all-reduce of {b.what}", ("all-reduce", b.what, b.issued_at))
+                b.handle = None
+                b.flat.div_(self._post if b.flat.dtype in LOW_PRECISION else world)
+                off = 0
+                for p in b.params:
+                    piece = b.flat[off : off + p.numel()].view_as(p)
+                    off += p.numel()
+                    if p.grad is None:
+                        p.grad = piece.clone()
+                    else:
+                        p.grad.copy_(piece)
+        for p, old in self._stash.items():
+            if p.requires_grad:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        self._stash.clear()
+
+    def in_flight(self) -> int:
+        return len(self.inflight) + sum(b.handle is not None and not b.handle.is_completed() for b in self._buckets)
 
     def close(self, abandon: bool) -> None:
-        """Drop the buffers; ``abandon``: forget in-flight reduce-scatters (their peers
-        are gone) instead of completing them."""
+        """Drop the buffers. ``abandon`` (a collective failed, the peers are gone):
+        complete nothing; a buffer a collective may still use is kept in ``leaked``
+        rather than handed back (see [Note: buffers of a failed step])."""
         if abandon:
+            for r in self.inflight:
+                if r.in_flight():
+                    self.leaked.append(r.pair)
+                elif r.pooled:
+                    self.rs_buffers.release(r.group.dtype, r.pair)
+            self.leaked += [b.flat for b in self._buckets if b.handle is not None and not b.handle.is_completed()]
             self.inflight.clear()
+            self._active = False
         else:
             self.drain()
-        self._flat.clear()
+        for h in self._hooks.values():
+            h.remove()
+        self._hooks.clear()
+        self._buckets, self._bucket_of, self._trainable = [], {}, None

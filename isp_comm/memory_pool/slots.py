@@ -9,6 +9,8 @@ import torch
 from isp_comm.memory_pool.plan import MemoryPlan
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
+RETIRED = -1
+"""The owner of a slot an abandoned collective may still write (``SlotPool.retire``)."""
 
 
 class SlotPool:
@@ -76,6 +78,19 @@ class SlotPool:
         self.live_bytes -= numel * dtype.itemsize
         if not self._pooled:
             self._slots[dtype][slot].untyped_storage().resize_(0)
+
+    def retire(self, dtype: torch.dtype, slot: int, block: int, numel: int) -> None:
+        """Like ``release``, but the slot is never handed out again: a collective that
+        may still write it was abandoned (its memory stays with whoever keeps it)."""
+        owners = self._owner[dtype]
+        assert owners[slot] == block, f"block {block} retires slot {slot} held by {owners[slot]}"
+        owners[slot] = RETIRED
+        self.live_bytes -= numel * dtype.itemsize
+
+    def retire_staging(self, dtype: torch.dtype) -> None:
+        """The landing buffer may still be written by an abandoned gather: later
+        gathers get a buffer of their own."""
+        self._staging[dtype] = None
 
     def staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._staging[dtype]

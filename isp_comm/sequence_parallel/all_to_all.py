@@ -9,7 +9,6 @@ exchanges are issued before the first is waited, so q, k and v travel together.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ def _exchange(
     comm: CommContext,
 ) -> tuple[torch.Tensor, ...]:
     sp = dist.get_world_size(group)
-    t0 = time.perf_counter()
+    t0 = comm.mark()
     pending = []
     for t, dim in zip(tensors, scatter):
         if t.shape[dim] % sp:

@@ -13,6 +13,7 @@ from isp_comm.backends.base import Backend
 from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
 from isp_comm.sequence_parallel.hf import apply_hf_sequence_parallel, is_hf_model
+from isp_comm.sequence_parallel.local import BoundaryCache, check_async
 
 
 def apply_sequence_parallel(
@@ -26,7 +27,7 @@ def apply_sequence_parallel(
     their attention registry, other models via modules exposing ``attention_fn``
     (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``. A peft wrapper
     (``get_base_model()``) is seen through. Returns the undo."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = _without_peft(model)
     if is_hf_model(base):
         return apply_hf_sequence_parallel(base, sp_group, backend, comm)
     hooked = [m for m in model.modules() if callable(getattr(m, "attention_fn", None))]
@@ -38,8 +39,9 @@ def apply_sequence_parallel(
     for m in hooked:  # every check before any change
         kv_repeats(m.n_heads, m.n_kv_heads, sp_size)
     previous = [(m, m.attention_fn) for m in hooked]
+    boundaries = BoundaryCache()  # shared: one host read of cu_seqlens per step, not one per layer
     for m, fn in previous:
-        m.attention_fn = DistributedAttention(fn, sp_group, backend, comm)
+        m.attention_fn = DistributedAttention(fn, sp_group, backend, comm, boundaries)
 
     def undo() -> None:
         for m, fn in previous:
@@ -48,28 +50,60 @@ def apply_sequence_parallel(
     return undo
 
 
-def check_sequence_chunks(
-    args: tuple,
-    kwargs: dict[str, Any],
-    sp_group: ProcessGroup,
-    sp_size: int,
-    backend: Backend,
-    ctx: CommContext,
-) -> None:
-    """Every rank of an SP group must feed an equal chunk (seq_len / sp tokens) of the
-    model's input (``input_ids``, ``inputs_embeds`` or its first tensor argument): a
-    ``ValueError`` here beats a hang or a shape error inside attention."""
-    x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if x is None:
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if x is None or x.dim() < 2:
-        return
-    mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
-    every = torch.empty(sp_size, dtype=torch.int64, device=x.device)
-    ctx.wait(backend.all_gather(every, mine, sp_group), "sequence chunk check")
-    lengths = every.tolist()
-    if len(set(lengths)) != 1:
-        raise ValueError(
-            f"sequence chunks differ across the sequence-parallel group: {lengths} tokens; the sequence "
-            f"length ({sum(lengths)}) must be divisible by sp_size={sp_size} and every rank feed an equal chunk"
-        )
+def _without_peft(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def boundaries_key(model: nn.Module) -> str:
+    """The forward keyword of the document boundaries: transformers' flash-attention
+    one for its models, ``cu_seqlens`` for models like ``models/llama.py``."""
+    return "cu_seq_lens_q" if is_hf_model(_without_peft(model)) else "cu_seqlens"
+
+
+class SequenceCheck:
+    """The model's forward pre-hook under SP: what each rank feeds must fit together.
+
+    - Every rank of an SP group feeds an equal chunk (seq_len / sp tokens) of the
+      model's input (``input_ids``, ``inputs_embeds`` or its first tensor argument):
+      a ``ValueError`` here beats a hang or a shape error inside attention. The
+      lengths are host integers, but comparing them takes a collective whose result
+      is read on the host, so each chunk length is checked once, the first time this
+      rank sees it (all ranks see a new length at the same forward when the data
+      agrees; a rank alone with a new length waits, and its deadline names the check).
+    - Positions that restart inside the chunk (packed documents) need the document
+      boundaries (``boundaries_key``), or attention would cross documents: checked
+      once per forward, without stopping the host (``check_async``).
+    """
+
+    def __init__(self, sp_group: ProcessGroup, sp_size: int, backend: Backend, ctx: CommContext, boundaries_key: str):
+        self.group, self.size, self.backend, self.ctx = sp_group, sp_size, backend, ctx
+        self.boundaries_key = boundaries_key
+        self._checked: set[int] = set()
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if x is None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or x.dim() < 2:
+            return
+        if x.shape[1] not in self._checked:
+            self._check_lengths(x)
+            self._checked.add(x.shape[1])
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.shape[-1] > 1 and kwargs.get(self.boundaries_key) is None:
+            check_async(
+                (pos.diff(dim=-1) == 1).all(),
+                "position_ids restart inside the chunk (packed documents): under sequence parallel pass "
+                f"{self.boundaries_key} with the document boundaries of the whole sequence",
+            )
+
+    def _check_lengths(self, x: torch.Tensor) -> None:
+        mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
+        every = torch.empty(self.size, dtype=torch.int64, device=x.device)
+        self.ctx.wait(self.backend.all_gather(every, mine, self.group), "sequence chunk check")
+        lengths = every.tolist()
+        if len(set(lengths)) != 1:
+            raise ValueError(
+                f"sequence chunks differ across the sequence-parallel group: {lengths} tokens; the sequence "
+                f"length ({sum(lengths)}) must be divisible by sp_size={self.size} and every rank feed an equal chunk"
+            )

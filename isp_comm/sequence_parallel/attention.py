@@ -12,11 +12,13 @@ multiple of them).
 Variable-length packed sequences: ``cu_seqlens`` holds the document boundaries over
 the whole (gathered) sequence, the same on every rank of the SP group; after the
 exchange each rank sees whole sequences, so the local attention applies them as is.
+They reach it as host ints, read once per tensor (see [Note: boundaries on the host]
+in ``local.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend
 from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.all_to_all import all_to_all
-from isp_comm.sequence_parallel.local import check_cu_seqlens
+from isp_comm.sequence_parallel.local import BoundaryCache, check_cu_seqlens
 
 LocalAttention = Callable[..., torch.Tensor]
 
@@ -52,10 +54,13 @@ class DistributedAttention:
         sp_group: ProcessGroup,
         backend: Backend,
         comm: CommContext | None = None,
+        boundaries: BoundaryCache | None = None,
     ):
         self.local = local_attention
         self.group, self.backend, self.comm = sp_group, backend, comm
         self.sp = dist.get_world_size(sp_group)
+        self.boundaries = boundaries if boundaries is not None else BoundaryCache()
+        """Shared by every attention layer of a model: one host read of each ``cu_seqlens``."""
 
     def _a2a(self, tensors: tuple[torch.Tensor, ...], scatter, gather) -> tuple[torch.Tensor, ...]:
         return all_to_all(tensors, scatter, gather, self.group, self.backend, self.comm)
@@ -66,7 +71,7 @@ class DistributedAttention:
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
         *,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's sequence chunk; returns ``[b, heads, chunk, d]``.
 
@@ -91,7 +96,7 @@ class DistributedAttention:
         if cu_seqlens is None:
             out = self.local(q, k, v)
         else:
-            check_cu_seqlens(cu_seqlens, q.shape[2])
-            out = self.local(q, k, v, cu_seqlens=cu_seqlens)
+            cuts = check_cu_seqlens(self.boundaries.cuts(cu_seqlens), q.shape[2])
+            out = self.local(q, k, v, cu_seqlens=cuts)
         (out,) = self._a2a((out,), 2, 1)
         return out

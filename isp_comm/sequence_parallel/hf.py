@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend
 from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
-from isp_comm.sequence_parallel.local import local_attention
+from isp_comm.sequence_parallel.local import BoundaryCache, local_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -58,19 +58,16 @@ def apply_hf_sequence_parallel(
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     kv_repeats(n_heads, n_kv, dist.get_world_size(sp_group))  # raises when heads do not split
 
-    def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        cu_seqlens = kw.get("cu_seq_lens_q")
-        pos = kw.get("position_ids")
-        if cu_seqlens is None and pos is not None and pos.shape[-1] > 1 and bool((pos.diff(dim=-1) != 1).any()):
-            raise ValueError(
-                "position_ids restart inside the chunk (packed documents): under sequence parallel pass "
-                "cu_seq_lens_q with the document boundaries of the whole sequence"
-            )
+    boundaries = BoundaryCache()  # one host read of cu_seq_lens_q per step, not one per layer
 
+    def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        # (restarting positions without boundaries are refused once per forward, by
+        # the model's pre-hook: see apply.SequenceCheck)
         def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
             return local_attention(q, k, v, cu_seqlens, scale=scaling, dropout=dropout)
 
-        out = DistributedAttention(local, sp_group, backend, comm)(query, key, value, cu_seqlens=cu_seqlens)
+        sp_attention = DistributedAttention(local, sp_group, backend, comm, boundaries)
+        out = sp_attention(query, key, value, cu_seqlens=kw.get("cu_seq_lens_q"))
         return out.transpose(1, 2).contiguous(), None
 
     key = f"isp_sp_{id(model):x}"

@@ -2,16 +2,27 @@
 ``scaled_dot_product_attention``; both with variable-length packed sequences.
 
 Tensors are ``[batch, heads, seq, head_dim]``; ``k``/``v`` may have fewer heads (GQA).
-``cu_seqlens`` (int, ``[n_docs + 1]``, starting at 0 and ending at ``seq``) marks the
+``cu_seqlens`` (``[n_docs + 1]`` ints, starting at 0 and ending at ``seq``) marks the
 documents packed into every row: attention never crosses a boundary.
+
+[Note: boundaries on the host] Slicing documents, checking the boundaries and
+flash-attn's ``max_seqlen`` all need the boundaries as host integers. Reading a CUDA
+tensor to the host stops the host until the GPU has caught up, so the boundaries
+are read once per tensor (:class:`BoundaryCache`, shared by every attention layer of
+a model, recomputes included) and passed on as a tuple of ints; a ``cu_seqlens``
+given on the CPU costs no synchronisation at all.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+Cuts = Sequence[int]
 
 
 def flash_attn_usable(q: torch.Tensor) -> bool:
@@ -21,13 +32,49 @@ def flash_attn_usable(q: torch.Tensor) -> bool:
     )
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
-    """``ValueError`` unless ``cu_seqlens`` is 0, increasing, ..., ``seq``."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    c = cu_seqlens.tolist()
+def check_async(cond: torch.Tensor, msg: str) -> None:
+    """A check of values on the device that never stops the host: on CUDA an
+    asynchronous device assert (the step fails at its next synchronisation, with
+    ``msg``); on the CPU, where reading the value costs nothing, a ``ValueError`` now."""
+    if cond.device.type == "cpu":
+        if not bool(cond):
+            raise ValueError(msg)
+    else:
+        torch._assert_async(cond, msg)
+
+
+class BoundaryCache:
+    """The host integers of the last ``cu_seqlens`` tensor seen (see [Note: boundaries
+    on the host]): one read per tensor, whatever the number of layers using it."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref | None = None
+        self._version = -1
+        self._cuts: tuple[int, ...] = ()
+
+    def cuts(self, cu_seqlens: torch.Tensor | Cuts) -> tuple[int, ...]:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            return tuple(int(c) for c in cu_seqlens)
+        if self._ref is None or self._ref() is not cu_seqlens or self._version != cu_seqlens._version:
+            if cu_seqlens.dim() != 1:
+                raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+            self._cuts = tuple(cu_seqlens.tolist())  # the one host read
+            self._ref, self._version = weakref.ref(cu_seqlens), cu_seqlens._version
+        return self._cuts
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor | Cuts, seq: int) -> tuple[int, ...]:
+    """The boundaries as host ints; ``ValueError`` unless they are 0, increasing, ..., ``seq``."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    c = tuple(int(x) for x in cu_seqlens)
+    if len(c) < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {list(c)}")
     if c[0] != 0 or c[-1] != seq or any(b <= a for a, b in zip(c, c[1:])):
-        raise ValueError(f"cu_seqlens must increase from 0 to the sequence length {seq}, got {c}")
+        raise ValueError(f"cu_seqlens must increase from 0 to the sequence length {seq}, got {list(c)}")
+    return c
 
 
 def _sdpa(q, k, v, scale, dropout):
@@ -37,18 +84,19 @@ def _sdpa(q, k, v, scale, dropout):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout)
 
 
-def _flash(q, k, v, cu_seqlens, scale, dropout):
+def _flash(q, k, v, cuts: tuple[int, ...] | None, scale, dropout):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     b, h, s, d = q.shape
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # flash-attn takes [b, s, h, d]
-    if cu_seqlens is None:
+    if cuts is None:
         out = flash_attn_func(qt, kt, vt, dropout_p=dropout, softmax_scale=scale, causal=True)
         return out.transpose(1, 2)
-    # varlen: every row of the batch holds the same packing; rows are laid end to end
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    cu_all = torch.cat([cu[:-1] + i * s for i in range(b)] + [cu[-1:] + (b - 1) * s])
-    max_len = int((cu[1:] - cu[:-1]).max())
+    # varlen: every row of the batch holds the same packing; rows are laid end to end.
+    # Built on the host and copied without a synchronisation (see [Note: boundaries on the host])
+    every = [c + i * s for i in range(b) for c in cuts[:-1]] + [b * s]
+    cu_all = torch.tensor(every, dtype=torch.int32).to(q.device, non_blocking=True)
+    max_len = max(y - x for x, y in zip(cuts, cuts[1:]))
     out = flash_attn_varlen_func(
         *(t.reshape(b * s, t.shape[2], d) for t in (qt, kt, vt)),
         cu_seqlens_q=cu_all,
@@ -66,17 +114,16 @@ def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Cuts | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of whole (gathered) sequences; see the module doc."""
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q.shape[2])
+    """Causal attention of whole (gathered) sequences; see the module doc.
+    ``cu_seqlens``: a tensor or, to spare the host a read, host ints."""
+    cuts = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[2])
     if flash_attn_usable(q):
-        return _flash(q, k, v, cu_seqlens, scale, dropout)
-    if cu_seqlens is None:
+        return _flash(q, k, v, cuts, scale, dropout)
+    if cuts is None:
         return _sdpa(q, k, v, scale, dropout)
-    bounds = cu_seqlens.tolist()
-    pieces = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale, dropout) for a, b in zip(bounds, bounds[1:])]
+    pieces = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale, dropout) for a, b in zip(cuts, cuts[1:])]
     return torch.cat(pieces, dim=2)

@@ -102,19 +102,27 @@ def _crc(path: str) -> int:
     return crc
 
 
-def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int, cuda_rng: bool = True) -> dict:
-    """What a checkpoint holds. With parameters on a GPU also that GPU's RNG state
-    (dropout after a resume draws what it would have drawn), unless ``cuda_rng`` is
-    off (loading a checkpoint written without one)."""
+def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int, saved: set[str] | None = None) -> dict:
+    """What a checkpoint holds: the sharded model and optimizer state, the step, and
+    each rank's RNG states under keys of its own (``rng/RANK``; with parameters on a
+    GPU also ``cuda_rng/RANK``), so that dropout after a resume draws what it would
+    have drawn on every rank. A tensor under one key on every rank would be saved
+    once, by one rank, and loaded by all. ``saved``: the keys of the checkpoint being
+    loaded; a rank it has no RNG state of (a resume on more ranks) takes rank 0's."""
     state = {
         "model": comm.state_dict(),
         "optim": comm.optimizer_state_dict(opt),
         "meta": {"step": torch.tensor(step)},
-        "rng": torch.get_rng_state(),
     }
-    device = comm.units[0].device
-    if cuda_rng and device.type == "cuda":
-        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    device, rank = comm.units[0].device, dist.get_rank()
+    for kind, get in (("rng", torch.get_rng_state), ("cuda_rng", lambda: torch.cuda.get_rng_state(device))):
+        if kind == "cuda_rng" and device.type != "cuda":
+            continue
+        key = f"{kind}/{rank}"
+        if saved is not None and key not in saved:
+            key = f"{kind}/0" if f"{kind}/0" in saved else None
+        if key is not None:
+            state[key] = get()
     return state
 
 
@@ -262,14 +270,17 @@ def verify(path: str) -> None:
 def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
     """Load ``path`` into the wrapped model and ``opt`` (any WP size); returns its step."""
     verify(path)
-    state = _state(comm, opt, 0, cuda_rng="cuda_rng" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    state = _state(comm, opt, 0, saved)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure (a BaseException)
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {_cause(exc)}") from exc
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
-    torch.set_rng_state(state["rng"])
-    if "cuda_rng" in state:
-        torch.cuda.set_rng_state(state["cuda_rng"], comm.units[0].device)
+    for key, value in state.items():
+        if key.startswith("rng/"):
+            torch.set_rng_state(value)
+        elif key.startswith("cuda_rng/"):
+            torch.cuda.set_rng_state(value, comm.units[0].device)
     return int(state["meta"]["step"])
