@@ -85,8 +85,10 @@ def _contract_worker(rank: int, world: int, name: str) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("name", ["torch", "symm"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(
+    "name, world",
+    [(n, w) if w < 4 else pytest.param(n, w, marks=pytest.mark.slow) for w in (2, 3, 4) for n in ("torch", "symm")],
+)
 def test_backend_contract(name: str, world: int) -> None:
     run_ranks(_contract_worker, world, name, timeout_s=180)  # every check is an assert inside, on every rank
 
@@ -242,7 +244,7 @@ def _symmetric_worker(rank: int, world: int) -> int:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_symmetric_buffers_are_written_by_peers(world: int) -> None:
     counts = run_ranks(_symmetric_worker, world, timeout_s=100)
     # every non-empty one took the direct path (an empty tensor has no address in a buffer)

@@ -41,7 +41,7 @@ def _check(results: list[list[tuple]]) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 4: the slow tier
+@pytest.mark.parametrize("world", [1, 2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))])  # the slow tier
 def test_parity_full_matrix(world: int) -> None:
     # Every combination of optimizer, micro-steps, checkpoint ratio and bias, wp = world.
     cases = CASES if world in (2, 4) else CASES[::3]
@@ -57,7 +57,7 @@ def test_parity_replicas_and_no_overlap() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))])
 def test_parity_torch_backend(world: int) -> None:
     # The matrix above runs the default backend ("auto": shared memory on CPU). Every
     # 5th case from the 3rd covers each optimizer, micro count, checkpoint ratio and bias.
@@ -140,7 +140,10 @@ def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tupl
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world, backend", [(2, "symm"), pytest.param(3, "torch", marks=pytest.mark.slow), (4, "symm")])
+@pytest.mark.parametrize(
+    "world, backend",
+    [(2, "symm"), pytest.param(3, "torch", marks=pytest.mark.slow), pytest.param(4, "symm", marks=pytest.mark.slow)],
+)
 def test_parity_module_granularity(world: int, backend: str) -> None:
     # one collective per parameter, landing in the slot directly (no landing buffer)
     _check(run_ranks(_module_granularity_worker, world, backend, timeout_s=180))

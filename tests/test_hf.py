@@ -55,7 +55,14 @@ def _hf_worker(rank: int, world: int, gc: str, micro: int) -> tuple[float, int, 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("gc, micro", [("", 1), ("reentrant", 2), ("non-reentrant", 1)])
+@pytest.mark.parametrize(
+    "gc, micro",
+    [
+        pytest.param("", 1, marks=pytest.mark.slow),
+        ("reentrant", 2),
+        pytest.param("non-reentrant", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_hf_llama_parity(gc: str, micro: int) -> None:
     for err, gathers, n_blocks in run_ranks(_hf_worker, 2, gc, micro, timeout_s=160):
         assert n_blocks == 3

@@ -134,7 +134,7 @@ def _sp_worker(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("hf", marks=pytest.mark.slow)])
 def test_sp_wp_parity(kind: str) -> None:
     if kind == "hf":
         import transformers  # noqa: F401  (the test extra installs it: never a silent skip)

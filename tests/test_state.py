@@ -90,7 +90,7 @@ def _clip_worker(rank: int, world: int, cases: list) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_clip_grad_norm_equals_single_process(world: int) -> None:
     per_rank = run_ranks(_clip_worker, world, CLIP_CASES[world], timeout_s=220)
     for name, *_ in CLIP_CASES[world]:

@@ -59,26 +59,20 @@ def test_contract_outputs_and_loss_falls(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_resume_after_kill_export_reshard_and_corruption(tmp_path) -> None:
+def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
     """One story, each step checked:
     - an uninterrupted run (clipping on, the default) and isp-export of its checkpoint,
       loaded strictly into the unwrapped model;
     - a run whose rank 1 is killed while committing step 4 (async save) leaves
       step_4.partial, which resume never picks: it continues from step 2 with exactly
       the uninterrupted losses;
-    - that checkpoint resumes on 4 ranks (another WP size) through the checkpoint module;
-    - a truncated data file stops --resume with one line naming it."""
+    - a truncated checkpoint file stops --resume with one line naming it.
+    The resume at another WP size is test_resume_at_another_wp_and_export (slow tier)."""
     from isp_comm.train.checkpoint import KILL_AT_COMMIT_ENV
-    from models.llama import LlamaConfig, build
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     common = [*SMALL, "--steps", "6", "--save-every", "2", "--no-trace"]
-    assert torchrun(2, *common, "--out", a).returncode == 0
-    pt = str(tmp_path / "model.pt")
-    res = export_cli(os.path.join(a, "checkpoints"), "-o", pt)
-    assert res.returncode == 0, res.stderr
-    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
-    plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape
+    _plain_run_and_export(a, str(tmp_path / "model.pt"))
 
     killed = torchrun(2, *common, "--async-save", "--out", b, env={**os.environ, KILL_AT_COMMIT_ENV: "4"})
     assert killed.returncode != 0
@@ -92,7 +86,34 @@ def test_resume_after_kill_export_reshard_and_corruption(tmp_path) -> None:
         norms = [json.loads(line)["grad_norm"] for line in f]
     assert len(norms) == 6 and all(n > 0 for n in norms)
 
-    c = str(tmp_path / "c")
+    victim = os.path.join(b, "checkpoints", "step_000006", "__1_0.distcp")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    _one_line_error(
+        torchrun(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated"
+    )
+
+
+def _plain_run_and_export(out: str, pt: str) -> torch.nn.Module:
+    """6 steps at world 2 with checkpoints every 2, exported and loaded strictly into
+    the unwrapped reference model (returned)."""
+    from models.llama import LlamaConfig, build
+
+    assert torchrun(2, *SMALL, "--steps", "6", "--save-every", "2", "--no-trace", "--out", out).returncode == 0
+    res = export_cli(os.path.join(out, "checkpoints"), "-o", pt)
+    assert res.returncode == 0, res.stderr
+    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
+    plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape
+    return plain
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_at_another_wp_and_export(tmp_path) -> None:
+    """A run's step-6 checkpoint resumes on 4 ranks (wp 2 -> wp 4) like on 2, and its
+    export holds the trained weights."""
+    b, c = str(tmp_path / "b"), str(tmp_path / "c")
+    plain = _plain_run_and_export(b, str(tmp_path / "model.pt"))
     shutil.copytree(b, c)
     res = torchrun(4, *SMALL, "--steps", "8", "--no-trace", "--out", b, "--resume")  # wp 2 -> wp 4
     assert res.returncode == 0, res.stderr[-3000:]
@@ -117,13 +138,6 @@ def test_resume_after_kill_export_reshard_and_corruption(tmp_path) -> None:
     with torch.no_grad():
         exported = torch.nn.functional.cross_entropy(plain(x).flatten(0, 1), y.flatten()).item()
     assert abs(exported - same_wp[7]) < 2e-6, (exported, same_wp[7])
-
-    victim = os.path.join(b, "checkpoints", "step_000008", "__1_0.distcp")
-    with open(victim, "r+b") as f:
-        f.truncate(os.path.getsize(victim) // 2)
-    _one_line_error(
-        torchrun(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated"
-    )
 
 
 def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
