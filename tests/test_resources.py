@@ -114,6 +114,7 @@ TORCHRUN = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-
 BIG_POOL = "--hidden 512 --layers 4 --heads 8 --kv-heads 2 --steps 3 --seq 32 --batch 2 --no-trace"
 
 
+@pytest.mark.slow  # CI: test_segment_reservation_takes_the_space_at_once
 @needs_namespace
 @pytest.mark.timeout(300)
 def test_small_dev_shm_auto_falls_back_and_symm_refuses(tmp_path) -> None:
@@ -138,6 +139,7 @@ def test_small_dev_shm_auto_falls_back_and_symm_refuses(tmp_path) -> None:
     assert "left=[]" in res.stdout, res.stdout  # nothing left in the small /dev/shm
 
 
+@pytest.mark.slow  # the one failing-save test: in the slow tier only, for the suite's 15 minutes
 @needs_namespace
 @pytest.mark.timeout(300)
 def test_full_disk_during_save_is_one_line_and_resume_continues(tmp_path) -> None:

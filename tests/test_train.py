@@ -210,6 +210,7 @@ def _export(checkpoint: str, out: str, *extra: str) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow  # CI: the same LoRA path on a transformers folder at world 1, merge and adapter exports
 @pytest.mark.timeout(200)
 def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     """--lora-rank: the base weights stay bitwise where they were, the adapters move,
@@ -249,6 +250,7 @@ def _hf_folder(folder, text: str, model_type: str = "llama", vocab_size: int | N
     return len(tok)
 
 
+@pytest.mark.slow  # CI: test_lora_on_a_hf_folder_... (world 1) trains and exports a transformers folder
 @pytest.mark.timeout(300)
 def test_hf_model_trains_exports_and_generates(tmp_path) -> None:
     """isp-train --model DIR --tokenizer DIR --data FILE at world 4: the loss falls on
@@ -503,6 +505,7 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
     assert list(losses(out)) == [1, 2]
 
 
+@pytest.mark.slow  # CI: test_resume_after_kill_export_and_corruption exports a run and loads it strictly
 def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
     """isp-export on the run folder itself writes model.pt and its config into it;
     models.llama.from_export rebuilds the unwrapped model with the trained weights;
