@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isp_comm import hf_checkpoint
 from isp_comm.backends import make_backend
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
@@ -416,6 +415,8 @@ class ISPCommunicator:
         its own rows of every sharded tensor. Missing or unexpected keys and shape
         mismatches are a ``ValueError`` naming them. Collective over the world."""
         self._check_idle("load_hf_checkpoint()")
+        from isp_comm import hf_checkpoint  # DCP's import, only where it is used
+
         hf_checkpoint.load_hf_checkpoint(self.model, self._state.state_dict(), path)
 
     def save_hf_checkpoint(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -425,6 +426,8 @@ class ISPCommunicator:
         weights once). Streamed: every rank writes its own shards, then the ranks
         assemble the output files one tensor at a time. Collective over the world."""
         self._check_idle("save_hf_checkpoint()")
+        from isp_comm import hf_checkpoint
+
         hf_checkpoint.save_hf_checkpoint(self.model, self._state.state_dict(), path, max_shard_bytes)
 
     def close(self) -> None:

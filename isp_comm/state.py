@@ -27,17 +27,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from isp_comm.groups import ParallelGroups
 from isp_comm.layout import ShardedParam
 from isp_comm.units import BlockUnit
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+# DTensor is imported where a state dict is asked for, not with the package: the import
+# costs every process about 0.7 s of CPU (sympy among others), and training needs none.
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -84,6 +89,8 @@ class ShardedState:
     @property
     def mesh(self) -> DeviceMesh:
         """The ``("replica", "wp")`` mesh of the note above, made on first use."""
+        from torch.distributed.device_mesh import DeviceMesh
+
         if self._mesh is None:
             g = self.groups
             layout = torch.arange(g.world_size).view(g.replica_size, g.wp_size)
@@ -95,6 +102,8 @@ class ShardedState:
     def as_dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows of sharded parameter ``fqn``, or a tensor shaped
         like them) as a DTensor of the parameter's global shape, sharing memory."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
         _, sp = self.sharded[fqn]
         return DTensor.from_local(
             local,
@@ -109,6 +118,8 @@ class ShardedState:
         """This rank's rows of ``value`` for sharded ``fqn``: the local tensor of a
         DTensor laid out like ours, else the rows of a full tensor (a DTensor laid out
         otherwise is made full first: one parameter at a time)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
         unit, sp = self.sharded[fqn]
         if isinstance(value, DTensor):
             if tuple(value.shape) != tuple(sp.shape):
@@ -135,6 +146,8 @@ class ShardedState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Copy ``state_dict`` (ours, another run's after ``dcp.load``, or full tensors)
         into the shards and replicated tensors. Keys must match exactly."""
+        from torch.distributed.tensor import DTensor
+
         own = self.model.state_dict(keep_vars=True)
         missing = sorted(own.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - own.keys())
@@ -236,6 +249,8 @@ class ShardedState:
         opt.load_state_dict({"state": state, "param_groups": groups})
 
     def _local_state(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
         if not torch.is_tensor(v):
             return v
         if fqn in self.sharded and v.dim() > 0:
