@@ -293,7 +293,8 @@ class GradientReducer:
         if b.size > 1:
             self.ctx.delay()
             self.ctx.counters.all_reduces += 1
-            self.ctx.event("all_reduce", self._buckets.index(b), "backward")
+            if self.ctx.events is not None:  # the bucket's index: only when recording
+                self.ctx.event("all_reduce", self._buckets.index(b), "backward")
             b.handle = self.backend.all_reduce(b.flat, b.group)
             b.issued_at = self.ctx.issued(b.handle)
         else:
