@@ -67,9 +67,12 @@ class CommContext:
             self.failed = True
             raise type(exc)(f"{what} (rank {self.rank}): {exc}") from exc
         t1 = self.clock.now()
-        self._unresolved.append((t0, t1))
-        if not self.clock.cuda or len(self._unresolved) > 256:
-            self.settle_waits()
+        if self.clock.cuda:  # events resolve later (see settle_waits)
+            self._unresolved.append((t0, t1))
+            if len(self._unresolved) > 256:
+                self.settle_waits()
+        else:  # host times: known now
+            self.counters.exposed_comm_s += t1 - t0
         if self.tracer is not None:
             self.tracer.add("wait", what, t0, t1)
             if span is not None and span[2] is not None:
