@@ -19,11 +19,11 @@ from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
 from isp_comm.discovery import build_units, find_blocks, outer_replicated, target_device, validate
 from isp_comm.embedding import HiddenSplitEmbedding
+from isp_comm.full_state import FullState
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.scheduler import SchedulerHook
-from isp_comm.layout import Layout, full_views, to_param_major
 from isp_comm.memory_pool import (
     MemoryPlan,
     ReduceScatterBuffers,
@@ -34,11 +34,21 @@ from isp_comm.memory_pool import (
 )
 from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel, boundaries_key
 from isp_comm.state import ShardedState
-from isp_comm.trace import Tracer, clock_for
+from isp_comm.trace import clock_for
 from isp_comm.units import BlockUnit
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
+
+
+def _check_types(model: nn.Module, groups: ParallelGroups, config: ISPConfig) -> None:
+    """The communicator's arguments are of the types it takes (a ``TypeError`` names the one that is not)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(groups, ParallelGroups):
+        raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+    if not isinstance(config, ISPConfig):
+        raise TypeError(f"config must be an ISPConfig, got {type(config).__name__}")
 
 
 class ISPCommunicator:
@@ -59,12 +69,7 @@ class ISPCommunicator:
         head: nn.Module | None = None,
     ) -> None:
         config = config or ISPConfig()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(groups, ParallelGroups):
-            raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
-        if not isinstance(config, ISPConfig):
-            raise TypeError(f"config must be an ISPConfig, got {type(config).__name__}")
+        _check_types(model, groups, config)
         self.model, self.groups, self.config = model, groups, config
         block_list = list(find_blocks(model) if blocks is None else blocks)
         validate(model, block_list)
@@ -81,24 +86,27 @@ class ISPCommunicator:
             self.backend.close()
             raise
 
-        n_ckpt = round(config.activation_checkpointing * len(block_list))
         built = build_units(model, block_list, groups, config, device, head)
         self.units, self.vocab_unit, self.embed_unit, self.root = built.blocks, built.vocab, built.embed, built.root
-        units = self.units
+        replicated_all = self._index_shards(device)
+        self._plan, self.pool, self.rs_buffers = self._plan_memory(replicated_all)
+        self.engine = BlockEngine(
+            self.ctx, self.units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all, self.root
+        )
+        self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
+        self._install_forwards(round(config.activation_checkpointing * len(block_list)))
+        self._closed = False
+
+    def _index_shards(self, device: torch.device) -> list[nn.Parameter]:
+        """Every sharded parameter's FQN (tied aliases included) mapped to its unit, the
+        state-dict faces built on that map; returns the parameters left replicated."""
         self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
             self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
-        self._state = ShardedState(model, groups, self._sharded, self.sharded_units, device)
+        self._state = ShardedState(self.model, self.groups, self._sharded, self.sharded_units, device)
+        self._full = FullState(self.model, self.groups, self._sharded, self.sharded_units, self.backend, self.ctx)
         in_units = {id(s) for unit in self.sharded_units for s in unit.shards}
-        replicated_all = [p for p in model.parameters() if id(p) not in in_units]
-
-        self._plan, self.pool, self.rs_buffers = self._plan_memory(replicated_all)
-        self.engine = BlockEngine(
-            self.ctx, units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all, self.root
-        )
-        self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
-        self._install_forwards(n_ckpt)
-        self._closed = False
+        return [p for p in self.model.parameters() if id(p) not in in_units]
 
     def _plan_memory(self, replicated: list[nn.Parameter]) -> tuple[MemoryPlan, SlotPool, ReduceScatterBuffers]:
         """The slot pool and the reduce-scatter buffers, sized once by the MaxPool plan;
@@ -111,22 +119,18 @@ class ISPCommunicator:
         landing = gather_landing(self.groups.wp_size, config.comm_granularity)
         k = config.max_inflight_reduce_scatter
         plan = make_plan(gdt, rdt, config.n_slots, k, self.groups.wp_size, landing)
-        check = getattr(self.backend, "check_capacity", None)
-        if check is not None:
-            shm = check(*self._shared_memory_need(plan, replicated))
-            if not getattr(self.backend, "disabled", False):
-                plan = dataclasses.replace(plan, shm_bytes=shm)
-        reserve = getattr(self.backend, "reserve", None)  # CUDA symmetric memory: scratch sized once, here
-        if reserve is not None:
-            g = self.groups
-            gathered, shard, repl = self._largest_collectives(replicated)
-            for group, size, nbytes in (
-                (g.wp_group, g.wp_size, gathered),
-                (g.replica_group, g.replica_size, shard),
-                (g.world_group, g.world_size, repl),
-            ):
-                if size > 1 and nbytes:
-                    reserve(group, nbytes, units[0].device)
+        shm = self.backend.check_capacity(*self._shared_memory_need(plan, replicated))  # CPU shared memory
+        if not self.backend.disabled:
+            plan = dataclasses.replace(plan, shm_bytes=shm)
+        g = self.groups
+        gathered, shard, repl = self._largest_collectives(replicated)
+        for group, size, nbytes in (
+            (g.wp_group, g.wp_size, gathered),
+            (g.replica_group, g.replica_size, shard),
+            (g.world_group, g.world_size, repl),
+        ):
+            if size > 1 and nbytes:
+                self.backend.reserve(group, nbytes, units[0].device)  # CUDA symmetric memory: scratch sized here
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool
@@ -238,20 +242,15 @@ class ISPCommunicator:
 
     def record_events(self, enabled: bool = True) -> list[tuple[str, int, str]]:
         """Start (or stop) recording (kind, block, phase) events: gathers, computes, reduces."""
-        self.ctx.events = [] if enabled else None
-        return self.ctx.events
+        return self.ctx.record_events(enabled)
 
     def start_trace(self) -> None:
         """Record compute and communication spans from now on (see ``trace_spans``)."""
-        self.ctx.tracer = Tracer(self.ctx.clock)
+        self.ctx.start_trace()
 
     def stop_trace(self) -> list[tuple[str, str, float, float]]:
         """Stop recording; the (lane, name, start_s, end_s) spans since ``start_trace``."""
-        tracer, self.ctx.tracer = self.ctx.tracer, None
-        if tracer is None:
-            return []
-        tracer.clock.settle()  # outside a step: every CUDA event may complete
-        return tracer.spans()
+        return self.ctx.stop_trace()
 
     def stats(self) -> dict[str, float | int]:
         """Counters of communication and memory since wrapping. On CUDA,
@@ -261,8 +260,8 @@ class ISPCommunicator:
         c = self.ctx.counters
         return {
             "all_gathers": c.all_gathers,
-            "direct_all_gathers": getattr(self.backend, "direct_all_gathers", 0),  # written by peers into the pool
-            "direct_reduce_scatters": getattr(self.backend, "direct_reduce_scatters", 0),  # read from peers' pool
+            "direct_all_gathers": self.backend.direct_all_gathers,  # written by peers into the pool
+            "direct_reduce_scatters": self.backend.direct_reduce_scatters,  # read from peers' pool
             "reduce_scatters": c.reduce_scatters,
             "all_reduces": c.all_reduces,
             "bytes_gathered": c.bytes_gathered,
@@ -285,41 +284,20 @@ class ISPCommunicator:
         if self.engine.phase is Phase.BACKWARD:
             raise RuntimeError(f"{what} must not be called during backward")
 
-    @torch.no_grad()
     def gather_full(self, unit: BlockUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors from per-parameter shard-shaped tensors of ``unit`` (e.g. the
         shards themselves, or optimizer states shaped like them). Collective over WP:
         one all-gather per dtype among ``shards``."""
-        fulls: list[torch.Tensor | None] = [None] * len(shards)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(shards):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        w = unit.wp_size
-        for dt, members in by_dtype.items():
-            params = tuple(unit.params[i] for i in members)
-            layout = Layout.packed(list(params), raw=False)
-            flat = torch.zeros(layout.numel, dtype=dt, device=unit.device)
-            for sp, off, i in zip(params, layout.offsets, members):
-                sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(shards[i])
-            rank_major = torch.empty(w * layout.numel, dtype=dt, device=unit.device)
-            self.ctx.wait(
-                self.backend.all_gather(rank_major, flat, self.groups.wp_group), f"gather of block {unit.index}"
-            )
-            slot = torch.empty_like(rank_major)
-            to_param_major(rank_major, slot, layout, w)
-            for view, i in zip(full_views(slot, params, layout, w), members):
-                fulls[i] = view.contiguous()
-        return fulls  # type: ignore[return-value]
+        return self._full.gather_full(unit, shards)
 
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor shaped like sharded parameter ``fqn``."""
-        unit, sp = self._sharded[fqn]
-        return sp.rows_of(full, unit.wp_rank)
+        return self._full.shard_of(fqn, full)
 
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self._sharded
 
-    @torch.no_grad()
+    # ---- full state (see isp_comm/full_state.py) --------------------------------------------
     def full_state_dict(self, cpu: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The full, unpadded state dict with the original keys and shapes (collective
         over the world: every rank must call it).
@@ -330,44 +308,12 @@ class ISPCommunicator:
         the other ranks gather too but keep nothing and return ``{}`` (for exporting
         from rank 0 without every rank holding the whole model)."""
         self._check_idle("full_state_dict()")
-        keep = not rank0_only or self.groups.rank == 0
+        return self._full.full_state_dict(cpu, rank0_only)
 
-        def out(t: torch.Tensor) -> torch.Tensor:
-            return t.to("cpu") if cpu and t.device.type != "cpu" else t
-
-        own = self.model.state_dict()
-        sd = {k: out(v).clone() for k, v in own.items() if k not in self._sharded and keep}
-        for unit in self.sharded_units:
-            fulls = self.gather_full(unit, list(unit.shards))
-            if not keep:
-                continue
-            fulls = [out(f) for f in fulls]
-            for sp, full in zip(unit.params, fulls):
-                sd[sp.fqn] = full
-            for _, _, i, fqn in unit.aliases:
-                sd[fqn] = fulls[i]
-        return {k: sd[k] for k in own if k in sd}
-
-    @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
         self._check_idle("load_full_state_dict()")
-        sharded = self._sharded
-        own = self.model.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        if missing:
-            raise ValueError(f"state dict lacks {len(missing)} keys, e.g. {missing[:3]}")
-        for key, target in own.items():
-            src = state_dict[key]
-            if key in sharded:
-                unit, sp = sharded[key]
-                if tuple(src.shape) != tuple(sp.shape):
-                    raise ValueError(f"{key}: expected shape {tuple(sp.shape)}, got {tuple(src.shape)}")
-                unit.shard_view(unit.flat_shard, sp).copy_(self.shard_of(key, src))
-            else:
-                if src.shape != target.shape:
-                    raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(src.shape)}")
-                target.copy_(src)
+        self._full.load_full_state_dict(state_dict)
 
     # ---- sharded state (see isp_comm/state.py) ---------------------------------------------
     def clip_grad_norm_(

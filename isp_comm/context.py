@@ -108,6 +108,23 @@ class CommContext:
         if self.tracer is not None and start is not None:
             self.tracer.add(lane, name, start, self.clock.now())
 
+    def record_events(self, enabled: bool = True) -> list[tuple[str, int, str]] | None:
+        """Start (or stop) the (kind, block, phase) event log; returns the new log."""
+        self.events = [] if enabled else None
+        return self.events
+
+    def start_trace(self) -> None:
+        """Record compute and communication spans from now on."""
+        self.tracer = Tracer(self.clock)
+
+    def stop_trace(self) -> list[tuple[str, str, float, float]]:
+        """Stop recording; the (lane, name, start_s, end_s) spans since :meth:`start_trace`."""
+        tracer, self.tracer = self.tracer, None
+        if tracer is None:
+            return []
+        tracer.clock.settle()  # outside a step: every CUDA event may complete
+        return tracer.spans()
+
     def delay(self) -> None:
         """Test-only: a random sleep before issuing a collective (``debug_delay_s``)."""
         if self._delay_rng is not None:

@@ -65,12 +65,9 @@ class CudaClock:
     def completion(self, handle: Any) -> torch.cuda.Event | None:
         """An event at the end of ``handle``'s collective on its own stream, or None
         when the handle cannot say (a host-side wait: its span ends at the wait)."""
-        fn = getattr(handle, "completion_event", None)
-        if fn is None:
-            return None
         if self._observer is None:  # an idle stream that only waits, so its events fire as the work ends
             self._observer = torch.cuda.Stream(device=self.device)
-        return fn(self._observer)
+        return handle.completion_event(self._observer)  # see Handle.completion_event
 
     def settle(self) -> None:
         """Outside a step (stopping a trace): let every recorded event complete."""

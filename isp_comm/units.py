@@ -80,13 +80,11 @@ class BlockUnit(BlockLayout):
         (all of them when ``None``) are sharded. ``materialize(module, fqn)`` turns a
         module still on the meta device into a real, initialised one. A parameter
         owned by several modules (tied weights) is sharded once and appears in every
-        owner. Parameters whose
-        ``id`` is in ``dim1`` are split along dim 1, the rest along dim 0.
+        owner. Parameters whose ``id`` is in ``dim1`` are split along dim 1, the rest
+        along dim 0.
         ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of gradient
         reduction (``None``: the parameters' own)."""
-        self.index = index
-        self.block = block
-        self.replicated = replicated
+        self.index, self.block, self.replicated = index, block, replicated
         found, alias_of = find_sharded(owners, names, dim1, wp_size, wp_rank)
         super().__init__(found, wp_size, wp_rank, param_dtype, reduce_dtype)
         if self.order is not None:

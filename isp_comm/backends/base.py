@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -37,24 +36,36 @@ def symmetric_refusal(hosts: list[str], peer_access: list[bool] | None = None) -
     return None
 
 
-class Handle(Protocol):
-    """An issued collective."""
+class Handle:
+    """An issued collective. Every backend's handle derives from this class; what a
+    handle can be asked is written here, with its default."""
+
+    __slots__ = ()
 
     def wait(self, timeout_s: float) -> None:
         """Order the caller after the collective, within the deadline: on the host
         (CPU backends, gloo) it returns once the collective is done; on CUDA streams
         the caller's stream waits for it and the host goes on."""
-        ...
+        raise NotImplementedError
 
     def is_completed(self) -> bool:
         """Whether the collective is done with its buffers, asked without waiting.
         Used after a failure to tell the buffers that may be reused from those a
         collective may still read or write (see [Note: buffers of a failed step])."""
-        ...
+        raise NotImplementedError
+
+    def completion_event(self, observer: torch.cuda.Stream) -> torch.cuda.Event | None:
+        """A CUDA event at the collective's end on the stream that ran it, for
+        timelines and exposed-time accounting (``observer``: an idle stream a handle
+        may record on). Default ``None``: the handle cannot say (a host-side
+        collective), so its span ends where the caller waited."""
+        return None
 
 
-class CompletedHandle:
+class CompletedHandle(Handle):
     """Handle of a collective that finished when it was issued (e.g. a group of one)."""
+
+    __slots__ = ()
 
     def wait(self, timeout_s: float) -> None:
         return None
@@ -63,7 +74,7 @@ class CompletedHandle:
         return True
 
 
-class HandleGroup:
+class HandleGroup(Handle):
     """Several collectives waited as one, under one deadline."""
 
     __slots__ = ("_handles",)
@@ -79,40 +90,51 @@ class HandleGroup:
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
 
-    def completion_event(self, observer):
+    def completion_event(self, observer: torch.cuda.Stream) -> torch.cuda.Event | None:
         """The last collective's end (they run in issue order on one stream), when
         every handle can tell its own; else None."""
         last = None
         for h in self._handles:
-            fn = getattr(h, "completion_event", None)
-            last = fn(observer) if fn is not None else None
+            last = h.completion_event(observer)
             if last is None:
                 return None
         return last
 
 
-class Backend(Protocol):
-    """How bytes move between the ranks of a group."""
+class Backend:
+    """How bytes move between the ranks of a group. Every backend derives from this
+    class: the collectives below are what each must implement; the capabilities
+    after them (capacity check, reservation, fallback, counters) have defaults that
+    suit a backend without symmetric memory, and are all the communicator asks."""
 
-    name: str
+    name: str = "base"
+    disabled: bool = False
+    """Whether the backend has fallen back to plain ``torch.distributed`` for every
+    collective (shared memory too small, see :meth:`check_capacity`). Default: no."""
+    direct_all_gathers: int = 0
+    """All-gathers written by the peers straight into the caller's symmetric buffer
+    (none unless a backend serves symmetric buffers)."""
+    direct_reduce_scatters: int = 0
+    """Reduce-scatters read straight from the peers' symmetric buffers (likewise)."""
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """``out`` (numel = group size x inp.numel()) receives every rank's ``inp``, rank-major."""
-        ...
+        raise NotImplementedError
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """``out`` receives the sum over ranks of chunk ``group rank`` of ``inp`` (rank-major)."""
-        ...
+        raise NotImplementedError
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         """In-place sum over the group."""
-        ...
+        raise NotImplementedError
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """Chunk ``j`` of ``inp`` goes to rank ``j``; chunk ``i`` of ``out`` comes from rank ``i``."""
-        ...
+        raise NotImplementedError
 
-    def barrier(self, group: ProcessGroup, timeout_s: float) -> None: ...
+    def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
+        raise NotImplementedError
 
     def empty(
         self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
@@ -121,6 +143,22 @@ class Backend(Protocol):
         it and the buffer symmetric (same size on every rank): a symmetric-memory
         backend serves it from memory the peers map, and all-gathers into it are
         written by the peers directly."""
-        ...
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # ---- capabilities: what the communicator asks at set-up, with defaults ----------
+    def check_capacity(self, buffer_bytes: int, largest_collectives: list[int]) -> int:
+        """Whether the host can hold ``buffer_bytes`` of symmetric buffers plus each
+        group's scratch (one entry of ``largest_collectives`` per group: its largest
+        payload per rank); returns the bytes of host shared memory this needs, or
+        falls back (:attr:`disabled`) or raises when it cannot. Collective over the
+        world when overridden. Default: 0, nothing to check (no shared memory)."""
+        return 0
+
+    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device) -> None:
+        """Size ``group``'s scratch for collectives of up to ``nbytes`` per rank, once,
+        at set-up (collective over the group when overridden), so that no step has to
+        grow it. Default: nothing to reserve."""
+        return None

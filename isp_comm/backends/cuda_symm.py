@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle, cuda_with, symmetric_refusal
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, symmetric_refusal
 from isp_comm.backends.symm_cpu import host_id
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout
@@ -32,7 +32,7 @@ def available() -> bool:
     return cuda_with("torch.distributed._symmetric_memory")
 
 
-class CudaEventHandle:
+class CudaEventHandle(Handle):
     """A collective on a CUDA stream, ending at ``event``. ``wait`` orders the caller's
     stream after it without stopping the host; a collective still running
     ``deadline_s`` after its issue when it is waited raises ``ISPCommTimeout`` (the
@@ -57,7 +57,7 @@ class CudaEventHandle:
         return self._event
 
 
-class CudaSymmBackend:
+class CudaSymmBackend(Backend):
     name = "symm"
 
     def __init__(self, timeout_s: float = 300.0) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Handle, cuda_with
+from isp_comm.backends.base import Backend, Handle, cuda_with
 from isp_comm.backends.cuda_symm import CudaEventHandle
 from isp_comm.backends.torch_backend import TorchBackend
 
@@ -44,7 +44,7 @@ class _StreamRef:
         self.handle = stream.cuda_stream
 
 
-class NvshmemBackend:
+class NvshmemBackend(Backend):
     name = "nvshmem"
 
     def __init__(self, timeout_s: float = 300.0) -> None:

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle, symmetric_refusal
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, symmetric_refusal
 from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
@@ -77,7 +77,7 @@ def host_id() -> str:
     return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
-class SymmHandle:
+class SymmHandle(Handle):
     __slots__ = ("_done", "_error", "what")
 
     def __init__(self, what: str) -> None:
@@ -125,7 +125,7 @@ class _Group:
         return len(self.ranks)
 
 
-class SymmCpuBackend:
+class SymmCpuBackend(Backend):
     """Shared-memory collectives for CPU tensors of ranks on one host."""
 
     name = "symm"

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import CompletedHandle, Handle
+from isp_comm.backends.base import Backend, CompletedHandle, Handle
 from isp_comm.errors import ISPCommTimeout
 
 
-class TorchHandle:
+class TorchHandle(Handle):
     """Wraps a ``dist.Work`` so that waiting has a deadline and a useful error.
 
     [Note: waiting without stalling the host]
@@ -71,7 +71,7 @@ def _is_nccl(group: ProcessGroup) -> bool:
         return False
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """``torch.distributed`` collectives, always asynchronous.
 
     Uses only names that torch 2.11 and 2.13 both have (``all_gather_into_tensor``,
