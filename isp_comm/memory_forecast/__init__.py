@@ -1,0 +1,53 @@
+"""Know before you launch: every rank's memory, phase by phase, from a meta-built model.
+
+``isp_comm.forecast(model_on_meta, config, world, wp, sp, batch, seq)`` needs no
+process group and no real memory. What the engine would allocate is read from the
+engine's own decisions, not re-derived: :func:`~isp_comm.discovery.unit_specs` says
+what each unit shards, :class:`~isp_comm.layout.BlockLayout` how large its flat
+shard, gathered slot and reduce buffers are, and :func:`~isp_comm.memory_pool.make_plan`
+sizes the pool exactly as wrapping does. Activations come from one forward of the
+meta model at the rank's local shape, with ``saved_tensors_hooks`` counting what
+autograd keeps for backward (meta tensors: nothing is computed).
+
+[Note: what the forecast counts]
+All figures are bytes on one rank (rank 0, whose shards are the largest), above the
+process's baseline (torch imported, process groups made, model built on meta). The
+steady state of a step is counted: from the second step on, the gradient shards
+(one flat buffer per unit, kept across ``zero_grad``) and the optimizer state exist
+in every phase. The phases and what each adds to the persistent parts (master
+shards, replicated parameters, pool):
+
+* ``wrap``: one module's full weights, materialised before its rows are taken;
+* ``forward``: cast copies and the outer gather, the saved activations of every
+  block (only the input of a checkpointed one), then the logits and the loss;
+* ``backward``: the largest moment of the walk from the loss back to the
+  embedding: the activations still to be used, the block's full (unsharded) weight
+  gradients before they are packed, a checkpointed block's recomputation, and the
+  replicated parameters' gradients (full size, master dtype);
+* ``optimizer``: gradients of everything plus the optimizer's temporaries;
+* ``save`` / ``async_save`` / ``load``: DCP's per-item copies; the async save's
+  staging holds a whole copy of the model and optimizer shards (on CUDA these are
+  host memory, ``host_staging``, not the GPU's).
+
+Modelled, not traced: the loss (logits held by the loop, their fp32 copy and
+log-softmax, and two fp32 logits-sized tensors in its backward), the activation
+gradients inside a block's backward (two hidden states and the block's largest saved
+tensor), and the optimizer's temporaries (torch's for-each AdamW on CUDA: one
+``sqrt`` of every second moment; the per-parameter one on CPU: the largest one's
+sqrt and quotient).
+On CPU, two parts are measured constants rather than counts: what gloo and the bf16
+kernels keep outside tensors (``_cpu_runtime``). ``bench/forecast.py`` measures how
+close this comes.
+
+[Note: the package]
+One module per thing modelled, each importing only the ones above it:
+:mod:`.result` (the forecast's type and table), :mod:`.weights` (shards, replicated
+parameters, gradients and optimizer state), :mod:`.activations` (the meta trace),
+:mod:`.pool` (slots, reduce-scatter buffers, shared memory) and :mod:`.phases`
+(what each phase holds, and :func:`forecast`).
+"""
+
+from isp_comm.memory_forecast.phases import forecast
+from isp_comm.memory_forecast.result import KNOBS, PHASES, MemoryForecast, Optimizer
+
+__all__ = ["KNOBS", "PHASES", "MemoryForecast", "Optimizer", "forecast"]

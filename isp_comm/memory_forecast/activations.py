@@ -1,0 +1,189 @@
+"""Activations, from one forward of the meta model: what autograd saves per block.
+
+The model is copied and run on meta tensors at the rank's local shape; a
+``saved_tensors_hooks`` pair counts each saved storage once (parameters never:
+gathered weights live in the pool) and attributes it to the block running when it
+was saved. Nothing is computed. The loss is modelled from the traced logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class Traced:
+    """What one traced forward keeps, per block and outside them."""
+
+    saved: list[int]  # per block: bytes kept for backward
+    inputs: list[int]  # per block: bytes of its hidden-state input
+    largest: list[int]  # per block: its largest saved tensor
+    outer_saved: int  # outside the blocks (embedding, final norm, head)
+    logits: tuple[int, torch.dtype]  # numel and dtype of the model's output
+
+
+def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA on meta as a fused kernel keeps it: q, k, v, the output and the log-sum-exp
+    (meta's own dispatch would take the math path and keep the seq x seq scores)."""
+    if k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return op(q, k, v, dropout_p, is_causal or attn_mask is None, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    orig = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def _default_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if hasattr(getattr(model, "config", None), "use_cache"):  # transformers
+        return model(input_ids=ids, use_cache=False).logits
+    return model(ids)
+
+
+@contextlib.contextmanager
+def _no_value_reads() -> Iterator[None]:
+    """transformers looks for packed sequences in the position ids by reading their
+    values, which meta tensors do not have; packing changes no tensor's size, so the
+    search is skipped while tracing."""
+    masking = sys.modules.get("transformers.masking_utils")
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda *_a, **_k: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found  # type: ignore[union-attr]
+
+
+class _SavedCounter:
+    """Bytes autograd saves, each storage once and parameters never, attributed to the
+    block running (``current[0]``; -1: outside the blocks)."""
+
+    def __init__(self, params: set[int], n_blocks: int) -> None:
+        self.params = params
+        self.saved, self.largest = [0] * n_blocks, [0] * n_blocks
+        self.outer = 0
+        self.current = [-1]
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        b = t
+        while b._base is not None:
+            b = b._base
+        if id(b) in self.params or id(b) in self.seen:
+            return t
+        self.seen[id(b)] = b  # kept alive: ids stay unique
+        nbytes = b.numel() * b.element_size()
+        i = self.current[0]
+        if i < 0:
+            self.outer += nbytes
+        else:
+            self.saved[i] += nbytes
+            self.largest[i] = max(self.largest[i], nbytes)
+        return t
+
+
+def _twins(blocks: list[nn.Module]) -> dict[int, int]:
+    """Block index -> the earlier block of the same type and parameters (not traced again)."""
+    twin_of: dict[int, int] = {}
+    first: dict[tuple, int] = {}
+    for i, b in enumerate(blocks):
+        key = (type(b), tuple((name, p.shape, p.dtype, p.requires_grad) for name, p in b.named_parameters()))
+        if key in first:
+            twin_of[i] = first[key]
+        else:
+            first[key] = i
+    return twin_of
+
+
+def loss_bytes(traced: Traced) -> tuple[int, int, int]:
+    """Modelled, not traced: the loss's bytes in forward (logits held by the loop,
+    their fp32 copy and log-softmax) and in backward (held logits, then log-softmax's
+    output and its gradient), and the logits alone."""
+    numel, dtype = traced.logits
+    logits, logits_f32 = numel * dtype.itemsize, numel * 4
+    loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
+    return loss_fwd, logits + 2 * logits_f32, logits
+
+
+def trace(
+    model: nn.Module,
+    block_list: list[nn.Module],
+    batch: int,
+    seq: int,
+    param_dtype: torch.dtype | None,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+) -> Traced:
+    """One forward of a copy of the meta model at the rank's local shape, counting what
+    autograd saves (each storage once, parameters never: gathered weights live in the
+    pool), attributed to the block running when it was saved. A block with the same
+    type and parameters as an earlier one keeps what that one kept: it is not run
+    (its forward passes the hidden state through), as tracing on meta is slow."""
+    clone = copy.deepcopy(model)
+    twin = {id(m): c for m, c in zip(model.modules(), clone.modules())}
+    blocks = [twin[id(b)] for b in block_list]
+    if param_dtype is not None:
+        clone.to(param_dtype)
+    n = len(block_list)
+    count = _SavedCounter({id(p) for p in clone.parameters()}, n)
+    saved, inputs, largest, current = count.saved, [0] * n, count.largest, count.current
+    outputs: dict[int, object] = {}
+    twin_of = _twins(blocks)
+
+    def pre(i: int):
+        def hook(_m, args, kwargs):
+            current[0] = i
+            x = args[0] if args else kwargs.get("hidden_states")
+            inputs[i] = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+        return hook
+
+    def post(i: int):
+        def hook(_m, _a, out):
+            current[0] = -1
+            outputs.setdefault(i, out)
+
+        return hook
+
+    def same_as(i: int):
+        def forward(*args, **kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            out = outputs[twin_of[i]]
+            return x if isinstance(out, torch.Tensor) else (x, *out[1:])  # type: ignore[index]
+
+        return forward
+
+    handles = []
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(b.register_forward_hook(post(i)))
+        if i in twin_of:
+            b.forward = same_as(i)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    try:
+        with _fused_attention(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
+            logits = (forward or _default_forward)(clone, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, j in twin_of.items():
+        saved[i], largest[i] = saved[j], largest[j]
+    return Traced(saved, inputs, largest, count.outer, (logits.numel(), logits.dtype))

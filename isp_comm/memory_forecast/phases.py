@@ -1,0 +1,155 @@
+"""The phases: what each adds to the persistent parts, and :func:`forecast`, which
+puts the weights, the activations and the pool together (see the package note)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from isp_comm.config import ISPConfig
+from isp_comm.discovery import find_blocks
+from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
+from isp_comm.memory_forecast.pool import host_shared_memory, pool_plan
+from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
+from isp_comm.memory_forecast.weights import Weights, cpu_runtime, unit_layouts, weights
+
+
+def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str) -> None:
+    if world < 1 or sp < 1 or world % sp or world % wp or wp < 1:
+        raise ValueError(f"world {world} must be a multiple of wp {wp} and of sp {sp}")
+    dp = world // sp
+    if batch % dp:
+        raise ValueError(f"batch {batch} must be a multiple of world / sp = {dp} (sequences per rank)")
+    if seq % sp:
+        raise ValueError(f"seq {seq} must be a multiple of sp {sp}")
+    if optimizer not in ("adamw", "sgd", "sgd_momentum"):
+        raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'sgd_momentum', got {optimizer!r}")
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("forecast() needs a model built under torch.device('meta')")
+
+
+def forecast(
+    model: nn.Module,
+    config: ISPConfig | None,
+    world: int,
+    wp: int | None,
+    sp: int,
+    batch: int,
+    seq: int,
+    optimizer: Optimizer = "adamw",
+    *,
+    device: Literal["cpu", "cuda"] = "cpu",
+    local_world: int | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    head: nn.Module | None = None,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> MemoryForecast:
+    """The memory of every rank of an ISP run, phase by phase (see the package note).
+
+    ``model``: built under ``torch.device("meta")`` (never touched: a copy is traced);
+    ``config``: the communicator's (``None``: the defaults); ``world``/``wp``/``sp``:
+    the run's sizes (``wp=None``: ``world // sp``);
+    ``batch``: sequences per optimizer micro-step over the whole job, ``seq`` their
+    length (each rank gets ``batch / (world / sp)`` sequences of ``seq / sp`` tokens,
+    as isp-train splits them); ``optimizer``: what holds state per parameter;
+    ``device``: where the parameters live; ``local_world``: ranks per host (for the
+    shared memory; default all); ``forward(model, input_ids) -> logits``: how to call
+    the model (default: transformers models with ``use_cache=False``, else
+    ``model(input_ids)``)."""
+    config = config or ISPConfig()
+    wp = wp or world // sp
+    _validate(model, world, wp, sp, batch, seq, optimizer)
+    block_list = list(find_blocks(model) if blocks is None else blocks)
+    layouts, replicated = unit_layouts(model, block_list, config, head, wp)
+    w = weights(layouts, replicated, optimizer, config.param_dtype)
+    plan = pool_plan(layouts, config, wp)
+    shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
+    n_ckpt = round(config.activation_checkpointing * len(block_list))
+    traced = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward)
+    acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
+    persistent = {
+        "master shards": w.master,
+        "replicated params": w.replicated,
+        "pool slots and landing": plan.pool_bytes - plan.rs_bytes,
+        "reduce-scatter buffers": plan.rs_bytes,
+    }
+    # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps)
+    allreduce = sum(w.replicated_trainable) + w.wp_summed if world > 1 else 0
+    steady = {
+        **persistent,
+        "gradient shards": w.grad_shards,
+        "optimizer state": w.opt_state,
+        "all-reduce buffers": allreduce,
+        **cpu_runtime(device, world, config.param_dtype),
+    }
+    phases = {"wrap": _wrap(persistent, w, device)}
+    phases.update(_step(steady, w, traced, acts, n_ckpt, [(lay, tr) for i, lay, tr in layouts if i >= 0]))
+    phases["optimizer"] = _optimizer(steady, w, optimizer, device)
+    staging = {"save": w.largest_item, "async_save": w.master + w.replicated + w.opt_state, "load": 2 * w.largest_item}
+    for ph, nbytes in staging.items():  # on CUDA, DCP stages in host memory (pinned for async saves)
+        phases[ph] = {**steady, **({} if device == "cuda" else {"checkpoint staging": nbytes})}
+    return MemoryForecast(
+        phases={ph: {k: v for k, v in parts.items() if v} for ph, parts in phases.items()},
+        shm_bytes=shm,
+        host_staging=staging if device == "cuda" else {},
+        activations_by_block=acts,
+    )
+
+
+def _wrap(persistent: dict[str, int], w: Weights, device: str) -> dict[str, int]:
+    """Wrapping: the persistent parts and one sharded module made real whole. The pool
+    and reduce-scatter buffers are allocated but not written: on CPU their pages are
+    not resident until used. The sharded modules are made real one by one (each whole
+    until its rows are taken), before the replicated ones: the peak is the larger of
+    the two moments."""
+    untouched = ("pool slots and landing", "reduce-scatter buffers") if device == "cpu" else ()
+    wrap = {k: v for k, v in persistent.items() if k not in untouched}
+    return {**wrap, "one module materialised": max(0, w.largest_module - w.replicated)}
+
+
+def _step(
+    steady: dict[str, int],
+    w: Weights,
+    traced: Traced,
+    acts: list[int],
+    n_ckpt: int,
+    block_layouts: list[tuple[object, list[bool]]],
+) -> dict[str, dict[str, int]]:
+    """Forward and backward. Outer parameters are cast to param_dtype for a step (as
+    FSDP2's policy on the root) and the root unit gathered once per step. Backward's
+    peak is the largest moment of the walk from the loss back to the embedding."""
+    step_parts = {**steady, "cast copies": w.casts, "outer gather": w.outer_gather}
+    loss_fwd, loss_bwd, logits = loss_bytes(traced)
+    n = len(acts)
+    act_label = f"activations ({n_ckpt}/{n} blocks checkpointed)" if n_ckpt else "activations"
+    forward = {**step_parts, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
+    head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
+    hidden = max(traced.inputs, default=0)
+    kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
+    moments = [{act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, "replicated grads": head_grads}]
+    for i, (lay, tr) in enumerate(block_layouts):
+        moments.append(
+            {
+                act_label: kept[i] + traced.outer_saved,
+                "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
+                * lay.gather_dtype.itemsize,
+                "activation gradients": 2 * hidden + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0),
+                "replicated grads": head_grads,
+                "logits and loss": logits,
+            }
+        )
+    return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}
+
+
+def _optimizer(steady: dict[str, int], w: Weights, optimizer: str, device: str) -> dict[str, int]:
+    """The step: gradients of everything plus the optimizer's temporaries (for-each
+    AdamW on CUDA: one sqrt of every second moment at once; per parameter on CPU: the
+    largest one's sqrt and its quotient, torch/optim/adam.py)."""
+    temporaries = 0
+    if optimizer == "adamw":
+        temporaries = sum(w.all_trainable) if device == "cuda" else 2 * max(w.all_trainable, default=0)
+    return {**steady, "replicated grads": sum(w.replicated_trainable), "optimizer temporaries": temporaries}

@@ -1,0 +1,76 @@
+"""What a forecast returns: bytes per phase and part, its table, and the knob that shrinks each part."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Literal
+
+Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
+PHASES = ("wrap", "forward", "backward", "optimizer", "save", "async_save", "load")
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryForecast:
+    """Per-rank bytes above the process baseline, for each phase and named part."""
+
+    phases: dict[str, dict[str, int]]
+    """phase -> part -> bytes (the device's: CUDA allocated, or CPU RSS)."""
+    shm_bytes: int
+    """The host's shared memory (``/dev/shm``) for the CPU symmetric-memory backend,
+    all of the host's ranks together (0: not used)."""
+    host_staging: dict[str, int]
+    """On CUDA: the host memory (pinned for async saves) that DCP stages a checkpoint
+    in, per phase (save, async_save, load); on CPU that is the device's, in ``phases``."""
+    activations_by_block: list[int]
+    """Bytes each block keeps for backward (a checkpointed one: its input only)."""
+
+    def peak(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    def biggest(self, phase: str) -> tuple[str, int]:
+        """The largest part of ``phase``: (name, bytes)."""
+        return max(self.phases[phase].items(), key=lambda kv: kv[1])
+
+    def worst(self) -> str:
+        """The phase with the highest peak."""
+        return max(PHASES, key=self.peak)
+
+    def as_mib(self, baseline_bytes: int = 0) -> dict[str, float]:
+        """phase -> MiB, absolute (``baseline_bytes`` added): comparable with a run's
+        logged peak (``peak_rss_mib`` on CPU, ``peak_alloc_mib`` on CUDA)."""
+        return {ph: round((self.peak(ph) + baseline_bytes) / MIB, 1) for ph in PHASES}
+
+    def table(self, baseline_bytes: int = 0) -> str:
+        """A markdown table: parts down, phases across, MiB; then the peaks."""
+        parts: list[str] = []
+        for ph in PHASES:
+            parts += [p for p in self.phases[ph] if p not in parts]
+        head = "| part | " + " | ".join(PHASES) + " |"
+        rows = [head, "|---|" + "---:|" * len(PHASES)]
+        for part in parts:
+            cells = [self.phases[ph].get(part) for ph in PHASES]
+            rows.append(f"| {part} | " + " | ".join("" if c is None else f"{c / MIB:.1f}" for c in cells) + " |")
+        if baseline_bytes:
+            rows.append("| process baseline | " + " | ".join(f"{baseline_bytes / MIB:.1f}" for _ in PHASES) + " |")
+        rows.append("| **peak** | " + " | ".join(f"**{v:.1f}**" for v in self.as_mib(baseline_bytes).values()) + " |")
+        return "\n".join(rows)
+
+    def json_line(self, baseline_bytes: int = 0) -> str:
+        return json.dumps(self.as_mib(baseline_bytes))
+
+
+KNOBS = {
+    "activations": "--ckpt (activation checkpointing)",
+    "logits and loss": "--vocab-parallel, or a smaller --batch",
+    "replicated params": "--shard-outer",
+    "replicated grads": "--shard-outer",
+    "optimizer state": "a larger --wp",
+    "master shards": "a larger --wp",
+    "gradient shards": "a larger --wp",
+    "reduce-scatter buffers": "ISPConfig.max_inflight_reduce_scatter",
+    "block gradients (unsharded)": "a larger --wp, or smaller blocks",
+    "checkpoint staging": "a synchronous save (no --async-save)",
+}
+"""The knob that shrinks each part (isp-train's flags)."""

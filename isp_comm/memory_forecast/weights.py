@@ -1,0 +1,132 @@
+"""Weights and optimizer state: what each unit shards, and what that costs on rank 0.
+
+Read from the engine's own decisions: :func:`~isp_comm.discovery.unit_specs` says
+what each unit shards and :class:`~isp_comm.layout.BlockLayout` how large its flat
+shard is; what is left is replicated. Also the parts that are measured, not counted
+(memory a CPU rank's runtime keeps outside tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from isp_comm.config import ISPConfig
+from isp_comm.discovery import unit_specs
+from isp_comm.layout import BlockLayout
+from isp_comm.memory_forecast.result import MIB, Optimizer
+from isp_comm.units import find_sharded
+
+UnitLayout = tuple[int, BlockLayout, list[bool]]
+"""A unit's index (blocks from 0; the outer units negative), its layout on rank 0, and
+which of its parameters are trainable."""
+
+
+def unit_layouts(
+    model: nn.Module, blocks: Sequence[nn.Module], config: ISPConfig, head: nn.Module | None, wp: int
+) -> tuple[list[UnitLayout], list[nn.Parameter]]:
+    """Every unit's layout on rank 0, and the parameters left replicated (each tied one once)."""
+    pd, rd = config.param_dtype, config.reduce_dtype
+    layouts: list[UnitLayout] = []
+    for s in unit_specs(model, list(blocks), config, head):
+        found, _ = find_sharded(s.owners, s.names, s.dim1, wp, 0)
+        layout = BlockLayout(found, wp, 0, pd if s.cast else None, rd if s.cast else None)
+        trainable = [sp_.module._parameters[sp_.name].requires_grad for sp_ in layout.params]
+        layouts.append((s.index, layout, trainable))
+    in_units = {id(sp_.module._parameters[sp_.name]) for _, lay, _ in layouts for sp_ in lay.params}
+    return layouts, [p for p in model.parameters() if id(p) not in in_units]
+
+
+def flat_bytes(lay: BlockLayout) -> int:
+    """Bytes of a unit's flat shard."""
+    return lay.store.numel * lay.dtype.itemsize
+
+
+def trainable_bytes(layout: BlockLayout, trainable: list[bool]) -> list[int]:
+    """Bytes of each trainable shard parameter (its valid rows) of a unit on rank 0."""
+    return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.params, trainable) if t]
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Bytes of the parameters, their gradients and the optimizer's state on rank 0."""
+
+    master: int  # every unit's flat shard
+    grad_shards: int  # the flat gradient buffers of units with a trainable parameter
+    trainable_shards: list[int]  # each trainable sharded parameter's rows
+    replicated: int  # every replicated parameter
+    replicated_trainable: list[int]  # each trainable replicated parameter
+    opt_state: int  # the optimizer's state of every trainable parameter
+    casts: int  # replicated parameters cast to param_dtype for a step
+    outer_gather: int  # the outer parameters' unit, gathered once per step outside the pool
+    wp_summed: int  # trainable shards of the vocab head and split embedding (all-reduced whole)
+    largest_module: int  # the largest sharded module, made real whole at wrap
+    largest_item: int  # the largest tensor DCP copies at once
+
+    @property
+    def all_trainable(self) -> list[int]:
+        return self.trainable_shards + self.replicated_trainable
+
+
+def weights(
+    layouts: list[UnitLayout],
+    replicated: list[nn.Parameter],
+    optimizer: Optimizer,
+    param_dtype: torch.dtype | None,
+) -> Weights:
+    """The weights' parts of every phase (see :class:`Weights`)."""
+    trainable_shards = [b for _, lay, tr in layouts for b in trainable_bytes(lay, tr)]
+    repl_trainable = [p.numel() * p.element_size() for p in replicated if p.requires_grad]
+    per_param_state = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}[optimizer]
+    casts = 0
+    if param_dtype is not None:
+        casts = sum(p.numel() * param_dtype.itemsize for p in replicated if p.dtype != param_dtype)
+    root = next((lay for i, lay, _ in layouts if i == -1), None)
+    module_bytes: dict[int, int] = {}  # a sharded module is made real whole, then its rows are taken
+    for _, lay, _ in layouts:
+        for sp_ in lay.params:
+            module_bytes[id(sp_.module)] = module_bytes.get(id(sp_.module), 0) + sp_.full_numel * sp_.dtype.itemsize
+    return Weights(
+        master=sum(flat_bytes(lay) for _, lay, _ in layouts),
+        grad_shards=sum(flat_bytes(lay) for _, lay, tr in layouts if any(tr)),
+        trainable_shards=trainable_shards,
+        replicated=sum(p.numel() * p.element_size() for p in replicated),
+        replicated_trainable=repl_trainable,
+        opt_state=per_param_state * (sum(trainable_shards) + sum(repl_trainable)),
+        casts=casts,
+        outer_gather=root.gathered_numel * root.gather_dtype.itemsize if root is not None else 0,
+        wp_summed=sum(b for (i, lay, tr) in layouts if i in (-2, -3) for b in trainable_bytes(lay, tr)),
+        largest_module=max(module_bytes.values(), default=0),
+        largest_item=max([flat_bytes(lay) for _, lay, _ in layouts] + trainable_shards + repl_trainable, default=0),
+    )
+
+
+GLOO_RUNTIME = 6 * MIB
+"""Memory that gloo's collectives keep outside tensors once a step has run (world > 1)."""
+CPU_LOW_PRECISION_RUNTIME = {"AVX2": 0, "default": int(7.5 * MIB)}
+"""Memory the CPU kernels of bf16/fp16 compute keep outside tensors (code and buffers),
+by torch's CPU capability: 7.5 MiB on the machine the forecast was first fitted on
+(capability not recorded); none measurable on an AVX2-only one, where the forecast
+with 7.5 MiB read 8 to 12 MiB above every measured phase of a bf16 run."""
+
+
+def cpu_runtime(device: str, world: int, param_dtype: torch.dtype | None) -> dict[str, int]:
+    """Memory outside tensors that a CPU rank holds from its first step on: measured, not
+    derived (bench/forecast.py: the difference between a run's anonymous memory and its
+    live tensors on the 2-core CPU machine, torch 2.13). On CUDA no such part counts in
+    the allocator's figure."""
+    if device != "cpu":
+        return {}
+    parts = {"runtime: gloo": GLOO_RUNTIME if world > 1 else 0}
+    if param_dtype in (torch.bfloat16, torch.float16):
+        table, isa = CPU_LOW_PRECISION_RUNTIME, torch.backends.cpu.get_cpu_capability()
+        parts["runtime: low-precision CPU kernels"] = table.get(isa, table["default"])
+    return parts
+
+
+def _trainable_bytes(layout: BlockLayout, trainable: list[bool]) -> list[int]:
+    """Bytes of each trainable shard parameter (its valid rows) of a unit on rank 0."""
+    return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.params, trainable) if t]
