@@ -357,7 +357,7 @@ class SymmCpuBackend(Backend):
                 h._finish(failed)
                 continue
             try:
-                getattr(self, "_do_" + kind)(g, epoch, out, inp, *extra)
+                _WORKER_OPS[kind](self, g, epoch, out, inp, *extra)
                 h._finish()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 failed = exc
@@ -511,3 +511,15 @@ class SymmCpuBackend(Backend):
                     seg.close()
         self._groups.clear()
         self._fallback.close()
+
+
+_WORKER_OPS = {
+    "all_gather": SymmCpuBackend._do_all_gather,
+    "all_gather_direct": SymmCpuBackend._do_all_gather_direct,
+    "reduce_scatter": SymmCpuBackend._do_reduce_scatter,
+    "reduce_scatter_direct": SymmCpuBackend._do_reduce_scatter_direct,
+    "all_reduce": SymmCpuBackend._do_all_reduce,
+    "all_to_all": SymmCpuBackend._do_all_to_all,
+    "barrier": SymmCpuBackend._do_barrier,
+}
+"""What the worker runs for each kind of queued collective (a table, not a name lookup)."""
