@@ -275,7 +275,7 @@ class SymmCpuBackend(Backend):
             self._fallback.barrier(group, self.timeout_s)
             return CompletedHandle()
         if g is None:
-            return getattr(self._fallback, kind)(*(t for t in (out, inp) if t is not None), group)
+            return _FALLBACK_OPS[kind](self._fallback, *(t for t in (out, inp) if t is not None), group)
         if g.size == 1:
             if kind != "all_reduce":
                 out.copy_(inp.reshape(out.shape))
@@ -523,3 +523,11 @@ _WORKER_OPS = {
     "barrier": SymmCpuBackend._do_barrier,
 }
 """What the worker runs for each kind of queued collective (a table, not a name lookup)."""
+
+_FALLBACK_OPS = {
+    "all_gather": TorchBackend.all_gather,
+    "reduce_scatter": TorchBackend.reduce_scatter,
+    "all_reduce": TorchBackend.all_reduce,
+    "all_to_all": TorchBackend.all_to_all,
+}
+"""What a group that cannot use shared memory calls on TorchBackend, per kind."""
