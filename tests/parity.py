@@ -7,7 +7,10 @@ micro-batches; the ISP run feeds each rank its own slice and averages like DDP.
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import tracemalloc
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import isp_comm
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from models.llama import MLP, LlamaConfig, RMSNorm, build
 
@@ -204,20 +208,75 @@ def _rss() -> int:
 
 
 def _shm() -> int:
-    return sum(n.startswith("isp_") for n in os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
+    """This rank's isp-comm segments in /dev/shm (named after their creator's pid, see
+    segment_name): another job's on the same machine are not this run's."""
+    mine = f"isp_{os.getpid()}_"
+    return sum(n.startswith(mine) for n in os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
 
 
-def long_run_worker(rank: int, world: int, steps: int, backend: str) -> dict:
+def _live_tensors() -> tuple[int, int]:
+    """Tensors alive in this process (every tensor object, views included) and the
+    bytes of their distinct storages: what the library's own buffers add up to."""
+    count, storages = 0, {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":  # type(): no __class__ lookups
+            count += 1
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+    return count, sum(storages.values())
+
+
+def _isp_objects() -> tuple[tuple[tuple[str, int], ...], int]:
+    """isp-comm's own Python objects alive in this process: how many of each class, and
+    the entries of every container they hold (lists, dicts, sets, deques), so that an
+    append that is never undone shows."""
+    kinds: dict[str, int] = {}
+    entries = 0
+    for obj in gc.get_objects():
+        kind = type(obj)
+        module = getattr(kind, "__module__", None)  # a descriptor on some of torch's types
+        if not (isinstance(module, str) and module.startswith("isp_comm")):
+            continue
+        kinds[kind.__qualname__] = kinds.get(kind.__qualname__, 0) + 1
+        fields = vars(obj).values() if hasattr(obj, "__dict__") else ()
+        entries += sum(len(v) for v in fields if isinstance(v, (list, dict, set, deque)))
+    return tuple(sorted(kinds.items())), entries
+
+
+ISP_COMM_FILES = os.path.join(os.path.dirname(os.path.abspath(isp_comm.__file__)), "*")
+
+
+def _isp_comm_python_bytes() -> tuple[int, list[str]]:
+    """Bytes of Python objects allocated by isp_comm's code and still alive (tracemalloc),
+    and the largest such allocations by line (to name a leak)."""
+    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, ISP_COMM_FILES)])
+    stats = snap.statistics("lineno")
+    return sum(s.size for s in stats), [str(s) for s in stats[:5]]
+
+
+def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool = False) -> dict:
+    """``steps`` of a tiny model, measured at every step end. ``exact``: also what
+    isp-comm allocates, tensors and Python objects (tracemalloc from the start: slower)."""
     case = Case(optim="adamw", steps=steps, ckpt=0.5, seq=16, batch_per_rank=2)
     trace: list[dict] = []
+    if exact:
+        tracemalloc.start()
 
     def on_step(comm) -> None:
         s = comm.stats()
         trace.append({"rss": _rss(), "shm": _shm(), **{k: s[k] for k in KEYS}})
+        if exact and len(trace) >= WARMUP:
+            trace[-1]["tensors"] = _live_tensors()
+            trace[-1]["objects"] = _isp_objects()
+            if len(trace) in (WARMUP, steps):
+                trace[-1]["py"] = _isp_comm_python_bytes()
 
-    train_isp(case, rank, world, world, on_step=on_step, backend=backend)
+    try:
+        train_isp(case, rank, world, world, on_step=on_step, backend=backend)
+    finally:
+        tracemalloc.stop()
     after, mid = trace[WARMUP - 1], trace[(WARMUP - 1 + len(trace) - 1) // 2]
-    return {
+    out = {
         "rank": rank,
         "rss_warm": after["rss"],
         "rss_end": trace[-1]["rss"],
@@ -230,6 +289,12 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str) -> dict:
         "shm_max": max(t["shm"] for t in trace),
         "pool_bytes": after["pool_bytes"],
     }
+    if exact:  # distinct (count, bytes) of live tensors after warm-up; isp_comm's Python bytes then and at the end
+        out["tensors"] = sorted({t["tensors"] for t in trace[WARMUP - 1 :]})
+        out["objects"] = sorted({t["objects"] for t in trace[WARMUP - 1 :]})
+        out["py_warm"], out["py_end"] = after["py"][0], trace[-1]["py"][0]
+        out["py_end_top"] = trace[-1]["py"][1]
+    return out
 
 
 KEYS = ("pool_bytes", "slots_held", "rs_buffers_in_use", "outstanding_handles", "live_gathered_bytes")
