@@ -1,5 +1,5 @@
 """Measured memory, phase by phase, of a small ISP training on CPU (or CUDA) ranks:
-what the forecast (isp_comm/memory_forecast.py) is checked against, by tests/test_forecast.py
+what the forecast (isp_comm/memory_forecast/) is checked against, by tests/test_forecast.py
 and bench/forecast.py.
 
 Each rank measures each phase's peak above its baseline (taken after the process

@@ -36,7 +36,7 @@ tensor), and the optimizer's temporaries (torch's for-each AdamW on CUDA: one
 ``sqrt`` of every second moment; the per-parameter one on CPU: the largest one's
 sqrt and quotient).
 On CPU, two parts are measured constants rather than counts: what gloo and the bf16
-kernels keep outside tensors (``_cpu_runtime``). ``bench/forecast.py`` measures how
+kernels keep outside tensors (:func:`.weights.cpu_runtime`). ``bench/forecast.py`` measures how
 close this comes.
 
 [Note: the package]
