@@ -156,6 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: needs a CUDA device (or --device cpu)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # --profile writes beside it
     shape = SMALL if args.small else BIG
     args.seq = args.seq or shape["max_seq_len"]
     cfg = LlamaConfig(**{**shape, "max_seq_len": args.seq})
@@ -192,7 +193,6 @@ def main() -> None:
         mem = [f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("peak_alloc_mib", "peak_reserved_mib")]
         print(f"| {r['run']} | {r['ms_per_step']:.1f} ({lo:.1f}-{hi:.1f}) | {vs} | {mfu} | {mem[0]} | {mem[1]} |")
     meta = {"device": name, "torch": torch.__version__, "params": n, "args": vars(args)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
