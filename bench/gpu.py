@@ -117,6 +117,20 @@ def measure(kind: str, cfg: LlamaConfig, args, device: torch.device) -> dict:
     return out
 
 
+def versions(device: torch.device) -> dict:
+    """torch, CUDA, NCCL and nvshmem4py versions, as the docs quote them."""
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        from importlib.metadata import version
+
+        out["nvshmem4py"] = version("nvshmem4py-cu13")
+    except Exception:  # noqa: BLE001 - not installed: None
+        out["nvshmem4py"] = None
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -192,7 +206,7 @@ def main() -> None:
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
         mem = [f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("peak_alloc_mib", "peak_reserved_mib")]
         print(f"| {r['run']} | {r['ms_per_step']:.1f} ({lo:.1f}-{hi:.1f}) | {vs} | {mfu} | {mem[0]} | {mem[1]} |")
-    meta = {"device": name, "torch": torch.__version__, "params": n, "args": vars(args)}
+    meta = {"device": name, "params": n, "args": vars(args), **versions(device)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
