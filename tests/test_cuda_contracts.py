@@ -273,3 +273,65 @@ def _gloo_worker(rank: int, world: int) -> bool:
 
 def test_torch_backend_handles_of_gloo_wait_on_the_host() -> None:
     assert run_ranks(_gloo_worker, 2, timeout_s=60) == [True, True]
+
+
+# ---- the engine on the CUDA backends' code ---------------------------------------------
+def _engine_worker(rank: int, world: int) -> dict:
+    """ISP training through each CUDA backend (on the fakes) against single-process
+    training, with sequence parallelism: the engine's whole use of the backend."""
+    import isp_comm.communicator as communicator
+    from tests.fakes import FakeNvshmem, FakeSymm, _Device
+    from tests.test_sequence_parallel import _sp_worker
+
+    class Recording(cuda_symm.CudaSymmBackend):
+        """Says which groups were decided outside ``reserve`` (lazily, in a step)."""
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.lazy, self._reserving = [], False
+
+        def reserve(self, *a, **kw) -> None:
+            self._reserving = True
+            try:
+                super().reserve(*a, **kw)
+            finally:
+                self._reserving = False
+
+        def _symmetric(self, group, device) -> bool:
+            if group.group_name not in self._local and not self._reserving:
+                self.lazy.append(dist.get_process_group_ranks(group))
+            return super()._symmetric(group, device)
+
+    made, fakes, errors = [], [], {}
+    checks = (lambda device: f"gpu{rank}", lambda device, uuids: len(set(uuids)) == len(uuids))
+
+    def symm_backend(name, device, timeout_s):
+        fakes.append(FakeSymm())
+        made.append(Recording(timeout_s, symm=fakes[-1], runtime=HostRuntime(), peer_check=checks))
+        return made[-1]
+
+    def nvshmem_backend_(name, device, timeout_s):
+        api = nvshmem_backend.NvshmemApi(FakeNvshmem(), _Device)
+        made.append(nvshmem_backend.NvshmemBackend(device, timeout_s, api=api, runtime=HostRuntime()))
+        return made[-1]
+
+    try:
+        for label, factory, (sp, wp, outer) in (
+            ("symm sp2 wp2", symm_backend, (2, 2, True)),
+            ("symm wp4", symm_backend, (1, 4, False)),
+            ("nvshmem wp4", nvshmem_backend_, (1, 4, True)),
+        ):
+            communicator.make_backend = factory
+            errors[label] = _sp_worker(rank, world, sp, wp, "llama", outer, False, None)
+    finally:
+        for f in fakes:
+            f.close()
+    return {"errors": errors, "lazy": [b.lazy for b in made if isinstance(b, Recording)]}
+
+
+@pytest.mark.timeout(300)
+def test_engine_on_the_cuda_backends_code_matches_single_process_training() -> None:
+    for r in run_ranks(_engine_worker, 4, timeout_s=280):
+        # fp32 SGD parity, as in tests/test_sequence_parallel.py
+        assert all(e < 2e-6 for e in r["errors"].values()), r
+        assert r["lazy"] == [[], []], r  # every group, SP's too, was decided at wrap time
