@@ -117,6 +117,20 @@ def measure(kind: str, cfg: LlamaConfig, args, device: torch.device) -> dict:
     return out
 
 
+def versions(device: torch.device) -> dict:
+    """torch, CUDA, NCCL and nvshmem4py versions, as the docs quote them."""
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        from importlib.metadata import version
+
+        out["nvshmem4py"] = version("nvshmem4py-cu13")
+    except Exception:  # noqa: BLE001 - not installed: None
+        out["nvshmem4py"] = None
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,6 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: needs a CUDA device (or --device cpu)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # --profile writes beside it
     shape = SMALL if args.small else BIG
     args.seq = args.seq or shape["max_seq_len"]
     cfg = LlamaConfig(**{**shape, "max_seq_len": args.seq})
@@ -191,8 +206,7 @@ def main() -> None:
         mfu = f"{r['mfu_pct']:.1f}%" if r["mfu_pct"] is not None else "-"
         mem = [f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("peak_alloc_mib", "peak_reserved_mib")]
         print(f"| {r['run']} | {r['ms_per_step']:.1f} ({lo:.1f}-{hi:.1f}) | {vs} | {mfu} | {mem[0]} | {mem[1]} |")
-    meta = {"device": name, "torch": torch.__version__, "params": n, "args": vars(args)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    meta = {"device": name, "params": n, "args": vars(args), **versions(device)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -124,13 +124,15 @@ class ISPCommunicator:
             plan = dataclasses.replace(plan, shm_bytes=shm)
         g = self.groups
         gathered, shard, repl = self._largest_collectives(replicated)
-        for group, size, nbytes in (
-            (g.wp_group, g.wp_size, gathered),
-            (g.replica_group, g.replica_size, shard),
-            (g.world_group, g.world_size, repl),
+        for group, size, nbytes, lane in (  # a collective's input bytes per rank, per lane
+            (g.wp_group, g.wp_size, shard, "gather"),
+            (g.wp_group, g.wp_size, gathered, "reduce"),
+            (g.replica_group, g.replica_size, shard, "reduce"),
+            (g.world_group, g.world_size, repl, "reduce"),
+            (g.sp_group, g.sp_size, 0, "all_to_all"),  # decided here, sized by the batch at first use
         ):
-            if size > 1 and nbytes:
-                self.backend.reserve(group, nbytes, units[0].device)  # CUDA symmetric memory: scratch sized here
+            if size > 1:
+                self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool

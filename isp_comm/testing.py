@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple, backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -26,7 +28,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, resul
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        kw = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
         out = fn(rank, world, *args)
         # bytes, not tensors: torch would share tensors through /dev/shm and file
         # descriptors that die with this process
@@ -39,17 +42,22 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, resul
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0, may_die: frozenset[int] = frozenset()
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    may_die: frozenset[int] = frozenset(),
+    backend: str = "gloo",
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results.
 
     Ranks in ``may_die`` are allowed to exit without a result (fault-injection tests);
-    their result is their exit code."""
+    their result is their exit code. ``backend="nccl"``: rank r on GPU r."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend)) for r in range(world)]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}

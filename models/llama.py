@@ -208,9 +208,11 @@ class Llama(nn.Module):
 
 
 def build(cfg: LlamaConfig, seed: int = 0) -> Llama:
-    """The model with deterministic weights (same seed, same weights on every rank)."""
+    """The model with deterministic weights (same seed, same weights on every rank),
+    built on the CPU from the CPU generator alone: ``torch.manual_seed`` would also
+    reseed every GPU's generator, undoing a per-rank CUDA seed (dropout) set before."""
     gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
     try:
         return Llama(cfg)
     finally:

@@ -29,7 +29,7 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
     if name == "nvshmem":
         if not nvshmem_backend.available():
             raise ValueError(f"backend 'nvshmem' needs CUDA and nvshmem4py: {nvshmem_backend.install_hint()}")
-        return nvshmem_backend.NvshmemBackend(timeout_s)
+        return nvshmem_backend.NvshmemBackend(device, timeout_s)
     if name == "auto":  # NCCL: the CUDA symmetric-memory backend has not run across GPUs yet (README)
         return TorchBackend(device)
     if cuda_symm.available():

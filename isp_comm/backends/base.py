@@ -157,8 +157,10 @@ class Backend:
         world when overridden. Default: 0, nothing to check (no shared memory)."""
         return 0
 
-    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device) -> None:
-        """Size ``group``'s scratch for collectives of up to ``nbytes`` per rank, once,
-        at set-up (collective over the group when overridden), so that no step has to
-        grow it. Default: nothing to reserve."""
+    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device, lane: str) -> None:
+        """At set-up, collectively over ``group`` when overridden: decide how the group
+        communicates and size its ``lane``'s scratch (a lane of
+        :data:`~isp_comm.backends.streams.LANES`, see [Note: lanes]) for collectives of
+        up to ``nbytes`` per rank (0: decide only), so that no step has to grow it.
+        Called for every group of more than one rank. Default: nothing to reserve."""
         return None

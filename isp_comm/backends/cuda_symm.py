@@ -1,98 +1,119 @@
 """CUDA symmetric memory (``torch.distributed._symmetric_memory``) collectives.
 
 Selected with ``ISPConfig(backend="symm")`` for CUDA parameters when torch's symmetric
-memory is usable. Per group, each rank owns one symmetric scratch buffer (``empty`` +
-``rendezvous``); a collective copies its input into the local buffer, meets its peers
-at a device-side barrier, reads (pulls) what it needs straight from the peers'
-buffers through ``get_buffer``, and meets them again so no buffer is overwritten while
-a peer still reads it. Everything runs on one side stream; a handle's ``wait`` makes
-the caller's stream wait for it (no host synchronisation).
+memory is usable. Each (group, lane) owns one symmetric scratch buffer (``empty`` +
+``rendezvous``) and one side stream (see [Note: lanes] in ``streams.py``): a
+collective copies its input into the local buffer, meets its peers at a device-side
+barrier, reads (pulls) what it needs straight from the peers' buffers through
+``get_buffer``, and meets them again so that no buffer is overwritten while a peer
+still reads it. A handle's ``wait`` makes the caller's stream wait for it (no host
+synchronisation).
 
-Not exercised by CI (no GPU there): its tests live in ``tests/gpu/``.
+[Note: scratch that grows without a host wait]
+The communicator reserves each group's scratch at wrap time from its memory plan
+(:meth:`CudaSymmBackend.reserve`), and decides there, once per group, whether the
+group uses symmetric memory at all, so that no step meets the peers on the host.
+What the plan cannot size (a sequence-parallel all-to-all, whose size is the
+batch's) grows at its first use: a new buffer is made and rendezvoused (a host
+meeting of the group's ranks, once per growth), and the old one is kept, not
+freed, until ``close()``: collectives already issued on the lane may still read
+it, and keeping it asks nothing of the host. Growth doubles, so a run makes a few.
+
+CI has no GPU: ``tests/test_cuda_contracts.py`` runs this backend on CPU tensors
+against a fake of ``_symmetric_memory`` over shared memory whose every call is
+bound to the installed torch's signature; ``tests/gpu/`` runs it on a GPU.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, symmetric_refusal
+from isp_comm.backends.streams import CudaEventHandle, CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.symm_cpu import host_id
 from isp_comm.backends.torch_backend import TorchBackend
-from isp_comm.errors import ISPCommTimeout
 
 log = logging.getLogger("isp_comm")
+
+__all__ = ["CudaEventHandle", "CudaSymmBackend", "available", "sum_into"]
 
 
 def available() -> bool:
     return cuda_with("torch.distributed._symmetric_memory")
 
 
-class CudaEventHandle(Handle):
-    """A collective on a CUDA stream, ending at ``event``. ``wait`` orders the caller's
-    stream after it without stopping the host; a collective still running
-    ``deadline_s`` after its issue when it is waited raises ``ISPCommTimeout`` (the
-    query does not block)."""
+def sum_into(peers: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` = the sum of ``peers``, accumulated in fp32. Never writes a peer's
+    buffer: they are other ranks' scratch, which those ranks may still read."""
+    if out.dtype == torch.float32:
+        torch.add(peers[0], peers[1], out=out)
+        for p in peers[2:]:
+            out.add_(p)
+        return
+    acc = peers[0].to(torch.float32, copy=True)
+    for p in peers[1:]:
+        acc.add_(p)
+    out.copy_(acc)
 
-    __slots__ = ("_device", "_event", "_issued", "_deadline_s")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device, deadline_s: float = float("inf")) -> None:
-        self._event, self._device = event, device
-        self._issued, self._deadline_s = time.monotonic(), deadline_s
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
 
-    def wait(self, timeout_s: float) -> None:
-        if time.monotonic() - self._issued > min(timeout_s, self._deadline_s) and not self._event.query():
-            raise ISPCommTimeout(f"a CUDA collective did not complete within {timeout_s:.1f}s of its issue")
-        torch.cuda.current_stream(self._device).wait_event(self._event)
 
-    def is_completed(self) -> bool:
-        return self._event.query()
-
-    def completion_event(self, _observer: torch.cuda.Stream) -> torch.cuda.Event:
-        """Recorded on the stream that ran the collective, as it ended (timelines)."""
-        return self._event
+def _peer_ok(device: torch.device, uuids: list[str]) -> bool:
+    """This rank's GPU is its own among ``uuids`` (the GPUs of this host's ranks) and
+    reaches every other one."""
+    mine = _gpu_uuid(device)
+    index = {_gpu_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+    return len(set(uuids)) == len(uuids) and all(
+        u == mine or (u in index and torch.cuda.can_device_access_peer(device, index[u])) for u in uuids
+    )
 
 
 class CudaSymmBackend(Backend):
     name = "symm"
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        self._symm = symm_mem
-        self._timeout_s = timeout_s
+    def __init__(
+        self,
+        timeout_s: float = 300.0,
+        *,
+        symm: Any = None,
+        runtime: CudaRuntime | HostRuntime | None = None,
+        peer_check=None,
+    ) -> None:
+        if symm is None:
+            from torch.distributed import _symmetric_memory as symm
+        self._symm = symm
+        self._rt = runtime if runtime is not None else CudaRuntime()
+        self._lanes = Lanes(self._rt, timeout_s)
         # the device barriers' own deadline comes later than the host's, so that a
         # late collective is reported by a handle's wait, as ISPCommTimeout, rather than
         # by a trapped kernel (a sticky CUDA error)
         self._timeout_ms = int(2 * timeout_s * 1000)
-        self._groups: dict[str, tuple[torch.Tensor, object]] = {}
+        self._peer_check = peer_check if peer_check is not None else (_gpu_uuid, _peer_ok)
+        self._buffers: dict[tuple[str, str], tuple[torch.Tensor, Any]] = {}  # (group, lane) -> (buffer, handle)
+        self._retired: list[tuple[torch.Tensor, Any]] = []  # see [Note: scratch that grows without a host wait]
         self._local: dict[str, bool] = {}  # group -> symmetric memory (else NCCL, see _symmetric)
         self._fallback = TorchBackend()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # per device: made on the tensors' own
-        self._streams_by_group: dict[str, torch.cuda.Stream] = {}
 
     def _symmetric(self, group: ProcessGroup, device: torch.device) -> bool:
         """Whether ``group`` uses symmetric memory: its ranks share a host and their
-        GPUs reach each other (decided once per group, collectively, at its first
-        collective; every rank issues the same collectives, so all decide alike).
-        Otherwise NCCL serves it, said in one line."""
+        GPUs reach each other. Decided once per group, collectively, by
+        :meth:`reserve` at wrap time (or at the group's first collective if it was
+        never reserved). Otherwise NCCL serves it, said in one line."""
         key = group.group_name
         if key not in self._local:
-            props = torch.cuda.get_device_properties
-            mine = str(props(device).uuid)
+            uuid_of, peer_ok = self._peer_check
             infos: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(infos, (host_id(), mine), group=group)
+            dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
             here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
-            index = {str(props(i).uuid): i for i in range(torch.cuda.device_count())}
-            ok = len(set(here)) == len(here) and all(  # one GPU per rank, each reaching the others
-                u == mine or (u in index and torch.cuda.can_device_access_peer(device, index[u])) for u in here
-            )
             flags: list = [None] * len(infos)
-            dist.all_gather_object(flags, ok, group=group)
+            dist.all_gather_object(flags, peer_ok(device, here), group=group)
             refusal = symmetric_refusal([h for h, _ in infos], flags)
             self._local[key] = refusal is None
             if refusal is not None and dist.get_rank(group) == 0:
@@ -100,126 +121,102 @@ class CudaSymmBackend(Backend):
                 log.warning("isp-comm: group %s: %s; using NCCL for it", ranks, refusal)
         return self._local[key]
 
-    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device) -> None:
-        """Size ``group``'s scratch for collectives of up to ``nbytes`` per rank, at
-        set-up (collective over the group). The communicator reserves what its memory
-        plan says each group moves, so no step has to grow a scratch: growing means
-        the host waits until no collective reads the old buffer."""
-        if dist.get_world_size(group) > 1 and self._symmetric(group, device):
-            self._buffer(group, nbytes, device, planned=True)
+    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device, lane: str = "reduce") -> None:
+        """At set-up (collective over ``group``): decide whether the group uses
+        symmetric memory, and size its ``lane``'s scratch for collectives of up to
+        ``nbytes`` per rank (0: decide only). See [Note: scratch that grows without a
+        host wait]."""
+        if dist.get_world_size(group) > 1 and self._symmetric(group, device) and nbytes:
+            self._buffer(group, lane, nbytes, device)
 
-    def _buffer(self, group: ProcessGroup, nbytes: int, device: torch.device, planned: bool = False):
-        key = group.group_name
-        have = self._groups.get(key)
+    def _buffer(self, group: ProcessGroup, lane: str, nbytes: int, device: torch.device):
+        key = (group.group_name, lane)
+        have = self._buffers.get(key)
         if have is None or have[0].numel() < nbytes:
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            if have is not None or not planned:
-                log.warning(
-                    "isp-comm: the symmetric scratch of group %s grows to %d bytes for a collective the memory "
-                    "plan did not size (the host waits for the streams once)",
-                    dist.get_process_group_ranks(group),
-                    cap,
-                )
-                torch.cuda.current_stream(device).synchronize()  # the old buffer is no longer read
-                if key in self._streams_by_group:
-                    self._streams_by_group[key].synchronize()
+            if have is not None:
+                self._retired.append(have)
+                log.info("isp-comm: the %s scratch of group %s grows to %d bytes", lane, group.group_name, cap)
             buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
-            have = (buf, self._symm.rendezvous(buf, group))
-            self._groups[key] = have
+            have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
         return have
 
-    def _run(
-        self, group: ProcessGroup, inp: torch.Tensor | None, out: torch.Tensor | None, nbytes: int, device, body
-    ) -> Handle:
-        if dist.get_world_size(group) == 1:
-            body(None, None)
-            return CompletedHandle()
-        buf, hdl = self._buffer(group, nbytes, device)
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        self._streams_by_group[group.group_name] = stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            if inp is not None and inp.numel():
+    def _run(self, group: ProcessGroup, lane: str, inp: torch.Tensor, out: torch.Tensor | None, body) -> Handle:
+        """``inp`` into the lane's buffer, a barrier, ``body(handle)`` reading the
+        peers' buffers, a barrier: on the lane's side stream."""
+        device = inp.device
+        buf, hdl = self._buffer(group, lane, inp.numel() * inp.element_size(), device)
+
+        def on_stream(_stream) -> None:
+            if inp.numel():
                 flat = inp.reshape(-1)
                 buf[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
-            body(hdl, buf)
+            body(hdl)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(stream)
-        # both ends are used on the side stream: the caching allocator must not hand
-        # their memory to another tensor before the side stream is done with them
-        for t in (inp, out):
-            if t is not None:
-                t.record_stream(stream)
-        return CudaEventHandle(event, device, self._timeout_s)
+
+        return self._lanes.run(group.group_name, lane, device, (inp, out), on_stream)
 
     @staticmethod
-    def _peer(hdl, r: int, n: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-        return hdl.get_buffer(r, (n,), dtype, offset)
+    def _peers(hdl, n: int, dtype: torch.dtype, offset: int = 0) -> list[torch.Tensor]:
+        return [hdl.get_buffer(r, (n,), dtype, offset) for r in range(hdl.world_size)]
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if dist.get_world_size(group) == 1:
+            out.copy_(inp.reshape(out.shape))
+            return CompletedHandle()
         if not self._symmetric(group, inp.device):
             return self._fallback.all_gather(out, inp, group)
-        n, w = inp.numel(), dist.get_world_size(group)
+        n = inp.numel()
 
-        def body(hdl, _buf):
-            if hdl is None:
-                out.copy_(inp.reshape(out.shape))
-                return
+        def body(hdl) -> None:
             flat = out.view(-1)
-            for r in range(w):
-                flat[r * n : (r + 1) * n].copy_(self._peer(hdl, r, n, inp.dtype))
+            for r, peer in enumerate(self._peers(hdl, n, inp.dtype)):
+                flat[r * n : (r + 1) * n].copy_(peer)
 
-        return self._run(group, inp, out, n * inp.element_size(), inp.device, body)
-
-    def _sum(self, hdl, w: int, n: int, dtype: torch.dtype, offset: int, out: torch.Tensor) -> None:
-        acc = self._peer(hdl, 0, n, dtype, offset).float()
-        for r in range(1, w):
-            acc.add_(self._peer(hdl, r, n, dtype, offset))
-        out.copy_(acc)
+        return self._run(group, "gather", inp, out, body)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if dist.get_world_size(group) == 1:
+            out.copy_(inp.reshape(out.shape))
+            return CompletedHandle()
         if not self._symmetric(group, inp.device):
             return self._fallback.reduce_scatter(out, inp, group)
-        n, w = out.numel(), dist.get_world_size(group)
+        n = out.numel()
 
-        def body(hdl, _buf):
-            if hdl is None:
-                out.copy_(inp.reshape(out.shape))
-            elif n:
-                self._sum(hdl, w, n, inp.dtype, hdl.rank * n, out.view(-1))
+        def body(hdl) -> None:
+            if n:
+                sum_into(self._peers(hdl, n, inp.dtype, hdl.rank * n), out.view(-1))
 
-        return self._run(group, inp, out, inp.numel() * inp.element_size(), inp.device, body)
+        return self._run(group, "reduce", inp, out, body)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
+        if dist.get_world_size(group) == 1:
+            return CompletedHandle()
         if not self._symmetric(group, tensor.device):
             return self._fallback.all_reduce(tensor, group)
-        n, w = tensor.numel(), dist.get_world_size(group)
+        n = tensor.numel()
 
-        def body(hdl, _buf):
-            if hdl is not None and n:
-                self._sum(hdl, w, n, tensor.dtype, 0, tensor.view(-1))
+        def body(hdl) -> None:
+            if n:
+                sum_into(self._peers(hdl, n, tensor.dtype), tensor.view(-1))
 
-        return self._run(group, tensor, None, n * tensor.element_size(), tensor.device, body)
+        return self._run(group, "reduce", tensor, None, body)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        if dist.get_world_size(group) == 1:
+            out.copy_(inp)
+            return CompletedHandle()
         if not self._symmetric(group, inp.device):
             return self._fallback.all_to_all(out, inp, group)
-        w = dist.get_world_size(group)
-        n = inp.numel() // w
+        n = inp.numel() // dist.get_world_size(group)
 
-        def body(hdl, _buf):
-            if hdl is None:
-                out.copy_(inp)
-                return
+        def body(hdl) -> None:
             flat = out.view(-1)
-            for r in range(w):
-                flat[r * n : (r + 1) * n].copy_(self._peer(hdl, r, n, inp.dtype, hdl.rank * n))
+            for r, peer in enumerate(self._peers(hdl, n, inp.dtype, hdl.rank * n)):
+                flat[r * n : (r + 1) * n].copy_(peer)
 
-        return self._run(group, inp, out, inp.numel() * inp.element_size(), inp.device, body)
+        return self._run(group, "all_to_all", inp, out, body)
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         dist.barrier(group=group)
@@ -230,6 +227,7 @@ class CudaSymmBackend(Backend):
         return torch.empty(numel, dtype=dtype, device=device)
 
     def close(self) -> None:
-        torch.cuda.synchronize()
-        self._groups.clear()
+        self._lanes.synchronize()
+        self._buffers.clear()
+        self._retired.clear()
         self._fallback.close()

@@ -1,23 +1,42 @@
-"""nvshmem4py (``nvshmem.core``) collectives on the current CUDA stream.
+"""nvshmem4py (``nvshmem.core``, 0.4.1 and later) collectives on side streams.
 
 Selected with ``ISPConfig(backend="nvshmem")`` when ``nvshmem.core`` imports and the
 parameters are on CUDA. NVSHMEM is bootstrapped from a unique id that rank 0 creates
-and broadcasts over torch.distributed; symmetric scratch tensors come from
-``nvshmem.core.interop.torch``; ``fcollect`` and ``reducescatter`` run on the caller's
-stream. NVSHMEM teams here cover the whole world only: a group smaller than the world
-uses ``TorchBackend`` (NCCL) instead, as a group across hosts does for the CPU backend.
+and broadcasts over torch.distributed, bound to the parameters' GPU (not the
+current one). A collective copies its input into an NVSHMEM scratch tensor, runs
+``fcollect`` / ``reducescatter`` / ``reduce`` / ``alltoall`` on its lane's side
+stream (see [Note: lanes] in ``streams.py``), and copies the result out. NVSHMEM
+teams here cover the whole world only: a group smaller than the world uses
+``TorchBackend`` (NCCL) instead, as a group across hosts does for the CPU backend.
 
-Not exercised by CI (no GPU there): its tests live in ``tests/gpu/``.
+[Note: nvshmem sizes a collective by its allocation]
+nvshmem4py finds the symmetric allocation of a tensor by its ``data_ptr`` and sizes
+the collective from the *whole allocation*, not from the tensor passed: a slice
+``buf[:n]`` of a larger scratch moves the whole scratch (an ``fcollect`` puts PE r's
+data at ``r * N_alloc``, not ``r * n``), and a slice at an offset is not found at
+all. So every scratch tensor is exactly one collective's size: one per (lane,
+dtype, element count), allocated at its first use. The allocation is collective
+(NVSHMEM's symmetric heap), and every rank issues the same collectives in the same
+order, so every rank allocates alike; the sizes of a step repeat, so after the
+first step nothing is allocated.
+
+CI has no GPU: ``tests/test_cuda_contracts.py`` runs this backend on CPU tensors
+against a fake of nvshmem4py that keeps the semantics above and whose every call
+is bound to the installed package's signature; ``tests/gpu/`` runs it on a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, Handle, cuda_with
-from isp_comm.backends.cuda_symm import CudaEventHandle
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with
+from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend
 
 
@@ -37,99 +56,114 @@ def install_hint(cuda_version: str | None = None) -> str:
     return f"pip install 'isp-comm[nvshmem-cu{major}]' (nvshmem4py-cu{major}, for torch's CUDA {cuda})"
 
 
-class _StreamRef:
-    """What ``nvshmem.core``'s collectives read from a stream: its raw handle."""
+@dataclass(frozen=True)
+class NvshmemApi:
+    """What the backend uses of nvshmem4py and cuda-core, in one place: the real
+    packages (:func:`load_api`), or a fake with their semantics in tests."""
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.handle = stream.cuda_stream
+    core: Any
+    """``nvshmem.core``."""
+    Device: Any
+    """``cuda.core.Device`` (cuda-core 1.x: the top-level namespace; ``.experimental`` is gone)."""
+
+
+def load_api() -> NvshmemApi:
+    import nvshmem.core
+    from cuda.core import Device
+
+    return NvshmemApi(nvshmem.core, Device)
 
 
 class NvshmemBackend(Backend):
     name = "nvshmem"
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
-        import numpy as np
-        import nvshmem.core as nvshmem
-        from cuda.core.experimental import Device
-
-        self._nv = nvshmem
-        self._fallback = TorchBackend()
+    def __init__(
+        self,
+        device: torch.device,
+        timeout_s: float = 300.0,
+        *,
+        api: NvshmemApi | None = None,
+        runtime: CudaRuntime | HostRuntime | None = None,
+    ) -> None:
+        self._api = api if api is not None else load_api()
+        self._device = device
+        self._lanes = Lanes(runtime if runtime is not None else CudaRuntime(), timeout_s)
+        self._fallback = TorchBackend(device)
         self._world = dist.get_world_size()
-        dev = Device(torch.cuda.current_device())
+        self._scratch: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+        self._init_nvshmem()
+
+    def _init_nvshmem(self) -> None:
+        """Bind NVSHMEM to the parameters' GPU and meet the other ranks through a
+        unique id that rank 0 creates and broadcasts."""
+        nv = self._api.core
+        index = self._device.index if self._device.index is not None else 0
+        if self._device.type == "cuda" and self._device.index is None:
+            index = torch.cuda.current_device()
+        dev = self._api.Device(index)
         dev.set_current()
-        uid = nvshmem.get_unique_id(empty=True)
+        uid = nv.get_unique_id(empty=True)
         if dist.get_rank() == 0:
-            uid = nvshmem.get_unique_id()
-        raw = torch.from_numpy(uid._data.view(np.int8).copy()).cuda()
+            uid = nv.get_unique_id()
+        raw = torch.from_numpy(uid._data.view(np.int8).copy()).to(self._device)
         dist.broadcast(raw, src=0)
         uid._data.view(np.int8)[:] = raw.cpu().numpy()
-        nvshmem.init(device=dev, uid=uid, rank=dist.get_rank(), nranks=self._world, initializer_method="uid")
-        self._scratch: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        nv.init(device=dev, uid=uid, rank=dist.get_rank(), nranks=self._world, initializer_method="uid")
 
     def _world_group(self, group: ProcessGroup) -> bool:
         return dist.get_world_size(group) == self._world
 
-    def _buffers(self, kind: str, dtype: torch.dtype, n_in: int, n_out: int):
-        key = (kind, dtype)
-        have = self._scratch.get(key)
-        if have is None or have[0].numel() < n_in or have[1].numel() < n_out:
-            torch.cuda.current_stream().synchronize()
-            for t in have or ():
-                self._nv.interop.torch.free_tensor(t)
-            src = self._nv.interop.torch.empty((max(n_in, 1),), dtype=dtype)
-            dst = self._nv.interop.torch.empty((max(n_out, 1),), dtype=dtype)
-            have = self._scratch[key] = (src, dst)
-        return have
+    def _exact(self, lane: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A scratch tensor of exactly ``numel`` elements (see [Note: nvshmem sizes a
+        collective by its allocation])."""
+        key = (lane, dtype, numel)
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = self._api.core.tensor((numel,), dtype=dtype)
+        return t
 
-    def _finish(self) -> Handle:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        return CudaEventHandle(event, torch.device("cuda", torch.cuda.current_device()))
+    def _collective(self, lane: str, group, inp, out, n_in: int, n_out: int, call) -> Handle:
+        """Copy ``inp`` into a scratch, ``call(dst, src, stream)``, copy the result to
+        ``out`` (``inp`` itself for an all-reduce), all on the lane's stream."""
+        if n_in == 0 and n_out == 0:
+            return CompletedHandle()
+        src = self._exact(lane + ":in", inp.dtype, n_in)
+        dst = self._exact(lane + ":out", inp.dtype, n_out)
+
+        def body(stream) -> None:
+            src.copy_(inp.reshape(-1))
+            call(dst, src, stream)
+            out.view(-1).copy_(dst)
+
+        return self._lanes.run(group.group_name, lane, self._device, (inp, out), body)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_gather(out, inp, group)
-        n = inp.numel()
-        src, dst = self._buffers("ag", inp.dtype, n, n * self._world)
-        src[:n].copy_(inp.reshape(-1))
-        self._nv.fcollect(
-            self._nv.Teams.TEAM_WORLD, dst[: n * self._world], src[:n], stream=_StreamRef(torch.cuda.current_stream())
-        )
-        out.view(-1).copy_(dst[: n * self._world])
-        return self._finish()
+        nv, n = self._api.core, inp.numel()
+        call = lambda dst, src, s: nv.fcollect(nv.Teams.TEAM_WORLD, dst, src, stream=s)
+        return self._collective("gather", group, inp, out, n, n * self._world, call)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.reduce_scatter(out, inp, group)
-        n = out.numel()
-        src, dst = self._buffers("rs", inp.dtype, inp.numel(), n)
-        src[: inp.numel()].copy_(inp.reshape(-1))
-        stream = _StreamRef(torch.cuda.current_stream())
-        self._nv.reducescatter(self._nv.Teams.TEAM_WORLD, dst[:n], src[: inp.numel()], "sum", stream=stream)
-        out.view(-1).copy_(dst[:n])
-        return self._finish()
+        nv = self._api.core
+        call = lambda dst, src, s: nv.reducescatter(nv.Teams.TEAM_WORLD, dst, src, "sum", stream=s)
+        return self._collective("reduce", group, inp, out, inp.numel(), out.numel(), call)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_reduce(tensor, group)
-        n = tensor.numel()
-        src, dst = self._buffers("ar", tensor.dtype, n, n)
-        src[:n].copy_(tensor.reshape(-1))
-        self._nv.reduce(
-            self._nv.Teams.TEAM_WORLD, dst[:n], src[:n], "sum", stream=_StreamRef(torch.cuda.current_stream())
-        )
-        tensor.view(-1).copy_(dst[:n])
-        return self._finish()
+        nv, n = self._api.core, tensor.numel()
+        call = lambda dst, src, s: nv.reduce(nv.Teams.TEAM_WORLD, dst, src, "sum", stream=s)
+        return self._collective("reduce", group, tensor, tensor, n, n, call)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_to_all(out, inp, group)
-        n = inp.numel()
-        src, dst = self._buffers("a2a", inp.dtype, n, n)
-        src[:n].copy_(inp.reshape(-1))
-        self._nv.alltoall(self._nv.Teams.TEAM_WORLD, dst[:n], src[:n], stream=_StreamRef(torch.cuda.current_stream()))
-        out.view(-1).copy_(dst[:n])
-        return self._finish()
+        nv, n = self._api.core, inp.numel()
+        call = lambda dst, src, s: nv.alltoall(nv.Teams.TEAM_WORLD, dst, src, stream=s)
+        return self._collective("all_to_all", group, inp, out, n, n, call)
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         dist.barrier(group=group)
@@ -140,9 +174,8 @@ class NvshmemBackend(Backend):
         return torch.empty(numel, dtype=dtype, device=device)
 
     def close(self) -> None:
-        torch.cuda.synchronize()
-        for pair in self._scratch.values():
-            for t in pair:
-                self._nv.interop.torch.free_tensor(t)
+        self._lanes.synchronize()
+        for t in self._scratch.values():
+            self._api.core.free_tensor(t)
         self._scratch.clear()
-        self._nv.finalize()
+        self._api.core.finalize()

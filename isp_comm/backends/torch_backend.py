@@ -25,12 +25,10 @@ class TorchHandle(Handle):
     ``torch.cuda.synchronize()`` that ends a step, raises naming the collective. Gloo
     (CPU, or CUDA tensors on one GPU) waits on the host with the deadline."""
 
-    __slots__ = ("_work", "_what", "_host_wait")
+    __slots__ = ("_work", "_what", "_group", "_host_wait")
 
-    def __init__(self, work: dist.Work, what: str, group: ProcessGroup) -> None:
-        self._work = work
-        self._what = f"{what} over ranks {dist.get_process_group_ranks(group)}"
-        self._host_wait = not _is_nccl(group)
+    def __init__(self, work: dist.Work, what: str, group: ProcessGroup, host_wait: bool) -> None:
+        self._work, self._what, self._group, self._host_wait = work, what, group, host_wait
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -54,8 +52,10 @@ class TorchHandle(Handle):
             else:
                 self._work.wait()
         except RuntimeError as exc:  # gloo/NCCL report timeouts and dead peers this way
+            ranks = dist.get_process_group_ranks(self._group)
             raise ISPCommTimeout(
-                f"{self._what} failed or passed its {timeout_s:.1f}s deadline (a peer died or stalled): {exc}"
+                f"{self._what} over ranks {ranks} failed or passed its {timeout_s:.1f}s deadline "
+                f"(a peer died or stalled): {exc}"
             ) from exc
 
 
@@ -63,10 +63,24 @@ def _single(group: ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
 
-def _is_nccl(group: ProcessGroup) -> bool:
-    """Whether ``group`` runs its collectives on NCCL (CUDA streams, asynchronous)."""
+def backend_for(config: str, device_type: str) -> str | None:
+    """The backend that serves ``device_type`` in a group's backend config:
+    ``"nccl"`` and ``"gloo"`` serve every device, ``"cpu:gloo,cuda:nccl"`` (what
+    ``init_process_group()`` without a backend makes on a CUDA build) one each."""
+    if ":" not in config:
+        return config
+    pairs = dict(part.split(":", 1) for part in config.split(","))
+    return pairs.get(device_type)
+
+
+def runs_on_nccl(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether a collective of ``group`` on ``device`` tensors runs on NCCL (on CUDA
+    streams, asynchronous). Asked of the group's per-device config, not of
+    ``dist.get_backend``, which says ``"undefined"`` for a group of several backends."""
+    if device.type != "cuda":
+        return False
     try:
-        return dist.get_backend(group) == "nccl"
+        return backend_for(dist.get_backend_config(group), "cuda") == "nccl"
     except (RuntimeError, ValueError):
         return False
 
@@ -81,30 +95,41 @@ class TorchBackend(Backend):
 
     def __init__(self, device: torch.device | None = None) -> None:
         self._device = device if device is not None else torch.device("cpu")
+        self._nccl: dict[tuple[str, str], bool] = {}  # (group, device type) -> runs on NCCL
+
+    def _handle(self, work: dist.Work, what: str, group: ProcessGroup, device: torch.device) -> TorchHandle:
+        key = (group.group_name, device.type)
+        nccl = self._nccl.get(key)
+        if nccl is None:
+            nccl = self._nccl[key] = runs_on_nccl(group, device)
+        return TorchHandle(work, what, group, host_wait=not nccl)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        return TorchHandle(dist.all_gather_into_tensor(out, inp, group=group, async_op=True), "all-gather", group)
+        work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        return self._handle(work, "all-gather", group, inp.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
         work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
-        return TorchHandle(work, "reduce-scatter", group)
+        return self._handle(work, "reduce-scatter", group, inp.device)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             return CompletedHandle()
-        return TorchHandle(dist.all_reduce(tensor, group=group, async_op=True), "all-reduce", group)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return self._handle(work, "all-reduce", group, tensor.device)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp)
             return CompletedHandle()
-        return TorchHandle(dist.all_to_all_single(out, inp, group=group, async_op=True), "all-to-all", group)
+        work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+        return self._handle(work, "all-to-all", group, inp.device)
 
     def barrier(self, group: ProcessGroup, timeout_s: float) -> None:
         if not _single(group):
