@@ -564,7 +564,7 @@ def test_self_launch_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr + bad.stdout
     assert [line for line in bad.stderr.splitlines() if line.strip()] == [
-        "isp-train: error: wp_size=3 does not divide the world size 2"
+        "isp-train: error: --wp 3 does not divide the world size 2"
     ]
     flag = subprocess.run(_launch("--bogus", n=2), capture_output=True, text=True, timeout=60)  # a bad flag
     assert flag.returncode == 2 and flag.stderr.strip() == "isp-train: error: unrecognized arguments: --bogus"

@@ -203,7 +203,12 @@ class SymmCpuBackend(Backend):
             except SharedMemoryError as exc:
                 error = exc
         ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also the barrier before peers map it
+        try:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also the barrier before peers map it
+        except BaseException:  # a peer died: no one will map it, so no one else unlinks it
+            if mine is not None:
+                Segment.unlink(name)
+            raise
         if ok.item():
             return True, mine
         if mine is not None:
@@ -241,11 +246,13 @@ class SymmCpuBackend(Backend):
         ok, ctrl = self._create_agreed(group, name, nbytes, create=me == 0)  # rank 0 alone creates it
         if not ok:
             return None
-        if ctrl is None:
-            ctrl = Segment(name, nbytes, create=False)
-        dist.barrier(group=group)
-        if me == 0:
-            Segment.unlink(name)
+        try:
+            if ctrl is None:
+                ctrl = Segment(name, nbytes, create=False)
+            dist.barrier(group=group)
+        finally:  # also when a peer died before the barrier
+            if me == 0:
+                Segment.unlink(name)
         return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 3 * len(ranks)))
 
     def _grow(self, group: ProcessGroup, g: _Group, nbytes: int) -> None:
@@ -259,9 +266,11 @@ class SymmCpuBackend(Backend):
         if not ok:  # no room: this group uses TorchBackend from now on
             self._groups[g.ranks] = None
             return
-        new = [mine if r == g.me else Segment(names[r], cap, create=False) for r in range(g.size)]
-        dist.barrier(group=group)
-        Segment.unlink(names[g.me])
+        try:
+            new = [mine if r == g.me else Segment(names[r], cap, create=False) for r in range(g.size)]
+            dist.barrier(group=group)
+        finally:  # also when a peer died before the barrier
+            Segment.unlink(names[g.me])
         for seg in g.scratch:
             seg.close()
         g.scratch, g.capacity = new, cap
@@ -327,9 +336,11 @@ class SymmCpuBackend(Backend):
         ok, mine = self._create_agreed(group, names[g.me], nbytes)
         if not ok:  # no room: an ordinary buffer (its collectives take the scratch path)
             return torch.empty(numel, dtype=dtype, device=device)
-        segs = [mine if r == g.me else Segment(names[r], nbytes, create=False) for r in range(g.size)]
-        dist.barrier(group=group)
-        Segment.unlink(names[g.me])
+        try:
+            segs = [mine if r == g.me else Segment(names[r], nbytes, create=False) for r in range(g.size)]
+            dist.barrier(group=group)
+        finally:  # also when a peer died before the barrier
+            Segment.unlink(names[g.me])
         g.buffers.append((mine.bytes.data_ptr(), mine.nbytes, segs))
         return mine.bytes[:nbytes].view(dtype)
 

@@ -11,6 +11,7 @@ config.json and the tokenizer, for ``isp-export --hf``); ``--resume`` continues 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -29,9 +30,9 @@ from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint
 from isp_comm.discovery import find_blocks
 from isp_comm.groups import first_error
 from isp_comm.memory_forecast import KNOBS, forecast
-from isp_comm.train import checkpoint, hf_model, lora, run_folder
+from isp_comm.train import checkpoint, hf_model, lora, run_folder, survive
 from isp_comm.train import metrics as metrics_mod
-from isp_comm.train.config import TrainConfig, as_dict, fail, parse_config, resolve_device
+from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.timeline import draw, write_trace
@@ -78,14 +79,15 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = use_bf16(cfg, device)
     meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
-    resume_from = run_folder.prepare(cfg)  # one line, on every rank, for a folder in the way
-    signals = Signals(cfg.save_on_signal if cfg.save_on_signal is not None else bool(cfg.save_every))
+    signals = Signals(cfg.save_on_signal)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        survive.remove_stale_segments()
+    resume_from = run_folder.prepare(cfg, closing)  # one line, on every rank, for a folder in the way
     previous = run_folder.previous_run(cfg.out) if rank == 0 else {}
     tokens, vocab, tok_dir = load_data(cfg)
     if tokens.numel() < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
-    if world % cfg.sp:
-        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
+    check_layout(cfg, world)  # also checked before the launch; here for a world torchrun chose
     dp, sp_rank, dp_rank = world // cfg.sp, rank % cfg.sp, rank // cfg.sp
     if cfg.batch % dp:
         raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {dp}")
@@ -104,9 +106,9 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     comm = ISPCommunicator(model, groups, icfg)
     closing.callback(comm.close)
-    if cfg.model and not cfg.resume and hf_checkpoint.has_hf_weights(cfg.model):
+    if cfg.model and resume_from is None and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
-    if cfg.init_from and not cfg.resume:
+    if cfg.init_from and resume_from is None:
         lora.init_from(comm, cfg.init_from)
     if cfg.lora_rank:
         lora.zero_lora_b(model)
@@ -125,6 +127,9 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         start = checkpoint.load(resume_from, comm, opt)
         if rank == 0:
             print(run_folder.resume_line(resume_from, previous), flush=True)
+            stretched = run_folder.stretch_line(previous, cfg, start, lr_at)
+            if stretched:
+                print(stretched, flush=True)
             run_folder.cut_metrics(cfg.out, start)
     saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=device.type == "cuda")
     closing.callback(saver.close)
@@ -132,6 +137,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
         shards = {k: list(v.shape) for k, v in model.state_dict().items()}
         run_folder.write_run(cfg.out, cfg, world, shards, previous, start, {} if cfg.model else asdict(mcfg))
+        run_folder.write_config(cfg.out, cfg)
         if cfg.model:
             hf_model.save_run_files(model, tok_dir, cfg.out)
         n_train = sum(p.numel() for p in trainable)
@@ -139,7 +145,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             f"isp-train: {device.type}{' bf16' if bf16 else ''}{' compiled' if cfg.compile else ''}, "
             f"world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
             f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
-            f"data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
+            f"vocabulary {vocab}, data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
     # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
     interactive = sys.stderr.isatty()
@@ -174,7 +180,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         opt.step()
         opt.zero_grad()
         # the loss and whether any rank got a signal: one all-reduce, one host synchronisation, after the step
-        both = torch.stack([step_loss, torch.tensor(float(signals.got), device=device)])
+        both = torch.stack([step_loss, torch.full((), float(signals.got), device=device)])
         dist.all_reduce(both)
         grad_norm = norm.item()
         total, flagged = both.tolist()
@@ -238,8 +244,6 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             write_trace(os.path.join(cfg.out, "trace.json"), spans)
             draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
         metrics.close()
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump(as_dict(cfg), f, indent=1)
         if last:
             print(
                 f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
@@ -390,18 +394,31 @@ class Interrupted(Exception):
         self.step, self.signum = step, int(signum)
 
 
+class Stopped(BaseException):
+    """A signal with --no-save-on-signal: the run leaves at once, through every
+    ``finally`` (the communicator, its segments), with one line and no checkpoint."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}; no checkpoint (--no-save-on-signal)")
+        self.signum = int(signum)
+
+
 class Signals:
     """With ``armed``: Ctrl-C and SIGTERM are noted (``got``), not raised, so the step
-    in progress finishes, a checkpoint is saved and the run leaves with one line."""
+    in progress finishes, a checkpoint is saved and the run leaves with one line.
+    Without: they raise ``Stopped`` (never a KeyboardInterrupt traceback)."""
 
     def __init__(self, armed: bool) -> None:
         self.armed, self.got = armed, 0
-        if armed:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._note)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note if armed else self._stop)
 
     def _note(self, signum: int, _frame) -> None:
         self.got = signum
+
+    @staticmethod
+    def _stop(signum: int, _frame) -> None:
+        raise Stopped(signum)
 
 
 def dist_backend(device: torch.device) -> str:
@@ -427,16 +444,27 @@ def main(argv: list[str] | None = None) -> NoReturn:
         except ValueError as exc:
             fail(str(exc))
         sys.exit(0)
-    if cfg.nproc_per_node and "LOCAL_RANK" not in os.environ:  # launch the ranks ourselves
+    launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
+    world = (cfg.nproc_per_node * cfg.nnodes) if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # before any rank starts: one line, exit 2
+        check_layout(cfg, world)
+    except ValueError as exc:
+        fail(str(exc))
+    if launching:  # launch the ranks ourselves
         args = worker_argv(sys.argv[1:] if argv is None else argv)
-        sys.exit(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args))
+        sys.exit(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args, cfg.max_restarts))
+    if "LOCAL_RANK" in os.environ:  # a launched rank dies with its launcher
+        survive.die_with_parent()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.resume:
+        cfg = dataclasses.replace(cfg, resume="auto")  # a restarted rank continues the run
     torch.set_num_threads(1)
     device = resolve_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+            port = str(survive.free_port())
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group(dist_backend(device))
     try:
         with contextlib.ExitStack() as closing:
@@ -445,6 +473,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         dist.destroy_process_group()
         fail(str(exc))
     except Interrupted as exc:
+        if dist.get_rank() == 0:
+            print(f"isp-train: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(128 + exc.signum)
+    except Stopped as exc:
         if dist.get_rank() == 0:
             print(f"isp-train: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()

@@ -114,9 +114,11 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints in the background (dcp.async_save) while training goes on;
     the next save, or the end of the run, waits for the previous one."""
-    resume: bool = False
+    resume: bool | Literal["auto"] = False
     """Continue from the latest complete checkpoint in --out (metrics.jsonl is cut back
-    to its step; --steps must be larger)."""
+    to its step; --steps must be larger). ``--resume auto``: continue when a complete
+    checkpoint exists, start fresh otherwise (one command that starts a run and
+    survives its restarts)."""
     overwrite: bool = False
     """Start again in an --out that holds a run: its metrics, trace, run files and
     checkpoints are removed first (without it, such a folder is refused)."""
@@ -127,13 +129,16 @@ class TrainConfig:
     The world is --nproc-per-node x --nnodes (or WORLD_SIZE)."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
-    save_on_signal: bool | None = None
-    """On Ctrl-C or SIGTERM (a preemption), save a checkpoint at the next step boundary
-    and leave with one line; --resume continues from it. Default: on when --save-every
-    is set."""
+    save_on_signal: bool = True
+    """On Ctrl-C or SIGTERM (a preemption), finish the step, save a checkpoint and leave
+    with one line; --resume continues from it. --no-save-on-signal: leave at once, with
+    one line and no checkpoint."""
     nproc_per_node: int = 0
     """Launch this many ranks on this machine (through torch's elastic launcher: no
     torchrun needed); 0: the ranks are launched already (torchrun) or this is the one."""
+    max_restarts: int = 0
+    """With --nproc-per-node: restart the ranks up to this many times when one fails
+    (torch's elastic agent); each restart resumes from the latest complete checkpoint."""
     nnodes: int = 1
     """Machines taking part, with --nproc-per-node on each (they meet at --rdzv-endpoint)."""
     rdzv_endpoint: str = ""
@@ -143,7 +148,7 @@ class TrainConfig:
         for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "grad_accum", "sp", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("wp", "warmup", "save_every", "lora_rank", "nproc_per_node"):
+        for name in ("wp", "warmup", "save_every", "lora_rank", "nproc_per_node", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.ckpt <= 1.0:
@@ -160,6 +165,10 @@ class TrainConfig:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
         if self.nnodes < 1 or (self.nnodes > 1 and not (self.nproc_per_node and self.rdzv_endpoint)):
             raise ValueError("--nnodes > 1 needs --nproc-per-node and --rdzv-endpoint HOST:PORT on every machine")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"--resume takes no value or auto, got {self.resume!r}")
+        if self.max_restarts and not self.nproc_per_node:
+            raise ValueError("--max-restarts needs --nproc-per-node (under torchrun, give torchrun --max-restarts)")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if self.backend not in BACKENDS:
@@ -179,6 +188,25 @@ class TrainConfig:
                 raise ValueError(f"--tokenizer {self.tokenizer}: no such folder")
             if not self.data or self.data.endswith((".npy", ".bin")):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
+
+
+def check_layout(cfg: TrainConfig, world: int) -> None:
+    """The flags against the world, before any rank starts: a ``ValueError`` naming
+    the flag (not the internal field) for --wp or --sp that does not divide the world,
+    and for --heads that --sp does not divide (the reference llama's all-to-all splits
+    the heads)."""
+    if world % cfg.sp:
+        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
+    if cfg.wp and world % cfg.wp:
+        raise ValueError(f"--wp {cfg.wp} does not divide the world size {world}")
+    if not cfg.model and cfg.heads % cfg.sp:
+        raise ValueError(f"--heads {cfg.heads} must be divisible by --sp {cfg.sp} (each SP rank takes whole heads)")
+
+
+def _resume_value(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"takes no value or auto, got {text!r}")
+    return text
 
 
 def _flag(name: str) -> str:
@@ -233,7 +261,9 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         kind = type(f.default)
         shown = "auto" if f.default is None else (f.default if f.default != "" else "none")
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")
-        if kind is bool or "bool" in str(f.type):
+        if f.name == "resume":  # --resume, or --resume auto
+            p.add_argument("--resume", nargs="?", const=True, default=None, type=_resume_value, help=text)
+        elif kind is bool or "bool" in str(f.type):
             p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             p.add_argument(f"--{_flag(f.name)}", type=kind, default=None, help=text)
@@ -277,6 +307,8 @@ def read_config_file(path: str) -> dict:
         if value is None:
             if default is not None and key != "bf16":
                 raise ValueError(f"{key} = null: give a {expected.__name__}")
+            continue
+        if key == "resume" and value == "auto":
             continue
         ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

@@ -2,7 +2,7 @@
 needs no torchrun, and its failures stay one line.
 
 The ranks are started through torch's elastic launcher API (what torchrun runs), with
-``max_restarts=0``. A rank that fails has printed its one line (rank 0 prints, see
+``--max-restarts`` (default 0). A rank that fails has printed its one line (rank 0 prints, see
 ``config.fail``); the launcher then adds nothing and exits 2. A signal (Ctrl-C, or the
 SIGTERM of a preemption) reaches every rank: each saves at the next step boundary
 when ``--save-on-signal`` is on and leaves with one line (rank 0), and the launcher
@@ -16,7 +16,7 @@ import os
 import sys
 import uuid
 
-LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint")
+LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts")
 """TrainConfig fields that the launcher consumes (the ranks never see them)."""
 
 
@@ -36,9 +36,11 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str]) -> int:
+def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m isp_comm.train ARGV`` on ``nproc`` local ranks (of ``nnodes``
-    machines meeting at ``rdzv_endpoint``); returns the exit code for this process."""
+    machines meeting at ``rdzv_endpoint``), restarted up to ``max_restarts`` times
+    after a failure (each restart resumes: ``TORCHELASTIC_RESTART_COUNT`` > 0 makes the
+    ranks ``--resume auto``); returns the exit code for this process."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -54,7 +56,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str]) -> int:
         run_id="isp-train" if nnodes > 1 else str(uuid.uuid4()),  # every machine names the same run
         rdzv_backend="c10d",
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
     )
     try:

@@ -7,6 +7,8 @@ rank stops with the same one line.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +16,7 @@ import shutil
 import torch.distributed as dist
 
 from isp_comm.groups import first_error
-from isp_comm.train import checkpoint
+from isp_comm.train import checkpoint, survive
 from isp_comm.train.config import TrainConfig, as_dict
 
 OWN = ("metrics.jsonl", "trace.json", "timeline.png", "run.json", "config.json", "checkpoints", "hf_model")
@@ -33,14 +35,20 @@ def _saved(out: str) -> list[str]:
     return sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(checkpoint.PARTIAL))
 
 
-def prepare(cfg: TrainConfig) -> str | None:
-    """Collective, before anything is written: refuse a new run into a folder with
+def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
+    """Collective, before anything is written: take the folder's lock (rank 0 holds
+    it until ``closing`` closes, or its death), refuse a new run into a folder with
     checkpoints (unless ``--overwrite``, which clears isp-train's files first), and
-    for ``--resume`` find the checkpoint and refuse a ``--steps`` it already reached.
+    for ``--resume`` find the checkpoint and refuse a ``--steps`` it already reached
+    (``--resume auto`` without a checkpoint: a new run).
     Returns the checkpoint to resume from (``None`` for a new run)."""
     error, path = None, None
     if dist.get_rank() == 0:
-        error, path = _check(cfg)
+        try:
+            closing.callback(survive.lock_folder(cfg.out).close)
+            error, path = _check(cfg)
+        except ValueError as exc:
+            error = str(exc)
     first = first_error(error)
     if first:
         raise ValueError(first)
@@ -51,8 +59,8 @@ def prepare(cfg: TrainConfig) -> str | None:
 
 def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
     saved = _saved(cfg.out)
-    if cfg.resume:
-        path = checkpoint.latest(cfg.out)
+    path = checkpoint.latest(cfg.out) if cfg.resume else None
+    if cfg.resume and (path is not None or cfg.resume != "auto"):
         if path is None:
             return f"--resume: no complete checkpoint in {cfg.out}/checkpoints", None
         step = checkpoint_step(path)
@@ -123,3 +131,28 @@ def write_run(
         run["history"] = history
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(run, f, indent=1)
+
+
+def write_config(out: str, cfg: TrainConfig) -> None:
+    """config.json, written as the run starts: its flags without ``resume``, so that
+    ``--config OUT/config.json --out NEW`` starts the same run anew (also after an
+    interrupted or resumed run)."""
+    values = {k: v for k, v in as_dict(cfg).items() if k != "resume"}
+    tmp = os.path.join(out, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(values, f, indent=1)
+    os.replace(tmp, os.path.join(out, "config.json"))
+
+
+def stretch_line(previous: dict, cfg: TrainConfig, start: int, lr_at) -> str | None:
+    """One line when a resume changes ``--steps``: the cosine schedule is stretched,
+    and the learning rate moves from the saved run's at ``start`` to this one's at
+    ``start + 1``."""
+    old_steps = previous.get("config", {}).get("steps")
+    if not isinstance(old_steps, int) or old_steps == cfg.steps:
+        return None
+    before, after = lr_at(dataclasses.replace(cfg, steps=old_steps), start), lr_at(cfg, start + 1)
+    return (
+        f"isp-train: --steps {old_steps} -> {cfg.steps} stretches the learning-rate schedule: "
+        f"{before:.3g} at step {start}, {after:.3g} at step {start + 1}"
+    )

@@ -1,0 +1,92 @@
+"""What keeps a run from outliving its launcher, or sharing its folder with another.
+
+* ``die_with_parent``: a rank launched by torchrun or ``isp-train --nproc-per-node``
+  asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and a
+  thread checks the parent as a fallback. torch >= 2.13 starts each worker in a session
+  of its own, so a signal to the launcher's process group no longer reaches the ranks;
+  without this a killed launcher leaves them training. SIGKILL, not SIGTERM: a job that
+  is killed stops, and writes no checkpoint after the kill.
+* ``lock_folder``: one live run per ``--out`` (``fcntl.flock``, released by the kernel
+  when the holder dies, so a killed run never leaves a stale lock).
+* ``remove_stale_segments``: shared-memory segments of isp-comm jobs whose creator is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import IO
+
+from isp_comm.backends import shm
+
+PR_SET_PDEATHSIG = 1
+LOCK_NAME = ".isp-train.lock"
+
+
+def die_with_parent(poll_s: float = 0.5) -> None:
+    """SIGKILL this process when its parent dies (Linux prctl), with a polling thread
+    as the fallback where prctl is missing or the parent died before it was set."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the thread below still does it
+    if os.getppid() != parent or parent == 1:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="isp-parent-watch", daemon=True).start()
+
+
+def lock_folder(out: str) -> IO[str]:
+    """Take ``out``'s lock for this process (kept while the returned file is open);
+    a ``ValueError`` naming the holder's pid and host when another run has it."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        f = open(os.path.join(out, LOCK_NAME), "a+")
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create it ({exc.strerror or exc})") from exc
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "an unknown process"
+        f.close()
+        raise ValueError(f"--out {out} is in use by another isp-train run ({holder}); wait for it or stop it") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def remove_stale_segments() -> None:
+    """Unlink the segments of isp-comm jobs whose creating process is gone, saying so
+    in one line (what ``isp-comm cleanup`` does by hand)."""
+    stale = shm.stale_segments()
+    for name in stale:
+        shm.Segment.unlink(name)
+    if stale:
+        print(
+            f"isp-train: removed {len(stale)} shared-memory segment(s) left by dead jobs from /dev/shm",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a single-process run's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
