@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -80,3 +82,56 @@ def test_check_data_refusals(tmp_path):
             check_data(str(tmp_path / name))
         assert str(err.value).startswith("--data ") and "\n" not in str(err.value)
     check_data(str(tmp_path / "ok.npy"))
+
+
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "2", "--seq", "16"]
+
+
+def _isp_train(n: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n else []
+    cmd = (cmd + ["-m", "isp_comm.train"]) if n else [sys.executable, "-m", "isp_comm.train"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=200, env=env)
+
+
+@pytest.mark.timeout(240)
+def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
+    from isp_comm.testing import tiny_tokenizer
+
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(60)]
+    tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts))
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cache = tmp_path / "cache"
+    args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(data), "--tokenizer", str(tmp_path / "tok")]
+    res = _isp_train(2, *args, "--data-cache", str(cache), "--out", str(tmp_path / "a"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (store,) = os.listdir(cache)
+    assert "vocabulary 300" in res.stdout, res.stdout
+    args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(cache / store), "--out", str(tmp_path / "b")]
+    res = _isp_train(2, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "a" / "metrics.jsonl") as fa, open(tmp_path / "b" / "metrics.jsonl") as fb:
+        assert [json.loads(r)["loss"] for r in fa] == [json.loads(r)["loss"] for r in fb]  # the same tokens
+
+
+def test_pretokenized_files_are_memory_mapped(tmp_path):
+    from isp_comm.train.data import load_tokens
+
+    np.save(tmp_path / "t.npy", np.array([3, 1, 4, 1, 5], dtype=np.int8))
+    np.array([70, 2, 65_535], dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens, vocab = load_tokens(str(tmp_path / "t.npy"))
+    assert isinstance(tokens, np.memmap) and vocab == 6 and tokens.tolist() == [3, 1, 4, 1, 5]
+    tokens, vocab = load_tokens(str(tmp_path / "t.bin"))
+    assert isinstance(tokens, np.memmap) and vocab == 65_536
+
+
+@pytest.mark.timeout(120)
+def test_bad_data_is_refused_before_ranks_start(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros(8, dtype=np.float64))
+    np.save(tmp_path / "neg.npy", np.array([1, -1], dtype=np.int64))
+    (tmp_path / "x.csv").write_text("1,2")
+    for name, text in [("f.npy", "integers"), ("neg.npy", "negative"), ("gone.npy", "no such"), ("x.csv", "kind")]:
+        res = _isp_train(0, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr

@@ -58,6 +58,11 @@ def is_store(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "meta.json")) and os.path.isfile(os.path.join(path, "tokens.bin"))
 
 
+def is_pretokenized(path: str) -> bool:
+    """A ``.npy``, a ``.bin`` or a prepared store: tokens already, no tokenizer wanted."""
+    return path.endswith((".npy", ".bin")) or is_store(path)
+
+
 def token_dtype(vocab: int) -> np.dtype:
     """uint16 when every id fits (vocab <= 65,536), else uint32."""
     if vocab <= 0 or vocab > 2**32:
