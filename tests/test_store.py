@@ -135,3 +135,26 @@ def test_bad_data_is_refused_before_ranks_start(tmp_path):
         res = _isp_train(0, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr
+
+
+@pytest.mark.slow  # three world-2 launches (~36 s); test_isp_train_prepares_jsonl_once_then_takes_the_store is its CI sibling
+@pytest.mark.timeout(400)
+def test_docs_worked_example(tmp_path):
+    """docs/data.md's worked example, its bash lines run as written in a folder holding
+    a tiny corpus.jsonl and tokenizer tok/."""
+    from isp_comm.testing import tiny_tokenizer
+
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "data.md")
+    with open(doc) as f:
+        block = f.read().split("```bash\n", 1)[1].split("```", 1)[0]
+    texts = [f"story {i}: a small cat sat on a warm mat and looked at bird {i}." for i in range(80)]
+    tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for line in block.strip().splitlines():
+        cmd = line.replace("python ", f"{sys.executable} ", 1)
+        res = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
+        assert res.returncode == 0, (line, res.stderr[-3000:])
+    (store,) = os.listdir(tmp_path / "stores")
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(r)["step"] for r in f] == [1, 2, 3, 4, 5, 6]

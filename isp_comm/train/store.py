@@ -262,3 +262,30 @@ def check_data(path: str) -> None:
             raise ValueError(f"--data {path}: a .bin of uint16 tokens needs an even, non-zero size")
     elif not path.endswith(TEXT_SUFFIXES):
         raise ValueError(f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``isp-prepare-data DATA --tokenizer DIR [--data-cache DIR] [--text-field F]``:
+    prepare (or find) the store of DATA and print its folder as the last line."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="isp-prepare-data", description=main.__doc__)
+    p.add_argument("data", help=".txt, .jsonl/.json, .parquet, or a folder of them")
+    p.add_argument("--tokenizer", required=True, help="a local tokenizer folder (AutoTokenizer)")
+    p.add_argument("--data-cache", default="", help="folder for the store (default: next to the data)")
+    p.add_argument("--text-field", default="text", help="the JSON / Parquet field holding a document's text")
+    args = p.parse_args(argv)
+    try:
+        check_data(args.data)
+        store = prepare_store(args.data, args.tokenizer, args.data_cache, args.text_field)
+    except ValueError as exc:
+        print(f"isp-prepare-data: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    m = store.meta
+    print(f"{m['n_docs']} documents, {m['n_tokens']} tokens ({m['dtype']}), vocabulary {m['vocab']}")
+    print(store.path)
+
+
+if __name__ == "__main__":
+    main()
