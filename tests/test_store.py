@@ -137,7 +137,7 @@ def test_bad_data_is_refused_before_ranks_start(tmp_path):
         assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr
 
 
-@pytest.mark.slow  # three world-2 launches (~36 s); test_isp_train_prepares_jsonl_once_then_takes_the_store is its CI sibling
+@pytest.mark.slow  # three world-2 launches (~36 s); CI sibling: test_isp_train_prepares_jsonl_once_then_takes_the_store
 @pytest.mark.timeout(400)
 def test_docs_worked_example(tmp_path):
     """docs/data.md's worked example, its bash lines run as written in a folder holding
