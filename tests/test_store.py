@@ -158,3 +158,33 @@ def test_docs_worked_example(tmp_path):
     (store,) = os.listdir(tmp_path / "stores")
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(r)["step"] for r in f] == [1, 2, 3, 4, 5, 6]
+
+
+def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
+    """A Parquet corpus is prepared like JSON lines; reading batches of a mapped store of
+    ~48 MiB adds no anonymous memory (the loose bound, 8 MiB, covers allocator noise)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from isp_comm.testing import tiny_tokenizer
+    from isp_comm.train.data import batch_at
+
+    texts = ["one two three", "four five", "six"]
+    tok = tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts) * 10)
+    pq.write_table(pa.table({"text": texts, "n": [1, 2, 3]}), tmp_path / "c.parquet")
+    store = prepare_store(str(tmp_path / "c.parquet"), str(tmp_path / "tok"), progress=False)
+    assert [tok.decode(store.doc(i).tolist()[:-1]) for i in range(3)] == texts
+
+    rng = np.random.default_rng(0)
+    chunks = (rng.integers(0, 70_000, size=1 << 20) for _ in range(12))  # 12 Mi uint32 tokens
+    big = write_store(str(tmp_path / "big"), chunks, 70_000)
+
+    def anon_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+    batch_at(big.tokens, 0, 8, 512)
+    before = anon_kib()
+    for step in range(200):
+        batch_at(big.tokens, step, 8, 512)
+    assert anon_kib() - before < 8 * 1024
