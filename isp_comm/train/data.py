@@ -26,7 +26,7 @@ def markov_corpus(n_tokens: int, vocab: int, branching: int = 4, seed: int = 0) 
     return out
 
 
-def unigram_entropy(tokens: torch.Tensor | np.ndarray, vocab: int, limit: int = 1 << 24) -> float:
+def unigram_entropy(tokens: torch.Tensor | np.ndarray, vocab: int, limit: int = 1 << 20) -> float:
     """Of the first ``limit`` tokens (a memory-mapped corpus is not read whole for it)."""
     head = torch.as_tensor(np.asarray(tokens[:limit]).astype(np.int64))
     p = torch.bincount(head, minlength=vocab).float()
