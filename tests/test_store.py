@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from isp_comm.train.store import check_data, open_store, prepare_store, store_path, write_store
 
@@ -188,3 +189,19 @@ def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
     for step in range(200):
         batch_at(big.tokens, step, 8, 512)
     assert anon_kib() - before < 8 * 1024
+
+
+def test_windows_of_mapped_files_read_the_right_tokens(tmp_path):
+    from isp_comm.train.data import batch_at, load_tokens, read_windows
+
+    arr = np.arange(5000, dtype=np.int32) % 977
+    np.save(tmp_path / "t.npy", arr)  # a header before the data: the offset counts
+    tokens, _ = load_tokens(str(tmp_path / "t.npy"))
+    assert [w.tolist() for w in read_windows(tokens, [0, 17, 4990], 10)] == [
+        arr[s : s + 10].tolist() for s in (0, 17, 4990)
+    ]
+    x, y = batch_at(tokens, 3, 4, 16)
+    x2, y2 = batch_at(torch.from_numpy(arr.astype(np.int64)), 3, 4, 16)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    store = write_store(str(tmp_path / "s"), [arr[:100], arr[100:]], 977)
+    assert read_windows(store.tokens, [95], 10)[0].tolist() == arr[95:105].tolist()

@@ -39,9 +39,39 @@ def batch_at(tokens: torch.Tensor | np.ndarray, step: int, batch: int, seq: int)
     Only these windows are read from a memory-mapped ``tokens``."""
     g = torch.Generator().manual_seed(10_000 + step)
     starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
-    win = np.stack([np.asarray(tokens[s : s + seq + 1]) for s in starts.tolist()]).astype(np.int64)
-    win = torch.from_numpy(win)
+    win = torch.from_numpy(np.stack(read_windows(tokens, starts.tolist(), seq + 1)).astype(np.int64))
     return win[:, :-1], win[:, 1:]
+
+
+def read_windows(tokens: torch.Tensor | np.ndarray, starts: list[int], n: int) -> list[np.ndarray]:
+    """``tokens[s : s + n]`` for each start. From a memory-mapped file they are read
+    with ``pread``, not through the mapping: on kernels that map the page cache in large
+    folios, one touched token maps up to 2 MiB into the rank's RSS, which then grows
+    with the corpus (measured: +400 MiB per rank over 30 steps on a 2 GiB store)."""
+    where = _file_position(tokens)
+    if where is None:
+        return [np.asarray(tokens[s : s + n]) for s in starts]
+    path, base = where
+    size = tokens.dtype.itemsize
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return [np.frombuffer(os.pread(fd, n * size, base + s * size), dtype=tokens.dtype) for s in starts]
+    finally:
+        os.close(fd)
+
+
+def _file_position(tokens: torch.Tensor | np.ndarray) -> tuple[str, int] | None:
+    """The file and byte position of ``tokens[0]`` when it is a 1-D contiguous
+    ``np.memmap`` (np.memmap maps from ``offset`` rounded down to the granularity)."""
+    import mmap
+
+    if not isinstance(tokens, np.memmap) or not tokens.filename or tokens.ndim != 1:
+        return None
+    buf = getattr(tokens, "_mmap", None)
+    if buf is None or not tokens.flags.c_contiguous:
+        return None
+    start = tokens.offset - tokens.offset % mmap.ALLOCATIONGRANULARITY
+    return tokens.filename, start + tokens.ctypes.data - np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 def load_tokens(path: str) -> tuple[torch.Tensor | np.ndarray, int]:
@@ -71,5 +101,5 @@ def load_tokens(path: str) -> tuple[torch.Tensor | np.ndarray, int]:
 
 
 def _max_id(arr: np.ndarray, chunk: int = 1 << 24) -> int:
-    """The largest id, read in chunks (a memory-mapped file is never copied whole)."""
-    return max(int(arr[i : i + chunk].max()) for i in range(0, arr.size, chunk))
+    """The largest id, read in chunks with ``pread`` (the mapping is not touched)."""
+    return max(int(read_windows(arr, [i], min(chunk, arr.size - i))[0].max()) for i in range(0, arr.size, chunk))

@@ -254,8 +254,10 @@ def check_data(path: str) -> None:
         if flat.size == 0:
             raise ValueError(f"--data {path}: the file holds no tokens")
         if np.issubdtype(arr.dtype, np.signedinteger):
+            from isp_comm.train.data import read_windows
+
             for i in range(0, flat.size, 1 << 24):
-                if int(flat[i : i + (1 << 24)].min()) < 0:
+                if int(read_windows(flat, [i], min(1 << 24, flat.size - i))[0].min()) < 0:
                     raise ValueError(f"--data {path}: negative token ids")
     elif path.endswith(".bin"):
         if os.path.getsize(path) < 2 or os.path.getsize(path) % 2:
