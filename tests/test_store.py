@@ -147,7 +147,7 @@ def test_docs_worked_example(tmp_path):
 
     doc = os.path.join(os.path.dirname(__file__), "..", "docs", "data.md")
     with open(doc) as f:
-        block = f.read().split("```bash\n", 1)[1].split("```", 1)[0]
+        block = f.read().split("## Worked example", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     texts = [f"story {i}: a small cat sat on a warm mat and looked at bird {i}." for i in range(80)]
     tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts))
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
