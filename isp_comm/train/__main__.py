@@ -35,6 +35,7 @@ from isp_comm.train import metrics as metrics_mod
 from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config, resolve_device
 from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
 from isp_comm.train.launch import launch, worker_argv
+from isp_comm.train.store import is_pretokenized, prepare_store
 from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
 
@@ -64,13 +65,20 @@ def _on_rank0_first(fn, *args):
 def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str]:
     """The tokens, their vocabulary size, and the tokenizer folder used ("" for none)."""
     tok_dir = cfg.tokenizer
-    if not tok_dir and cfg.model and cfg.data and not cfg.data.endswith((".npy", ".bin")):
+    if not tok_dir and cfg.model and cfg.data and not is_pretokenized(cfg.data):
         tok_dir = cfg.model if hf_model.has_tokenizer(cfg.model) else ""
-    if tok_dir:
+    if tok_dir and cfg.data.endswith(".txt") and not cfg.data_cache:
         tokens, vocab = _on_rank0_first(hf_model.tokenize, tok_dir, cfg.data)
+    elif tok_dir:  # prepared once by rank 0 (a progress bar there), then opened by the others
+        store = _on_rank0_first(prepare_text, cfg.data, tok_dir, cfg.data_cache, dist.get_rank() == 0)
+        tokens, vocab = store.tokens, store.vocab
     else:
         tokens, vocab = load_tokens(cfg.data)
     return tokens, vocab, tok_dir
+
+
+def prepare_text(data: str, tok_dir: str, cache: str, progress: bool):
+    return prepare_store(data, tok_dir, cache, progress=progress)
 
 
 def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> None:
@@ -85,8 +93,8 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     resume_from = run_folder.prepare(cfg, closing)  # one line, on every rank, for a folder in the way
     previous = run_folder.previous_run(cfg.out) if rank == 0 else {}
     tokens, vocab, tok_dir = load_data(cfg)
-    if tokens.numel() < cfg.seq + 2:
-        raise ValueError(f"--seq {cfg.seq} is longer than the data ({tokens.numel()} tokens)")
+    if len(tokens) < cfg.seq + 2:
+        raise ValueError(f"--seq {cfg.seq} is longer than the data ({len(tokens)} tokens)")
     check_layout(cfg, world)  # also checked before the launch; here for a world torchrun chose
     dp, sp_rank, dp_rank = world // cfg.sp, rank % cfg.sp, rank // cfg.sp
     if cfg.batch % dp:
@@ -145,7 +153,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             f"isp-train: {device.type}{' bf16' if bf16 else ''}{' compiled' if cfg.compile else ''}, "
             f"world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
             f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
-            f"vocabulary {vocab}, data unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
+            f"data {len(tokens)} tokens, vocabulary {vocab}, unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
     # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
     interactive = sys.stderr.isatty()

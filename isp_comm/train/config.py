@@ -31,8 +31,13 @@ class TrainConfig:
     out: str = "runs/isp-train"
     """Directory for metrics.jsonl, trace.json, timeline.png and checkpoints."""
     data: str = ""
-    """Training data: a text file (tokenized by --tokenizer, else its bytes are the
-    tokens) or pre-tokenized .npy/.bin (uint16); empty = the embedded synthetic corpus."""
+    """Training data: text (.txt, .jsonl/.json with a "text" field, .parquet, or a folder
+    of them) tokenized by --tokenizer into a token store, a prepared store folder, or
+    pre-tokenized .npy (any integer dtype) / .bin (uint16), all memory-mapped; a text
+    file without a tokenizer is bytes as tokens. Empty = the embedded synthetic corpus."""
+    data_cache: str = ""
+    """Folder for the token store that --data text is prepared into once (reused while
+    the tokenizer and the inputs are unchanged). Empty = next to the data."""
     model: str = ""
     """A transformers model folder: config.json of type llama, mistral, qwen2 or qwen3,
     and its safetensors weights when present (trained from them; otherwise the model
@@ -175,8 +180,10 @@ class TrainConfig:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
             raise ValueError("--hidden / --heads must be an even head size and --heads a multiple of --kv-heads")
-        if self.data and not os.path.isfile(self.data):
-            raise ValueError(f"--data {self.data}: no such file")
+        if self.data:
+            from isp_comm.train.store import check_data
+
+            check_data(self.data)  # one line naming --data, before ranks start
         if self.model:
             from isp_comm.train.hf_model import model_type
 
@@ -186,7 +193,9 @@ class TrainConfig:
         if self.tokenizer:
             if not os.path.isdir(self.tokenizer):
                 raise ValueError(f"--tokenizer {self.tokenizer}: no such folder")
-            if not self.data or self.data.endswith((".npy", ".bin")):
+            from isp_comm.train.store import is_pretokenized
+
+            if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
 
 

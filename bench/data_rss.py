@@ -1,0 +1,89 @@
+"""Per-rank peak RSS of isp-train against the size of its token store.
+
+    python bench/data_rss.py [--mib 10 2048] [--repeats 3] [--world 2] [--steps 30]
+
+For each size, a store of random uint16 tokens is written (into --tmp, removed after),
+then isp-train runs the reference llama on it at --world ranks; the figure is rank 0's
+``peak_rss_mib`` of the last metrics.jsonl row (ru_maxrss: mapped pages a rank touched
+count too). Prints a markdown table (median and range over --repeats runs) and writes
+OUT/data_rss.json (--out, default bench/results/local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from isp_comm.train.store import write_store  # noqa: E402
+
+MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "128", "--batch", "8"]
+
+
+def _store(folder: str, mib: int) -> None:
+    n = mib * 2**20 // 2
+    rng = np.random.default_rng(0)
+    chunk = 1 << 23
+    docs = (rng.integers(0, 4096, size=min(chunk, n - i), dtype=np.uint16) for i in range(0, n, chunk))
+    write_store(folder, docs, 4096)
+
+
+def _run(store: str, out: str, world: int, steps: int) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    cmd += ["-m", "isp_comm.train", *MODEL, "--data", store, "--steps", str(steps), "--no-trace", "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return json.loads(f.read().strip().splitlines()[-1])["peak_rss_mib"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, nargs="+", default=[10, 2048])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--tmp", default=tempfile.gettempdir())
+    add_out(ap)
+    args = ap.parse_args()
+    rows = []
+    for mib in args.mib:
+        folder = tempfile.mkdtemp(dir=args.tmp)
+        try:
+            progress(f"writing a {mib} MiB store")
+            _store(os.path.join(folder, "store"), mib)
+            peaks = []
+            for r in range(args.repeats):
+                peaks.append(
+                    _run(os.path.join(folder, "store"), os.path.join(folder, f"run{r}"), args.world, args.steps)
+                )
+                progress(f"{mib} MiB store, run {r + 1}: peak RSS {peaks[-1]:.1f} MiB (rank 0)")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        rows.append({"store_mib": mib, "peak_rss_mib": peaks, "median": statistics.median(peaks)})
+    print(
+        markdown_table(
+            ["store MiB", "rank 0 peak RSS MiB (median)", "range"],
+            [
+                [r["store_mib"], f"{r['median']:.1f}", f"{min(r['peak_rss_mib']):.1f}-{max(r['peak_rss_mib']):.1f}"]
+                for r in rows
+            ],
+        )
+    )
+    print(save_results("data_rss", args, rows))
+
+
+if __name__ == "__main__":
+    main()

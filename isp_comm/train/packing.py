@@ -1,0 +1,113 @@
+"""Packed rows of a token store, with document boundaries, and a data order that resumes.
+
+Rows follow Megatron's GPT dataset: the documents are laid end to end in store order
+(each already ends in EOS) and cut into rows of ``seq + 1`` tokens that overlap by one,
+so a document longer than ``seq`` is split and short ones share a row. A row carries
+the boundaries of the documents inside it (``cu_seqlens``, 0 ... seq, over the input
+positions), positions that restart at each boundary, and targets of ``-100`` where the
+input is a document's last token (its EOS: what follows belongs to another document).
+Only the document index is read to plan a row; its tokens are read when it is used.
+
+The order is a seeded permutation of the rows, one per epoch, and the position in it
+is one integer (rows consumed over all ranks), so a checkpoint holds it and a resume,
+at any world size, continues with the next unseen rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE = -100
+"""The target of a position whose next token is another document's (cross entropy's ignore_index)."""
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One row: ``seq`` inputs and targets, the documents' boundaries and positions."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+
+
+class PackedRows:
+    """The rows of ``tokens`` (a flat, memory-mapped array) whose documents start at
+    ``offsets`` (n_docs + 1 of them, the last the token count)."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seq: int) -> None:
+        if seq < 1:
+            raise ValueError(f"--seq must be >= 1, got {seq}")
+        if len(tokens) < seq + 1:
+            raise ValueError(f"--seq {seq} is longer than the data ({len(tokens)} tokens)")
+        self.tokens, self.offsets, self.seq = tokens, np.asarray(offsets, dtype=np.int64), seq
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq
+
+    def row(self, i: int) -> PackedRow:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        a, seq = i * self.seq, self.seq
+        win = torch.from_numpy(np.asarray(self.tokens[a : a + seq + 1]).astype(np.int64))
+        lo, hi = np.searchsorted(self.offsets, [a, a + seq], side="right")
+        starts = self.offsets[lo:hi] - a  # documents starting inside (a, a + seq]: strictly after a
+        cuts = [0, *(int(s) for s in starts if 0 < s < seq), seq]
+        targets = win[1:].clone()
+        for c in cuts[1:-1]:
+            targets[c - 1] = IGNORE  # the input at c - 1 ends a document
+        if (starts == seq).any():
+            targets[seq - 1] = IGNORE  # the next row starts a document
+        lengths = torch.tensor(np.diff(cuts))
+        positions = torch.arange(seq) - torch.repeat_interleave(torch.tensor(cuts[:-1]), lengths)
+        return PackedRow(win[:-1], targets, torch.tensor(cuts, dtype=torch.int32), positions)
+
+
+class DataOrder:
+    """A seeded permutation of ``n_rows`` rows per epoch; ``position`` counts the rows
+    handed out so far over all ranks (the checkpointed state)."""
+
+    def __init__(self, n_rows: int, seed: int = 0, position: int = 0) -> None:
+        if n_rows < 1:
+            raise ValueError("no rows to train on")
+        self.n_rows, self.seed, self.position = n_rows, seed, position
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        return self._perm
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.n_rows
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` rows of the global order (crossing into the next epoch when one ends)."""
+        out = []
+        while len(out) < n:
+            e, k = divmod(self.position, self.n_rows)
+            chunk = self._permutation(e)[k : k + n - len(out)]
+            out += chunk.tolist()
+            self.position += len(chunk)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "position": self.position, "n_rows": self.n_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_rows"] != self.n_rows or state["seed"] != self.seed:
+            raise ValueError(
+                f"the checkpoint's data order ({state['n_rows']} rows, seed {state['seed']}) is not this run's "
+                f"({self.n_rows} rows, seed {self.seed}): same --data, --seq and --seed to resume"
+            )
+        self.position = int(state["position"])
+
+
+def rank_rows(global_rows: list[int], dp_rank: int, dp: int) -> list[int]:
+    """This data-parallel rank's contiguous share of a global batch's rows."""
+    per = len(global_rows) // dp
+    return global_rows[dp_rank * per : (dp_rank + 1) * per]

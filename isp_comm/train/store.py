@@ -1,0 +1,293 @@
+"""A token store on disk: one flat token file, a document index, a small sidecar.
+
+The layout follows Megatron's indexed datasets (a ``.bin`` of tokens beside an
+``.idx`` of document offsets), as three files in one folder::
+
+    STORE/tokens.bin   the tokens of every document, EOS-terminated, back to back
+                       (uint16 when the vocabulary fits, uint32 otherwise)
+    STORE/index.npy    int64 document offsets into tokens.bin, n_docs + 1 of them
+    STORE/meta.json    format, dtype, token and document counts, vocabulary size,
+                       the tokenizer folder and a fingerprint of its files and inputs
+
+Everything is read through ``np.memmap``: opening a store costs the index, not the
+tokens, so a rank's memory does not grow with the corpus. A store is written into a
+temporary folder renamed into place, so a killed preparation leaves no half store and
+a second preparation of the same inputs reuses the first (the fingerprint names it).
+
+Tokenization runs through the tokenizer's batched call, which a fast (Rust) tokenizer
+spreads over the machine's cores itself; ``datasets``' ``map(num_proc=...)`` would add
+a dependency and a copy of the corpus in Arrow files for the same parallelism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT = "isp-token-store-1"
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+_BATCH_DOCS = 256
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """An opened store: ``tokens`` and ``offsets`` are memory-mapped, read on use."""
+
+    path: str
+    tokens: np.ndarray
+    offsets: np.ndarray
+    vocab: int
+    meta: dict
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def doc(self, i: int) -> np.ndarray:
+        """Document ``i``'s tokens (its EOS included), a view of the mapped file."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+
+def is_store(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "meta.json")) and os.path.isfile(os.path.join(path, "tokens.bin"))
+
+
+def is_pretokenized(path: str) -> bool:
+    """A ``.npy``, a ``.bin`` or a prepared store: tokens already, no tokenizer wanted."""
+    return path.endswith((".npy", ".bin")) or is_store(path)
+
+
+def token_dtype(vocab: int) -> np.dtype:
+    """uint16 when every id fits (vocab <= 65,536), else uint32."""
+    if vocab <= 0 or vocab > 2**32:
+        raise ValueError(f"a vocabulary of {vocab} tokens cannot be stored")
+    return np.dtype(np.uint16) if vocab <= 2**16 else np.dtype(np.uint32)
+
+
+def write_store(folder: str, docs: Iterable[np.ndarray], vocab: int, meta: dict | None = None) -> TokenStore:
+    """Write the documents ``docs`` (integer arrays, each already EOS-terminated when
+    wanted) as a store at ``folder``, atomically, and open it."""
+    dtype = token_dtype(vocab)
+    tmp = f"{folder.rstrip(os.sep)}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    offsets = [0]
+    try:
+        with open(os.path.join(tmp, "tokens.bin"), "wb") as f:
+            for d in docs:
+                d = np.asarray(d)
+                if d.size and (int(d.min()) < 0 or int(d.max()) >= vocab):
+                    raise ValueError(f"a token id outside [0, {vocab}) in document {len(offsets) - 1}")
+                f.write(d.astype(dtype, copy=False).tobytes())
+                offsets.append(offsets[-1] + d.size)
+        if offsets[-1] == 0:
+            raise ValueError("no tokens to store")
+        np.save(os.path.join(tmp, "index.npy"), np.asarray(offsets, dtype=np.int64))
+        full = dict(meta or {}) | {
+            "format": FORMAT,
+            "dtype": dtype.name,
+            "n_tokens": offsets[-1],
+            "n_docs": len(offsets) - 1,
+            "vocab": vocab,
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(full, f, indent=1)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return open_store(folder)
+
+
+def open_store(folder: str) -> TokenStore:
+    """Open a store written by :func:`write_store`, memory-mapped (nothing read yet)."""
+    with open(os.path.join(folder, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"--data {folder}: not a token store of format {FORMAT} (found {meta.get('format')!r})")
+    tokens = np.memmap(os.path.join(folder, "tokens.bin"), dtype=np.dtype(meta["dtype"]), mode="r")
+    offsets = np.load(os.path.join(folder, "index.npy"), mmap_mode="r")
+    if tokens.size != meta["n_tokens"] or len(offsets) != meta["n_docs"] + 1 or int(offsets[-1]) != tokens.size:
+        raise ValueError(f"--data {folder}: the store's files disagree with its meta.json (a partial copy?)")
+    return TokenStore(folder, tokens, offsets, int(meta["vocab"]), meta)
+
+
+def input_files(path: str) -> list[str]:
+    """The text files of ``path``: itself, or the readable files of a folder (sorted)."""
+    if os.path.isfile(path):
+        return [path]
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs.sort()
+        files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_SUFFIXES)]
+    if not files:
+        raise ValueError(f"--data {path}: the folder holds no {'/'.join(TEXT_SUFFIXES)} file")
+    return files
+
+
+def iter_texts(files: list[str], text_field: str = "text") -> Iterator[str]:
+    """Each document's text: a whole ``.txt`` file, a JSON-lines row's or JSON list
+    item's ``text_field``, a Parquet row's ``text_field`` column (pyarrow, lazily)."""
+    for path in files:
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        elif path.endswith((".jsonl", ".json")):
+            yield from _json_texts(path, text_field)
+        elif path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(path)
+            if text_field not in pf.schema_arrow.names:
+                raise ValueError(f"--data {path}: no column {text_field!r} (have {pf.schema_arrow.names})")
+            for batch in pf.iter_batches(columns=[text_field]):
+                yield from (t or "" for t in batch.column(0).to_pylist())
+        else:
+            raise ValueError(f"--data {path}: cannot read this kind of file (want {'/'.join(TEXT_SUFFIXES)})")
+
+
+def _json_texts(path: str, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        first = f.read(1)
+        f.seek(0)
+        rows = json.load(f) if first == "[" else (json.loads(line) for line in f if line.strip())
+        for n, row in enumerate(rows):
+            if not isinstance(row, dict) or field not in row:
+                raise ValueError(f"--data {path}: row {n} has no field {field!r} (--text-field)")
+            yield str(row[field])
+
+
+def fingerprint(files: list[str], tokenizer_dir: str, text_field: str) -> str:
+    """Of the tokenizer's files, each input's name, size and modification time, the field."""
+    from isp_comm.train.hf_model import _TOKENIZER_FILES
+
+    h = hashlib.sha256(f"{FORMAT}:{text_field}".encode())
+    for name in _TOKENIZER_FILES:
+        p = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h.update(name.encode() + f.read())
+    for p in files:
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def store_path(data: str, tokenizer_dir: str, cache_dir: str = "", text_field: str = "text") -> str:
+    """Where the store of ``data`` goes: next to the data, or under ``cache_dir``."""
+    key = fingerprint(input_files(data), tokenizer_dir, text_field)
+    base = os.path.basename(os.path.normpath(data))
+    parent = cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(data)))
+    return os.path.join(parent, f"{base}.store-{key}")
+
+
+def prepare_store(
+    data: str, tokenizer_dir: str, cache_dir: str = "", text_field: str = "text", progress: bool = True
+) -> TokenStore:
+    """The store of ``data`` tokenized by ``tokenizer_dir``, EOS after each document:
+    reused when a store of the same inputs exists, else written (with a progress bar)."""
+    from tqdm import tqdm
+
+    from isp_comm.train.hf_model import load_tokenizer
+
+    folder = store_path(data, tokenizer_dir, cache_dir, text_field)
+    if is_store(folder):
+        return open_store(folder)
+    tok = load_tokenizer(tokenizer_dir)
+    if tok.eos_token_id is None:
+        raise ValueError(f"--tokenizer {tokenizer_dir}: it has no EOS token to end documents with")
+    files = input_files(data)
+    total = sum(os.path.getsize(p) for p in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+
+    def docs() -> Iterator[np.ndarray]:
+        batch: list[str] = []
+        for text in iter_texts(files, text_field):
+            batch.append(text)
+            if len(batch) == _BATCH_DOCS:
+                yield from _encode(tok, batch, bar)
+                batch = []
+        yield from _encode(tok, batch, bar)
+
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    meta = {"tokenizer": os.path.abspath(tokenizer_dir), "sources": files, "text_field": text_field}
+    try:
+        return write_store(folder, docs(), len(tok), meta)
+    finally:
+        bar.close()
+
+
+def _encode(tok, texts: list[str], bar) -> Iterator[np.ndarray]:
+    if not texts:
+        return
+    eos = tok.eos_token_id
+    for text, ids in zip(texts, tok(texts, add_special_tokens=False)["input_ids"]):
+        bar.update(len(text.encode("utf-8", errors="replace")))
+        yield np.asarray([*ids, eos], dtype=np.int64)
+
+
+def check_data(path: str) -> None:
+    """Refuse a ``--data`` isp-train cannot train on, with one line naming the flag:
+    a path that does not exist, a kind it cannot read, a float ``.npy``, negative ids.
+    Cheap: a ``.npy`` is memory-mapped and scanned in chunks."""
+    if not os.path.exists(path):
+        raise ValueError(f"--data {path}: no such file or folder")
+    if os.path.isdir(path):
+        if not is_store(path):
+            input_files(path)
+        return
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except ValueError as exc:
+            raise ValueError(f"--data {path}: not a readable .npy ({exc})") from exc
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"--data {path}: token ids must be integers, the array holds {arr.dtype}")
+        flat = arr.reshape(-1)
+        if flat.size == 0:
+            raise ValueError(f"--data {path}: the file holds no tokens")
+        if np.issubdtype(arr.dtype, np.signedinteger):
+            from isp_comm.train.data import read_windows
+
+            for i in range(0, flat.size, 1 << 24):
+                if int(read_windows(flat, [i], min(1 << 24, flat.size - i))[0].min()) < 0:
+                    raise ValueError(f"--data {path}: negative token ids")
+    elif path.endswith(".bin"):
+        if os.path.getsize(path) < 2 or os.path.getsize(path) % 2:
+            raise ValueError(f"--data {path}: a .bin of uint16 tokens needs an even, non-zero size")
+    elif not path.endswith(TEXT_SUFFIXES):
+        raise ValueError(f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``isp-prepare-data DATA --tokenizer DIR [--data-cache DIR] [--text-field F]``:
+    prepare (or find) the store of DATA and print its folder as the last line."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="isp-prepare-data", description=main.__doc__)
+    p.add_argument("data", help=".txt, .jsonl/.json, .parquet, or a folder of them")
+    p.add_argument("--tokenizer", required=True, help="a local tokenizer folder (AutoTokenizer)")
+    p.add_argument("--data-cache", default="", help="folder for the store (default: next to the data)")
+    p.add_argument("--text-field", default="text", help="the JSON / Parquet field holding a document's text")
+    args = p.parse_args(argv)
+    try:
+        check_data(args.data)
+        store = prepare_store(args.data, args.tokenizer, args.data_cache, args.text_field)
+    except ValueError as exc:
+        print(f"isp-prepare-data: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    m = store.meta
+    print(f"{m['n_docs']} documents, {m['n_tokens']} tokens ({m['dtype']}), vocabulary {m['vocab']}")
+    print(store.path)
+
+
+if __name__ == "__main__":
+    main()

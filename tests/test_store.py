@@ -1,0 +1,207 @@
+"""The token store: round trips at uint16 and uint32, preparation from JSON lines with a
+tiny tokenizer (EOS per document, reuse), and the refusals of a bad --data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from isp_comm.train.store import check_data, open_store, prepare_store, store_path, write_store
+
+
+@pytest.mark.parametrize("vocab,dtype", [(300, "uint16"), (65_536, "uint16"), (128_256, "uint32"), (151_936, "uint32")])
+def test_store_round_trips(tmp_path, vocab, dtype):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab, size=n) for n in (1, 7, 300, 2)]
+    docs[2][0] = vocab - 1  # the largest id must survive the narrow dtype
+    store = write_store(str(tmp_path / "s"), docs, vocab)
+    assert store.meta["dtype"] == dtype and store.tokens.dtype == np.dtype(dtype)
+    assert isinstance(store.tokens, np.memmap)
+    assert store.n_docs == len(docs) and store.vocab == vocab
+    again = open_store(str(tmp_path / "s"))
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(again.doc(i).astype(np.int64), d)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_store_refuses_ids_outside_the_vocabulary(tmp_path):
+    with pytest.raises(ValueError, match="outside"):
+        write_store(str(tmp_path / "s"), [np.array([0, 70_000])], 65_536)
+    assert not os.path.exists(tmp_path / "s")
+
+
+def test_prepare_jsonl_appends_eos_and_reuses_the_store(tmp_path):
+    from isp_comm.testing import tiny_tokenizer
+
+    texts = ["the cat sat on the mat", "a dog ran", "", "the end of the corpus"]
+    tok = tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts) * 20)
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    store = prepare_store(str(data), str(tmp_path / "tok"), progress=False)
+    assert store.n_docs == len(texts) and store.meta["tokenizer"].endswith("tok")
+    for i, t in enumerate(texts):
+        d = store.doc(i).tolist()
+        assert d[-1] == tok.eos_token_id and tok.decode(d[:-1]) == t
+    mtime = os.stat(os.path.join(store.path, "tokens.bin")).st_mtime_ns
+    assert prepare_store(str(data), str(tmp_path / "tok"), progress=False).path == store.path
+    assert os.stat(os.path.join(store.path, "tokens.bin")).st_mtime_ns == mtime  # reused, not rewritten
+    cached = prepare_store(str(data), str(tmp_path / "tok"), cache_dir=str(tmp_path / "cache"), progress=False)
+    assert os.path.dirname(cached.path) == str(tmp_path / "cache")
+    data.write_text(data.read_text() + json.dumps({"text": "more"}) + "\n")
+    assert store_path(str(data), str(tmp_path / "tok")) != store.path  # changed input, new store
+
+
+def test_prepare_folder_of_text_files_and_missing_field(tmp_path):
+    from isp_comm.testing import tiny_tokenizer
+
+    tiny_tokenizer(str(tmp_path / "tok"), "alpha beta gamma delta " * 30)
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("alpha beta")
+    (tmp_path / "d" / "sub" / "b.txt").write_text("gamma delta")
+    (tmp_path / "d" / "notes.md").write_text("ignored")
+    store = prepare_store(str(tmp_path / "d"), str(tmp_path / "tok"), progress=False)
+    assert store.n_docs == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"content": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no field 'text'"):
+        prepare_store(str(bad), str(tmp_path / "tok"), progress=False)
+
+
+def test_check_data_refusals(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros(8, dtype=np.float32))
+    np.save(tmp_path / "neg.npy", np.array([1, -2, 3], dtype=np.int32))
+    np.save(tmp_path / "ok.npy", np.array([1, 2, 3], dtype=np.int32))
+    (tmp_path / "x.csv").write_text("1,2")
+    for name, match in [("f.npy", "integers"), ("neg.npy", "negative"), ("nope.txt", "no such"), ("x.csv", "kind")]:
+        with pytest.raises(ValueError, match=match) as err:
+            check_data(str(tmp_path / name))
+        assert str(err.value).startswith("--data ") and "\n" not in str(err.value)
+    check_data(str(tmp_path / "ok.npy"))
+
+
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "2", "--seq", "16"]
+
+
+def _isp_train(n: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n else []
+    cmd = (cmd + ["-m", "isp_comm.train"]) if n else [sys.executable, "-m", "isp_comm.train"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=200, env=env)
+
+
+@pytest.mark.timeout(240)
+def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
+    from isp_comm.testing import tiny_tokenizer
+
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(60)]
+    tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts))
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cache = tmp_path / "cache"
+    args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(data), "--tokenizer", str(tmp_path / "tok")]
+    res = _isp_train(2, *args, "--data-cache", str(cache), "--out", str(tmp_path / "a"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (store,) = os.listdir(cache)
+    assert "vocabulary 300" in res.stdout, res.stdout
+    args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(cache / store), "--out", str(tmp_path / "b")]
+    res = _isp_train(2, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "a" / "metrics.jsonl") as fa, open(tmp_path / "b" / "metrics.jsonl") as fb:
+        assert [json.loads(r)["loss"] for r in fa] == [json.loads(r)["loss"] for r in fb]  # the same tokens
+
+
+def test_pretokenized_files_are_memory_mapped(tmp_path):
+    from isp_comm.train.data import load_tokens
+
+    np.save(tmp_path / "t.npy", np.array([3, 1, 4, 1, 5], dtype=np.int8))
+    np.array([70, 2, 65_535], dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens, vocab = load_tokens(str(tmp_path / "t.npy"))
+    assert isinstance(tokens, np.memmap) and vocab == 6 and tokens.tolist() == [3, 1, 4, 1, 5]
+    tokens, vocab = load_tokens(str(tmp_path / "t.bin"))
+    assert isinstance(tokens, np.memmap) and vocab == 65_536
+
+
+@pytest.mark.timeout(120)
+def test_bad_data_is_refused_before_ranks_start(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros(8, dtype=np.float64))
+    np.save(tmp_path / "neg.npy", np.array([1, -1], dtype=np.int64))
+    (tmp_path / "x.csv").write_text("1,2")
+    for name, text in [("f.npy", "integers"), ("neg.npy", "negative"), ("gone.npy", "no such"), ("x.csv", "kind")]:
+        res = _isp_train(0, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr
+
+
+@pytest.mark.slow  # three world-2 launches (~36 s); CI sibling: test_isp_train_prepares_jsonl_once_then_takes_the_store
+@pytest.mark.timeout(400)
+def test_docs_worked_example(tmp_path):
+    """docs/data.md's worked example, its bash lines run as written in a folder holding
+    a tiny corpus.jsonl and tokenizer tok/."""
+    from isp_comm.testing import tiny_tokenizer
+
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "data.md")
+    with open(doc) as f:
+        block = f.read().split("## Worked example", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    texts = [f"story {i}: a small cat sat on a warm mat and looked at bird {i}." for i in range(80)]
+    tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for line in block.strip().splitlines():
+        cmd = line.replace("python ", f"{sys.executable} ", 1)
+        res = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
+        assert res.returncode == 0, (line, res.stderr[-3000:])
+    (store,) = os.listdir(tmp_path / "stores")
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(r)["step"] for r in f] == [1, 2, 3, 4, 5, 6]
+
+
+def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
+    """A Parquet corpus is prepared like JSON lines; reading batches of a mapped store of
+    ~48 MiB adds no anonymous memory (the loose bound, 8 MiB, covers allocator noise)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from isp_comm.testing import tiny_tokenizer
+    from isp_comm.train.data import batch_at
+
+    texts = ["one two three", "four five", "six"]
+    tok = tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts) * 10)
+    pq.write_table(pa.table({"text": texts, "n": [1, 2, 3]}), tmp_path / "c.parquet")
+    store = prepare_store(str(tmp_path / "c.parquet"), str(tmp_path / "tok"), progress=False)
+    assert [tok.decode(store.doc(i).tolist()[:-1]) for i in range(3)] == texts
+
+    rng = np.random.default_rng(0)
+    chunks = (rng.integers(0, 70_000, size=1 << 20) for _ in range(12))  # 12 Mi uint32 tokens
+    big = write_store(str(tmp_path / "big"), chunks, 70_000)
+
+    def anon_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+    batch_at(big.tokens, 0, 8, 512)
+    before = anon_kib()
+    for step in range(200):
+        batch_at(big.tokens, step, 8, 512)
+    assert anon_kib() - before < 8 * 1024
+
+
+def test_windows_of_mapped_files_read_the_right_tokens(tmp_path):
+    from isp_comm.train.data import batch_at, load_tokens, read_windows
+
+    arr = np.arange(5000, dtype=np.int32) % 977
+    np.save(tmp_path / "t.npy", arr)  # a header before the data: the offset counts
+    tokens, _ = load_tokens(str(tmp_path / "t.npy"))
+    assert [w.tolist() for w in read_windows(tokens, [0, 17, 4990], 10)] == [
+        arr[s : s + 10].tolist() for s in (0, 17, 4990)
+    ]
+    x, y = batch_at(tokens, 3, 4, 16)
+    x2, y2 = batch_at(torch.from_numpy(arr.astype(np.int64)), 3, 4, 16)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    store = write_store(str(tmp_path / "s"), [arr[:100], arr[100:]], 977)
+    assert read_windows(store.tokens, [95], 10)[0].tolist() == arr[95:105].tolist()
