@@ -1,0 +1,96 @@
+"""The docs say what the code has: every isp-train flag in docs/cli.md's table, every
+ISPConfig field in docs/api.md's, every file of isp_comm/ in docs/architecture.md's
+layout (and nothing that is not there), and every link between the pages lands."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from isp_comm.config import ISPConfig
+from isp_comm.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def table_names(page: Path, heading: str) -> list[str]:
+    """The names in the first column of the first table under ``heading``, split on
+    commas: ``| `--wp`, `--sp` | ...`` gives ``["--wp", "--sp"]``."""
+    lines = page.read_text().split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = lines[start + 2 : end]  # past the header and its rule
+    return [name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])]
+
+
+def test_cli_flag_table_is_train_config() -> None:
+    flags = table_names(DOCS / "cli.md", "## Flags")
+    fields = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)} | {"--config"}
+    assert len(flags) == len(set(flags)), "a flag twice in the table"
+    assert set(flags) == fields, f"missing: {sorted(fields - set(flags))}; not flags: {sorted(set(flags) - fields)}"
+
+
+def test_isp_config_table_is_isp_config() -> None:
+    names = table_names(DOCS / "api.md", "## Configuration")
+    fields = {f.name for f in dataclasses.fields(ISPConfig)}
+    assert set(names) == fields, f"missing: {sorted(fields - set(names))}; not fields: {sorted(set(names) - fields)}"
+
+
+def layout_files() -> set[str]:
+    """The paths under isp_comm/ that docs/architecture.md's layout block names."""
+    block = (DOCS / "architecture.md").read_text().split("```")[1]
+    named, folder = set(), ""
+    for line in block.splitlines():
+        m = re.match(r"^( *)(\S+)", line)
+        if not m or len(m.group(1)) > 4:  # continuation lines are indented further
+            continue
+        indent, name = len(m.group(1)), m.group(2)
+        if indent == 2 and name.endswith("/"):
+            folder = name
+        elif indent == 2 and name.endswith(".py"):
+            folder = ""
+            named.add(name)
+        elif indent == 4 and name.endswith(".py"):
+            named.add(folder + name)
+    return named
+
+
+def test_architecture_layout_names_every_file() -> None:
+    """Every module is named; a sub-package's ``__init__.py`` may be (when it holds more
+    than re-exports), and nothing named is missing."""
+    files = {str(p.relative_to(ROOT / "isp_comm")) for p in (ROOT / "isp_comm").rglob("*.py")}
+    required = {f for f in files if not f.endswith("/__init__.py")}
+    named = layout_files()
+    assert required <= named <= files, (
+        f"not in the layout: {sorted(required - named)}; no such file: {sorted(named - files)}"
+    )
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_land() -> None:
+    """Every relative link to a file of the repository names one that exists (the docs
+    written alongside, reliability.md and data.md, once they exist), and every
+    ``#anchor`` a heading of its page."""
+    bad = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                if file.suffix != ".md" or file.parent != DOCS:
+                    bad.append(f"{page.name}: {target} (no such file)")
+                continue
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
