@@ -187,11 +187,11 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
-        # the loss and whether any rank got a signal: one all-reduce, one host synchronisation, after the step
+        # the loss and whether any rank got a signal: one all-reduce; then one host read
+        # (a fill, not a host-to-device copy, so the step is issued whole before it)
         both = torch.stack([step_loss, torch.full((), float(signals.got), device=device)])
         dist.all_reduce(both)
-        grad_norm = norm.item()
-        total, flagged = both.tolist()
+        total, flagged, grad_norm = torch.cat([both, norm.reshape(1).to(both.dtype)]).tolist()
         loss_value, interrupted = total / world, flagged > 0
         dt = time.perf_counter() - t0
         if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
