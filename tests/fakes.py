@@ -8,6 +8,10 @@ Each fake keeps the real layer's semantics where the backends could get them wro
   (``collective.py``: ``fcollect``/``alltoall`` from the source's bytes, the others
   from the destination's, ``alltoall`` per PE); a stream is read through
   ``__cuda_stream__``; ``TEAM_WORLD`` numbers PEs by the ``rank`` given to ``init``.
+  Its collectives run on the host, one after another, so two of them can never
+  overlap here as they can on a GPU; instead it refuses what lets them overlap there:
+  collectives of one team issued on more than one stream (NVSHMEM allows one
+  collective at a time per team, in the same order on every PE).
 - :class:`FakeSymm` (``torch.distributed._symmetric_memory``): ``empty`` gives a
   buffer in POSIX shared memory, ``rendezvous`` maps every peer's, ``get_buffer``
   is a view of a peer's bytes (a write through it reaches the peer), ``barrier`` is
@@ -66,6 +70,7 @@ class FakeNvshmem:
         self.pe = self.npes = None
         self.calls: list[str] = []
         self.streams_seen: list[int] = []
+        self._team_stream: dict[int, int] = {}  # team -> the one stream its collectives run on
 
     # ---- init_fini -------------------------------------------------------------------
     def get_unique_id(self, empty: bool = False):
@@ -123,9 +128,9 @@ class FakeNvshmem:
             raise NvshmemInvalid("NVSHMEM Library is not initialized")
         if stream is None:
             raise NotImplementedError("Non-on-stream collectives are not yet implemented")
-        self.streams_seen.append(int(stream.__cuda_stream__()[1]))
         if team != self.Teams.TEAM_WORLD:
             raise NvshmemInvalid("the fake knows TEAM_WORLD only")
+        self._one_at_a_time(team, int(stream.__cuda_stream__()[1]))
         src, dst = self._buffer(src_array), self._buffer(dst_array)
         if src_array.dtype != dst_array.dtype:
             raise NvshmemInvalid("Non-matching data types for src and dest arrays")
@@ -136,6 +141,19 @@ class FakeNvshmem:
         s, d = src.base.view(-1), dst.base.view(-1)  # the whole allocations
         self.calls.append(coll)
         getattr(self, "_do_" + coll)(d, s, elems)
+
+    def _one_at_a_time(self, team, stream: int) -> None:
+        """NVSHMEM: "Team-based collectives must occur in the same order across all PEs
+        in a team", one at a time (they share the team's psync slots and counters).
+        Collectives of a team on two streams may run concurrently, and in another
+        order on each PE, on a GPU: refused here, where the host would serialise them."""
+        self.streams_seen.append(stream)
+        first = self._team_stream.setdefault(team, stream)
+        if first != stream:
+            raise NvshmemInvalid(
+                f"collectives of team {team} issued on streams {first} and {stream}: "
+                "on a GPU they may overlap, or run in another order on each PE"
+            )
 
     def _do_fcollect(self, d: torch.Tensor, s: torch.Tensor, n: int) -> None:
         parts = [torch.empty(n, dtype=s.dtype) for _ in range(self.npes)]

@@ -4,10 +4,26 @@ Selected with ``ISPConfig(backend="nvshmem")`` when ``nvshmem.core`` imports and
 parameters are on CUDA. NVSHMEM is bootstrapped from a unique id that rank 0 creates
 and broadcasts over torch.distributed, bound to the parameters' GPU (not the
 current one). A collective copies its input into an NVSHMEM scratch tensor, runs
-``fcollect`` / ``reducescatter`` / ``reduce`` / ``alltoall`` on its lane's side
-stream (see [Note: lanes] in ``streams.py``), and copies the result out. NVSHMEM
+``fcollect`` / ``reducescatter`` / ``reduce`` / ``alltoall`` on the backend's one
+side stream (see [Note: one stream for a team]), and copies the result out. NVSHMEM
 teams here cover the whole world only: a group smaller than the world uses
 ``TorchBackend`` (NCCL) instead, as a group across hosts does for the CPU backend.
+
+[Note: one stream for a team]
+The other CUDA backend gives each (group, lane) its own side stream ([Note: lanes]
+in ``streams.py``), because each of its buffers has its own signal pad. NVSHMEM
+does not allow that: every collective here runs on ``TEAM_WORLD`` (world-sized
+groups of other names too), and a team's collectives share its psync slots and
+counters (``fcollect_count``, ``alltoall_count``); NVSHMEM requires "one collective
+at a time per team, in the same order on every PE". Two streams would let the GPU
+run a prefetch gather beside a reduce-scatter, or in another order on each PE:
+wrong data or a barrier that never completes. So every nvshmem collective of a
+backend goes through ONE side stream: still ordered after the caller's stream
+(``wait_stream``) with its tensors recorded on it (``record_stream``), as a lane is,
+so compute goes on beside it; the collectives serialise in issue order, which is
+the same on every rank ([Note: one issue order on every rank]). The cost: a gather
+queues behind a reduce-scatter issued before it. Collectives of the groups that
+fall back to NCCL are not affected.
 
 [Note: nvshmem sizes a collective by its allocation]
 nvshmem4py finds the symmetric allocation of a tensor by its ``data_ptr`` and sizes
@@ -38,6 +54,9 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend
+
+TEAM_STREAM = "nvshmem:TEAM_WORLD"
+"""The key of the one side stream of a backend's collectives ([Note: one stream for a team])."""
 
 
 def available() -> bool:
@@ -135,7 +154,8 @@ class NvshmemBackend(Backend):
             call(dst, src, stream)
             out.view(-1).copy_(dst)
 
-        return self._lanes.run(group.group_name, lane, self._device, (inp, out), body)
+        # one stream for every collective: see [Note: one stream for a team]
+        return self._lanes.run(TEAM_STREAM, "team", self._device, (inp, out), body)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):

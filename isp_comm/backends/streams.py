@@ -10,7 +10,9 @@ stream per *lane*: ``gather`` (all-gathers), ``reduce`` (reduce-scatters and
 all-reduces) and ``all_to_all``. Collectives of one lane run in issue order, the
 same on every rank (every rank issues the same collectives in the same order, see
 [Note: one issue order on every rank]); lanes do not wait for each other, so each
-lane owns its scratch buffers too: two lanes never share a byte.
+lane owns its scratch buffers too: two lanes never share a byte. (The nvshmem
+backend cannot: all its collectives share one team, so they share one stream, see
+[Note: one stream for a team] in ``nvshmem_backend.py``.)
 
 [Note: one runtime seam]
 The backends reach CUDA only through a :class:`CudaRuntime`: the streams, events,
