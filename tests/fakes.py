@@ -12,6 +12,10 @@ Each fake keeps the real layer's semantics where the backends could get them wro
   overlap here as they can on a GPU; instead it refuses what lets them overlap there:
   collectives of one team issued on more than one stream (NVSHMEM allows one
   collective at a time per team, in the same order on every PE).
+  Nor can a peer's next collective push into this PE's destination before this PE
+  copied the last result out, as on a GPU (fcollect and alltoall push into the
+  peers' ``dest`` with no leading barrier); the fake refuses what allows it: a
+  collective whose destination is the previous collective's of the same team.
 - :class:`FakeSymm` (``torch.distributed._symmetric_memory``): ``empty`` gives a
   buffer in POSIX shared memory, ``rendezvous`` maps every peer's, ``get_buffer``
   is a view of a peer's bytes (a write through it reaches the peer), ``barrier`` is
@@ -71,6 +75,8 @@ class FakeNvshmem:
         self.calls: list[str] = []
         self.streams_seen: list[int] = []
         self._team_stream: dict[int, int] = {}  # team -> the one stream its collectives run on
+        self._last_dst: dict[int, int] = {}  # team -> its last collective's destination allocation
+        self.dsts: list[int] = []  # every collective's destination allocation, in issue order
 
     # ---- init_fini -------------------------------------------------------------------
     def get_unique_id(self, empty: bool = False):
@@ -132,6 +138,7 @@ class FakeNvshmem:
             raise NvshmemInvalid("the fake knows TEAM_WORLD only")
         self._one_at_a_time(team, int(stream.__cuda_stream__()[1]))
         src, dst = self._buffer(src_array), self._buffer(dst_array)
+        self._fresh_destination(team, dst.handle)
         if src_array.dtype != dst_array.dtype:
             raise NvshmemInvalid("Non-matching data types for src and dest arrays")
         nbytes = _NBYTES[src_array.dtype]
@@ -154,6 +161,21 @@ class FakeNvshmem:
                 f"collectives of team {team} issued on streams {first} and {stream}: "
                 "on a GPU they may overlap, or run in another order on each PE"
             )
+
+    def _fresh_destination(self, team, dst: int) -> None:
+        """NVSHMEM: "Since PEs can enter and exit collectives at different times,
+        accessing such memory remotely may require additional synchronization." A peer
+        that left collective k may push collective k+1 into this PE's ``dest`` while
+        this PE still copies k's result out of it: refused when k+1 reuses k's
+        ``dest`` on the team. Collective k's completion on every PE proves each PE
+        entered k, so each has copied out k-1: a ``dest`` last used before k is safe."""
+        if self._last_dst.get(team) == dst:
+            raise NvshmemInvalid(
+                f"team {team}: a collective into the previous one's destination (a peer may push into it "
+                "before this PE copied the last result out)"
+            )
+        self._last_dst[team] = dst
+        self.dsts.append(dst)
 
     def _do_fcollect(self, d: torch.Tensor, s: torch.Tensor, n: int) -> None:
         parts = [torch.empty(n, dtype=s.dtype) for _ in range(self.npes)]

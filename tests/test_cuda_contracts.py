@@ -262,6 +262,39 @@ def test_nvshmem_collectives_of_every_lane_and_group_share_one_stream() -> None:
         assert r["ok"] and len(r["streams"]) == 1 and 0 not in r["streams"], r
 
 
+def _landing_worker(rank: int, world: int) -> dict:
+    """Per-parameter landing: same-size gathers back to back, then same-size reduce-scatters."""
+    fake, backend = _nvshmem_backend_on_fakes(rank)
+    outs = [torch.empty(4 * world) for _ in range(5)]
+    handles = [
+        backend.all_gather(out, torch.full((4,), 10.0 * rank + i), dist.group.WORLD) for i, out in enumerate(outs)
+    ]
+    rs = [torch.empty(4) for _ in range(3)]
+    handles += [
+        backend.reduce_scatter(o, torch.full((4 * world,), float(i)), dist.group.WORLD) for i, o in enumerate(rs)
+    ]
+    for h in handles:
+        h.wait(60)
+    backend.close()
+    want = [[10.0 * r + i for r in range(world) for _ in range(4)] for i in range(5)]
+    ok = [o.tolist() for o in outs] == want and [o.tolist() for o in rs] == [[world * float(i)] * 4 for i in range(3)]
+    return {"ok": ok, "dsts": fake.dsts}
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_same_size_collectives_alternate_their_destination_scratch() -> None:
+    """Finding: fcollect and alltoall push straight into the peers' ``dest`` and meet
+    only at their end, so with one scratch per size a peer that left collective k
+    pushes k+1 into this PE's scratch while this PE still copies k out (back-to-back
+    same-size gathers: per-parameter landing). The fake cannot race on the host; it
+    refuses a collective into the previous one's destination, which this test meets
+    unless the backend alternates two destinations per size (double-buffering)."""
+    for r in run_ranks(_landing_worker, 2, timeout_s=100):
+        d = r["dsts"]
+        assert r["ok"] and all(a != b for a, b in zip(d, d[1:])), r
+        assert len(set(d[:5])) == 2 and len(set(d[5:])) == 2, r  # two scratches per size, not one per collective
+
+
 def _symm_worker(rank: int, world: int) -> dict:
     from torch._C._distributed_c10d import _SymmetricMemory
     from torch.distributed import _symmetric_memory as symm

@@ -36,6 +36,22 @@ dtype, element count), allocated at its first use. The allocation is collective
 order, so every rank allocates alike; the sizes of a step repeat, so after the
 first step nothing is allocated.
 
+[Note: two destinations per size]
+``fcollect`` and ``alltoall`` push straight into the peers' ``dest`` and meet only at
+their end (no leading barrier), and PEs leave a collective at different times. With
+one destination scratch per size, a peer that left collective k could push
+collective k+1 into this PE's scratch while this PE's stream still copies k's result
+out of it. So each size has two destination scratches, used in turn: collective
+k+1 writes the one that k-1 used. A peer can start k+1 only once k completed there,
+and k needs every PE's data, so every PE had entered k, which on its one stream
+([Note: one stream for a team]) comes after its copy-out of k-1. The turn is
+counted per (lane, dtype, size) in issue order, the same on every rank; groups need
+no place in the key, since every collective shares the one stream and team. The
+second scratch is made at a size's second use (a size used once costs one). A
+leading team barrier per collective would do as well, but adds a team-wide meeting
+to every collective; the heap affords the second scratch. Sources need no second
+one: on return from a collective NVSHMEM lets the PE reuse its source.
+
 CI has no GPU: ``tests/test_cuda_contracts.py`` runs this backend on CPU tensors
 against a fake of nvshmem4py that keeps the semantics above and whose every call
 is bound to the installed package's signature; ``tests/gpu/`` runs it on a GPU.
@@ -109,7 +125,8 @@ class NvshmemBackend(Backend):
         self._lanes = Lanes(runtime if runtime is not None else CudaRuntime(), timeout_s)
         self._fallback = TorchBackend(device)
         self._world = dist.get_world_size()
-        self._scratch: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+        self._scratch: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
+        self._turns: dict[tuple[str, torch.dtype, int], int] = {}  # see [Note: two destinations per size]
         self._init_nvshmem()
 
     def _init_nvshmem(self) -> None:
@@ -132,14 +149,22 @@ class NvshmemBackend(Backend):
     def _world_group(self, group: ProcessGroup) -> bool:
         return dist.get_world_size(group) == self._world
 
-    def _exact(self, lane: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def _exact(self, lane: str, dtype: torch.dtype, numel: int, turn: int = 0) -> torch.Tensor:
         """A scratch tensor of exactly ``numel`` elements (see [Note: nvshmem sizes a
-        collective by its allocation])."""
-        key = (lane, dtype, numel)
+        collective by its allocation]), the ``turn``-th of its size (0 or 1)."""
+        key = (lane, dtype, numel, turn)
         t = self._scratch.get(key)
         if t is None:
             t = self._scratch[key] = self._api.core.tensor((numel,), dtype=dtype)
         return t
+
+    def _destination(self, lane: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The destination scratch of this size whose turn it is (see [Note: two
+        destinations per size])."""
+        key = (lane + ":out", dtype, numel)
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn ^ 1
+        return self._exact(*key, turn)
 
     def _collective(self, lane: str, group, inp, out, n_in: int, n_out: int, call) -> Handle:
         """Copy ``inp`` into a scratch, ``call(dst, src, stream)``, copy the result to
@@ -147,7 +172,7 @@ class NvshmemBackend(Backend):
         if n_in == 0 and n_out == 0:
             return CompletedHandle()
         src = self._exact(lane + ":in", inp.dtype, n_in)
-        dst = self._exact(lane + ":out", inp.dtype, n_out)
+        dst = self._destination(lane, inp.dtype, n_out)
 
         def body(stream) -> None:
             src.copy_(inp.reshape(-1))
