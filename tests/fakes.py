@@ -16,6 +16,9 @@ Each fake keeps the real layer's semantics where the backends could get them wro
   copied the last result out, as on a GPU (fcollect and alltoall push into the
   peers' ``dest`` with no leading barrier); the fake refuses what allows it: a
   collective whose destination is the previous collective's of the same team.
+  Its symmetric heap holds ``heap_bytes`` (NVSHMEM: ``NVSHMEM_SYMMETRIC_SIZE``, 1 GiB
+  unset); an allocation past it fails as ``nvshmem_malloc`` does, saying nothing of
+  the variable.
 - :class:`FakeSymm` (``torch.distributed._symmetric_memory``): ``empty`` gives a
   buffer in POSIX shared memory, ``rendezvous`` maps every peer's, ``get_buffer``
   is a view of a peer's bytes (a write through it reaches the peer), ``barrier`` is
@@ -69,8 +72,9 @@ class FakeNvshmem:
 
     Teams = SimpleNamespace(TEAM_WORLD=0)
 
-    def __init__(self) -> None:
+    def __init__(self, heap_bytes: int = 1 << 30) -> None:
         self._tracked: dict[int, _Buffer] = {}
+        self.heap_bytes = heap_bytes
         self.pe = self.npes = None
         self.calls: list[str] = []
         self.streams_seen: list[int] = []
@@ -106,6 +110,8 @@ class FakeNvshmem:
         if self.pe is None:
             raise NvshmemInvalid("NVSHMEM Library is not initialized")
         t = torch.empty(shape, dtype=dtype)
+        if sum(b.size for b in self._tracked.values()) + t.numel() * t.element_size() > self.heap_bytes:
+            raise NvshmemInvalid("nvshmem_malloc failed")  # what the real one says, nothing more
         self._tracked[t.data_ptr()] = _Buffer(t)
         return t
 

@@ -295,6 +295,47 @@ def test_nvshmem_same_size_collectives_alternate_their_destination_scratch() -> 
         assert len(set(d[:5])) == 2 and len(set(d[5:])) == 2, r  # two scratches per size, not one per collective
 
 
+def test_nvshmem_heap_size_is_read_as_nvshmem_reads_it() -> None:
+    """``NVSHMEM_SYMMETRIC_SIZE``: bytes or a k/m/g/t suffix (powers of 1024); unset, 1 GiB."""
+    assert nvshmem_backend.heap_bytes({}) == 1 << 30
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "4G"}) == 4 << 30
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "512m"}) == 512 << 20
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "65536"}) == 65536
+    with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE"):
+        nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "lots"})
+
+
+def _heap_worker(rank: int, world: int) -> dict:
+    from isp_comm.errors import SymmetricHeapError
+
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "64k"  # read at init, by NVSHMEM and by the backend
+    fake, backend = _nvshmem_backend_on_fakes(rank, heap_bytes=64 << 10)
+    said = {}
+    backend.reserve(dist.group.WORLD, 1024, torch.device("cpu"), "gather")  # fits: 1 KiB + 2 x 2 KiB
+    for what, call in (
+        ("plan", lambda: backend.reserve(dist.group.WORLD, 16 << 10, torch.device("cpu"), "gather")),
+        ("step", lambda: backend.all_gather(torch.empty(8192 * world), torch.ones(8192), dist.group.WORLD)),
+    ):
+        try:
+            call()
+        except SymmetricHeapError as exc:
+            said[what] = str(exc)
+    backend.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_heap_overrun_is_named_at_wrap_time_and_at_allocation() -> None:
+    """Finding: scratch is exact-size per collective size and kept, while NVSHMEM's heap
+    is fixed at init (``NVSHMEM_SYMMETRIC_SIZE``, 1 GiB unset). The fake's heap fails
+    an allocation past it as ``nvshmem_malloc`` does, naming nothing; the backend must
+    say instead, on every rank, which variable to set and to what: at wrap time
+    (``reserve``) when the plan alone needs more, and at the allocation otherwise."""
+    for said in run_ranks(_heap_worker, 2, timeout_s=100):
+        assert set(said) == {"plan", "step"}, said
+        assert all("NVSHMEM_SYMMETRIC_SIZE=64k" in m and "at least" in m for m in said.values()), said
+
+
 def _symm_worker(rank: int, world: int) -> dict:
     from torch._C._distributed_c10d import _SymmetricMemory
     from torch.distributed import _symmetric_memory as symm

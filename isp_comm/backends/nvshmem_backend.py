@@ -36,6 +36,24 @@ dtype, element count), allocated at its first use. The allocation is collective
 order, so every rank allocates alike; the sizes of a step repeat, so after the
 first step nothing is allocated.
 
+[Note: the symmetric heap]
+Every scratch comes from NVSHMEM's symmetric heap, whose size NVSHMEM reads once, at
+init, from ``NVSHMEM_SYMMETRIC_SIZE`` (bytes, or with a suffix k/m/g/t; unset: 1 GiB).
+The backend is made, and NVSHMEM initialised, before the communicator plans its
+memory, so isp-comm cannot size the heap from the plan; set the variable before the
+job starts. What the backend does instead: it reads the same variable at init
+(:func:`heap_bytes`) and counts what it allocates. At wrap time
+:meth:`NvshmemBackend.reserve` adds up the scratch of each lane's largest
+collective (a source and two destinations, see [Note: two destinations per size]);
+a plan that alone needs more than the heap raises :class:`SymmetricHeapError` then,
+naming the bytes to set. That sum is a lower bound: scratch is exact-size per
+collective size ([Note: nvshmem sizes a collective by its allocation]), made at the
+size's first use in a step and kept until ``close()`` (freeing is collective too),
+so a model whose units differ in size, or sequence parallelism with varying batch
+shapes, needs more; an allocation that would pass the heap raises the same error,
+on every rank alike (they allocate alike), instead of a failed ``nvshmem_malloc``.
+NVSHMEM also keeps a little of the heap for itself: leave some margin.
+
 [Note: two destinations per size]
 ``fcollect`` and ``alltoall`` push straight into the peers' ``dest`` and meet only at
 their end (no leading barrier), and PEs leave a collective at different times. With
@@ -59,6 +77,8 @@ is bound to the installed package's signature; ``tests/gpu/`` runs it on a GPU.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +90,26 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.errors import SymmetricHeapError
 
 TEAM_STREAM = "nvshmem:TEAM_WORLD"
 """The key of the one side stream of a backend's collectives ([Note: one stream for a team])."""
+
+
+DEFAULT_HEAP_BYTES = 1 << 30
+"""NVSHMEM's symmetric heap when ``NVSHMEM_SYMMETRIC_SIZE`` is unset (1 GiB)."""
+
+
+def heap_bytes(environ=None) -> int:
+    """The symmetric heap NVSHMEM makes at init: ``NVSHMEM_SYMMETRIC_SIZE`` as NVSHMEM
+    reads it (a number with an optional k/m/g/t suffix, powers of 1024), else 1 GiB."""
+    raw = (os.environ if environ is None else environ).get("NVSHMEM_SYMMETRIC_SIZE", "").strip()
+    if not raw:
+        return DEFAULT_HEAP_BYTES
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgtKMGT]?)[bB]?", raw)
+    if m is None:
+        raise ValueError(f"NVSHMEM_SYMMETRIC_SIZE={raw!r}: not a size (bytes, or e.g. 512M, 4G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
 
 
 def available() -> bool:
@@ -127,6 +164,8 @@ class NvshmemBackend(Backend):
         self._world = dist.get_world_size()
         self._scratch: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
         self._turns: dict[tuple[str, torch.dtype, int], int] = {}  # see [Note: two destinations per size]
+        self._heap, self._heap_used = heap_bytes(), 0  # see [Note: the symmetric heap]
+        self._planned: dict[str, int] = {}  # lane -> heap bytes of its largest planned collective
         self._init_nvshmem()
 
     def _init_nvshmem(self) -> None:
@@ -155,8 +194,40 @@ class NvshmemBackend(Backend):
         key = (lane, dtype, numel, turn)
         t = self._scratch.get(key)
         if t is None:
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            if self._heap_used + nbytes > self._heap:
+                raise self._heap_error(
+                    f"a {lane} scratch of {nbytes} bytes (with the {self._heap_used} already allocated)",
+                    self._heap_used + nbytes,
+                )
             t = self._scratch[key] = self._api.core.tensor((numel,), dtype=dtype)
+            self._heap_used += nbytes
         return t
+
+    def _heap_error(self, what: str, need: int) -> SymmetricHeapError:
+        had = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+        size = f"NVSHMEM_SYMMETRIC_SIZE={had}" if had else "NVSHMEM_SYMMETRIC_SIZE unset (1 GiB)"
+        return SymmetricHeapError(
+            f"isp-comm nvshmem backend: {what} needs {need} bytes of NVSHMEM's symmetric heap, "
+            f"which holds {self._heap} ({size}); set NVSHMEM_SYMMETRIC_SIZE to at least {need} bytes "
+            "plus margin before the job starts (NVSHMEM reads it at init), or use another backend"
+        )
+
+    def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device, lane: str) -> None:
+        """At wrap time: check that the heap holds the scratch of each lane's largest
+        planned collective, ``nbytes`` of input per rank (see [Note: the symmetric
+        heap]); nothing is allocated (a scratch is exact-size per collective, and the
+        plan gives bytes, not dtypes and element counts). Groups NCCL serves: nothing."""
+        if not self._world_group(group) or not nbytes:
+            return
+        # a source and two destinations: gathers put world x the input, reduce-scatters
+        # world-th of it (an all-reduce, in = out, needs more: this is a lower bound)
+        out = nbytes * self._world if lane == "gather" else -(-nbytes // self._world)
+        self._planned[lane] = max(self._planned.get(lane, 0), nbytes + 2 * out)
+        need = sum(self._planned.values())
+        if need > self._heap:
+            lanes = ", ".join(f"{k} {v}" for k, v in sorted(self._planned.items()))
+            raise self._heap_error(f"the memory plan (per lane, bytes: {lanes})", need)
 
     def _destination(self, lane: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The destination scratch of this size whose turn it is (see [Note: two
@@ -223,4 +294,5 @@ class NvshmemBackend(Backend):
         for t in self._scratch.values():
             self._api.core.free_tensor(t)
         self._scratch.clear()
+        self._heap_used = 0
         self._api.core.finalize()
