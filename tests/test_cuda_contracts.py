@@ -159,6 +159,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_late_cuda_handle_names_its_collective_and_the_normal_wait_only_queries() -> None:
+    """Finding: a dead peer on CUDA is seldom ``ISPCommTimeout`` (see [Note: what a
+    dead peer looks like on CUDA]). What the handle can do without a host sync: when
+    the host waits past the deadline on a pending event, raise naming the collective;
+    in time, or once the event has completed, only ``query`` and ``wait_event`` run
+    (no ``synchronize``, which the fake event refuses)."""
+    from isp_comm.backends.streams import CudaEventHandle
+    from isp_comm.errors import ISPCommTimeout
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done, self.queries = done, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.done
+
+        def synchronize(self) -> None:
+            raise AssertionError("a handle's wait synchronised the host")
+
+    cpu = torch.device("cpu")
+    pending = Event(False)
+    CudaEventHandle(pending, cpu, 5.0, HostRuntime(), "nvshmem gather collective").wait(5.0)  # in time
+    late = CudaEventHandle(pending, cpu, 5.0, HostRuntime(), "nvshmem gather collective")
+    late._issued -= 10.0
+    with pytest.raises(ISPCommTimeout, match=r"nvshmem gather collective did not complete within 5\.0s"):
+        late.wait(30.0)
+    done = CudaEventHandle(Event(True), cpu, 5.0, HostRuntime(), "x")
+    done._issued -= 10.0
+    done.wait(1.0)  # finished long ago: no error
+
+
 # ---- the backends' own code against the fakes, over gloo ----------------------------------
 def _check_collectives(backend, rank: int, world: int) -> int:
     """Every collective, fp32 and bf16, sizes shrinking then growing (a scratch that

@@ -7,7 +7,10 @@ collective copies its input into the local buffer, meets its peers at a device-s
 barrier, reads (pulls) what it needs straight from the peers' buffers through
 ``get_buffer``, and meets them again so that no buffer is overwritten while a peer
 still reads it. A handle's ``wait`` makes the caller's stream wait for it (no host
-synchronisation).
+synchronisation). A dead peer is therefore seldom an ``ISPCommTimeout`` here: the
+device barrier waits out twice the timeout and traps the kernel, which ends the
+process's CUDA context (see [Note: what a dead peer looks like on CUDA] in
+``streams.py``).
 
 [Note: scratch that grows without a host wait]
 The communicator reserves each group's scratch at wrap time from its memory plan
@@ -91,9 +94,9 @@ class CudaSymmBackend(Backend):
         self._symm = symm
         self._rt = runtime if runtime is not None else CudaRuntime()
         self._lanes = Lanes(self._rt, timeout_s)
-        # the device barriers' own deadline comes later than the host's, so that a
-        # late collective is reported by a handle's wait, as ISPCommTimeout, rather than
-        # by a trapped kernel (a sticky CUDA error)
+        # the device barriers' own deadline, twice the host's: past it the kernel traps
+        # (a sticky CUDA error). A handle's wait reports ISPCommTimeout first only if the
+        # host reaches it late; see [Note: what a dead peer looks like on CUDA]
         self._timeout_ms = int(2 * timeout_s * 1000)
         self._peer_check = peer_check if peer_check is not None else (_gpu_uuid, _peer_ok)
         self._buffers: dict[tuple[str, str], tuple[torch.Tensor, Any]] = {}  # (group, lane) -> (buffer, handle)
@@ -155,7 +158,8 @@ class CudaSymmBackend(Backend):
             body(hdl)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
 
-        return self._lanes.run(group.group_name, lane, device, (inp, out), on_stream)
+        what = f"symmetric-memory {lane} collective"
+        return self._lanes.run(group.group_name, lane, device, (inp, out), on_stream, what, group)
 
     @staticmethod
     def _peers(hdl, n: int, dtype: torch.dtype, offset: int = 0) -> list[torch.Tensor]:

@@ -8,6 +8,8 @@ current one). A collective copies its input into an NVSHMEM scratch tensor, runs
 side stream (see [Note: one stream for a team]), and copies the result out. NVSHMEM
 teams here cover the whole world only: a group smaller than the world uses
 ``TorchBackend`` (NCCL) instead, as a group across hosts does for the CPU backend.
+NVSHMEM collectives have no deadline of their own: a dead peer hangs them (see
+[Note: what a dead peer looks like on CUDA] in ``streams.py``).
 
 [Note: one stream for a team]
 The other CUDA backend gives each (group, lane) its own side stream ([Note: lanes]
@@ -251,7 +253,8 @@ class NvshmemBackend(Backend):
             out.view(-1).copy_(dst)
 
         # one stream for every collective: see [Note: one stream for a team]
-        return self._lanes.run(TEAM_STREAM, "team", self._device, (inp, out), body)
+        what = f"nvshmem {lane} collective"
+        return self._lanes.run(TEAM_STREAM, "team", self._device, (inp, out), body, what, group)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
