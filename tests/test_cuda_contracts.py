@@ -72,6 +72,7 @@ def test_torch_has_what_the_cuda_paths_use() -> None:
         inspect.signature(fn).bind(torch.device("cuda", 0))
     inspect.signature(torch.cuda.can_device_access_peer).bind(torch.device("cuda", 0), 1)
     assert callable(torch.cuda.stream) and callable(torch.Tensor.record_stream)
+    inspect.signature(torch.cuda.device).bind(torch.device("cuda", 0))  # CudaRuntime.device_context
     inspect.signature(dist.get_backend_config).bind(dist.group.WORLD)
     inspect.signature(dist.all_gather_object).bind([None], None, group=None)
     assert "timeout" in (dist.Work.wait.__doc__ or "") and callable(dist.Work.is_completed)
@@ -401,6 +402,55 @@ def _symm_worker(rank: int, world: int) -> dict:
     grown = len(backend._retired)
     backend.close()
     return {"checked": checked, "lanes": lanes, "grown": grown, "streams": len(backend._rt.streams)}
+
+
+def _symm_device_worker(rank: int, world: int) -> list:
+    from tests.fakes import FakeSymm
+
+    rt, seen = HostRuntime(), []
+    real_gather = dist.all_gather_object
+
+    class Watched(FakeSymm):
+        def empty(self, *size, dtype=None, device=None):
+            seen.append(("empty", rt.device))
+            return super().empty(*size, dtype=dtype, device=device)
+
+        def rendezvous(self, tensor, group):
+            seen.append(("rendezvous", rt.device))
+            return super().rendezvous(tensor, group)
+
+    def gather(*a, **kw):
+        seen.append(("all_gather_object", rt.device))
+        return real_gather(*a, **kw)
+
+    dist.all_gather_object = gather
+    checks = (lambda device: f"gpu{rank}", lambda device, uuids: len(set(uuids)) == len(uuids))
+    fake = Watched()
+    backend = cuda_symm.CudaSymmBackend(60.0, symm=fake, runtime=rt, peer_check=checks)
+    params = torch.device("cpu")  # the parameters' device; the runtime's current one starts as None
+    try:
+        backend.reserve(dist.group.WORLD, 1024, params, "gather")
+        out = torch.empty(4 * world)
+        backend.all_gather(out, torch.ones(4), dist.group.WORLD).wait(60)  # the first growth of nothing
+        backend.all_to_all(torch.empty(4 * world), torch.ones(4 * world), dist.group.WORLD).wait(60)  # lazy
+    finally:
+        dist.all_gather_object = real_gather
+        fake.close()
+    backend.close()
+    return [(what, str(dev)) for what, dev in seen]
+
+
+@pytest.mark.timeout(120)
+def test_cuda_symm_allocates_and_meets_under_the_parameters_device() -> None:
+    """Finding: ``symm.empty`` routes to the symmetric pool of the *current* device, and
+    NCCL's ``all_gather_object`` uses the current device unless its group was bound,
+    so both must run with the parameters' device current (a model on cuda:1 while
+    cuda:0 is current). The host runtime keeps the device its ``device_context`` made
+    current; every allocation, rendezvous and object gather must see the parameters'."""
+    for seen in run_ranks(_symm_device_worker, 2, timeout_s=100):
+        kinds = {what for what, _ in seen}
+        assert kinds == {"empty", "rendezvous", "all_gather_object"}, seen
+        assert all(dev == "cpu" for _, dev in seen), seen
 
 
 @pytest.mark.timeout(200)

@@ -113,10 +113,11 @@ class CudaSymmBackend(Backend):
         if key not in self._local:
             uuid_of, peer_ok = self._peer_check
             infos: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
-            here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
             flags: list = [None] * len(infos)
-            dist.all_gather_object(flags, peer_ok(device, here), group=group)
+            with self._rt.device_context(device):  # NCCL's all_gather_object uses the current device
+                dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
+                here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
+                dist.all_gather_object(flags, peer_ok(device, here), group=group)
             refusal = symmetric_refusal([h for h, _ in infos], flags)
             self._local[key] = refusal is None
             if refusal is not None and dist.get_rank(group) == 0:
@@ -140,8 +141,9 @@ class CudaSymmBackend(Backend):
             if have is not None:
                 self._retired.append(have)
                 log.info("isp-comm: the %s scratch of group %s grows to %d bytes", lane, group.group_name, cap)
-            buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
-            have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
+            with self._rt.device_context(device):  # the symmetric pool is the current device's
+                buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
+                have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
         return have
 
     def _run(self, group: ProcessGroup, lane: str, inp: torch.Tensor, out: torch.Tensor | None, body) -> Handle:

@@ -60,6 +60,11 @@ class CudaRuntime:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    def device_context(self, device: torch.device) -> Any:
+        """``device`` current within: what allocates or talks through the current
+        device (a symmetric-memory pool, NCCL's ``all_gather_object``) uses it."""
+        return torch.cuda.device(device)
+
 
 class _HostStream:
     """A stream whose work has run by the time it is issued (the host's order)."""
@@ -103,6 +108,8 @@ class HostRuntime:
     def __init__(self) -> None:
         self.streams: list[_HostStream] = []
         self._current = _HostStream(0)
+        self.device: torch.device | None = None
+        """The device a :meth:`device_context` made current (tests read it)."""
 
     def stream(self, _device: torch.device) -> _HostStream:
         self.streams.append(_HostStream(len(self.streams) + 1))
@@ -122,6 +129,14 @@ class HostRuntime:
 
     def synchronize(self, _device: torch.device) -> None:
         return None
+
+    @contextlib.contextmanager
+    def device_context(self, device: torch.device):
+        before, self.device = self.device, device
+        try:
+            yield
+        finally:
+            self.device = before
 
 
 class CudaEventHandle(Handle):
