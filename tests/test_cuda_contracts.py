@@ -23,7 +23,7 @@ import torch.distributed as dist
 from isp_comm.backends import cuda_symm, nvshmem_backend
 from isp_comm.backends.streams import CudaRuntime, HostRuntime
 from isp_comm.backends.torch_backend import TorchBackend, backend_for, runs_on_nccl
-from isp_comm.testing import run_ranks
+from isp_comm.testing import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 nvshmem = pytest.importorskip("nvshmem.core", reason="the test extra installs nvshmem4py-cu13 (Linux x86-64)")
@@ -146,18 +146,26 @@ def test_bench_gpu_profile_writes_its_files(tmp_path) -> None:
     cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--device", "cpu", "--dtype", "fp32", "--small"]
     cmd += ["--runs", "plain", "--steps", "1", "--windows", "1", "--seq", "16", "--batch", "1"]
     cmd += ["--profile", "plain", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert out.exists() and (out.parent / "gpu_profile_plain.txt").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_gpu_tests_take_free_ports_and_leave_the_environment_alone() -> None:
+    """tests/gpu runs on shared GPU machines: a fixed rendezvous port meets another
+    job's (or fails as taken), and a test that sets ``os.environ`` in the pytest
+    process leaves RANK/MASTER_* to every later test. The GPU tests cannot run here;
+    their source can be read."""
+    fixed = re.compile(r"master[-_]port\W{1,3}\d|MASTER_PORT\W{1,3}\d", re.IGNORECASE)
+    leaks = re.compile(r"os\.environ\.update|os\.environ\[[^]]+\]\s*=|os\.putenv")
+    folder = os.path.join(ROOT, "tests", "gpu")
+    found = []
+    for dirpath, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            text = open(os.path.join(dirpath, name)).read()
+            found += [f"{name}: {m.group(0)}" for m in (*fixed.finditer(text), *leaks.finditer(text))]
+    assert not found, found
 
 
 def test_a_late_cuda_handle_names_its_collective_and_the_normal_wait_only_queries() -> None:
