@@ -16,3 +16,12 @@ class SharedMemoryError(ValueError):
     message names the directory, the bytes needed and the bytes free. A ``ValueError``
     because the fix is the deployment's: a larger ``/dev/shm`` (Docker: ``--shm-size``)
     or ``ISPConfig(backend="torch")``."""
+
+
+class SymmetricHeapError(ValueError):
+    """NVSHMEM's symmetric heap (``NVSHMEM_SYMMETRIC_SIZE``, read once at NVSHMEM's
+    init) cannot hold the nvshmem backend's scratch. Raised on every rank alike, at
+    wrap time when the memory plan already needs more, else at the allocation that
+    would not fit; the message names the bytes needed. A ``ValueError`` because the
+    fix is the deployment's: a larger ``NVSHMEM_SYMMETRIC_SIZE`` set before the job
+    starts, or another backend."""

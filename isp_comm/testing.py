@@ -41,6 +41,16 @@ def _entry(
             dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a launcher's rendezvous (never a fixed
+    one: two jobs on one host would meet each other)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,

@@ -8,6 +8,17 @@ Each fake keeps the real layer's semantics where the backends could get them wro
   (``collective.py``: ``fcollect``/``alltoall`` from the source's bytes, the others
   from the destination's, ``alltoall`` per PE); a stream is read through
   ``__cuda_stream__``; ``TEAM_WORLD`` numbers PEs by the ``rank`` given to ``init``.
+  Its collectives run on the host, one after another, so two of them can never
+  overlap here as they can on a GPU; instead it refuses what lets them overlap there:
+  collectives of one team issued on more than one stream (NVSHMEM allows one
+  collective at a time per team, in the same order on every PE).
+  Nor can a peer's next collective push into this PE's destination before this PE
+  copied the last result out, as on a GPU (fcollect and alltoall push into the
+  peers' ``dest`` with no leading barrier); the fake refuses what allows it: a
+  collective whose destination is the previous collective's of the same team.
+  Its symmetric heap holds ``heap_bytes`` (NVSHMEM: ``NVSHMEM_SYMMETRIC_SIZE``, 1 GiB
+  unset); an allocation past it fails as ``nvshmem_malloc`` does, saying nothing of
+  the variable.
 - :class:`FakeSymm` (``torch.distributed._symmetric_memory``): ``empty`` gives a
   buffer in POSIX shared memory, ``rendezvous`` maps every peer's, ``get_buffer``
   is a view of a peer's bytes (a write through it reaches the peer), ``barrier`` is
@@ -61,11 +72,15 @@ class FakeNvshmem:
 
     Teams = SimpleNamespace(TEAM_WORLD=0)
 
-    def __init__(self) -> None:
+    def __init__(self, heap_bytes: int = 1 << 30) -> None:
         self._tracked: dict[int, _Buffer] = {}
+        self.heap_bytes = heap_bytes
         self.pe = self.npes = None
         self.calls: list[str] = []
         self.streams_seen: list[int] = []
+        self._team_stream: dict[int, int] = {}  # team -> the one stream its collectives run on
+        self._last_dst: dict[int, int] = {}  # team -> its last collective's destination allocation
+        self.dsts: list[int] = []  # every collective's destination allocation, in issue order
 
     # ---- init_fini -------------------------------------------------------------------
     def get_unique_id(self, empty: bool = False):
@@ -95,6 +110,8 @@ class FakeNvshmem:
         if self.pe is None:
             raise NvshmemInvalid("NVSHMEM Library is not initialized")
         t = torch.empty(shape, dtype=dtype)
+        if sum(b.size for b in self._tracked.values()) + t.numel() * t.element_size() > self.heap_bytes:
+            raise NvshmemInvalid("nvshmem_malloc failed")  # what the real one says, nothing more
         self._tracked[t.data_ptr()] = _Buffer(t)
         return t
 
@@ -123,10 +140,11 @@ class FakeNvshmem:
             raise NvshmemInvalid("NVSHMEM Library is not initialized")
         if stream is None:
             raise NotImplementedError("Non-on-stream collectives are not yet implemented")
-        self.streams_seen.append(int(stream.__cuda_stream__()[1]))
         if team != self.Teams.TEAM_WORLD:
             raise NvshmemInvalid("the fake knows TEAM_WORLD only")
+        self._one_at_a_time(team, int(stream.__cuda_stream__()[1]))
         src, dst = self._buffer(src_array), self._buffer(dst_array)
+        self._fresh_destination(team, dst.handle)
         if src_array.dtype != dst_array.dtype:
             raise NvshmemInvalid("Non-matching data types for src and dest arrays")
         nbytes = _NBYTES[src_array.dtype]
@@ -136,6 +154,34 @@ class FakeNvshmem:
         s, d = src.base.view(-1), dst.base.view(-1)  # the whole allocations
         self.calls.append(coll)
         getattr(self, "_do_" + coll)(d, s, elems)
+
+    def _one_at_a_time(self, team, stream: int) -> None:
+        """NVSHMEM: "Team-based collectives must occur in the same order across all PEs
+        in a team", one at a time (they share the team's psync slots and counters).
+        Collectives of a team on two streams may run concurrently, and in another
+        order on each PE, on a GPU: refused here, where the host would serialise them."""
+        self.streams_seen.append(stream)
+        first = self._team_stream.setdefault(team, stream)
+        if first != stream:
+            raise NvshmemInvalid(
+                f"collectives of team {team} issued on streams {first} and {stream}: "
+                "on a GPU they may overlap, or run in another order on each PE"
+            )
+
+    def _fresh_destination(self, team, dst: int) -> None:
+        """NVSHMEM: "Since PEs can enter and exit collectives at different times,
+        accessing such memory remotely may require additional synchronization." A peer
+        that left collective k may push collective k+1 into this PE's ``dest`` while
+        this PE still copies k's result out of it: refused when k+1 reuses k's
+        ``dest`` on the team. Collective k's completion on every PE proves each PE
+        entered k, so each has copied out k-1: a ``dest`` last used before k is safe."""
+        if self._last_dst.get(team) == dst:
+            raise NvshmemInvalid(
+                f"team {team}: a collective into the previous one's destination (a peer may push into it "
+                "before this PE copied the last result out)"
+            )
+        self._last_dst[team] = dst
+        self.dsts.append(dst)
 
     def _do_fcollect(self, d: torch.Tensor, s: torch.Tensor, n: int) -> None:
         parts = [torch.empty(n, dtype=s.dtype) for _ in range(self.npes)]

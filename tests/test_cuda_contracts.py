@@ -23,7 +23,7 @@ import torch.distributed as dist
 from isp_comm.backends import cuda_symm, nvshmem_backend
 from isp_comm.backends.streams import CudaRuntime, HostRuntime
 from isp_comm.backends.torch_backend import TorchBackend, backend_for, runs_on_nccl
-from isp_comm.testing import run_ranks
+from isp_comm.testing import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 nvshmem = pytest.importorskip("nvshmem.core", reason="the test extra installs nvshmem4py-cu13 (Linux x86-64)")
@@ -72,6 +72,7 @@ def test_torch_has_what_the_cuda_paths_use() -> None:
         inspect.signature(fn).bind(torch.device("cuda", 0))
     inspect.signature(torch.cuda.can_device_access_peer).bind(torch.device("cuda", 0), 1)
     assert callable(torch.cuda.stream) and callable(torch.Tensor.record_stream)
+    inspect.signature(torch.cuda.device).bind(torch.device("cuda", 0))  # CudaRuntime.device_context
     inspect.signature(dist.get_backend_config).bind(dist.group.WORLD)
     inspect.signature(dist.all_gather_object).bind([None], None, group=None)
     assert "timeout" in (dist.Work.wait.__doc__ or "") and callable(dist.Work.is_completed)
@@ -145,18 +146,58 @@ def test_bench_gpu_profile_writes_its_files(tmp_path) -> None:
     cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--device", "cpu", "--dtype", "fp32", "--small"]
     cmd += ["--runs", "plain", "--steps", "1", "--windows", "1", "--seq", "16", "--batch", "1"]
     cmd += ["--profile", "plain", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert out.exists() and (out.parent / "gpu_profile_plain.txt").exists()
 
 
-def _free_port() -> int:
-    import socket
+def test_gpu_tests_take_free_ports_and_leave_the_environment_alone() -> None:
+    """tests/gpu runs on shared GPU machines: a fixed rendezvous port meets another
+    job's (or fails as taken), and a test that sets ``os.environ`` in the pytest
+    process leaves RANK/MASTER_* to every later test. The GPU tests cannot run here;
+    their source can be read."""
+    fixed = re.compile(r"master[-_]port\W{1,3}\d|MASTER_PORT\W{1,3}\d", re.IGNORECASE)
+    leaks = re.compile(r"os\.environ\.update|os\.environ\[[^]]+\]\s*=|os\.putenv")
+    folder = os.path.join(ROOT, "tests", "gpu")
+    found = []
+    for dirpath, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            text = open(os.path.join(dirpath, name)).read()
+            found += [f"{name}: {m.group(0)}" for m in (*fixed.finditer(text), *leaks.finditer(text))]
+    assert not found, found
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def test_a_late_cuda_handle_names_its_collective_and_the_normal_wait_only_queries() -> None:
+    """Finding: a dead peer on CUDA is seldom ``ISPCommTimeout`` (see [Note: what a
+    dead peer looks like on CUDA]). What the handle can do without a host sync: when
+    the host waits past the deadline on a pending event, raise naming the collective;
+    in time, or once the event has completed, only ``query`` and ``wait_event`` run
+    (no ``synchronize``, which the fake event refuses)."""
+    from isp_comm.backends.streams import CudaEventHandle
+    from isp_comm.errors import ISPCommTimeout
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done, self.queries = done, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.done
+
+        def synchronize(self) -> None:
+            raise AssertionError("a handle's wait synchronised the host")
+
+    cpu = torch.device("cpu")
+    pending = Event(False)
+    CudaEventHandle(pending, cpu, 5.0, HostRuntime(), "nvshmem gather collective").wait(5.0)  # in time
+    late = CudaEventHandle(pending, cpu, 5.0, HostRuntime(), "nvshmem gather collective")
+    late._issued -= 10.0
+    with pytest.raises(ISPCommTimeout, match=r"nvshmem gather collective did not complete within 5\.0s"):
+        late.wait(30.0)
+    done = CudaEventHandle(Event(True), cpu, 5.0, HostRuntime(), "x")
+    done._issued -= 10.0
+    done.wait(1.0)  # finished long ago: no error
 
 
 # ---- the backends' own code against the fakes, over gloo ----------------------------------
@@ -216,7 +257,124 @@ def _nvshmem_worker(rank: int, world: int) -> dict:
 def test_nvshmem_backend_against_fake_nvshmem4py(world: int) -> None:
     for r in run_ranks(_nvshmem_worker, world, timeout_s=180):
         assert r["checked"] == 40 and r["calls"] == 40, r  # 5 sizes x 2 dtypes x 4 collectives
-        assert 0 not in r["streams"] and len(r["streams"]) == 3, r  # side streams, one per lane
+        # one side stream for every lane (and group): see [Note: one stream for a team]
+        assert 0 not in r["streams"] and len(r["streams"]) == 1, r
+
+
+def _nvshmem_backend_on_fakes(rank: int, **fake_kw):
+    from tests.fakes import Checked, FakeNvshmem, _Device
+
+    fake = FakeNvshmem(**fake_kw)
+    api = nvshmem_backend.NvshmemApi(Checked(fake, nvshmem), _Device)
+    return fake, nvshmem_backend.NvshmemBackend(torch.device("cpu"), 60.0, api=api, runtime=HostRuntime())
+
+
+def _team_order_worker(rank: int, world: int) -> dict:
+    """A prefetch gather, a reduce-scatter and an all-reduce of another world-sized
+    group (another group name, the same team), all issued before any is waited."""
+    fake, backend = _nvshmem_backend_on_fakes(rank)
+    other = dist.new_group(list(range(world)))  # world-sized: served by nvshmem, on TEAM_WORLD
+    x, gathered = torch.full((3,), float(rank)), torch.empty(3 * world)
+    big, rs = torch.arange(4.0 * world), torch.empty(4)
+    bucket = torch.ones(5)
+    handles = [
+        backend.all_gather(gathered, x, dist.group.WORLD),
+        backend.reduce_scatter(rs, big, other),
+        backend.all_reduce(bucket, dist.group.WORLD),
+        backend.all_to_all(torch.empty_like(big), big, other),
+    ]
+    for h in handles:
+        h.wait(60)
+    backend.close()
+    ok = gathered.tolist() == [float(r) for r in range(world) for _ in range(3)]
+    ok = ok and rs.tolist() == [world * (4.0 * rank + i) for i in range(4)] and bucket.tolist() == [world] * 5
+    return {"ok": ok, "streams": set(fake.streams_seen)}
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_collectives_of_every_lane_and_group_share_one_stream() -> None:
+    """Finding: nvshmem collectives of the gather, reduce and all-to-all lanes, and of
+    world-sized groups of other names, all run on TEAM_WORLD; on per-(group, lane)
+    streams a GPU may run two at once, or in another order on each PE (NVSHMEM allows
+    one collective at a time per team). The fake runs collectives on the host, so it
+    cannot overlap them; it refuses one team's collectives on two streams instead,
+    which this test meets unless the backend issues them all on one side stream."""
+    for r in run_ranks(_team_order_worker, 2, timeout_s=100):
+        assert r["ok"] and len(r["streams"]) == 1 and 0 not in r["streams"], r
+
+
+def _landing_worker(rank: int, world: int) -> dict:
+    """Per-parameter landing: same-size gathers back to back, then same-size reduce-scatters."""
+    fake, backend = _nvshmem_backend_on_fakes(rank)
+    outs = [torch.empty(4 * world) for _ in range(5)]
+    handles = [
+        backend.all_gather(out, torch.full((4,), 10.0 * rank + i), dist.group.WORLD) for i, out in enumerate(outs)
+    ]
+    rs = [torch.empty(4) for _ in range(3)]
+    handles += [
+        backend.reduce_scatter(o, torch.full((4 * world,), float(i)), dist.group.WORLD) for i, o in enumerate(rs)
+    ]
+    for h in handles:
+        h.wait(60)
+    backend.close()
+    want = [[10.0 * r + i for r in range(world) for _ in range(4)] for i in range(5)]
+    ok = [o.tolist() for o in outs] == want and [o.tolist() for o in rs] == [[world * float(i)] * 4 for i in range(3)]
+    return {"ok": ok, "dsts": fake.dsts}
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_same_size_collectives_alternate_their_destination_scratch() -> None:
+    """Finding: fcollect and alltoall push straight into the peers' ``dest`` and meet
+    only at their end, so with one scratch per size a peer that left collective k
+    pushes k+1 into this PE's scratch while this PE still copies k out (back-to-back
+    same-size gathers: per-parameter landing). The fake cannot race on the host; it
+    refuses a collective into the previous one's destination, which this test meets
+    unless the backend alternates two destinations per size (double-buffering)."""
+    for r in run_ranks(_landing_worker, 2, timeout_s=100):
+        d = r["dsts"]
+        assert r["ok"] and all(a != b for a, b in zip(d, d[1:])), r
+        assert len(set(d[:5])) == 2 and len(set(d[5:])) == 2, r  # two scratches per size, not one per collective
+
+
+def test_nvshmem_heap_size_is_read_as_nvshmem_reads_it() -> None:
+    """``NVSHMEM_SYMMETRIC_SIZE``: bytes or a k/m/g/t suffix (powers of 1024); unset, 1 GiB."""
+    assert nvshmem_backend.heap_bytes({}) == 1 << 30
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "4G"}) == 4 << 30
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "512m"}) == 512 << 20
+    assert nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "65536"}) == 65536
+    with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE"):
+        nvshmem_backend.heap_bytes({"NVSHMEM_SYMMETRIC_SIZE": "lots"})
+
+
+def _heap_worker(rank: int, world: int) -> dict:
+    from isp_comm.errors import SymmetricHeapError
+
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "64k"  # read at init, by NVSHMEM and by the backend
+    fake, backend = _nvshmem_backend_on_fakes(rank, heap_bytes=64 << 10)
+    said = {}
+    backend.reserve(dist.group.WORLD, 1024, torch.device("cpu"), "gather")  # fits: 1 KiB + 2 x 2 KiB
+    for what, call in (
+        ("plan", lambda: backend.reserve(dist.group.WORLD, 16 << 10, torch.device("cpu"), "gather")),
+        ("step", lambda: backend.all_gather(torch.empty(8192 * world), torch.ones(8192), dist.group.WORLD)),
+    ):
+        try:
+            call()
+        except SymmetricHeapError as exc:
+            said[what] = str(exc)
+    backend.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_heap_overrun_is_named_at_wrap_time_and_at_allocation() -> None:
+    """Finding: scratch is exact-size per collective size and kept, while NVSHMEM's heap
+    is fixed at init (``NVSHMEM_SYMMETRIC_SIZE``, 1 GiB unset). The fake's heap fails
+    an allocation past it as ``nvshmem_malloc`` does, naming nothing; the backend must
+    say instead, on every rank, which variable to set and to what: at wrap time
+    (``reserve``) when the plan alone needs more, and at the allocation otherwise."""
+    for said in run_ranks(_heap_worker, 2, timeout_s=100):
+        assert set(said) == {"plan", "step"}, said
+        assert all("NVSHMEM_SYMMETRIC_SIZE=64k" in m and "at least" in m for m in said.values()), said
 
 
 def _symm_worker(rank: int, world: int) -> dict:
@@ -252,6 +410,55 @@ def _symm_worker(rank: int, world: int) -> dict:
     grown = len(backend._retired)
     backend.close()
     return {"checked": checked, "lanes": lanes, "grown": grown, "streams": len(backend._rt.streams)}
+
+
+def _symm_device_worker(rank: int, world: int) -> list:
+    from tests.fakes import FakeSymm
+
+    rt, seen = HostRuntime(), []
+    real_gather = dist.all_gather_object
+
+    class Watched(FakeSymm):
+        def empty(self, *size, dtype=None, device=None):
+            seen.append(("empty", rt.device))
+            return super().empty(*size, dtype=dtype, device=device)
+
+        def rendezvous(self, tensor, group):
+            seen.append(("rendezvous", rt.device))
+            return super().rendezvous(tensor, group)
+
+    def gather(*a, **kw):
+        seen.append(("all_gather_object", rt.device))
+        return real_gather(*a, **kw)
+
+    dist.all_gather_object = gather
+    checks = (lambda device: f"gpu{rank}", lambda device, uuids: len(set(uuids)) == len(uuids))
+    fake = Watched()
+    backend = cuda_symm.CudaSymmBackend(60.0, symm=fake, runtime=rt, peer_check=checks)
+    params = torch.device("cpu")  # the parameters' device; the runtime's current one starts as None
+    try:
+        backend.reserve(dist.group.WORLD, 1024, params, "gather")
+        out = torch.empty(4 * world)
+        backend.all_gather(out, torch.ones(4), dist.group.WORLD).wait(60)  # the first growth of nothing
+        backend.all_to_all(torch.empty(4 * world), torch.ones(4 * world), dist.group.WORLD).wait(60)  # lazy
+    finally:
+        dist.all_gather_object = real_gather
+        fake.close()
+    backend.close()
+    return [(what, str(dev)) for what, dev in seen]
+
+
+@pytest.mark.timeout(120)
+def test_cuda_symm_allocates_and_meets_under_the_parameters_device() -> None:
+    """Finding: ``symm.empty`` routes to the symmetric pool of the *current* device, and
+    NCCL's ``all_gather_object`` uses the current device unless its group was bound,
+    so both must run with the parameters' device current (a model on cuda:1 while
+    cuda:0 is current). The host runtime keeps the device its ``device_context`` made
+    current; every allocation, rendezvous and object gather must see the parameters'."""
+    for seen in run_ranks(_symm_device_worker, 2, timeout_s=100):
+        kinds = {what for what, _ in seen}
+        assert kinds == {"empty", "rendezvous", "all_gather_object"}, seen
+        assert all(dev == "cpu" for _, dev in seen), seen
 
 
 @pytest.mark.timeout(200)

@@ -7,7 +7,10 @@ collective copies its input into the local buffer, meets its peers at a device-s
 barrier, reads (pulls) what it needs straight from the peers' buffers through
 ``get_buffer``, and meets them again so that no buffer is overwritten while a peer
 still reads it. A handle's ``wait`` makes the caller's stream wait for it (no host
-synchronisation).
+synchronisation). A dead peer is therefore seldom an ``ISPCommTimeout`` here: the
+device barrier waits out twice the timeout and traps the kernel, which ends the
+process's CUDA context (see [Note: what a dead peer looks like on CUDA] in
+``streams.py``).
 
 [Note: scratch that grows without a host wait]
 The communicator reserves each group's scratch at wrap time from its memory plan
@@ -91,9 +94,9 @@ class CudaSymmBackend(Backend):
         self._symm = symm
         self._rt = runtime if runtime is not None else CudaRuntime()
         self._lanes = Lanes(self._rt, timeout_s)
-        # the device barriers' own deadline comes later than the host's, so that a
-        # late collective is reported by a handle's wait, as ISPCommTimeout, rather than
-        # by a trapped kernel (a sticky CUDA error)
+        # the device barriers' own deadline, twice the host's: past it the kernel traps
+        # (a sticky CUDA error). A handle's wait reports ISPCommTimeout first only if the
+        # host reaches it late; see [Note: what a dead peer looks like on CUDA]
         self._timeout_ms = int(2 * timeout_s * 1000)
         self._peer_check = peer_check if peer_check is not None else (_gpu_uuid, _peer_ok)
         self._buffers: dict[tuple[str, str], tuple[torch.Tensor, Any]] = {}  # (group, lane) -> (buffer, handle)
@@ -110,10 +113,11 @@ class CudaSymmBackend(Backend):
         if key not in self._local:
             uuid_of, peer_ok = self._peer_check
             infos: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
-            here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
             flags: list = [None] * len(infos)
-            dist.all_gather_object(flags, peer_ok(device, here), group=group)
+            with self._rt.device_context(device):  # NCCL's all_gather_object uses the current device
+                dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
+                here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
+                dist.all_gather_object(flags, peer_ok(device, here), group=group)
             refusal = symmetric_refusal([h for h, _ in infos], flags)
             self._local[key] = refusal is None
             if refusal is not None and dist.get_rank(group) == 0:
@@ -137,8 +141,9 @@ class CudaSymmBackend(Backend):
             if have is not None:
                 self._retired.append(have)
                 log.info("isp-comm: the %s scratch of group %s grows to %d bytes", lane, group.group_name, cap)
-            buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
-            have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
+            with self._rt.device_context(device):  # the symmetric pool is the current device's
+                buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
+                have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
         return have
 
     def _run(self, group: ProcessGroup, lane: str, inp: torch.Tensor, out: torch.Tensor | None, body) -> Handle:
@@ -155,7 +160,8 @@ class CudaSymmBackend(Backend):
             body(hdl)
             hdl.barrier(channel=0, timeout_ms=self._timeout_ms)
 
-        return self._lanes.run(group.group_name, lane, device, (inp, out), on_stream)
+        what = f"symmetric-memory {lane} collective"
+        return self._lanes.run(group.group_name, lane, device, (inp, out), on_stream, what, group)
 
     @staticmethod
     def _peers(hdl, n: int, dtype: torch.dtype, offset: int = 0) -> list[torch.Tensor]:

@@ -10,7 +10,9 @@ stream per *lane*: ``gather`` (all-gathers), ``reduce`` (reduce-scatters and
 all-reduces) and ``all_to_all``. Collectives of one lane run in issue order, the
 same on every rank (every rank issues the same collectives in the same order, see
 [Note: one issue order on every rank]); lanes do not wait for each other, so each
-lane owns its scratch buffers too: two lanes never share a byte.
+lane owns its scratch buffers too: two lanes never share a byte. (The nvshmem
+backend cannot: all its collectives share one team, so they share one stream, see
+[Note: one stream for a team] in ``nvshmem_backend.py``.)
 
 [Note: one runtime seam]
 The backends reach CUDA only through a :class:`CudaRuntime`: the streams, events,
@@ -27,6 +29,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from isp_comm.backends.base import Handle
 from isp_comm.errors import ISPCommTimeout
@@ -56,6 +59,11 @@ class CudaRuntime:
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+    def device_context(self, device: torch.device) -> Any:
+        """``device`` current within: what allocates or talks through the current
+        device (a symmetric-memory pool, NCCL's ``all_gather_object``) uses it."""
+        return torch.cuda.device(device)
 
 
 class _HostStream:
@@ -100,6 +108,8 @@ class HostRuntime:
     def __init__(self) -> None:
         self.streams: list[_HostStream] = []
         self._current = _HostStream(0)
+        self.device: torch.device | None = None
+        """The device a :meth:`device_context` made current (tests read it)."""
 
     def stream(self, _device: torch.device) -> _HostStream:
         self.streams.append(_HostStream(len(self.streams) + 1))
@@ -120,23 +130,50 @@ class HostRuntime:
     def synchronize(self, _device: torch.device) -> None:
         return None
 
+    @contextlib.contextmanager
+    def device_context(self, device: torch.device):
+        before, self.device = self.device, device
+        try:
+            yield
+        finally:
+            self.device = before
+
 
 class CudaEventHandle(Handle):
     """A collective on a side stream, ending at ``event``. ``wait`` orders the caller's
-    stream after it without stopping the host; a collective still running
-    ``deadline_s`` after its issue when it is waited raises ``ISPCommTimeout`` (the
-    query does not block)."""
+    stream after it without stopping the host.
 
-    __slots__ = ("_device", "_event", "_issued", "_deadline_s", "_runtime")
+    [Note: what a dead peer looks like on CUDA]
+    ``wait`` raises ``ISPCommTimeout``, naming the collective and its ranks, only when
+    the host reaches it more than ``deadline_s`` after the issue while the event is
+    still pending (``query`` does not block). The host usually waits right after
+    issuing, long before any deadline, and checking later would need a host
+    synchronisation or a watchdog thread in every step, which this handle does not
+    add. So a peer that dies or stalls mid-step is mostly *not* reported here: the
+    host blocks at the step's next synchronisation instead, until, on the
+    symmetric-memory backend, the device barrier's own deadline (twice the timeout)
+    traps the kernel — a sticky CUDA error that ends the process's CUDA context, so
+    the job must restart — and, on the nvshmem backend, which has no device
+    deadline, until the launcher's or NCCL's watchdog ends the job."""
 
-    def __init__(self, event, device: torch.device, deadline_s: float = float("inf"), runtime=None) -> None:
+    __slots__ = ("_device", "_event", "_issued", "_deadline_s", "_runtime", "_what", "_group")
+
+    def __init__(
+        self, event, device: torch.device, deadline_s: float = float("inf"), runtime=None, what: str = "", group=None
+    ) -> None:
         self._event, self._device = event, device
         self._issued, self._deadline_s = time.monotonic(), deadline_s
         self._runtime = runtime if runtime is not None else CudaRuntime()
+        self._what, self._group = what or "a CUDA collective", group
 
     def wait(self, timeout_s: float) -> None:
-        if time.monotonic() - self._issued > min(timeout_s, self._deadline_s) and not self._event.query():
-            raise ISPCommTimeout(f"a CUDA collective did not complete within {timeout_s:.1f}s of its issue")
+        late = time.monotonic() - self._issued
+        if late > min(timeout_s, self._deadline_s) and not self._event.query():
+            ranks = f" over ranks {dist.get_process_group_ranks(self._group)}" if self._group is not None else ""
+            raise ISPCommTimeout(
+                f"{self._what}{ranks} did not complete within {min(timeout_s, self._deadline_s):.1f}s "
+                f"of its issue ({late:.1f}s ago; a peer died or stalled)"
+            )
         self._runtime.current_stream(self._device).wait_event(self._event)
 
     def is_completed(self) -> bool:
@@ -162,11 +199,11 @@ class Lanes:
             s = self._streams[key] = self.runtime.stream(device)
         return s
 
-    def run(self, group_name: str, lane: str, device: torch.device, tensors, body) -> CudaEventHandle:
+    def run(self, group_name: str, lane: str, device: torch.device, tensors, body, what: str = "", group=None):
         """Run ``body(stream)`` on the lane's stream after the caller's stream's work so
         far; ``tensors`` (the collective's inputs and outputs) are recorded on the lane,
         so the caching allocator never hands their memory to another tensor while the
-        lane may still use it."""
+        lane may still use it. ``what`` and ``group`` name the collective in a timeout."""
         rt = self.runtime
         stream = self.stream(group_name, lane, device)
         stream.wait_stream(rt.current_stream(device))
@@ -177,7 +214,7 @@ class Lanes:
         for t in tensors:
             if t is not None:
                 rt.record_stream(t, stream)
-        return CudaEventHandle(event, device, self._deadline_s, rt)
+        return CudaEventHandle(event, device, self._deadline_s, rt, what, group)
 
     def synchronize(self) -> None:
         for s in self._streams.values():

@@ -23,7 +23,20 @@ class TorchHandle(Handle):
     group's own timeout (``init_process_group(timeout=...)``), after which NCCL's
     watchdog aborts the communicator and the next collective, or the
     ``torch.cuda.synchronize()`` that ends a step, raises naming the collective. Gloo
-    (CPU, or CUDA tensors on one GPU) waits on the host with the deadline."""
+    (CPU, or CUDA tensors on one GPU) waits on the host with the deadline.
+
+    Two caveats. (1) Gloo's ``reduce_scatter_tensor`` (``_reduce_scatter_base``)
+    returns a ``LambdaWork`` whose ``wait`` ignores its timeout and runs the lambda
+    that copies the result into ``out``: the result exists only after ``wait``, the
+    deadline does not bound it, and ``is_completed()`` never turns true, so after a
+    failure :class:`~isp_comm.hooks.reductions.InflightReduce` counts it in flight
+    for good and its buffers are leaked rather than reused (safe; it only affects
+    gloo with CUDA tensors or CPU runs that use this backend). (2) Tracing on NCCL:
+    :meth:`completion_event` calls ``Work.wait()`` at issue time, under the observer
+    stream. That only orders the observer, but with ``TORCH_NCCL_BLOCKING_WAIT=1`` it
+    blocks the host at every traced issue, and it lets NCCL drop its hold on the
+    tensors early (the ``TORCH_NCCL_AVOID_RECORD_STREAMS`` path); harmless here,
+    since the engine keeps every buffer until its own wait."""
 
     __slots__ = ("_work", "_what", "_group", "_host_wait")
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from isp_comm.testing import run_ranks, tiny_hf_config
+from isp_comm.testing import free_port, run_ranks, tiny_hf_config
 from tests.parity import Case, batches, loss_fn, make_optim
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -113,13 +113,15 @@ def test_bf16_tracks_fp32_two_ranks_on_one_gpu() -> None:
         assert r["loss"] < 2e-2, r
 
 
-def test_engine_step_never_synchronises_the_host() -> None:
+def test_engine_step_never_synchronises_the_host(monkeypatch) -> None:
     """World 1, bf16, everything sharded, checkpointing: forward, backward and clipping
     issue their work without one synchronising call (cudaStreamSynchronize, a
-    device-to-host copy, .item())."""
+    device-to-host copy, .item()). In the pytest process: its environment is restored
+    and its process group destroyed after."""
     import torch.distributed as dist
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581")
+    for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
     dist.init_process_group("nccl", device_id=DEV)
     try:
         torch.cuda.set_device(DEV)
@@ -157,7 +159,7 @@ def test_isp_train_on_cuda(tmp_path, nproc: int, extra: list[str]) -> None:
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        "--master-port=29591",
+        f"--master-port={free_port()}",
         "-m",
         "isp_comm.train",
         "--device",

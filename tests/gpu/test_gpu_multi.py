@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from isp_comm.testing import run_ranks
+from isp_comm.testing import free_port, run_ranks
 from tests.parity import Case, batches, loss_fn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -25,7 +25,7 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 @pytest.mark.timeout(300)
 def test_a_whole_step_at_wp2_sp2_never_synchronises_the_host() -> None:
     script = os.path.join(ROOT, "tests", "gpu", "scripts", "sync_step.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29593", script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", script]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("without a host synchronisation") == 2, res.stdout
@@ -58,17 +58,25 @@ def _timeline_worker(rank: int, world: int) -> dict:
     comm.close()
     compute = [(a, b) for lane, _, a, b in spans if lane == "compute"]
     gathers = [(a, b) for lane, _, a, b in spans if lane == "all-gather"]
-    overlap = any(a < d and c < b for a, b in gathers for c, d in compute)
-    return {"cuda_clock": isinstance(clock, CudaClock), "compute": len(compute), "overlap": overlap}
+    prefetched = any(a < d and c < b for a, b in gathers for c, d in compute)
+    return {"cuda_clock": isinstance(clock, CudaClock), "compute": len(compute), "prefetched": prefetched}
 
 
 @pytest.mark.timeout(300)
 def test_timeline_spans_are_cuda_event_spans() -> None:
     """On CUDA the trace is made of CUDA events on the streams (see [Note: two
-    clocks]): every block's compute is a span, and a prefetched gather overlaps the
-    compute of the block before it."""
+    clocks]): every block's compute is a span.
+
+    What the gather check can and cannot show here: two ranks share one GPU over
+    gloo, whose handles wait on the host, so a gather's span runs from its issue to
+    an event the compute stream records after the host wait, not to the transfer's
+    end. A gather span meeting a compute span therefore shows the *issue order*: the
+    prefetch was issued before the previous block's compute ended and waited after it
+    began (a gather issued only when its block starts meets no compute span). It
+    cannot show that bytes moved while the GPU computed; that needs NCCL's completion
+    events on two GPUs (bench/, or a profile), which this test does not have."""
     for r in run_ranks(_timeline_worker, 2, timeout_s=280):
-        assert r["cuda_clock"] and r["compute"] >= 6 and r["overlap"], r
+        assert r["cuda_clock"] and r["compute"] >= 6 and r["prefetched"], r
 
 
 def _placement_worker(rank: int, world: int, index: int) -> dict:
