@@ -246,7 +246,7 @@ def test_transformers_model_takes_packed_rows_through_its_varlen_keywords(tmp_pa
     assert not torch.allclose(crossing, alone, atol=1e-3)  # without the boundaries it would differ
 
 
-@pytest.mark.slow  # a world-2 launch of a transformers model (~25 s)
+@pytest.mark.slow  # a world-2 launch of a transformers model (9-22 s); CI: the in-process varlen test above
 @pytest.mark.timeout(300)
 def test_transformers_model_trains_packed_under_sp(tmp_path) -> None:
     """isp-train --model on a store of JSON-lines documents at world 2, SP 2: packed
