@@ -158,7 +158,9 @@ def test_docs_worked_example(tmp_path):
         assert res.returncode == 0, (line, res.stderr[-3000:])
     (store,) = os.listdir(tmp_path / "stores")
     with open(tmp_path / "run" / "metrics.jsonl") as f:
-        assert [json.loads(r)["step"] for r in f] == [1, 2, 3, 4, 5, 6]
+        rows = [json.loads(r) for r in f]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 6]  # validation before and after the resume
 
 
 def test_parquet_and_memory_stays_flat_while_reading(tmp_path):

@@ -33,7 +33,8 @@ from isp_comm.memory_forecast import KNOBS, forecast
 from isp_comm.train import checkpoint, hf_model, lora, run_folder, survive
 from isp_comm.train import metrics as metrics_mod
 from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config, resolve_device
-from isp_comm.train.data import batch_at, load_tokens, unigram_entropy
+from isp_comm.train.data import Slicing, TrainData, document_offsets, load_tokens, unigram_entropy
+from isp_comm.train.evaluate import eval_note, evaluate, logits_of, micro_loss
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.store import is_pretokenized, prepare_store
 from isp_comm.train.timeline import draw, write_trace
@@ -62,19 +63,34 @@ def _on_rank0_first(fn, *args):
     return out if dist.get_rank() == 0 else fn(*args)
 
 
-def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str]:
-    """The tokens, their vocabulary size, and the tokenizer folder used ("" for none)."""
+def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str, object]:
+    """The tokens, their vocabulary size, the tokenizer folder used ("" for none), and
+    the document offsets when the data is a token store (else None)."""
     tok_dir = cfg.tokenizer
     if not tok_dir and cfg.model and cfg.data and not is_pretokenized(cfg.data):
         tok_dir = cfg.model if hf_model.has_tokenizer(cfg.model) else ""
+    offsets = None
     if tok_dir and cfg.data.endswith(".txt") and not cfg.data_cache:
         tokens, vocab = _on_rank0_first(hf_model.tokenize, tok_dir, cfg.data)
     elif tok_dir:  # prepared once by rank 0 (a progress bar there), then opened by the others
         store = _on_rank0_first(prepare_text, cfg.data, tok_dir, cfg.data_cache, dist.get_rank() == 0)
-        tokens, vocab = store.tokens, store.vocab
+        tokens, vocab, offsets = store.tokens, store.vocab, store.offsets
     else:
         tokens, vocab = load_tokens(cfg.data)
-    return tokens, vocab, tok_dir
+        offsets = document_offsets(cfg.data)
+    return tokens, vocab, tok_dir, offsets
+
+
+def train_data(cfg: TrainConfig, tokens, offsets, vocab: int, world: int, rank: int) -> TrainData:
+    """The packed rows or windows this rank trains on, and the held-out batches."""
+    cut = Slicing(cfg.batch, cfg.grad_accum, cfg.seq, world // cfg.sp, rank // cfg.sp, cfg.sp, rank % cfg.sp)
+    eval_source = None
+    if cfg.eval_data:  # tokenized like --data
+        ev_tokens, ev_vocab, _, ev_offsets = load_data(dataclasses.replace(cfg, data=cfg.eval_data))
+        if ev_vocab > vocab:
+            raise ValueError(f"--eval-data {cfg.eval_data}: token ids up to {ev_vocab - 1}, the vocabulary is {vocab}")
+        eval_source = (ev_tokens, ev_offsets)
+    return TrainData(tokens, offsets, cut, cfg.pack_boundaries, cfg.seed, cfg.eval_split, eval_source, cfg.eval_batches)
 
 
 def prepare_text(data: str, tok_dir: str, cache: str, progress: bool):
@@ -92,15 +108,16 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         survive.remove_stale_segments()
     resume_from = run_folder.prepare(cfg, closing)  # one line, on every rank, for a folder in the way
     previous = run_folder.previous_run(cfg.out) if rank == 0 else {}
-    tokens, vocab, tok_dir = load_data(cfg)
+    tokens, vocab, tok_dir, offsets = load_data(cfg)
     if len(tokens) < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({len(tokens)} tokens)")
     check_layout(cfg, world)  # also checked before the launch; here for a world torchrun chose
-    dp, sp_rank, dp_rank = world // cfg.sp, rank % cfg.sp, rank // cfg.sp
+    dp = world // cfg.sp
     if cfg.batch % dp:
         raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {dp}")
     if cfg.seq % cfg.sp:
         raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
+    data = train_data(cfg, tokens, offsets, vocab, world, rank)
     model, mcfg = build_meta_model(cfg, vocab, tok_dir)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = metrics_mod.flops_per_token(model, cfg.seq)
@@ -130,9 +147,10 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         os.makedirs(cfg.out, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
-    start = 0
+    start, saved_order = 0, {}
     if resume_from is not None:
-        start = checkpoint.load(resume_from, comm, opt)
+        start = checkpoint.load(resume_from, comm, opt, saved_order)
+        data.resume(saved_order, start)
         if rank == 0:
             print(run_folder.resume_line(resume_from, previous), flush=True)
             stretched = run_folder.stretch_line(previous, cfg, start, lr_at)
@@ -153,13 +171,14 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             f"isp-train: {device.type}{' bf16' if bf16 else ''}{' compiled' if cfg.compile else ''}, "
             f"world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
             f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
-            f"data {len(tokens)} tokens, vocabulary {vocab}, unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
+            f"data {len(tokens)} tokens ({data.describe()}), vocabulary {vocab}, "
+            f"unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
         )
     # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
     interactive = sys.stderr.isatty()
     bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0 or not interactive, unit="step", dynamic_ncols=True)
-    per, lo, hi = cfg.batch // dp, sp_rank * cfg.seq // cfg.sp, (sp_rank + 1) * cfg.seq // cfg.sp
-    positions = torch.arange(lo, hi, device=device)
+    feed = data.start(start + 1, cfg.steps, pin=device.type == "cuda")  # batches read ahead, in a thread
+    closing.callback(feed.close)
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     for step in range(start + 1, cfg.steps + 1):
         if cfg.trace and step == max(start + 1, cfg.steps - 2):
@@ -167,18 +186,13 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        n_micro = cfg.grad_accum  # the step's global batch: cfg.batch x n_micro sequences
-        x, y = batch_at(tokens, step, cfg.batch * n_micro, cfg.seq)
+        batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
         step_loss = torch.zeros((), device=device)
-        for m in range(n_micro):  # reduce-scatters of each micro-step overlap its backward
-            rows = slice(m * cfg.batch + dp_rank * per, m * cfg.batch + (dp_rank + 1) * per)
-            xs, ys = x[rows, lo:hi].to(device, non_blocking=True), y[rows, lo:hi].to(device, non_blocking=True)
+        for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
+            micro = micro.to(device)
             hook.before_forward()
-            if cfg.model:
-                logits = model(input_ids=xs, position_ids=positions[None], use_cache=False).logits
-            else:
-                logits = model(xs, position_ids=positions)
-            loss = comm.cross_entropy(logits.float(), ys) / n_micro
+            logits = logits_of(model, micro, bool(cfg.model))
+            loss = micro_loss(comm, logits, micro, batch, world)
             hook.before_backward()
             loss.backward()
             hook.after_backward()
@@ -187,6 +201,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
+        data.taken(batch)
         # the loss and whether any rank got a signal: one all-reduce; then one host read
         # (a fill, not a host-to-device copy, so the step is issued whole before it)
         both = torch.stack([step_loss, torch.full((), float(signals.got), device=device)])
@@ -213,6 +228,10 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             "pool_bytes": s["pool_bytes"],
             **meter.read(rate / world * flops_per_token),
         }
+        if data.eval is not None and step % cfg.eval_every == 0:  # not counted in the step's time or tokens/s
+            t_eval = time.perf_counter()
+            last.update(evaluate(model, comm, data.eval, device, bool(cfg.model)))
+            t_start += time.perf_counter() - t_eval
         if metrics is not None:
             metrics.write(json.dumps(last) + "\n")
             metrics.flush()
@@ -227,22 +246,22 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         )
         if rank == 0 and step == start + 1:
             tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
-        if rank == 0 and (step % cfg.log_every == 0 or step == start + 1):
+        if rank == 0 and (step % cfg.log_every == 0 or step == start + 1 or "eval_loss" in last):
             tqdm.write(
                 f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
-                f"exposed comm {last['exposed_comm_pct']:4.1f}%  {meter.line(last)}"
+                f"exposed comm {last['exposed_comm_pct']:4.1f}%  {meter.line(last)}{eval_note(last)}"
             )
         if interrupted and signals.armed and step != cfg.steps:
-            saver.save(step, comm, opt)
+            saver.save(step, comm, opt, data.state_dict())
             saver.close()
             comm.close()
             raise Interrupted(step, signals.got or signal.SIGTERM)
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            saver.save(step, comm, opt)
+            saver.save(step, comm, opt, data.state_dict())
     bar.close()
     local_spans = comm.stop_trace()
     if start < cfg.steps:
-        saver.save(cfg.steps, comm, opt)
+        saver.save(cfg.steps, comm, opt, data.state_dict())
     saver.close()
     spans: list = [None] * world
     dist.all_gather_object(spans, local_spans)

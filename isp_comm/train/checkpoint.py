@@ -44,6 +44,7 @@ from isp_comm.groups import first_error
 LATEST = "latest"
 PARTIAL = ".partial"
 CHECKSUMS = "checksums.json"
+DATA_ORDER, DATA_ORDER_FIELDS = "data_order", ("position", "seed", "n_rows")
 # Test-only fault injection: rank 1 kills itself when about to commit step N (its data
 # and DCP's metadata are written, the folder not yet renamed).
 KILL_AT_COMMIT_ENV = "ISP_COMM_TEST_KILL_AT_COMMIT"
@@ -102,18 +103,28 @@ def _crc(path: str) -> int:
     return crc
 
 
-def _state(comm: ISPCommunicator, opt: torch.optim.Optimizer, step: int, saved: set[str] | None = None) -> dict:
+def _state(
+    comm: ISPCommunicator,
+    opt: torch.optim.Optimizer,
+    step: int,
+    saved: set[str] | None = None,
+    data_order: dict | None = None,
+) -> dict:
     """What a checkpoint holds: the sharded model and optimizer state, the step, and
     each rank's RNG states under keys of its own (``rng/RANK``; with parameters on a
     GPU also ``cuda_rng/RANK``), so that dropout after a resume draws what it would
     have drawn on every rank. A tensor under one key on every rank would be saved
     once, by one rank, and loaded by all. ``saved``: the keys of the checkpoint being
-    loaded; a rank it has no RNG state of (a resume on more ranks) takes rank 0's."""
+    loaded; a rank it has no RNG state of (a resume on more ranks) takes rank 0's.
+    ``data_order``: the data order's state (``DataOrder.state_dict()``: the same on
+    every rank, saved once as ``data_order``, [position, seed, n_rows])."""
     state = {
         "model": comm.state_dict(),
         "optim": comm.optimizer_state_dict(opt),
         "meta": {"step": torch.tensor(step)},
     }
+    if data_order is not None:
+        state[DATA_ORDER] = torch.tensor([data_order[k] for k in DATA_ORDER_FIELDS], dtype=torch.int64)
     device, rank = comm.units[0].device, dist.get_rank()
     for kind, get in (("rng", torch.get_rng_state), ("cuda_rng", lambda: torch.cuda.get_rng_state(device))):
         if kind == "cuda_rng" and device.type != "cuda":
@@ -148,11 +159,14 @@ class Checkpointer:
                 error = f"cannot create the checkpoint folder {_root(out)}: {_cause(exc)}"
         _agree(error)
 
-    def save(self, step: int, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> None:
-        """Write step ``step``; with ``async_save`` return once the state is staged."""
+    def save(
+        self, step: int, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_order: dict | None = None
+    ) -> None:
+        """Write step ``step`` (and the data order's state, when given); with
+        ``async_save`` return once the state is staged."""
         self.wait()  # the previous save first: one in flight at a time
         path = _step_dir(self.out, step) + PARTIAL
-        state = _state(comm, opt, step)
+        state = _state(comm, opt, step, data_order=data_order)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=path, process_group=self._group, async_stager=self._stager)
             self._pending = (future, path)
@@ -267,17 +281,22 @@ def verify(path: str) -> None:
     _agree(f"checkpoint {path}: {bad}" if bad else None)
 
 
-def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer) -> int:
-    """Load ``path`` into the wrapped model and ``opt`` (any WP size); returns its step."""
+def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_order: dict | None = None) -> int:
+    """Load ``path`` into the wrapped model and ``opt`` (any WP size); returns its step.
+    ``data_order``: a dict filled with the saved data order's state when the
+    checkpoint has one (left empty otherwise)."""
     verify(path)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    state = _state(comm, opt, 0, saved)
+    wanted = {k: 0 for k in DATA_ORDER_FIELDS} if data_order is not None and DATA_ORDER in saved else None
+    state = _state(comm, opt, 0, saved, wanted)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure (a BaseException)
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {_cause(exc)}") from exc
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
+    if wanted is not None and data_order is not None:
+        data_order.update(zip(DATA_ORDER_FIELDS, state[DATA_ORDER].tolist()))
     for key, value in state.items():
         if key.startswith("rng/"):
             torch.set_rng_state(value)

@@ -38,6 +38,22 @@ class TrainConfig:
     data_cache: str = ""
     """Folder for the token store that --data text is prepared into once (reused while
     the tokenizer and the inputs are unchanged). Empty = next to the data."""
+    pack_boundaries: bool = True
+    """With a token store (documents known): train on rows packed from whole documents
+    in order, attention kept inside each document (cu_seqlens and restarting positions)
+    and no target across documents, in a seeded order, each row once per epoch, that
+    checkpoints resume. --no-pack-boundaries: random windows of the token stream, as
+    for data without a document index."""
+    eval_every: int = 0
+    """Compute the validation loss every N steps (0: never); needs --eval-split or
+    --eval-data."""
+    eval_batches: int = 4
+    """Batches of --batch sequences in each validation (the same held-out ones each time)."""
+    eval_split: float = 0.0
+    """Hold out this fraction of the --data documents (the last ones; of the tokens
+    for data without documents) for validation; training never sees them."""
+    eval_data: str = ""
+    """Validation data, in any form --data takes (tokenized like it)."""
     model: str = ""
     """A transformers model folder: config.json of type llama, mistral, qwen2 or qwen3,
     and its safetensors weights when present (trained from them; otherwise the model
@@ -153,9 +169,10 @@ class TrainConfig:
         for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "grad_accum", "sp", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("wp", "warmup", "save_every", "lora_rank", "nproc_per_node", "max_restarts"):
+        for name in ("wp", "warmup", "save_every", "lora_rank", "nproc_per_node", "max_restarts", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        self._check_eval()
         if not 0.0 <= self.ckpt <= 1.0:
             raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
         if not self.clip >= 0:
@@ -197,6 +214,25 @@ class TrainConfig:
 
             if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
+
+    def _check_eval(self) -> None:
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches must be >= 1, got {self.eval_batches}")
+        if not 0.0 <= self.eval_split < 1.0:
+            raise ValueError(f"--eval-split must be in [0, 1), got {self.eval_split}")
+        if self.eval_split and self.eval_data:
+            raise ValueError("--eval-split and --eval-data: give one source of validation data")
+        if self.eval_every and not (self.eval_split or self.eval_data):
+            raise ValueError("--eval-every needs --eval-split F or --eval-data PATH")
+        if (self.eval_split or self.eval_data) and not self.eval_every:
+            raise ValueError("--eval-split / --eval-data need --eval-every N")
+        if self.eval_data:
+            from isp_comm.train.store import check_data
+
+            try:
+                check_data(self.eval_data)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("--data", "--eval-data", 1)) from exc
 
 
 def check_layout(cfg: TrainConfig, world: int) -> None:

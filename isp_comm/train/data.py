@@ -6,8 +6,12 @@ few successors are likely, so a model can push the loss far below the unigram en
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import queue
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -103,3 +107,202 @@ def load_tokens(path: str) -> tuple[torch.Tensor | np.ndarray, int]:
 def _max_id(arr: np.ndarray, chunk: int = 1 << 24) -> int:
     """The largest id, read in chunks with ``pread`` (the mapping is not touched)."""
     return max(int(read_windows(arr, [i], min(chunk, arr.size - i))[0].max()) for i in range(0, arr.size, chunk))
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-step's input on this rank: its rows (packed: one sequence of all its
+    rows) cut to its sequence-parallel chunk, the chunk's positions and, packed, the
+    document boundaries of the whole sequence (host ints: no device read per layer)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Micro:
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Micro(move(self.inputs), move(self.targets), move(self.positions), self.cu_seqlens)
+
+    def pinned(self) -> Micro:
+        return Micro(self.inputs.pin_memory(), self.targets.pin_memory(), self.positions, self.cu_seqlens)
+
+
+@dataclass(frozen=True)
+class Step:
+    """An optimizer step's micro-steps on this rank. ``n_targets``: the targets that
+    count over the whole step and every rank (packed rows; None for windows, whose
+    loss stays each rank's mean); ``position``: the data order's position after the step."""
+
+    step: int
+    micros: list[Micro]
+    n_targets: int | None = None
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """Which part of a global batch this rank reads: rows ``dp_rank`` of ``dp``,
+    sequence chunk ``sp_rank`` of ``sp``."""
+
+    batch: int
+    grad_accum: int
+    seq: int
+    dp: int = 1
+    dp_rank: int = 0
+    sp: int = 1
+    sp_rank: int = 0
+
+    def chunk(self, length: int) -> slice:
+        return slice(self.sp_rank * length // self.sp, (self.sp_rank + 1) * length // self.sp)
+
+
+def window_step(tokens, step: int, cut: Slicing) -> Step:
+    """Global batch ``step`` of random windows (``batch_at``), this rank's part."""
+    x, y = batch_at(tokens, step, cut.batch * cut.grad_accum, cut.seq)
+    per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
+    positions = torch.arange(cut.seq)[part]
+    micros = []
+    for m in range(cut.grad_accum):
+        rows = slice(m * cut.batch + cut.dp_rank * per, m * cut.batch + (cut.dp_rank + 1) * per)
+        micros.append(Micro(x[rows, part], y[rows, part], positions))
+    return Step(step, micros)
+
+
+def packed_step(rows, order, step: int, cut: Slicing) -> Step:
+    """The next ``batch x grad_accum`` rows of ``order`` (a ``DataOrder`` over the
+    ``PackedRows`` ``rows``), this rank's part, each micro-step's rows packed into one
+    sequence with its document boundaries."""
+    from isp_comm.train.packing import rank_rows
+
+    ids = order.take(cut.batch * cut.grad_accum)
+    micros = []
+    for m in range(cut.grad_accum):
+        r = rows.packed(rank_rows(ids[m * cut.batch : (m + 1) * cut.batch], cut.dp_rank, cut.dp))
+        part = cut.chunk(len(r.inputs))
+        micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
+    return Step(step, micros, rows.n_targets(ids), order.position)
+
+
+class Prefetcher:
+    """Makes the batches of steps ``first, first + 1, ...`` in a thread, ``depth``
+    ahead of the training loop, so reading the store stays off the critical path
+    (pinned on CUDA, so the copy to the device is asynchronous). ``close`` stops and
+    joins the thread; a failure in it is raised by ``get``."""
+
+    def __init__(self, make, first: int, last: int, pin: bool = False, depth: int = 2) -> None:
+        self._make, self._pin = make, pin
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first, last), name="isp-data", daemon=True)
+        self._thread.start()
+
+    def _run(self, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            try:
+                item = self._make(step)
+                if self._pin:
+                    item = dataclasses.replace(item, micros=[m.pinned() for m in item.micros])
+            except BaseException as exc:  # handed to the loop, which raises it
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, BaseException):
+                return
+
+    def get(self, step: int) -> Step:
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the data thread ended early") from None
+        if isinstance(item, BaseException):
+            raise item
+        if item.step != step:
+            raise RuntimeError(f"the data thread made step {item.step}, the loop wants step {step}")
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def document_offsets(path: str) -> np.ndarray | None:
+    """The document index of a token store at ``path`` (memory-mapped), else None."""
+    from isp_comm.train.store import is_store, open_store
+
+    return open_store(path).offsets if path and os.path.isdir(path) and is_store(path) else None
+
+
+class TrainData:
+    """What a run trains and validates on: packed rows in a resumable order when the
+    documents are known (``offsets``) and ``pack`` is on, else random windows; the
+    held-out batches of ``eval_split`` (the last documents, or tokens) or of
+    ``eval_source`` (tokens, offsets)."""
+
+    def __init__(
+        self,
+        tokens,
+        offsets,
+        cut: Slicing,
+        pack: bool = True,
+        seed: int = 0,
+        eval_split: float = 0.0,
+        eval_source: tuple | None = None,
+        eval_batches: int = 0,
+    ) -> None:
+        from isp_comm.train.evaluate import eval_set
+        from isp_comm.train.packing import DataOrder, PackedRows, split_documents
+
+        self.cut, self.packed = cut, pack and offsets is not None
+        if eval_split and offsets is not None:
+            (tokens, offsets), eval_source = split_documents(tokens, offsets, eval_split)
+        elif eval_split:
+            keep = len(tokens) - max(cut.seq + 2, int(len(tokens) * eval_split))
+            tokens, eval_source = tokens[:keep], (tokens[keep:], None)
+        self.tokens, self.rows, self.order, self.position = tokens, None, None, 0
+        if len(tokens) < cut.seq + 2:
+            raise ValueError(f"--seq {cut.seq} is longer than the training data ({len(tokens)} tokens)")
+        if self.packed:
+            self.rows = PackedRows(tokens, offsets, cut.seq)
+            self.order = DataOrder(len(self.rows), seed=seed)
+        self.eval = None
+        if eval_source is not None and eval_batches:
+            ev_tokens, ev_offsets = eval_source
+            self.eval = eval_set(ev_tokens, ev_offsets, cut, eval_batches, pack and ev_offsets is not None)
+
+    def describe(self) -> str:
+        what = f"{len(self.rows)} packed rows" if self.rows is not None else "random windows"
+        return what + (f", {len(self.eval.micros)} held-out batches" if self.eval is not None else "")
+
+    def resume(self, saved: dict, step: int) -> None:
+        """Continue after ``step``: from the checkpoint's data order when it has one,
+        else as if every earlier step took ``batch x grad_accum`` rows."""
+        if self.order is None:
+            return
+        if saved:
+            self.order.load_state_dict(saved)
+        else:
+            self.order.position = step * self.cut.batch * self.cut.grad_accum
+        self.position = self.order.position
+
+    def state_dict(self) -> dict | None:
+        """The data order at the last step taken (what a checkpoint holds); None for windows."""
+        return None if self.order is None else {**self.order.state_dict(), "position": self.position}
+
+    def taken(self, step: Step) -> None:
+        self.position = step.position
+
+    def make(self, step: int) -> Step:
+        if self.order is None:
+            return window_step(self.tokens, step, self.cut)
+        return packed_step(self.rows, self.order, step, self.cut)
+
+    def start(self, first: int, last: int, pin: bool = False) -> Prefetcher:
+        return Prefetcher(self.make, first, last, pin=pin)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from isp_comm.train.data import read_windows
+
 IGNORE = -100
 """The target of a position whose next token is another document's (cross entropy's ignore_index)."""
 
@@ -52,7 +54,8 @@ class PackedRows:
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} of {len(self)}")
         a, seq = i * self.seq, self.seq
-        win = torch.from_numpy(np.asarray(self.tokens[a : a + seq + 1]).astype(np.int64))
+        (raw,) = read_windows(self.tokens, [a], seq + 1)  # pread: see data.read_windows
+        win = torch.from_numpy(raw.astype(np.int64))
         lo, hi = np.searchsorted(self.offsets, [a, a + seq], side="right")
         starts = self.offsets[lo:hi] - a  # documents starting inside (a, a + seq]: strictly after a
         cuts = [0, *(int(s) for s in starts if 0 < s < seq), seq]
@@ -64,6 +67,36 @@ class PackedRows:
         lengths = torch.tensor(np.diff(cuts))
         positions = torch.arange(seq) - torch.repeat_interleave(torch.tensor(cuts[:-1]), lengths)
         return PackedRow(win[:-1], targets, torch.tensor(cuts, dtype=torch.int32), positions)
+
+    def n_targets(self, rows: list[int]) -> int:
+        """The targets that count (not ``IGNORE``) in ``rows``, from the document index
+        alone: a row loses one per document starting in ``(a, a + seq]``."""
+        a = np.asarray(rows, dtype=np.int64) * self.seq
+        starts = np.searchsorted(self.offsets, a + self.seq, side="right") - np.searchsorted(self.offsets, a, "right")
+        return int(len(rows) * self.seq - starts.sum())
+
+    def packed(self, rows: list[int]) -> PackedRow:
+        """``rows`` laid end to end as one sequence of ``len(rows) * seq`` tokens (the
+        packed batch form of InternEvo and flash-attention's varlen kernels: batch 1,
+        the boundaries of every document and of every row in one ``cu_seqlens``)."""
+        parts = [self.row(i) for i in rows]
+        cuts = [0]
+        for k, r in enumerate(parts):
+            cuts += (r.cu_seqlens[1:] + k * self.seq).tolist()
+        cat = lambda name: torch.cat([getattr(r, name) for r in parts])  # noqa: E731
+        return PackedRow(cat("inputs"), cat("targets"), torch.tensor(cuts, dtype=torch.int32), cat("positions"))
+
+
+def split_documents(tokens: np.ndarray, offsets: np.ndarray, fraction: float) -> tuple[tuple, tuple]:
+    """``(tokens, offsets)`` of the first documents and of the last ``fraction`` of
+    them (at least one each), both views of the mapped store: the held-out split of
+    ``--eval-split``."""
+    n_docs = len(offsets) - 1
+    held = min(max(1, round(fraction * n_docs)), n_docs - 1)
+    if held < 1:
+        raise ValueError(f"--eval-split {fraction}: the data has {n_docs} document(s), too few to hold some out")
+    cut = int(offsets[n_docs - held])
+    return (tokens[:cut], offsets[: n_docs - held + 1]), (tokens[cut:], np.asarray(offsets[n_docs - held :]) - cut)
 
 
 class DataOrder:

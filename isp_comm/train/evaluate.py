@@ -1,0 +1,115 @@
+"""The model's loss on a batch, for training and for validation.
+
+Packed rows go to the model as one sequence with their document boundaries: the
+reference llama takes ``cu_seqlens``; a transformers model takes its varlen keywords
+(``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``: flash-attention's and isp_comm's
+sequence-parallel attention read them) and restarting ``position_ids`` (from which
+its sdpa and eager masks keep attention inside documents).
+
+A packed step's loss is the mean over the targets that count in the whole step (all
+micro-steps, all ranks), whatever share of them a rank holds: each rank's token sum
+is scaled by ``world / n_targets`` and the gradients are averaged over the world, so
+the step equals its documents run one by one. Windows keep each rank's own mean.
+
+Validation (``evaluate``) runs under ``torch.no_grad`` through the same wrapped
+model: its blocks are gathered as in a forward, and nothing is reduce-scattered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from isp_comm.train.data import Micro, Slicing, Step, batch_at
+from isp_comm.train.packing import IGNORE
+
+
+def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool) -> torch.Tensor:
+    """The model's logits for ``micro`` (already on the model's device)."""
+    cu = micro.cu_seqlens
+    if is_hf:
+        extra = {}
+        if cu is not None:
+            cu = cu.to(micro.inputs.device, non_blocking=True)
+            longest = int(micro.cu_seqlens.diff().max())
+            extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return model(input_ids=micro.inputs, position_ids=micro.positions[None], use_cache=False, **extra).logits
+    if cu is None:
+        return model(micro.inputs, position_ids=micro.positions)
+    return model(micro.inputs, position_ids=micro.positions, cu_seqlens=cu)
+
+
+def token_sum(comm, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross entropy of this rank's targets that count (fp32)."""
+    if comm.vocab_unit is None:
+        flat = logits.flatten(0, -2).float()
+        return F.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return comm.cross_entropy(logits.float(), targets) * (targets != IGNORE).sum()
+
+
+def micro_loss(comm, logits: torch.Tensor, micro: Micro, step: Step, world: int) -> torch.Tensor:
+    """The loss to differentiate for one micro-step: its share of the step's mean."""
+    if step.n_targets is not None:  # packed (a step of one-token documents only has none)
+        return token_sum(comm, logits, micro.targets) * (world / max(step.n_targets, 1))
+    return comm.cross_entropy(logits.float(), micro.targets) / len(step.micros)
+
+
+@dataclass
+class EvalSet:
+    """The held-out batches, made once: ``micros`` on this rank, fixed for the run."""
+
+    micros: list[Micro]
+
+
+def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalSet:
+    """``batches`` global batches of the held-out data, in order: its first packed rows
+    (wrapping around when it holds fewer), or windows at fixed seeds."""
+    from isp_comm.train.packing import PackedRows, rank_rows
+
+    micros = []
+    if packed:
+        rows = PackedRows(tokens, offsets, cut.seq)
+        for b in range(batches):
+            ids = [(b * cut.batch + j) % len(rows) for j in range(cut.batch)]
+            r = rows.packed(rank_rows(ids, cut.dp_rank, cut.dp))
+            part = cut.chunk(len(r.inputs))
+            micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
+        return EvalSet(micros)
+    if len(tokens) < cut.seq + 2:
+        raise ValueError(f"the held-out data ({len(tokens)} tokens) is shorter than --seq {cut.seq}")
+    per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
+    for b in range(batches):
+        x, y = batch_at(tokens, -1 - b, cut.batch, cut.seq)  # seeds apart from training's steps
+        rows = slice(cut.dp_rank * per, (cut.dp_rank + 1) * per)
+        micros.append(Micro(x[rows, part], y[rows, part], torch.arange(cut.seq)[part]))
+    return EvalSet(micros)
+
+
+def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, is_hf: bool) -> dict[str, float]:
+    """``eval_loss`` (the mean over every held-out target that counts, all ranks) and
+    ``eval_perplexity``; one all-reduce, and under ``no_grad`` no reduce-scatter."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        with torch.no_grad():
+            for micro in data.micros:
+                m = micro.to(device)
+                total[0] += token_sum(comm, logits_of(model, m, is_hf), m.targets).double()
+                total[1] += (m.targets != IGNORE).sum()
+    finally:
+        model.train(was_training)
+    dist.all_reduce(total)
+    loss = float(total[0] / total[1].clamp(min=1))
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+
+def eval_note(row: dict) -> str:
+    """The progress line's validation part ("" at a step without one)."""
+    if "eval_loss" not in row:
+        return ""
+    return f"  eval loss {row['eval_loss']:.4f} ppl {row['eval_perplexity']:.2f}"
