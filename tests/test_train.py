@@ -41,6 +41,9 @@ def test_contract_outputs_and_loss_falls(tmp_path) -> None:
     curve = losses(out)
     assert sorted(curve) == list(range(1, 31))
     assert curve[30] < curve[1] - 1.5, curve  # from ~ln(256) towards the chain's entropy
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert all(0 <= r["data_wait_s"] <= r["step_s"] for r in rows)  # the wait is part of the step
     with open(os.path.join(out, "trace.json")) as f:
         events = json.load(f)["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -186,7 +186,9 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
+        t_data = time.perf_counter()
         batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
+        data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
         step_loss = torch.zeros((), device=device)
         for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
             micro = micro.to(device)
@@ -224,6 +226,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             "grad_norm": grad_norm,
             "tokens_per_s": rate,
             "step_s": dt,
+            "data_wait_s": data_wait,
             "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
             "pool_bytes": s["pool_bytes"],
             **meter.read(rate / world * flops_per_token),
