@@ -99,19 +99,64 @@ def split_documents(tokens: np.ndarray, offsets: np.ndarray, fraction: float) ->
     return (tokens[:cut], offsets[: n_docs - held + 1]), (tokens[cut:], np.asarray(offsets[n_docs - held :]) - cut)
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective scramble of uint64 values (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class RowPermutation:
+    """A seeded permutation of ``range(n)`` computed index by index, in O(1) memory.
+
+    [Note: an order that does not grow with the corpus] ``np.random.permutation(n)``
+    holds 8 bytes a row on every rank: 128 MiB for a 2 GiB store cut into 64-token
+    rows, which broke "a rank's memory does not grow with the corpus". Instead a
+    balanced Feistel network over ``2 * half`` bits (the smallest even width covering
+    ``n``) is a bijection of ``[0, 4^half)``; an index that lands at ``n`` or above is
+    mapped again until it falls inside (cycle walking), which keeps it a bijection of
+    ``range(n)``. Every row is therefore seen exactly once per epoch.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        self.n, self.epoch, self.half = n, epoch, max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        rng = np.random.default_rng([seed, epoch])
+        self.keys = rng.integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
+
+    def _round_trip(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << h) | right
+
+    def __call__(self, idx: np.ndarray) -> np.ndarray:
+        """The permuted positions of ``idx`` (integers in ``range(n)``)."""
+        out = self._round_trip(np.asarray(idx, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():  # at most 4x the domain, so a few passes in expectation
+            out[outside] = self._round_trip(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
+
+
 class DataOrder:
     """A seeded permutation of ``n_rows`` rows per epoch; ``position`` counts the rows
-    handed out so far over all ranks (the checkpointed state)."""
+    handed out so far over all ranks (the checkpointed state). The permutation is
+    computed for the rows asked for, never held whole (see ``RowPermutation``)."""
 
     def __init__(self, n_rows: int, seed: int = 0, position: int = 0) -> None:
         if n_rows < 1:
             raise ValueError("no rows to train on")
         self.n_rows, self.seed, self.position = n_rows, seed, position
-        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self._perm = RowPermutation(n_rows, seed, 0)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+    def _permutation(self, epoch: int) -> RowPermutation:
+        if epoch != self._perm.epoch:
+            self._perm = RowPermutation(self.n_rows, self.seed, epoch)
         return self._perm
 
     @property
@@ -123,7 +168,7 @@ class DataOrder:
         out = []
         while len(out) < n:
             e, k = divmod(self.position, self.n_rows)
-            chunk = self._permutation(e)[k : k + n - len(out)]
+            chunk = self._permutation(e)(np.arange(k, min(k + n - len(out), self.n_rows)))
             out += chunk.tolist()
             self.position += len(chunk)
         return out
