@@ -118,11 +118,6 @@ def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, launcher: str) -> 
     )
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="known gap: the restarted ranks' gloo init_process_group fails to connect (seen under the own "
-    "launcher with --max-restarts 1); the restart path is wired but not yet working",
-)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", ["own", "torchrun"])
 def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str) -> None:

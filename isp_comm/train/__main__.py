@@ -495,7 +495,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         if "RANK" not in os.environ:
             port = str(survive.free_port())
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        dist.init_process_group(dist_backend(device))
+        store = survive.restart_store()  # None but in a restarted rank: torch's env:// rendezvous
+        if store is None:
+            dist.init_process_group(dist_backend(device))
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world)
     try:
         with contextlib.ExitStack() as closing:
             run(cfg, device, closing)

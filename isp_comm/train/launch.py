@@ -49,6 +49,11 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if nnodes > 1 and max_restarts > 0:
+        # A fresh store for each attempt, hosted by rank 0, rather than the agent's shared
+        # one: across machines the restart counts that survive.restart_store prefixes
+        # keys with can differ (an agent restarting for a peer machine does not count it).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,

@@ -9,6 +9,12 @@
 * ``lock_folder``: one live run per ``--out`` (``fcntl.flock``, released by the kernel
   when the holder dies, so a killed run never leaves a stale lock).
 * ``remove_stale_segments``: shared-memory segments of isp-comm jobs whose creator is gone.
+* ``restart_store``: a restarted rank's process groups meet under keys of their own
+  attempt. torch's elastic agent (torchrun, ``isp-train --nproc-per-node``) hands its
+  workers one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE``), and
+  nothing prefixes the workers' keys per attempt: attempt 1's gloo rendezvous finds
+  the addresses that attempt 0's ranks published, connects to a dead rank's port and
+  fails ("Connection refused"), or not, depending on which rank writes first.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import threading
 import time
 from typing import IO
 
+import torch.distributed as dist
+
 from isp_comm.backends import shm
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".isp-train.lock"
+RESTART_PREFIX = "isp-train/attempt_"
 
 
 def die_with_parent(poll_s: float = 0.5) -> None:
@@ -90,3 +99,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def restart_store() -> dist.Store | None:
+    """The store a restarted rank gives ``init_process_group``: the elastic agent's
+    shared store under ``isp-train/attempt_K`` (K = ``TORCHELASTIC_RESTART_COUNT``), so
+    that no key written by an earlier attempt is read by this one. ``None`` (torch's
+    own ``env://`` rendezvous, unchanged) for a first attempt, outside the elastic
+    agent, or where the agent gives each attempt a fresh store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+
+    K is the same on every rank of one agent. Across machines it is not: an agent
+    restarts its healthy workers when a peer machine's failed, without counting a
+    restart; so ``isp-train --nnodes N --max-restarts R`` turns the shared store off
+    (``launch``), and a torchrun job over several machines needs that variable too."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=default_pg_timeout
+    )
+    return dist.PrefixStore(f"{RESTART_PREFIX}{attempt}", agent)
