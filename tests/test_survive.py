@@ -192,6 +192,29 @@ def test_a_crash_in_data_loading_leaves_dev_shm_as_it_was(tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_new_run_removes_segments_of_dead_jobs_with_one_line(tmp_path) -> None:
+    """A segment whose creating process is gone (a job killed during set-up) is
+    removed by the next run, which says so in one line; a live job's is kept."""
+    from isp_comm.backends.shm import Segment, segment_name
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is now (almost surely) free
+    stale_name = segment_name(dead.pid, "deadbeef", "scratch", 0, 1)
+    live_name = segment_name(os.getpid(), "cafecafe", "scratch", 0, 1)
+    stale, live = Segment(stale_name, 64, create=True), Segment(live_name, 64, create=True)
+    try:
+        cmd = [sys.executable, "-m", "isp_comm.train", *SMALL, *COMMON, "--steps", "2", "--out", str(tmp_path / "r")]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+        assert res.returncode == 0, res.stderr[-2000:]
+        said = [line for line in res.stderr.splitlines() if "left by dead jobs" in line]
+        assert len(said) == 1 and said[0].startswith("isp-train: removed "), res.stderr[-2000:]
+        assert not os.path.exists(f"/dev/shm/{stale_name}") and os.path.exists(f"/dev/shm/{live_name}")
+    finally:
+        stale.close(), live.close()
+        Segment.unlink(stale_name), Segment.unlink(live_name)
+
+
+@pytest.mark.timeout(120)
 def test_second_run_into_a_live_folder_is_one_line(tmp_path) -> None:
     """A second run into the --out of a live run exits 2 with one line naming the
     holder's pid and host; once the first is gone the folder is free (the kernel
