@@ -97,12 +97,49 @@ def prepare_text(data: str, tok_dir: str, cache: str, progress: bool):
     return prepare_store(data, tok_dir, cache, progress=progress)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Job:
+    """What one rank's run holds from setup to the last step: built by ``setup``,
+    then read by the steps, the log lines and ``finish``."""
+
+    cfg: TrainConfig
+    device: torch.device
+    rank: int
+    world: int
+    bf16: bool
+    signals: Signals
+    meter: metrics_mod.StepMeter
+    data: TrainData
+    tokens: torch.Tensor
+    vocab: int
+    tok_dir: str
+    model: torch.nn.Module
+    mcfg: LlamaConfig | None
+    comm: ISPCommunicator
+    opt: torch.optim.Optimizer
+    n_params: int  # the whole model's
+    flops_per_token: float
+    resume_from: str | None
+    previous: dict
+    saver: checkpoint.Checkpointer | None = None
+    metrics: object = None  # rank 0's open metrics.jsonl
+
+
 def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> None:
     """The job on this rank; what it opens that holds threads or groups (the
-    communicator, the checkpointer) is closed by ``closing``, also after an error."""
+    communicator, the checkpointer, the data thread) is closed by ``closing``, also
+    after an error."""
+    job = setup(cfg, device, closing)
+    start = open_outputs(job, closing)
+    last = train(job, start, closing)
+    finish(job, start, last)
+
+
+def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> Job:
+    """Check the flags against the data and the world, then build the data, the
+    sharded model and its optimizer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = use_bf16(cfg, device)
-    meter = metrics_mod.StepMeter(device, cfg.peak_tflops)
     signals = Signals(cfg.save_on_signal)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         survive.remove_stale_segments()
@@ -119,12 +156,31 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
     data = train_data(cfg, tokens, offsets, vocab, world, rank)
     model, mcfg = build_meta_model(cfg, vocab, tok_dir)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
     flops_per_token = metrics_mod.flops_per_token(model, cfg.seq)
     icfg = isp_config(cfg, bf16)
     if rank == 0:
         for line in memory_warnings(cfg, model, icfg, world, device):
             print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
+    comm = wrap(cfg, model, icfg, world, resume_from, closing)
+    if rank == 0:
+        for line in start_warnings(cfg):
+            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return Job(
+        cfg=cfg, device=device, rank=rank, world=world, bf16=bf16, signals=signals,
+        meter=metrics_mod.StepMeter(device, cfg.peak_tflops), data=data, tokens=tokens, vocab=vocab,
+        tok_dir=tok_dir, model=model, mcfg=mcfg, comm=comm, opt=opt,
+        n_params=n_params, flops_per_token=flops_per_token, resume_from=resume_from, previous=previous,
+    )  # fmt: skip
+
+
+def wrap(
+    cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, resume_from: str | None, closing
+) -> ISPCommunicator:
+    """Shard the meta model (compiled first with --compile) and load the weights a new
+    run starts from: the Hugging Face folder's, or --init-from's."""
     if cfg.compile:  # the torchtitan recipe: every block compiled, then wrapped
         for block in find_blocks(model):
             block.compile()
@@ -137,88 +193,83 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         lora.init_from(comm, cfg.init_from)
     if cfg.lora_rank:
         lora.zero_lora_b(model)
-    if rank == 0:
-        for line in start_warnings(cfg):
-            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    hook = comm.scheduler_hook()
+    return comm
+
+
+def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
+    """Resume from the checkpoint (returning its step, else 0), open the checkpointer
+    and metrics.jsonl, and write the run's files and first line (rank 0)."""
+    cfg, rank = job.cfg, job.rank
     try:
         os.makedirs(cfg.out, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
     start, saved_order = 0, {}
-    if resume_from is not None:
-        start = checkpoint.load(resume_from, comm, opt, saved_order)
-        data.resume(saved_order, start)
+    if job.resume_from is not None:
+        start = checkpoint.load(job.resume_from, job.comm, job.opt, saved_order)
+        job.data.resume(saved_order, start)
         if rank == 0:
-            print(run_folder.resume_line(resume_from, previous), flush=True)
-            stretched = run_folder.stretch_line(previous, cfg, start, lr_at)
+            print(run_folder.resume_line(job.resume_from, job.previous), flush=True)
+            stretched = run_folder.stretch_line(job.previous, cfg, start, lr_at)
             if stretched:
                 print(stretched, flush=True)
             run_folder.cut_metrics(cfg.out, start)
-    saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=device.type == "cuda")
-    closing.callback(saver.close)
-    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
-    if rank == 0:  # what ran: the flags and rank 0's shard of every parameter
-        shards = {k: list(v.shape) for k, v in model.state_dict().items()}
-        run_folder.write_run(cfg.out, cfg, world, shards, previous, start, {} if cfg.model else asdict(mcfg))
-        run_folder.write_config(cfg.out, cfg)
-        if cfg.model:
-            hf_model.save_run_files(model, tok_dir, cfg.out)
-        n_train = sum(p.numel() for p in trainable)
-        tqdm.write(
-            f"isp-train: {device.type}{' bf16' if bf16 else ''}{' compiled' if cfg.compile else ''}, "
-            f"world {world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
-            f"{n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
-            f"data {len(tokens)} tokens ({data.describe()}), vocabulary {vocab}, "
-            f"unigram entropy {unigram_entropy(tokens, vocab):.3f} nats"
-        )
+    job.saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda")
+    closing.callback(job.saver.close)
+    if rank == 0:
+        job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
+        write_run_files(job, start)
+    return start
+
+
+def write_run_files(job: Job, start: int) -> None:
+    """What ran (the flags and rank 0's shard of every parameter), and its first line."""
+    cfg, model = job.cfg, job.model
+    shards = {k: list(v.shape) for k, v in model.state_dict().items()}
+    run_folder.write_run(cfg.out, cfg, job.world, shards, job.previous, start, {} if cfg.model else asdict(job.mcfg))
+    run_folder.write_config(cfg.out, cfg)
+    if cfg.model:
+        hf_model.save_run_files(model, job.tok_dir, cfg.out)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    groups, comm = job.comm.groups, job.comm
+    tqdm.write(
+        f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
+        f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
+        f"{job.n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
+        f"data {len(job.tokens)} tokens ({job.data.describe()}), vocabulary {job.vocab}, "
+        f"unigram entropy {unigram_entropy(job.tokens, job.vocab):.3f} nats"
+    )
+
+
+def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
+    """Steps ``start + 1`` to ``--steps``: each one's row goes to metrics.jsonl, the
+    bar and the log; checkpoints at --save-every and on a signal. Returns the last row."""
+    cfg, comm = job.cfg, job.comm
     # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
     interactive = sys.stderr.isatty()
-    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0 or not interactive, unit="step", dynamic_ncols=True)
-    feed = data.start(start + 1, cfg.steps, pin=device.type == "cuda")  # batches read ahead, in a thread
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=job.rank != 0 or not interactive, unit="step", dynamic_ncols=True
+    )
+    feed = job.data.start(start + 1, cfg.steps, pin=job.device.type == "cuda")  # batches read ahead, in a thread
     closing.callback(feed.close)
+    hook = comm.scheduler_hook()
     t_start, tokens_done, last = time.perf_counter(), 0, {}
+    step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
     for step in range(start + 1, cfg.steps + 1):
         if cfg.trace and step == max(start + 1, cfg.steps - 2):
             comm.start_trace()
         t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
         t_data = time.perf_counter()
         batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
         data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
-        step_loss = torch.zeros((), device=device)
-        for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
-            micro = micro.to(device)
-            hook.before_forward()
-            logits = logits_of(model, micro, bool(cfg.model))
-            loss = micro_loss(comm, logits, micro, batch, world)
-            hook.before_backward()
-            loss.backward()
-            hook.after_backward()
-            step_loss += loss.detach()
-            del logits, loss
-        norm = comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
-        opt.step()
-        opt.zero_grad()
-        data.taken(batch)
-        # the loss and whether any rank got a signal: one all-reduce; then one host read
-        # (a fill, not a host-to-device copy, so the step is issued whole before it)
-        both = torch.stack([step_loss, torch.full((), float(signals.got), device=device)])
-        dist.all_reduce(both)
-        total, flagged, grad_norm = torch.cat([both, norm.reshape(1).to(both.dtype)]).tolist()
-        loss_value, interrupted = total / world, flagged > 0
+        loss_value, interrupted, grad_norm = one_step(job, hook, batch, step)
         dt = time.perf_counter() - t0
         if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
             first_step_s, t_start = dt, time.perf_counter()
         else:
-            tokens_done += cfg.batch * cfg.grad_accum * cfg.seq
+            tokens_done += step_tokens
         s = comm.stats()
-        rate = (
-            tokens_done / (time.perf_counter() - t_start) if tokens_done else cfg.batch * cfg.grad_accum * cfg.seq / dt
-        )
+        rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else step_tokens / dt
         last = {
             "step": step,
             "loss": loss_value,
@@ -229,56 +280,101 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
             "data_wait_s": data_wait,
             "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
             "pool_bytes": s["pool_bytes"],
-            **meter.read(rate / world * flops_per_token),
+            **job.meter.read(rate / job.world * job.flops_per_token),
         }
-        if data.eval is not None and step % cfg.eval_every == 0:  # not counted in the step's time or tokens/s
+        if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
             t_eval = time.perf_counter()
-            last.update(evaluate(model, comm, data.eval, device, bool(cfg.model)))
+            last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
             t_start += time.perf_counter() - t_eval
-        if metrics is not None:
-            metrics.write(json.dumps(last) + "\n")
-            metrics.flush()
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{last['loss']:.3f}",
-            gnorm=f"{grad_norm:.2f}",
-            tok_s=f"{last['tokens_per_s']:.0f}",
-            comm=f"{last['exposed_comm_pct']:.0f}%",
-            pool=f"{s['pool_bytes'] / 2**20:.1f}MiB",
-            **meter.postfix(last),
-        )
-        if rank == 0 and step == start + 1:
-            tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
-        if rank == 0 and (step % cfg.log_every == 0 or step == start + 1 or "eval_loss" in last):
-            tqdm.write(
-                f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
-                f"exposed comm {last['exposed_comm_pct']:4.1f}%  {meter.line(last)}{eval_note(last)}"
-            )
-        if interrupted and signals.armed and step != cfg.steps:
-            saver.save(step, comm, opt, data.state_dict())
-            saver.close()
+        report(job, bar, last, first_step_s if step == start + 1 else None)
+        if interrupted and job.signals.armed and step != cfg.steps:
+            job.saver.save(step, comm, job.opt, job.data.state_dict())
+            job.saver.close()
             comm.close()
-            raise Interrupted(step, signals.got or signal.SIGTERM)
+            raise Interrupted(step, job.signals.got or signal.SIGTERM)
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            saver.save(step, comm, opt, data.state_dict())
+            job.saver.save(step, comm, job.opt, job.data.state_dict())
     bar.close()
+    return last
+
+
+def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
+    """One optimizer step on the global batch: the mean loss over ranks, whether any
+    rank got a signal, and the global gradient norm."""
+    cfg, device = job.cfg, job.device
+    for g in job.opt.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    step_loss = torch.zeros((), device=device)
+    for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
+        micro = micro.to(device)
+        hook.before_forward()
+        logits = logits_of(job.model, micro, bool(cfg.model))
+        loss = micro_loss(job.comm, logits, micro, batch, job.world)
+        hook.before_backward()
+        loss.backward()
+        hook.after_backward()
+        step_loss += loss.detach()
+        del logits, loss
+    norm = job.comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
+    job.opt.step()
+    job.opt.zero_grad()
+    job.data.taken(batch)
+    # the loss and whether any rank got a signal: one all-reduce; then one host read
+    # (a fill, not a host-to-device copy, so the step is issued whole before it)
+    both = torch.stack([step_loss, torch.full((), float(job.signals.got), device=device)])
+    dist.all_reduce(both)
+    total, flagged, grad_norm = torch.cat([both, norm.reshape(1).to(both.dtype)]).tolist()
+    return total / job.world, flagged > 0, grad_norm
+
+
+def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
+    """A step's row: to metrics.jsonl, the progress bar, and (rank 0) the plain log
+    line every --log-every steps, after the first step and with an evaluation."""
+    if job.metrics is not None:
+        job.metrics.write(json.dumps(last) + "\n")
+        job.metrics.flush()
+    bar.update(1)
+    bar.set_postfix(
+        loss=f"{last['loss']:.3f}",
+        gnorm=f"{last['grad_norm']:.2f}",
+        tok_s=f"{last['tokens_per_s']:.0f}",
+        comm=f"{last['exposed_comm_pct']:.0f}%",
+        pool=f"{last['pool_bytes'] / 2**20:.1f}MiB",
+        **job.meter.postfix(last),
+    )
+    if job.rank != 0:
+        return
+    step = last["step"]
+    if first_step_s is not None:
+        tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
+    if step % job.cfg.log_every == 0 or first_step_s is not None or "eval_loss" in last:
+        tqdm.write(
+            f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
+            f"exposed comm {last['exposed_comm_pct']:4.1f}%  {job.meter.line(last)}{eval_note(last)}"
+        )
+
+
+def finish(job: Job, start: int, last: dict) -> None:
+    """The final checkpoint, the trace and timeline, and rank 0's closing line."""
+    cfg, comm = job.cfg, job.comm
     local_spans = comm.stop_trace()
     if start < cfg.steps:
-        saver.save(cfg.steps, comm, opt, data.state_dict())
-    saver.close()
-    spans: list = [None] * world
+        job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
+    job.saver.close()
+    spans: list = [None] * job.world
     dist.all_gather_object(spans, local_spans)
     comm.close()
-    if rank == 0:
-        if cfg.trace and any(spans):
-            write_trace(os.path.join(cfg.out, "trace.json"), spans)
-            draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
-        metrics.close()
-        if last:
-            print(
-                f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
-                f"{meter.summary(last)}; outputs in {cfg.out}"
-            )
+    if job.rank != 0:
+        return
+    if cfg.trace and any(spans):
+        write_trace(os.path.join(cfg.out, "trace.json"), spans)
+        draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
+    job.metrics.close()
+    if last:
+        print(
+            f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
+            f"{job.meter.summary(last)}; outputs in {cfg.out}"
+        )
 
 
 def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.nn.Module, LlamaConfig | None]:
