@@ -189,6 +189,7 @@ def test_one_block_compiles_to_one_graph_without_breaks() -> None:
     assert info.graph_count == 1
 
 
+@pytest.mark.slow  # 35 s on 2 cores; the CI tier compiles blocks in the parity tests above
 def test_isp_train_compile_reports_first_step_apart(tmp_path) -> None:
     from tests.test_train import torchrun
 
