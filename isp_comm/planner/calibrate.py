@@ -3,9 +3,11 @@
 One thread per rank, as isp-train runs on CPU. What is measured, and how:
 
 * GEMM throughput by size (``torch.mm`` of LLM-like shapes, fp32 and bf16) and fused
-  attention (``scaled_dot_product_attention``, causal, forward and backward);
-* element-wise bandwidth by size (``torch.add`` into a preallocated output, less the
-  dispatch), and the host's cost per dispatched operator (an add of one element);
+  attention (``scaled_dot_product_attention``, causal, forward and backward), each
+  the whole call's time (its dispatch included: on CPU the host runs the kernel);
+* element-wise bandwidth by size (``torch.add`` into a preallocated output, the
+  whole call), and the host's cost per dispatched operator (an add of one element),
+  which the model charges to the operators that move no bytes (views);
 * AdamW: two layouts (many small tensors, few large ones) give its cost per tensor
   and its streaming rate;
 * each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
@@ -70,7 +72,7 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
                     (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]:  # fmt: skip
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         flops = 2.0 * m * k * n
-        s = max(_time(lambda a=a, b=b: torch.mm(a, b)) - op_s, 1e-9)
+        s = _time(lambda a=a, b=b: torch.mm(a, b))
         curve.append([flops, flops / s])
     return _monotone(curve)
 
@@ -84,13 +86,13 @@ def _attention(dtype: torch.dtype, op_s: float) -> tuple[list[list[float]], list
         def forward(q=q, k=k, v=v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        t_f = max(_time(forward) - op_s, 1e-9)
+        t_f = _time(forward)
 
         def both(q=q, k=k, v=v):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out.sum(), (q, k, v))
 
-        t_b = max(_time(both) - t_f - 8 * op_s, 1e-9)
+        t_b = max(_time(both) - t_f - 4 * op_s, 0.1 * t_f)  # less the forward and the sum and grad calls
         fwd.append([flops, flops / t_f])
         bwd.append([2.5 * flops, 2.5 * flops / t_b])
     return _monotone(fwd), _monotone(bwd)
@@ -101,7 +103,7 @@ def _elementwise(op_s: float) -> list[list[float]]:
     for k in range(10, 27, 2):  # 1 KiB .. 64 MiB per operand
         n = (1 << k) // 4
         a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        s = max(_time(lambda a=a, b=b, c=c: torch.add(a, b, out=c)) - op_s, 1e-9)
+        s = _time(lambda a=a, b=b, c=c: torch.add(a, b, out=c))
         curve.append([3.0 * n * 4, 3.0 * n * 4 / s])
     return curve
 
@@ -124,11 +126,8 @@ def _optimizer() -> tuple[float, float]:
 
 
 def _monotone(curve: list[list[float]]) -> list[list[float]]:
-    """Sorted by size; a rate never falls below a smaller call's (noise on a shared machine)."""
-    curve.sort()
-    for i in range(1, len(curve)):
-        curve[i][1] = max(curve[i][1], curve[i - 1][1] * 0.7)
-    return curve
+    """Sorted by size (the step model interpolates between neighbours)."""
+    return sorted(curve)
 
 
 def _calls(backend, group, full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -223,18 +222,29 @@ def _plan(world: int, layers: int, profile_path: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def framework(prof: Profile, worlds: Sequence[int], steps: int = 8) -> Profile:
-    """The engine's and the loop's host cost, and the runtime's memory, from tiny runs
-    (see the module note)."""
-    host_block, host_step, runtime = {}, {}, {}
+SMALL = (1, 4)
+"""Blocks of the calibration model's two runs (the per-block cost is the slope)."""
+
+
+def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
+    """The calibration model trained by isp-train at each world, with 1 and 4 blocks.
+    Run first, while this process is small: a child's peak RSS (``ru_maxrss``) starts
+    from its parent's at the fork."""
     with tempfile.TemporaryDirectory() as tmp:
-        for world in worlds:
+        return {w: [_train(w, n, steps, os.path.join(tmp, f"run{w}-{n}")) for n in SMALL] for w in worlds}
+
+
+def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
+    """The engine's and the loop's host cost, and the runtime's memory, from the tiny
+    runs (see the module note) against the model of the same runs on ``prof``."""
+    host_block, host_step, runtime, raw = {}, {}, {}, {}
+    small = SMALL
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, measured in runs.items():
             key = "multi" if world > 1 else "single"
             bare = dataclasses.replace(prof, per_node=world)
             path = os.path.join(tmp, f"bare{world}.json")
             bare.save(path)
-            small = (1, 4)
-            measured = [_train(world, layers, steps, os.path.join(tmp, f"run{world}-{layers}")) for layers in small]
             planned = [_plan(world, layers, path) for layers in small]
             residual = [m["step_s"] - p["step_s"] for m, p in zip(measured, planned)]
             per_block = max((residual[1] - residual[0]) / (small[1] - small[0]), 0.0)
@@ -242,13 +252,18 @@ def framework(prof: Profile, worlds: Sequence[int], steps: int = 8) -> Profile:
             host_step[key] = max(residual[0] - per_block * small[0], 0.0)
             peak = max(v for k, v in planned[1].items() if k in ("forward", "backward", "optimizer"))
             runtime[key] = int(max(measured[1]["peak_rss_mib"] - peak, 0.0) * 2**20)
-    return dataclasses.replace(prof, host_block_s=host_block, host_step_s=host_step, runtime_bytes=runtime)
+            raw[key] = {"layers": list(small), "measured": measured, "planned": planned}
+    return dataclasses.replace(
+        prof, host_block_s=host_block, host_step_s=host_step, runtime_bytes=runtime, calibration=raw
+    )
 
 
 def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = lambda _m: None) -> Profile:
     """This machine's profile: micro-benchmarks in this process (one thread), the
     collectives at 2 ranks when ``worlds`` holds one above 1, and the framework's
     cost at each of ``worlds``."""
+    progress(f"framework: tiny isp-train runs at world {', '.join(map(str, worlds))}")
+    runs = tiny_runs(worlds)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -291,5 +306,5 @@ def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = 
         default_backend="symm",
         overlap=False,
     )
-    progress(f"framework host cost: tiny isp-train runs at world {', '.join(map(str, worlds))}")
-    return framework(prof, worlds)
+    progress("framework: the model of the same runs")
+    return framework(prof, runs)

@@ -107,6 +107,9 @@ class Profile:
     """CPU: what a rank's RSS holds beyond the memory forecast and the process
     baseline (code pages of the kernels run, the data, the loop's threads), measured
     on a tiny run, by ``single`` / ``multi``."""
+    calibration: dict = dataclasses.field(default_factory=dict)
+    """What the calibration's tiny runs measured and the model predicted for them (the
+    figures behind ``host_block_s``, ``host_step_s`` and ``runtime_bytes``)."""
     cuda: dict[str, int] = dataclasses.field(default_factory=dict)
     """CUDA: modelled parts outside the forecast's tensors: ``context`` (the CUDA
     context), ``workspace`` (cuBLAS), ``nccl_per_communicator`` (NCCL's buffers)."""

@@ -22,8 +22,9 @@ and one all-reduce), AdamW (memory-bound: parameters, gradients and both moments
 a fixed host cost per parameter tensor), the loss's all-reduce, and the loop's host
 cost. A compute piece costs its GEMMs and attention by FLOPs over the profile's
 throughput at that size, its element-wise operators by bytes over bandwidth, and one
-host dispatch per operator: on CPU these add up; on a GPU the host issues while the
-device runs, so a piece takes the longer of the two. On CPU, communication takes the
+host dispatch per operator: on CPU these add up (the calibrated curves are whole
+calls, dispatch included, so views alone add a dispatch); on a GPU the host issues
+while the device runs, so a piece takes the longer of the two. On CPU, communication takes the
 cores the compute uses and adds to it (``Profile.overlap``).
 """
 
@@ -81,9 +82,10 @@ def compute_time(ops: Ops, prof: Profile) -> float:
         dev += f / interp(prof.attention.get(key) or prof.attention[_precision(lp)], f)
     dev += sum(b / interp(prof.elementwise, b) for b in ops.moved)
     kernels = len(ops.gemm) + len(ops.attention) + len(ops.moved)
+    if prof.device == "cpu":  # the curves hold whole calls (dispatch included); views cost a dispatch
+        return dev + (ops.dispatches - kernels) * prof.op_host_s
     dev += kernels * prof.op_device_s
-    host = ops.dispatches * prof.op_host_s
-    return dev + host if prof.device == "cpu" else max(dev, host)
+    return max(dev, ops.dispatches * prof.op_host_s)  # the host issues while the device runs
 
 
 def collective_time(prof: Profile, backend: str, op: str, group: int, nbytes: float, span: int = 0) -> float:
