@@ -2,12 +2,14 @@
 
 One thread per rank, as isp-train runs on CPU. What is measured, and how:
 
-* GEMM throughput by size (``torch.mm`` of LLM-like shapes, fp32 and bf16) and fused
+* GEMM throughput by size (``torch.mm`` of LLM-like shapes in the three layouts a
+  linear's forward and backward use, fp32 and bf16) and fused
   attention (``scaled_dot_product_attention``, causal, forward and backward), each
   the whole call's time (its dispatch included: on CPU the host runs the kernel);
-* element-wise bandwidth by size (``torch.add`` into a preallocated output, the
-  whole call), and the host's cost per dispatched operator (an add of one element),
-  which the model charges to the operators that move no bytes (views);
+* element-wise bandwidth by size (an add, a multiply, a SiLU and a row sum, whole
+  calls, their bytes read and written over their summed time), and the host's cost
+  per dispatched operator (an add of one element), which the model charges to the
+  operators that move no bytes (views);
 * AdamW: two layouts (many small tensors, few large ones) give its cost per tensor
   and its streaming rate;
 * each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
@@ -70,9 +72,11 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
     curve = []
     for m, k, n in [(16, 32, 32), (32, 64, 64), (64, 64, 192), (128, 128, 128), (256, 128, 352), (256, 256, 256),
                     (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]:  # fmt: skip
+        # the three layouts a linear's forward and backward use: x W^T, dy W, dy^T x
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        bt, at = torch.randn(n, k, dtype=dtype).t(), torch.randn(k, m, dtype=dtype).t()
         flops = 2.0 * m * k * n
-        s = _time(lambda a=a, b=b: torch.mm(a, b))
+        s = statistics.fmean(_time(lambda x=x, y=y: torch.mm(x, y)) for x, y in ((a, b), (a, bt), (at, b)))
         curve.append([flops, flops / s])
     return _monotone(curve)
 
@@ -102,9 +106,18 @@ def _elementwise(op_s: float) -> list[list[float]]:
     curve = []
     for k in range(10, 27, 2):  # 1 KiB .. 64 MiB per operand
         n = (1 << k) // 4
-        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        s = _time(lambda a=a, b=b, c=c: torch.add(a, b, out=c))
-        curve.append([3.0 * n * 4, 3.0 * n * 4 / s])
+        a, b = torch.randn(n // 64, 64), torch.randn(n // 64, 64)
+        # four kinds, each with the bytes the model counts (inputs and output): binary,
+        # unary, an activation, and a reduction over the last dimension
+        kinds = [
+            (lambda a=a, b=b: torch.add(a, b), 3 * n * 4),
+            (lambda a=a: torch.mul(a, 2.0), 2 * n * 4),
+            (lambda a=a: F.silu(a), 2 * n * 4),
+            (lambda a=a: a.sum(-1), n * 4 + n // 16),
+        ]
+        seconds = sum(_time(fn) for fn, _ in kinds)
+        nbytes = sum(b for _, b in kinds)
+        curve.append([nbytes / len(kinds), nbytes / seconds])
     return curve
 
 

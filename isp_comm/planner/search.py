@@ -105,7 +105,7 @@ def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) 
         lines[0] = f"{len(ranked)} layouts, none fits; the smallest:"
         shown = ranked[:top]
     lines.append("| # | wp | sp | replicas | ckpt | shard-outer | vocab-parallel | micro-batch x accum | step s | "
-                 "tokens/s | MFU % | peak MiB | fits |")  # fmt: skip
+                 "tokens/s | MFU % | device MiB | fits |")  # fmt: skip
     lines.append("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|")
     for i, r in enumerate(shown, 1):
         lay, st = r.layout, r.step

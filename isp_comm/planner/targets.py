@@ -16,6 +16,7 @@ from typing import Literal
 
 GB = 1e9
 GIB = 2**30
+MIB = 2**20
 
 NCCL_CURVE_NVLINK: tuple[tuple[int, float], ...] = (
     # Fraction of the link's unidirectional bandwidth an NCCL ring all-gather /
@@ -88,7 +89,7 @@ _H100 = Target(
     device="cuda",
     peak_bf16_flops=989.4e12,  # NVIDIA H100 SXM data sheet: 1,979 TFLOPS bf16 with sparsity, half dense
     peak_fp32_flops=66.9e12,  # same data sheet: FP32 67 TFLOPS
-    memory_bytes=80 * GB,  # 80 GB HBM3
+    memory_bytes=81559 * MIB,  # 80 GB HBM3: 81,559 MiB as nvidia-smi reports an H100 SXM
     hbm_bytes_per_s=3.35e12,  # 3.35 TB/s
     nvlink_bytes_per_s=450 * GB,  # NVLink 4: 900 GB/s bidirectional per GPU
     ib_bytes_per_s=50 * GB,  # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
@@ -106,7 +107,7 @@ TARGETS: dict[str, Target] = {
     "h200": dataclasses.replace(
         _H100,
         name="h200",
-        memory_bytes=141 * GB,  # NVIDIA H200 SXM data sheet: 141 GB HBM3e
+        memory_bytes=143771 * MIB,  # NVIDIA H200 SXM data sheet: 141 GB HBM3e (143,771 MiB in nvidia-smi)
         hbm_bytes_per_s=4.8e12,  # 4.8 TB/s; same compute and NVLink 4 as H100 SXM
     ),
     "a100": Target(
@@ -114,7 +115,7 @@ TARGETS: dict[str, Target] = {
         device="cuda",
         peak_bf16_flops=312e12,  # NVIDIA A100 data sheet: 312 TFLOPS bf16 dense
         peak_fp32_flops=19.5e12,  # 19.5 TFLOPS FP32
-        memory_bytes=80 * GB,  # A100 SXM 80GB
+        memory_bytes=81920 * MIB,  # A100 SXM 80GB (81,920 MiB in nvidia-smi)
         hbm_bytes_per_s=2.039e12,  # 2,039 GB/s
         nvlink_bytes_per_s=300 * GB,  # NVLink 3: 600 GB/s bidirectional
         ib_bytes_per_s=25 * GB,  # DGX A100: 8x ConnectX-6 200 Gb/s (HDR)
@@ -132,7 +133,7 @@ TARGETS: dict[str, Target] = {
         device="cuda",
         peak_bf16_flops=2.25e15,  # NVIDIA HGX B200 data sheet: 4.5 PFLOPS bf16 with sparsity, half dense
         peak_fp32_flops=75e12,  # HGX B200: 600 TFLOPS FP32 over 8 GPUs
-        memory_bytes=180 * GB,  # HGX B200: 1.44 TB over 8 GPUs
+        memory_bytes=180 * GB,  # HGX B200: 1.44 TB over 8 GPUs (the data sheet's decimal GB, conservatively)
         hbm_bytes_per_s=7.7e12,  # HGX B200: 62 TB/s over 8 GPUs
         nvlink_bytes_per_s=900 * GB,  # NVLink 5: 1.8 TB/s bidirectional per GPU
         ib_bytes_per_s=50 * GB,  # DGX B200: 8x ConnectX-7 400 Gb/s

@@ -129,7 +129,7 @@ def plan(cfg: TrainConfig, world: int) -> None:
     for ph, nbytes in fc.host_staging.items():
         print(f"host memory per rank for DCP's staging in {ph}: {nbytes / 2**20:.1f} MiB")
     for part, nbytes in mem.outside.items():
-        print(f"outside the allocator's figure: {part}: {nbytes / 2**20:.1f} MiB")
+        print(f"not in max_memory_allocated: {part}: {nbytes / 2**20:.1f} MiB")
     if device.type == "cuda":
         print(f"reserved (max_memory_reserved) forecast: {mem.reserved / 2**20:.1f} MiB")
     verdict = "fits" if mem.fits else "does NOT fit"
