@@ -38,6 +38,8 @@ def summary(prof) -> str:
         rows.append([f"engine host cost per block ({k})", f"{v * 1e3:.3f} ms"])
     for k, v in prof.host_step_s.items():
         rows.append([f"loop host cost per step ({k})", f"{v * 1e3:.3f} ms"])
+    for k, v in prof.compute_scale.items():
+        rows.append([f"operators inside a step over alone ({k})", f"{v:.2f} x"])
     for k, v in prof.runtime_bytes.items():
         rows.append([f"runtime memory beyond the forecast ({k})", f"{v / 2**20:.1f} MiB"])
     return markdown_table(["what", "measured"], rows, "lr")

@@ -5,7 +5,8 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
 * GEMM throughput by size (``torch.mm`` of LLM-like shapes in the three layouts a
   linear's forward and backward use, fp32 and bf16) and fused
   attention (``scaled_dot_product_attention``, causal, forward and backward), each
-  the whole call's time (its dispatch included: on CPU the host runs the kernel);
+  the whole call's time (its dispatch included: on CPU the host runs the kernel),
+  its operands cycled through 64 MiB of copies (``POOL_BYTES``: not hot in cache);
 * element-wise bandwidth by size (an add, a multiply, a SiLU and a row sum, whole
   calls, their bytes read and written over their summed time), and the host's cost
   per dispatched operator (an add of one element), which the model charges to the
@@ -14,12 +15,15 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
   and its streaming rate;
 * each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
   ranks over four sizes, fitted to latency + bytes / bandwidth;
-* the framework: a tiny reference llama (width 64, 1 and 4 blocks) trained by
-  isp-train itself for a few steps at each world; what its step takes beyond the
-  model of its operators and collectives is the host cost per block (the slope over
-  blocks) and per step (the rest), and what its peak RSS holds beyond the memory
-  forecast is the runtime's memory. These are calibration runs of a model too small
-  to compute anything: none of the validation grid's configurations is used.
+* the framework: a small reference llama (width 64) trained by isp-train itself for
+  a few steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
+  per rank, and 4 blocks at 2,048. Each measured step is ``scale x compute +
+  optimizer + blocks x per-block cost + per-step cost`` (the model's compute and
+  optimizer of the same run): three runs give the three unknowns, the host cost per
+  block and per step, and how much slower the operators run inside a step than
+  alone (caches, allocation, autograd; the microbenchmarks time them alone). What
+  the 4-block run's peak RSS holds beyond the memory forecast is the runtime's
+  memory. None of the validation grid's configurations is used.
 """
 
 from __future__ import annotations
@@ -63,6 +67,26 @@ def _time(fn: Callable[[], object], min_s: float = 0.03, repeats: int = 3) -> fl
     return statistics.median(samples)
 
 
+POOL_BYTES = 64 * 2**20
+"""Operands are cycled through copies filling this much memory, 16 times a 4 MiB L2: in
+a step, an operator reads tensors that many others were written after (measured hot,
+in cache, element-wise operators ran three times faster than in a real step)."""
+
+
+def _cold(make: Callable[[], tuple], fn: Callable[..., object]) -> Callable[[], object]:
+    """``fn`` over copies of ``make()``'s operands, a different copy each call."""
+    first = make()
+    nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    copies = [first] + [make() for _ in range(min(max(POOL_BYTES // max(nbytes, 1), 1), 4096) - 1)]
+    state = [0]
+
+    def call() -> object:
+        state[0] = (state[0] + 1) % len(copies)
+        return fn(*copies[state[0]])
+
+    return call
+
+
 def _dispatch_s() -> float:
     a, b = torch.ones(1), torch.ones(1)
     return _time(lambda: torch.add(a, b), min_s=0.05)
@@ -73,10 +97,13 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
     for m, k, n in [(16, 32, 32), (32, 64, 64), (64, 64, 192), (128, 128, 128), (256, 128, 352), (256, 256, 256),
                     (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]:  # fmt: skip
         # the three layouts a linear's forward and backward use: x W^T, dy W, dy^T x
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        bt, at = torch.randn(n, k, dtype=dtype).t(), torch.randn(k, m, dtype=dtype).t()
+        layouts = [
+            lambda m=m, k=k, n=n: (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)),
+            lambda m=m, k=k, n=n: (torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype).t()),
+            lambda m=m, k=k, n=n: (torch.randn(k, m, dtype=dtype).t(), torch.randn(k, n, dtype=dtype)),
+        ]
         flops = 2.0 * m * k * n
-        s = statistics.fmean(_time(lambda x=x, y=y: torch.mm(x, y)) for x, y in ((a, b), (a, bt), (at, b)))
+        s = statistics.fmean(_time(_cold(make, torch.mm)) for make in layouts)
         curve.append([flops, flops / s])
     return _monotone(curve)
 
@@ -84,19 +111,22 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
 def _attention(dtype: torch.dtype, op_s: float) -> tuple[list[list[float]], list[list[float]]]:
     fwd, bwd = [], []
     for s_len, d in [(32, 16), (64, 32), (128, 32), (256, 32), (512, 64), (1024, 64)]:
-        q, k, v = (torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def make(s_len=s_len, d=d):
+            return tuple(torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
+
         flops = 4.0 * 4 * s_len * s_len * d * 0.5
 
-        def forward(q=q, k=k, v=v):
+        def forward(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        t_f = _time(forward)
+        t_f = _time(_cold(make, forward))
 
-        def both(q=q, k=k, v=v):
+        def both(q, k, v):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out.sum(), (q, k, v))
 
-        t_b = max(_time(both) - t_f - 4 * op_s, 0.1 * t_f)  # less the forward and the sum and grad calls
+        t_b = max(_time(_cold(make, both)) - t_f - 4 * op_s, 0.1 * t_f)  # less the forward, the sum and grad calls
         fwd.append([flops, flops / t_f])
         bwd.append([2.5 * flops, 2.5 * flops / t_b])
     return _monotone(fwd), _monotone(bwd)
@@ -106,16 +136,19 @@ def _elementwise(op_s: float) -> list[list[float]]:
     curve = []
     for k in range(10, 27, 2):  # 1 KiB .. 64 MiB per operand
         n = (1 << k) // 4
-        a, b = torch.randn(n // 64, 64), torch.randn(n // 64, 64)
+
+        def make(n=n):
+            return torch.randn(n // 64, 64), torch.randn(n // 64, 64)
+
         # four kinds, each with the bytes the model counts (inputs and output): binary,
         # unary, an activation, and a reduction over the last dimension
         kinds = [
-            (lambda a=a, b=b: torch.add(a, b), 3 * n * 4),
-            (lambda a=a: torch.mul(a, 2.0), 2 * n * 4),
-            (lambda a=a: F.silu(a), 2 * n * 4),
-            (lambda a=a: a.sum(-1), n * 4 + n // 16),
+            (lambda a, b: torch.add(a, b), 3 * n * 4),
+            (lambda a, _b: torch.mul(a, 2.0), 2 * n * 4),
+            (lambda a, _b: F.silu(a), 2 * n * 4),
+            (lambda a, _b: a.sum(-1), n * 4 + n // 16),
         ]
-        seconds = sum(_time(fn) for fn, _ in kinds)
+        seconds = sum(_time(_cold(make, fn)) for fn, _ in kinds)
         nbytes = sum(b for _, b in kinds)
         curve.append([nbytes / len(kinds), nbytes / seconds])
     return curve
@@ -209,10 +242,20 @@ def measure_collectives(sizes: Sequence[int] = (1 << 14, 1 << 18, 1 << 22, 1 << 
     return {b: {"intra": {op: _fit(pts, op, 2) for op, pts in ops.items()}} for b, ops in merged.items()}
 
 
-def _train(world: int, layers: int, steps: int, out: str) -> dict:
-    """A tiny isp-train run; the median step_s after the first two steps and the peak RSS."""
-    cmd = [sys.executable, "-m", "isp_comm.train", *TINY, "--layers", str(layers), "--steps", str(steps)]
-    cmd += ["--out", out, "--overwrite", "--batch", str(2 * world), "--device", "cpu", "--no-bf16"]
+RUNS = ((1, 32, 2), (4, 32, 2), (4, 256, 8))
+"""The calibration model's runs: (blocks, seq, sequences per rank). Two with almost no
+compute (the per-block cost is their slope) and one with 2,048 tokens per rank (how
+much slower the operators run inside a step than alone)."""
+
+
+def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
+    return [*TINY, "--layers", str(layers), "--seq", str(seq), "--batch", str(per_rank * world)]
+
+
+def _train(world: int, run: tuple[int, int, int], steps: int, out: str) -> dict:
+    """A calibration run; the median step_s after the first two steps and the peak RSS."""
+    cmd = [sys.executable, "-m", "isp_comm.train", *_flags(world, *run), "--steps", str(steps)]
+    cmd += ["--out", out, "--overwrite", "--device", "cpu", "--no-bf16"]
     if world > 1:
         cmd += ["--nproc-per-node", str(world)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -224,50 +267,68 @@ def _train(world: int, layers: int, steps: int, out: str) -> dict:
     return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
 
 
-def _plan(world: int, layers: int, profile_path: str) -> dict:
-    """``isp-train --plan`` of the same tiny run, on a profile without host costs: the
-    modelled step and the memory forecast (a fresh process: its baseline is a run's)."""
-    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *TINY, "--layers", str(layers), "--profile", profile_path]
-    cmd += ["--batch", str(2 * world), "--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
+def _plan(world: int, run: tuple[int, int, int], profile_path: str) -> dict:
+    """``isp-train --plan`` of the same run on a profile without host costs: the memory
+    forecast (a fresh process: its baseline is a run's) and the modelled phases."""
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
+    cmd += ["--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     if res.returncode:
         raise RuntimeError(f"calibration plan failed: {res.stderr[-1500:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-SMALL = (1, 4)
-"""Blocks of the calibration model's two runs (the per-block cost is the slope)."""
+    lines = res.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    step = next(line for line in lines if line.startswith("predicted step:"))
+    for phase in ("forward", "backward", "optimizer"):
+        out[phase + "_s"] = float(step.split(f" {phase} ", 1)[1].split(" s", 1)[0])
+    return out
 
 
 def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
-    """The calibration model trained by isp-train at each world, with 1 and 4 blocks.
-    Run first, while this process is small: a child's peak RSS (``ru_maxrss``) starts
-    from its parent's at the fork."""
+    """The calibration model trained by isp-train at each world (:data:`RUNS`). Run
+    first, while this process is small: a child's peak RSS (``ru_maxrss``) starts from
+    its parent's at the fork."""
     with tempfile.TemporaryDirectory() as tmp:
-        return {w: [_train(w, n, steps, os.path.join(tmp, f"run{w}-{n}")) for n in SMALL] for w in worlds}
+        return {w: [_train(w, r, steps, os.path.join(tmp, f"run{w}-{i}")) for i, r in enumerate(RUNS)] for w in worlds}
+
+
+def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
+    """The 3 x 3 linear system ``rows @ x = rhs``."""
+    import torch
+
+    return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64)).tolist()
 
 
 def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
-    """The engine's and the loop's host cost, and the runtime's memory, from the tiny
-    runs (see the module note) against the model of the same runs on ``prof``."""
-    host_block, host_step, runtime, raw = {}, {}, {}, {}
-    small = SMALL
+    """The engine's and the loop's host cost, the operators' slowdown inside a step,
+    and the runtime's memory, from the calibration runs against the model of the same
+    runs on ``prof``: each run's measured step is ``scale x compute + optimizer +
+    blocks x per-block cost + per-step cost``; three runs, three unknowns."""
+    host_block, host_step, scale, runtime, raw = {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for world, measured in runs.items():
             key = "multi" if world > 1 else "single"
-            bare = dataclasses.replace(prof, per_node=world)
             path = os.path.join(tmp, f"bare{world}.json")
-            bare.save(path)
-            planned = [_plan(world, layers, path) for layers in small]
-            residual = [m["step_s"] - p["step_s"] for m, p in zip(measured, planned)]
-            per_block = max((residual[1] - residual[0]) / (small[1] - small[0]), 0.0)
-            host_block[key] = per_block
-            host_step[key] = max(residual[0] - per_block * small[0], 0.0)
+            dataclasses.replace(prof, per_node=world).save(path)
+            planned = [_plan(world, r, path) for r in RUNS]
+            rows = [[p["forward_s"] + p["backward_s"], r[0], 1.0] for p, r in zip(planned, RUNS)]
+            rhs = [m["step_s"] - p["optimizer_s"] for m, p in zip(measured, planned)]
+            k, per_block, per_step = _solve(rows, rhs)
+            scale[key], host_block[key], host_step[key] = max(k, 1.0), max(per_block, 0.0), max(per_step, 0.0)
             peak = max(v for k, v in planned[1].items() if k in ("forward", "backward", "optimizer"))
             runtime[key] = int(max(measured[1]["peak_rss_mib"] - peak, 0.0) * 2**20)
-            raw[key] = {"layers": list(small), "measured": measured, "planned": planned}
+            raw[key] = {
+                "runs": [list(r) for r in RUNS],
+                "measured": measured,
+                "planned": planned,
+                "solved": [k, per_block, per_step],
+            }
     return dataclasses.replace(
-        prof, host_block_s=host_block, host_step_s=host_step, runtime_bytes=runtime, calibration=raw
+        prof,
+        host_block_s=host_block,
+        host_step_s=host_step,
+        compute_scale=scale,
+        runtime_bytes=runtime,
+        calibration=raw,
     )
 
 

@@ -103,6 +103,10 @@ class Profile:
     host_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """The loop's host cost per optimizer step beyond what is modelled (data, clip,
     logging, the loss's read-back), by ``single`` / ``multi``."""
+    compute_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+    """How much longer operators take inside a step than alone (caches shared with
+    every other tensor of the step, allocation, autograd), calibrated on a run of the
+    calibration model, by ``single`` / ``multi`` (1 where not calibrated)."""
     runtime_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     """CPU: what a rank's RSS holds beyond the memory forecast and the process
     baseline (code pages of the kernels run, the data, the loop's threads), measured

@@ -193,16 +193,17 @@ def step_time(
     n_ckpt = round(config.activation_checkpointing * n)
     multi = "multi" if world > 1 else "single"
     host_block = prof.host_block_s.get(multi, 0.0)
+    scale = prof.compute_scale.get(multi, 1.0)
     timed: dict[int, float] = {}  # twins share their Ops: each is timed once
 
     def piece(o: Ops) -> float:
         if id(o) not in timed:
-            timed[id(o)] = compute_time(o.scaled_attention(sp), prof) + host_block / 2
+            timed[id(o)] = scale * compute_time(o.scaled_attention(sp), prof) + host_block / 2
         return timed[id(o)]
 
     fwd = [piece(o) for o in traced.block_fwd]
     bwd = [piece(o) for o in traced.block_bwd]
-    outer = compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof)
+    outer = scale * (compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof))
 
     def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
         return collective_time(prof, backend, op, group, nbytes, span)
