@@ -132,7 +132,7 @@ def test_profile_file_round_trip(tmp_path) -> None:
 
 def _plan(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *flags]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", ISP_COMM_PLAN_CALIBRATE="0", **(env or {}))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ISP_COMM_PLAN_CALIBRATE": "0", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
 
 

@@ -382,3 +382,19 @@ def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = 
     )
     progress("framework: the model of the same runs")
     return framework(prof, runs)
+
+
+def main() -> None:
+    """``python -m isp_comm.planner.calibrate --profile FILE [--worlds 1 2]``: what
+    ``isp-train --plan`` runs on first use (bench/calibrate.py also prints a summary)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="measure this machine into a planner profile")
+    ap.add_argument("--profile", required=True, help="where to write the profile")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    calibrate(worlds=tuple(args.worlds)).save(args.profile)
+
+
+if __name__ == "__main__":
+    main()

@@ -235,9 +235,14 @@ def cached(local_world: int, progress=print) -> Profile:
     path = os.path.join(cache_dir(), machine_key(local_world))
     if os.path.exists(path):
         return load(path)
-    from isp_comm.planner.calibrate import calibrate
+    import subprocess
+    import sys
 
     progress(f"isp-train --plan: calibrating this machine once (under a minute); cached in {path}")
-    prof = calibrate(worlds=(1, 2) if local_world > 1 else (1,))
-    prof.save(path)
-    return prof
+    # in a process of its own: this one's RSS is the plan's baseline
+    cmd = [sys.executable, "-m", "isp_comm.planner.calibrate", "--profile", path]
+    cmd += ["--worlds", "2" if local_world > 1 else "1"]  # the runs this plan reads
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode:
+        raise ValueError(f"calibrating this machine failed: {res.stderr.strip()[-1500:]}")
+    return load(path)
