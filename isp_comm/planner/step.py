@@ -150,6 +150,120 @@ def _sizes(model: nn.Module, blocks: Sequence[nn.Module], config: ISPConfig, wp:
     return gather, reduce, outer_gather, outer_reduce, repl, summed
 
 
+@dataclasses.dataclass
+class _Costs:
+    """Seconds of each piece of a micro-step on one rank, in the engine's order."""
+
+    fwd: list[float]  # per block: forward compute (with its share of the host cost)
+    bwd: list[float]  # per block: backward compute
+    outer: float  # embedding, final norm, head and loss, forward and backward
+    ag: list[float]  # per block: its all-gather
+    rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
+    a2a: float  # per block and direction: Ulysses' four all-to-alls
+    outer_ag: float  # the sharded outer unit's gather (shard_outer)
+    outer_rs: float  # and its reduce-scatter
+    repl_ar: float  # the gradients autograd leaves whole, all-reduced
+    n_ckpt: int  # blocks checkpointed (the first ones)
+    max_inflight: int  # max_inflight_reduce_scatter
+
+
+def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int, int, int, int, int], memo: dict):
+    """The pieces' seconds (``sizes``: world, wp, sp, sequences and tokens per rank)."""
+    world, wp, sp, batch, seq = sizes
+    blocks = memo["blocks"]
+    tkey = ("ops", batch, seq, config.param_dtype)
+    if tkey not in memo:
+        memo[tkey] = trace_ops(model, blocks, batch, seq, config.param_dtype, copies=memo)
+    traced: StepOps = memo[tkey]
+    backend = _backend(config, prof)
+    skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    if skey not in memo:
+        memo[skey] = (_sizes(model, blocks, config, wp, memo), _elements_per_rank(model, config, wp, memo))
+    (gather, reduce, outer_gather, outer_reduce, repl, summed), _ = memo[skey]
+    multi = "multi" if world > 1 else "single"
+    host_block = prof.host_block_s.get(multi, 0.0)
+    scale = prof.compute_scale.get(multi, 1.0)
+    timed: dict[int, float] = {}  # twins share their Ops: each is timed once
+
+    def piece(o: Ops) -> float:
+        if id(o) not in timed:
+            timed[id(o)] = scale * compute_time(o.scaled_attention(sp), prof) + host_block / 2
+        return timed[id(o)]
+
+    def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
+        return collective_time(prof, backend, op, group, nbytes, span)
+
+    replicas = world // wp  # replica groups are strided: they span the world
+    # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
+    # activation's size (an upper bound for k and v under GQA)
+    a2a_bytes = _a2a_bytes(model, batch, seq, config.param_dtype)
+    return _Costs(
+        fwd=[piece(o) for o in traced.block_fwd],
+        bwd=[piece(o) for o in traced.block_bwd],
+        outer=scale * (compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof)),
+        ag=[coll("all_gather", wp, b) for b in gather],
+        rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
+        a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
+        outer_ag=coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0,
+        outer_rs=coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0,
+        repl_ar=coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world),
+        n_ckpt=round(config.activation_checkpointing * len(blocks)),
+        max_inflight=config.max_inflight_reduce_scatter,
+    )
+
+
+def _forward(clock: _Clock, c: _Costs, wp: int) -> float:
+    """One micro-step's forward (and the outside's backward); returns when the last
+    block's re-gather, issued as backward begins, completes."""
+    n = len(c.fwd)
+    if c.outer_ag:
+        clock.wait(clock.issue(c.outer_ag))
+    done = clock.issue(c.ag[0]) if wp > 1 and n else 0.0
+    for i in range(n):
+        clock.wait(done)
+        if wp > 1 and i + 1 < n:
+            done = clock.issue(c.ag[i + 1])
+        clock.t += c.fwd[i]
+        if c.a2a:
+            clock.wait(clock.issue(c.a2a))
+    last = clock.issue(c.ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
+    clock.t += c.outer
+    return last
+
+
+def _backward(clock: _Clock, c: _Costs, wp: int, last: float) -> None:
+    """One micro-step's backward through the blocks, to the last reduction."""
+    done, inflight = last, []
+    for i in reversed(range(len(c.bwd))):
+        clock.wait(done)
+        if wp > 1 and i > 0:
+            done = clock.issue(c.ag[i - 1])
+        clock.t += c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
+        if i < c.n_ckpt and c.a2a:
+            clock.wait(clock.issue(c.a2a))
+        if c.a2a:
+            clock.wait(clock.issue(c.a2a))
+        if c.rs[i]:
+            if len(inflight) >= c.max_inflight:
+                clock.wait(inflight.pop(0))
+            inflight.append(clock.issue(c.rs[i]))
+    for d in inflight:
+        clock.wait(d)
+    if c.outer_rs:
+        clock.wait(clock.issue(c.outer_rs))
+    if c.repl_ar:
+        clock.wait(clock.issue(c.repl_ar))
+
+
+def _optimizer(clock: _Clock, prof: Profile, n_params: int, elements: int, small_ar: float) -> None:
+    """Once per optimizer step: the clip (a read of every gradient and one all-reduce),
+    AdamW, and the all-reduce of the loss and the signal flag."""
+    clock.t += n_params * 3 * prof.op_host_s + elements * 4 / interp(prof.elementwise, elements * 4)
+    clock.wait(clock.issue(small_ar))
+    clock.t += n_params * prof.optimizer_tensor_s + elements * ADAMW_BYTES_PER_ELEMENT / prof.optimizer_bytes_per_s
+    clock.wait(clock.issue(small_ar))
+
+
 def step_time(
     model: nn.Module,
     config: ISPConfig | None,
@@ -177,121 +291,42 @@ def step_time(
         memo["blocks"] = list(find_blocks(model))
     if "n_params" not in memo:
         memo["n_params"] = sum(1 for p in model.parameters() if p.requires_grad)
-    blocks = memo["blocks"]
-    tkey = ("ops", batch // dp, seq // sp, config.param_dtype)
-    if tkey not in memo:
-        memo[tkey] = trace_ops(model, blocks, batch // dp, seq // sp, config.param_dtype, copies=memo)
-    traced: StepOps = memo[tkey]
-    backend = prof.default_backend if config.backend == "auto" else config.backend
-    if backend not in prof.collectives:
-        backend = prof.default_backend
-    skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
-    if skey not in memo:
-        memo[skey] = (_sizes(model, blocks, config, wp, memo), _elements_per_rank(model, config, wp, memo))
-    (gather, reduce, outer_gather, outer_reduce, repl, summed), elements = memo[skey]
-    n = len(blocks)
-    n_ckpt = round(config.activation_checkpointing * n)
-    multi = "multi" if world > 1 else "single"
-    host_block = prof.host_block_s.get(multi, 0.0)
-    scale = prof.compute_scale.get(multi, 1.0)
-    timed: dict[int, float] = {}  # twins share their Ops: each is timed once
-
-    def piece(o: Ops) -> float:
-        if id(o) not in timed:
-            timed[id(o)] = scale * compute_time(o.scaled_attention(sp), prof) + host_block / 2
-        return timed[id(o)]
-
-    fwd = [piece(o) for o in traced.block_fwd]
-    bwd = [piece(o) for o in traced.block_bwd]
-    outer = scale * (compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof))
-
-    def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
-        return collective_time(prof, backend, op, group, nbytes, span)
-
-    replicas = world // wp  # replica groups are strided: they span the world
-    ag = [coll("all_gather", wp, b) for b in gather]
-    rs = [coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce]
-    # Ulysses: q, k, v in and the output back, each of a block's [tokens, hidden] size
-    # (k and v smaller under GQA: taken from the block's first all-to-all's share)
-    a2a_bytes = _a2a_bytes(model, batch // dp, seq // sp, config.param_dtype)
-    a2a_fwd = 4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0
-    outer_ag = coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0
-    outer_rs = coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0
-    repl_ar = coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world)
-
+    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo)
     clock = _Clock(prof.overlap)
     exposed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "host": 0.0}
     for _ in range(grad_accum):
-        # forward
-        t0, e0 = clock.t, clock.exposed
-        if outer_ag:
-            clock.wait(clock.issue(outer_ag))
-        done = clock.issue(ag[0]) if wp > 1 and n else 0.0
-        for i in range(n):
-            clock.wait(done)
-            if wp > 1 and i + 1 < n:
-                done = clock.issue(ag[i + 1])
-            clock.t += fwd[i]
-            if a2a_fwd:
-                clock.wait(clock.issue(a2a_fwd))
-        last = clock.issue(ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
-        clock.t += outer
-        phases["forward"] += clock.t - t0
-        exposed["forward"] += clock.exposed - e0
-        # backward
-        t0, e0 = clock.t, clock.exposed
-        done, inflight = last, []
-        for i in reversed(range(n)):
-            clock.wait(done)
-            if wp > 1 and i > 0:
-                done = clock.issue(ag[i - 1])
-            clock.t += bwd[i] + (fwd[i] if i < n_ckpt else 0.0)
-            if i < n_ckpt and a2a_fwd:
-                clock.wait(clock.issue(a2a_fwd))
-            if a2a_fwd:
-                clock.wait(clock.issue(a2a_fwd))
-            if rs[i]:
-                if len(inflight) >= config.max_inflight_reduce_scatter:
-                    clock.wait(inflight.pop(0))
-                inflight.append(clock.issue(rs[i]))
-        for d in inflight:
-            clock.wait(d)
-        if outer_rs:
-            clock.wait(clock.issue(outer_rs))
-        if repl_ar:
-            clock.wait(clock.issue(repl_ar))
-        phases["backward"] += clock.t - t0
-        exposed["backward"] += clock.exposed - e0
-    # once per optimizer step: clip, AdamW, the loss's all-reduce and the loop
+        for phase in ("forward", "backward"):
+            t0, e0 = clock.t, clock.exposed
+            if phase == "forward":
+                last = _forward(clock, c, wp)
+            else:
+                _backward(clock, c, wp, last)
+            phases[phase] += clock.t - t0
+            exposed[phase] += clock.exposed - e0
     t0, e0 = clock.t, clock.exposed
-    n_params = memo["n_params"]
-    clip = n_params * 3 * prof.op_host_s + elements * 4 / interp(prof.elementwise, elements * 4)
-    clock.t += clip
-    clock.wait(clock.issue(coll("all_reduce", world, 8)))
-    clock.t += n_params * prof.optimizer_tensor_s + elements * ADAMW_BYTES_PER_ELEMENT / prof.optimizer_bytes_per_s
-    clock.wait(clock.issue(coll("all_reduce", world, 8)))  # the loss and the signal flag
-    phases["optimizer"] = clock.t - t0
-    exposed["optimizer"] = clock.exposed - e0
-    phases["host"] = prof.host_step_s.get(multi, 0.0)
+    skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    small_ar = collective_time(prof, _backend(config, prof), "all_reduce", world, 8)
+    _optimizer(clock, prof, memo["n_params"], memo[skey][1], small_ar)
+    phases["optimizer"], exposed["optimizer"] = clock.t - t0, clock.exposed - e0
+    phases["host"] = prof.host_step_s.get("multi" if world > 1 else "single", 0.0)
     step = sum(phases.values())
     tokens = batch * grad_accum * seq
     per_token = memo.get(("flops", seq)) or memo.setdefault(("flops", seq), flops_per_token(model, seq))
     peak = prof.peak_flops.get("bf16" if config.param_dtype in (torch.bfloat16, torch.float16) else "fp32", 0.0)
     comm = {
-        "all_gather": grad_accum * (2 * sum(ag) + outer_ag),
-        "reduce_scatter": grad_accum * (sum(rs) + outer_rs),
-        "all_to_all": grad_accum * a2a_fwd * (2 * n + n_ckpt),
-        "all_reduce": grad_accum * repl_ar + 2 * coll("all_reduce", world, 8),
+        "all_gather": grad_accum * (2 * sum(c.ag) + c.outer_ag),
+        "reduce_scatter": grad_accum * (sum(c.rs) + c.outer_rs),
+        "all_to_all": grad_accum * c.a2a * (2 * len(c.fwd) + c.n_ckpt),
+        "all_reduce": grad_accum * c.repl_ar + 2 * small_ar,
     }
-    return StepTime(
-        step_s=step,
-        tokens_per_s=tokens / step,
-        mfu_pct=100.0 * per_token * tokens / step / world / peak if peak else 0.0,
-        phases=phases,
-        exposed_comm=exposed,
-        comm_s=comm,
-    )
+    mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
+    return StepTime(step, tokens / step, mfu, phases, exposed, comm)
+
+
+def _backend(config: ISPConfig, prof: Profile) -> str:
+    backend = prof.default_backend if config.backend == "auto" else config.backend
+    return backend if backend in prof.collectives else prof.default_backend
 
 
 def _elements_per_rank(model: nn.Module, config: ISPConfig, wp: int, memo: dict) -> int:

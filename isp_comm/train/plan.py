@@ -79,58 +79,55 @@ def command_line(cfg: TrainConfig, prof: profiles.Profile, layout: planner_searc
     return " ".join(parts + layout.flags())
 
 
-def plan(cfg: TrainConfig, world: int) -> None:
-    """``--plan``: the forecast table for these flags on the planning profile's device,
-    the predicted step, with ``--search`` the fastest layouts, then one JSON line
-    (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``)."""
-    from isp_comm.train.__main__ import build_meta_model, isp_config, use_bf16
+@dataclasses.dataclass
+class _Planner:
+    """A meta model on a profile's device: each configuration's memory and step."""
 
-    prof, world = planning_profile(cfg, world)
-    device = torch.device(prof.device)
-    bf16 = use_bf16(cfg, device)
-    if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
-        vocab, tok_dir = 0, ""
-    elif cfg.tokenizer:
-        vocab, tok_dir = len(hf_model.load_tokenizer(cfg.tokenizer)), cfg.tokenizer
-    else:
-        vocab, tok_dir = load_tokens(cfg.data)[1], ""
-    model, _ = build_meta_model(cfg, vocab, tok_dir)
-    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
-    memo: dict = {}
+    model: torch.nn.Module
+    prof: profiles.Profile
+    world: int
+    bf16: bool
+    baseline: int
+    memo: dict = dataclasses.field(default_factory=dict)
 
-    def memory(c: TrainConfig) -> planner_memory.DeviceMemory:
-        wp, icfg = c.wp or world, isp_config(c, bf16)
-        blocks = memo.setdefault("blocks", list(find_blocks(model)))
+    def memory(self, c: TrainConfig) -> planner_memory.DeviceMemory:
+        from isp_comm.train.__main__ import isp_config
+
+        wp, prof = c.wp or self.world, self.prof
+        blocks = self.memo.setdefault("blocks", list(find_blocks(self.model)))
         fc = forecast(
-            model, icfg, world, wp, c.sp, c.batch, c.seq, device=device.type, local_world=prof.per_node,
-            blocks=blocks, memo=memo,
+            self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
+            local_world=prof.per_node, blocks=blocks, memo=self.memo,
         )  # fmt: skip
         return planner_memory.device_memory(
-            fc, prof, world=world, wp=wp, sp=c.sp, baseline=base, capacity=prof.memory_bytes
+            fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes
         )
 
-    def step(c: TrainConfig) -> StepTime:
+    def step(self, c: TrainConfig) -> StepTime:
+        from isp_comm.train.__main__ import isp_config
+
         return step_time(
-            model, isp_config(c, bf16), prof, world=world, wp=c.wp or world, sp=c.sp, batch=c.batch, seq=c.seq,
-            grad_accum=c.grad_accum, memo=memo,
+            self.model, isp_config(c, self.bf16), self.prof, world=self.world, wp=c.wp or self.world, sp=c.sp,
+            batch=c.batch, seq=c.seq, grad_accum=c.grad_accum, memo=self.memo,
         )  # fmt: skip
 
-    mem = memory(cfg)  # first: its checks name the flags
-    st = step(cfg)
-    fc = mem.forecast
-    what = "CUDA allocated" if device.type == "cuda" else "RSS"
+
+def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceMemory, st: StepTime) -> None:
+    """The table, the parts outside it, whether it fits, and the predicted step."""
+    prof, world, fc, cuda = planner.prof, planner.world, mem.forecast, planner.prof.device == "cuda"
     print(
-        f"isp-train --plan: {device.type}{' bf16' if bf16 else ''}, world {world}, wp {cfg.wp or world}, "
-        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({what}); on {prof.name} ({prof.source})"
+        f"isp-train --plan: {prof.device}{' bf16' if planner.bf16 else ''}, world {world}, wp {cfg.wp or world}, "
+        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({'CUDA allocated' if cuda else 'RSS'}); "
+        f"on {prof.name} ({prof.source})"
     )
-    print(fc.table(base))
+    print(fc.table(planner.baseline))
     if fc.shm_bytes:
         print(f"shared memory (/dev/shm) of the host for the symmetric-memory backend: {fc.shm_bytes / 2**20:.1f} MiB")
     for ph, nbytes in fc.host_staging.items():
         print(f"host memory per rank for DCP's staging in {ph}: {nbytes / 2**20:.1f} MiB")
     for part, nbytes in mem.outside.items():
         print(f"not in max_memory_allocated: {part}: {nbytes / 2**20:.1f} MiB")
-    if device.type == "cuda":
+    if cuda:
         print(f"reserved (max_memory_reserved) forecast: {mem.reserved / 2**20:.1f} MiB")
     verdict = "fits" if mem.fits else "does NOT fit"
     print(
@@ -145,28 +142,48 @@ def plan(cfg: TrainConfig, world: int) -> None:
         f"{ph['optimizer']:.4g} s, loop {ph['host']:.4g} s; exposed communication: forward {ex['forward']:.3g} s, "
         f"backward {ex['backward']:.3g} s, optimizer {ex['optimizer']:.3g} s"
     )
+
+
+def _search(cfg: TrainConfig, planner: _Planner) -> None:
+    """--search: every layout of the world for the same global batch, ranked."""
+    model = planner.model
+    heads = getattr(getattr(model, "cfg", None), "n_heads", None) or model.config.num_attention_heads
+    candidates = planner_search.layouts(
+        planner.world, cfg.batch * cfg.grad_accum, cfg.seq, heads, vocab_parallel=not cfg.model and not cfg.lora_rank
+    )
+
+    def layout_config(lay: planner_search.Layout) -> TrainConfig:
+        knobs = ("wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "batch", "grad_accum")
+        return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in knobs})
+
+    ranked = planner_search.rank(
+        candidates, lambda lay: planner.memory(layout_config(lay)), lambda lay: planner.step(layout_config(lay))
+    )
+    print(planner_search.table(ranked, lambda lay: command_line(cfg, planner.prof, lay)))
+
+
+def plan(cfg: TrainConfig, world: int) -> None:
+    """``--plan``: the forecast table for these flags on the planning profile's device,
+    the predicted step, with ``--search`` the fastest layouts, then one JSON line
+    (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``)."""
+    from isp_comm.train.__main__ import build_meta_model, use_bf16
+
+    prof, world = planning_profile(cfg, world)
+    device = torch.device(prof.device)
+    if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
+        vocab, tok_dir = 0, ""
+    elif cfg.tokenizer:
+        vocab, tok_dir = len(hf_model.load_tokenizer(cfg.tokenizer)), cfg.tokenizer
+    else:
+        vocab, tok_dir = load_tokens(cfg.data)[1], ""
+    model, _ = build_meta_model(cfg, vocab, tok_dir)
+    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
+    planner = _Planner(model, prof, world, use_bf16(cfg, device), base)
+    mem = planner.memory(cfg)  # first: its checks name the flags
+    st = planner.step(cfg)
+    _print_plan(cfg, planner, mem, st)
     if cfg.search:
-        heads = getattr(getattr(model, "cfg", None), "n_heads", None) or model.config.num_attention_heads
-        candidates = planner_search.layouts(
-            world, cfg.batch * cfg.grad_accum, cfg.seq, heads, vocab_parallel=not cfg.model and not cfg.lora_rank
-        )
-
-        def layout_config(lay: planner_search.Layout) -> TrainConfig:
-            return dataclasses.replace(
-                cfg,
-                wp=lay.wp,
-                sp=lay.sp,
-                ckpt=lay.ckpt,
-                shard_outer=lay.shard_outer,
-                vocab_parallel=lay.vocab_parallel,
-                batch=lay.batch,
-                grad_accum=lay.grad_accum,
-            )
-
-        ranked = planner_search.rank(
-            candidates, lambda lay: memory(layout_config(lay)), lambda lay: step(layout_config(lay))
-        )
-        print(planner_search.table(ranked, lambda lay: command_line(cfg, prof, lay)))
-    out = fc.as_mib(base)
+        _search(cfg, planner)
+    out = mem.forecast.as_mib(base)
     out.update(step_s=round(st.step_s, 6), tokens_per_s=round(st.tokens_per_s, 1))
     print(json.dumps(out))
