@@ -8,6 +8,10 @@ import pytest
 
 from isp_comm.backends.shm import pid_alive
 
+# isp-train --plan calibrates this machine on first use (a minute of timing runs): the
+# tests plan on the nominal cpu target instead (tests/test_planner.py sets its own).
+os.environ.setdefault("ISP_COMM_PLAN_CALIBRATE", "0")
+
 
 def _segments() -> set[str]:
     try:

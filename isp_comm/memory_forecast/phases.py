@@ -18,7 +18,7 @@ from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
 from isp_comm.memory_forecast.weights import Weights, cpu_runtime, unit_layouts, weights
 
 
-def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str) -> None:
+def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str, memo: dict) -> None:
     if world < 1 or sp < 1 or world % sp or world % wp or wp < 1:
         raise ValueError(f"world {world} must be a multiple of wp {wp} and of sp {sp}")
     dp = world // sp
@@ -28,7 +28,7 @@ def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: i
         raise ValueError(f"seq {seq} must be a multiple of sp {sp}")
     if optimizer not in ("adamw", "sgd", "sgd_momentum"):
         raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'sgd_momentum', got {optimizer!r}")
-    if any(p.device.type != "meta" for p in model.parameters()):
+    if "on meta" not in memo and any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("forecast() needs a model built under torch.device('meta')")
 
 
@@ -47,6 +47,7 @@ def forecast(
     blocks: Sequence[nn.Module] | None = None,
     head: nn.Module | None = None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    memo: dict | None = None,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
 
@@ -59,17 +60,29 @@ def forecast(
     ``device``: where the parameters live; ``local_world``: ranks per host (for the
     shared memory; default all); ``forward(model, input_ids) -> logits``: how to call
     the model (default: transformers models with ``use_cache=False``, else
-    ``model(input_ids)``)."""
+    ``model(input_ids)``); ``memo``: a dict kept across calls on the same model, which
+    reuses its layouts and traces (the planner's search forecasts many layouts)."""
     config = config or ISPConfig()
     wp = wp or world // sp
-    _validate(model, world, wp, sp, batch, seq, optimizer)
+    memo = {} if memo is None else memo
+    _validate(model, world, wp, sp, batch, seq, optimizer, memo)
+    memo["on meta"] = True
     block_list = list(find_blocks(model) if blocks is None else blocks)
-    layouts, replicated = unit_layouts(model, block_list, config, head, wp)
-    w = weights(layouts, replicated, optimizer, config.param_dtype)
+    key = ("layouts", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    if key not in memo:
+        memo[key] = unit_layouts(model, block_list, config, head, wp)
+    layouts, replicated = memo[key]
+    wkey = (*key, "weights", optimizer)
+    if wkey not in memo:
+        memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype)
+    w = memo[wkey]
     plan = pool_plan(layouts, config, wp)
     shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
     n_ckpt = round(config.activation_checkpointing * len(block_list))
-    traced = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward)
+    tkey = ("trace", batch // (world // sp), seq // sp, config.param_dtype)
+    if tkey not in memo:
+        memo[tkey] = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward, memo)
+    traced = memo[tkey]
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     persistent = {
         "master shards": w.master,

@@ -36,6 +36,7 @@ from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config,
 from isp_comm.train.data import Slicing, TrainData, document_offsets, load_tokens, unigram_entropy
 from isp_comm.train.evaluate import eval_note, evaluate, logits_of, micro_loss
 from isp_comm.train.launch import launch, worker_argv
+from isp_comm.train.plan import plan
 from isp_comm.train.store import is_pretokenized, prepare_store
 from isp_comm.train.timeline import draw, write_trace
 from models.llama import LlamaConfig, build
@@ -466,34 +467,6 @@ def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     return avail // max(local_ranks, 1)
-
-
-def plan(cfg: TrainConfig, world: int) -> None:
-    """``--plan``: the forecast table for these flags, then one JSON line (phase -> MiB
-    per rank, absolute: the baseline of this process, torch loaded and the model on
-    meta, included)."""
-    device = resolve_device(cfg)
-    bf16 = use_bf16(cfg, device)
-    if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
-        vocab, tok_dir = 0, ""
-    elif cfg.tokenizer:
-        vocab, tok_dir = len(hf_model.load_tokenizer(cfg.tokenizer)), cfg.tokenizer
-    else:
-        vocab, tok_dir = load_tokens(cfg.data)[1], ""
-    model, _ = build_meta_model(cfg, vocab, tok_dir)
-    fc = memory_forecast(cfg, model, isp_config(cfg, bf16), world, device)
-    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
-    what = "CUDA allocated" if device.type == "cuda" else "RSS"
-    print(
-        f"isp-train --plan: {device.type}{' bf16' if bf16 else ''}, world {world}, wp {cfg.wp or world}, "
-        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({what})"
-    )
-    print(fc.table(base))
-    if fc.shm_bytes:
-        print(f"shared memory (/dev/shm) of the host for the symmetric-memory backend: {fc.shm_bytes / 2**20:.1f} MiB")
-    for ph, nbytes in fc.host_staging.items():
-        print(f"host memory per rank for DCP's staging in {ph}: {nbytes / 2**20:.1f} MiB")
-    print(fc.json_line(base))
 
 
 def start_warnings(cfg: TrainConfig) -> list[str]:

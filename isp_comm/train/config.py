@@ -147,7 +147,23 @@ class TrainConfig:
     """Print the memory forecast of these flags (MiB per rank for every phase: wrap,
     forward, backward, optimizer, save, async save, load, by part) and exit; the last
     line is one JSON object, phase -> MiB, comparable with the peak memory a run logs.
-    The world is --nproc-per-node x --nnodes (or WORLD_SIZE)."""
+    The world is --nproc-per-node x --nnodes (or WORLD_SIZE). Also the predicted step
+    time, tokens/s and MFU (the JSON gains step_s and tokens_per_s), on a profile of
+    this machine (calibrated on first use, under a minute, and cached), of --target
+    or of --profile."""
+    target: str = ""
+    """With --plan: plan for a device you are not on: h100, h200, a100, b200 or cpu,
+    optionally xG for G per node (h100x8), published figures; the world is G x --nodes
+    and no device of that kind is needed here."""
+    nodes: int = 1
+    """With --target: how many nodes of it."""
+    profile: str = ""
+    """With --plan: a profile file (bench/calibrate.py writes one) instead of this
+    machine's cached calibration."""
+    search: bool = False
+    """With --plan: enumerate the layouts (wp, sp, replicas, ckpt, shard-outer,
+    vocab-parallel, micro-batch x grad-accum for the same global batch) and print the
+    five fastest that fit, each with its command line."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
     save_on_signal: bool = True
@@ -181,7 +197,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        self._check_plan()
+        if self.device == "cuda" and not torch.cuda.is_available() and not (self.plan and self.target):
             raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
@@ -214,6 +231,20 @@ class TrainConfig:
 
             if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
+
+    def _check_plan(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if (self.target or self.profile or self.search or self.nodes > 1) and not self.plan:
+            raise ValueError("--target, --nodes, --profile and --search plan a run: give them with --plan")
+        if self.target and self.profile:
+            raise ValueError("--target and --profile: give one (a profile file already describes its device)")
+        if self.nodes > 1 and not self.target:
+            raise ValueError("--nodes needs --target (the nodes of that kind)")
+        if self.target:
+            from isp_comm.planner.targets import parse_target
+
+            parse_target(self.target, self.nodes)  # one line naming the known targets
 
     def _check_eval(self) -> None:
         if self.eval_batches < 1:

@@ -1,0 +1,228 @@
+"""The planner against measurement on this machine: step time and peak memory.
+
+    python bench/plan_check.py --profile FILE [--repeats 3] [--steps 10] [--out DIR]
+
+For each point of a grid (world 1 and 2, one thread per rank; two sizes of the
+reference llama, sequence length, batch, checkpointing, and wp against sp),
+``isp-train --plan --profile FILE`` predicts the step time and the memory, and
+isp-train trains the same flags ``--repeats`` times. Measured per run: the median
+``step_s`` of metrics.jsonl after its first two steps (warm-up), and rank 0's
+``peak_rss_mib`` (ru_maxrss: what the run's highest moment held, baseline included);
+over runs, the median (and range) of both. Predicted: ``step_s`` and the highest of
+the wrap, forward, backward and optimizer phases (the run's last checkpoint is
+saved after its last metrics row). Then ``--search`` for one model and global batch
+at world 2: its first pick is run too, and compared with the fastest layout
+measured. Last, a published figure beside a prediction (not a fit): torchtitan's
+Llama-3.1-8B on 8 H100 with FSDP2.
+
+Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
+The profile must come from bench/calibrate.py on this machine; the grid's models are
+not the calibration's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+
+SMALL = ["--layers", "4", "--hidden", "128", "--heads", "8", "--kv-heads", "2"]
+MEDIUM = ["--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "4"]
+GRID: list[tuple[str, int, list[str]]] = [
+    # (name, world, flags); world 2 adds --nproc-per-node 2
+    ("S seq128 b4", 1, [*SMALL, "--seq", "128", "--batch", "4"]),
+    ("S seq256 b4", 1, [*SMALL, "--seq", "256", "--batch", "4"]),
+    ("M seq128 b4", 1, [*MEDIUM, "--seq", "128", "--batch", "4"]),
+    ("M seq128 b8", 1, [*MEDIUM, "--seq", "128", "--batch", "8"]),
+    ("M seq128 b4 ckpt1", 1, [*MEDIUM, "--seq", "128", "--batch", "4", "--ckpt", "1"]),
+    ("S seq128 b4 wp2", 2, [*SMALL, "--seq", "128", "--batch", "4", "--wp", "2"]),
+    ("S seq128 b4 sp2", 2, [*SMALL, "--seq", "128", "--batch", "4", "--wp", "1", "--sp", "2"]),
+    ("M seq128 b4 wp2", 2, [*MEDIUM, "--seq", "128", "--batch", "4", "--wp", "2"]),
+    ("M seq128 b4 sp2", 2, [*MEDIUM, "--seq", "128", "--batch", "4", "--wp", "1", "--sp", "2"]),
+    ("M seq128 b4 wp2 sp2", 2, [*MEDIUM, "--seq", "128", "--batch", "4", "--wp", "2", "--sp", "2"]),
+    ("M seq128 b4 wp2 ckpt1", 2, [*MEDIUM, "--seq", "128", "--batch", "4", "--wp", "2", "--ckpt", "1"]),
+    ("M seq256 b4 wp2", 2, [*MEDIUM, "--seq", "256", "--batch", "4", "--wp", "2"]),
+    ("M seq128 b8 wp2", 2, [*MEDIUM, "--seq", "128", "--batch", "8", "--wp", "2"]),
+    ("S seq256 b8 wp2 ckpt0.5", 2, [*SMALL, "--seq", "256", "--batch", "8", "--wp", "2", "--ckpt", "0.5"]),
+]
+SEARCH = (2, [*MEDIUM, "--seq", "128", "--batch", "4"])
+"""The search's check: this model and global batch at world 2 (the grid's M seq128 b4 points)."""
+COMMON = ["--device", "cpu", "--no-trace", "--log-every", "1000"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", ISP_COMM_PLAN_CALIBRATE="0")
+
+
+def _launch(world: int) -> list[str]:
+    return ["--nproc-per-node", str(world)] if world > 1 else []
+
+
+def predict(profile: str, world: int, flags: list[str], search: bool = False) -> tuple[dict, list[str]]:
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", "--profile", profile, *COMMON, *flags]
+    cmd += ["--nproc-per-node", str(world)] + (["--search"] if search else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-1]), lines
+
+
+def measure(world: int, flags: list[str], steps: int, out: str) -> dict:
+    cmd = [sys.executable, "-m", "isp_comm.train", *COMMON, *flags, *_launch(world)]
+    cmd += ["--steps", str(steps), "--out", out, "--overwrite"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
+
+
+def _rng(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def check_point(name: str, world: int, flags: list[str], args, tmp: str) -> dict:
+    pred, _ = predict(args.profile, world, flags)
+    runs = [measure(world, flags, args.steps, os.path.join(tmp, f"run{r}")) for r in range(args.repeats)]
+    row = {
+        "name": name,
+        "world": world,
+        "flags": flags,
+        "predicted_step_s": pred["step_s"],
+        "predicted_peak_mib": max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer")),
+        "step_s": [r["step_s"] for r in runs],
+        "peak_rss_mib": [r["peak_rss_mib"] for r in runs],
+    }
+    row["step_error_pct"] = 100 * (row["predicted_step_s"] / statistics.median(row["step_s"]) - 1)
+    row["memory_error_pct"] = 100 * (row["predicted_peak_mib"] / statistics.median(row["peak_rss_mib"]) - 1)
+    progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
+    return row
+
+
+def search_check(args, rows: list[dict], tmp: str) -> dict:
+    """The search's first pick, run, against the fastest measured layout of the same
+    model and global batch (the grid's points and the pick)."""
+    world, flags = SEARCH
+    _, lines = predict(args.profile, world, flags, search=True)
+    first = next(line for line in lines if line.startswith("1: isp-train"))
+    pick = first.split("isp-train", 1)[1].split()
+    pick = [a for i, a in enumerate(pick) if a != "--nproc-per-node" and (i == 0 or pick[i - 1] != "--nproc-per-node")]
+    same = [r for r in rows if r["world"] == world and _model_batch(r["flags"]) == _model_batch(flags)]
+    pick_row = check_point("search's first pick", world, pick, args, tmp)
+    measured = {r["name"]: statistics.median(r["step_s"]) for r in [*same, pick_row]}
+    fastest = min(measured, key=measured.get)
+    return {
+        "pick": pick,
+        "pick_row": pick_row,
+        "measured": measured,
+        "fastest": fastest,
+        "gap_pct": 100 * (measured["search's first pick"] / measured[fastest] - 1),
+    }
+
+
+def _model_batch(flags: list[str]) -> tuple:
+    """A run's model, sequence and global batch (what a search keeps fixed)."""
+    value = dict(zip(flags[::2], flags[1::2])) if all(f.startswith("--") for f in flags[::2]) else {}
+    if not value:  # flags with switches (--shard-outer) break the pairs: walk them
+        i = 0
+        while i < len(flags):
+            if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+                value[flags[i]] = flags[i + 1]
+                i += 2
+            else:
+                value[flags[i]] = "on"
+                i += 1
+    keys = ("--layers", "--hidden", "--heads", "--kv-heads", "--seq")
+    batch = int(value.get("--batch", 8)) * int(value.get("--grad-accum", 1))
+    return (*(value.get(k) for k in keys), batch)
+
+
+def torchtitan_point() -> list[dict]:
+    """Llama-3.1-8B on the h100x8 profile at wp 8, one sequence of 8192 per GPU, bf16,
+    beside torchtitan's published FSDP2 figures (5,762 tokens/s/GPU eager, 6,667
+    compiled). A prediction, not a fit."""
+    import torch
+
+    from isp_comm import ISPConfig
+    from isp_comm.planner.profile import from_target
+    from isp_comm.planner.step import step_time
+    from isp_comm.planner.targets import parse_target
+    from models.llama import LlamaConfig, build
+
+    cfg = LlamaConfig(vocab_size=128256, hidden=4096, ffn_hidden=14336, n_layers=32, n_heads=32, n_kv_heads=8)
+    with torch.device("meta"):
+        model = build(cfg)
+    prof = from_target(parse_target("h100x8"))
+    out = []
+    for ckpt in (0.0, 1.0):
+        icfg = ISPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, activation_checkpointing=ckpt)
+        st = step_time(model, icfg, prof, world=8, wp=8, sp=1, batch=8, seq=8192)
+        out.append({"ckpt": ckpt, "tokens_per_s_per_gpu": st.tokens_per_s / 8, "mfu_pct": st.mfu_pct, **st.as_dict()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", required=True, help="a profile of this machine (bench/calibrate.py)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", type=int, default=0, help="the first N points only (a smoke run)")
+    add_out(ap)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, world, flags in GRID[: args.only or None]:
+            rows.append(check_point(name, world, flags, args, tmp))
+        search = search_check(args, rows, tmp)
+    titan = torchtitan_point()
+    table = [
+        [
+            r["name"],
+            r["world"],
+            f"{r['predicted_step_s'] * 1e3:.1f}",
+            _rng([s * 1e3 for s in r["step_s"]], ".1f"),
+            f"{r['step_error_pct']:+.1f}",
+            f"{r['predicted_peak_mib']:.1f}",
+            _rng(r["peak_rss_mib"], ".1f"),
+            f"{r['memory_error_pct']:+.1f}",
+        ]
+        for r in rows
+    ]
+    head = ["point", "world", "predicted ms", "measured ms, median (range)", "step error %"]
+    head += ["predicted MiB", "measured peak RSS MiB", "memory error %"]
+    print(markdown_table(head, table, "lrrrrrrr"))
+    errors = [abs(r["step_error_pct"]) for r in rows]
+    mem = [abs(r["memory_error_pct"]) for r in rows]
+    print(
+        f"\nstep time: median |error| {statistics.median(errors):.1f}%, largest {max(errors):.1f}% "
+        f"({sum(e > 20 for e in errors)} over 20%); memory: largest |error| {max(mem):.1f}% "
+        f"({sum(e > 5 for e in mem)} over 5%)"
+    )
+    print(
+        f"search's first pick ({' '.join(search['pick'])}): {search['measured'][search_key()] * 1e3:.1f} ms measured; "
+        f"fastest measured: {search['fastest']} {search['measured'][search['fastest']] * 1e3:.1f} ms; "
+        f"gap {search['gap_pct']:+.1f}%"
+    )
+    for t in titan:
+        print(
+            f"torchtitan Llama-3.1-8B, 8 H100, seq 8192, local batch 1: isp-comm wp 8 ckpt {t['ckpt']:g} predicted "
+            f"{t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (MFU {t['mfu_pct']:.1f}%), published FSDP2 5,762 eager / "
+            f"6,667 compiled: {100 * (t['tokens_per_s_per_gpu'] / 5762 - 1):+.0f}% / "
+            f"{100 * (t['tokens_per_s_per_gpu'] / 6667 - 1):+.0f}%"
+        )
+    print(save_results("plan_check", args, [{"grid": rows, "search": search, "torchtitan": titan}]))
+
+
+def search_key() -> str:
+    return "search's first pick"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""Measuring this machine into a :class:`~isp_comm.planner.profile.Profile`.
+
+One thread per rank, as isp-train runs on CPU. What is measured, and how:
+
+* GEMM throughput by size (``torch.mm`` of LLM-like shapes in the three layouts a
+  linear's forward and backward use, fp32 and bf16) and fused
+  attention (``scaled_dot_product_attention``, causal, forward and backward), each
+  the whole call's time (its dispatch included: on CPU the host runs the kernel),
+  its operands cycled through 64 MiB of copies (``POOL_BYTES``: not hot in cache);
+* element-wise bandwidth by size (an add, a multiply, a SiLU and a row sum, whole
+  calls, their bytes read and written over their summed time), and the host's cost
+  per dispatched operator (an add of one element), which the model charges to the
+  operators that move no bytes (views);
+* AdamW: two layouts (many small tensors, few large ones) give its cost per tensor
+  and its streaming rate;
+* each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
+  ranks over four sizes, fitted to latency + bytes / bandwidth;
+* the framework: a small reference llama (width 64) trained by isp-train itself for
+  a few steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
+  per rank, and 4 blocks at 2,048. Each measured step is ``scale x compute +
+  optimizer + blocks x per-block cost + per-step cost`` (the model's compute and
+  optimizer of the same run): three runs give the three unknowns, the host cost per
+  block and per step, and how much slower the operators run inside a step than
+  alone (caches, allocation, autograd; the microbenchmarks time them alone). What
+  the 4-block run's peak RSS holds beyond the memory forecast is the runtime's
+  memory. None of the validation grid's configurations is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from isp_comm.planner.profile import COLLECTIVES, Link, Profile
+from isp_comm.planner.targets import TARGETS
+
+TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "32", "--no-trace", "--log-every", "1000"]
+"""The calibration model: the reference llama at width 64, sequences of 32 tokens."""
+
+
+def _time(fn: Callable[[], object], min_s: float = 0.03, repeats: int = 3) -> float:
+    """Median seconds of one call (each sample: as many calls as fill ``min_s``)."""
+    fn()
+    t0, k = time.perf_counter(), 0
+    while time.perf_counter() - t0 < min_s / 3:
+        fn()
+        k += 1
+    per = (time.perf_counter() - t0) / max(k, 1)
+    calls = max(1, int(min_s / max(per, 1e-9)))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+POOL_BYTES = 64 * 2**20
+"""Operands are cycled through copies filling this much memory, 16 times a 4 MiB L2: in
+a step, an operator reads tensors that many others were written after (measured hot,
+in cache, element-wise operators ran three times faster than in a real step)."""
+
+
+def _cold(make: Callable[[], tuple], fn: Callable[..., object]) -> Callable[[], object]:
+    """``fn`` over copies of ``make()``'s operands, a different copy each call."""
+    first = make()
+    nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    copies = [first] + [make() for _ in range(min(max(POOL_BYTES // max(nbytes, 1), 1), 4096) - 1)]
+    state = [0]
+
+    def call() -> object:
+        state[0] = (state[0] + 1) % len(copies)
+        return fn(*copies[state[0]])
+
+    return call
+
+
+def _dispatch_s() -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return _time(lambda: torch.add(a, b), min_s=0.05)
+
+
+def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
+    curve = []
+    for m, k, n in [(16, 32, 32), (32, 64, 64), (64, 64, 192), (128, 128, 128), (256, 128, 352), (256, 256, 256),
+                    (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]:  # fmt: skip
+        # the three layouts a linear's forward and backward use: x W^T, dy W, dy^T x
+        layouts = [
+            lambda m=m, k=k, n=n: (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)),
+            lambda m=m, k=k, n=n: (torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype).t()),
+            lambda m=m, k=k, n=n: (torch.randn(k, m, dtype=dtype).t(), torch.randn(k, n, dtype=dtype)),
+        ]
+        flops = 2.0 * m * k * n
+        s = statistics.fmean(_time(_cold(make, torch.mm)) for make in layouts)
+        curve.append([flops, flops / s])
+    return _monotone(curve)
+
+
+def _attention(dtype: torch.dtype, op_s: float) -> tuple[list[list[float]], list[list[float]]]:
+    fwd, bwd = [], []
+    for s_len, d in [(32, 16), (64, 32), (128, 32), (256, 32), (512, 64), (1024, 64)]:
+
+        def make(s_len=s_len, d=d):
+            return tuple(torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        flops = 4.0 * 4 * s_len * s_len * d * 0.5
+
+        def forward(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        t_f = _time(_cold(make, forward))
+
+        def both(q, k, v):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out.sum(), (q, k, v))
+
+        t_b = max(_time(_cold(make, both)) - t_f - 4 * op_s, 0.1 * t_f)  # less the forward, the sum and grad calls
+        fwd.append([flops, flops / t_f])
+        bwd.append([2.5 * flops, 2.5 * flops / t_b])
+    return _monotone(fwd), _monotone(bwd)
+
+
+def _elementwise(op_s: float) -> list[list[float]]:
+    curve = []
+    for k in range(10, 27, 2):  # 1 KiB .. 64 MiB per operand
+        n = (1 << k) // 4
+
+        def make(n=n):
+            return torch.randn(n // 64, 64), torch.randn(n // 64, 64)
+
+        # four kinds, each with the bytes the model counts (inputs and output): binary,
+        # unary, an activation, and a reduction over the last dimension
+        kinds = [
+            (lambda a, b: torch.add(a, b), 3 * n * 4),
+            (lambda a, _b: torch.mul(a, 2.0), 2 * n * 4),
+            (lambda a, _b: F.silu(a), 2 * n * 4),
+            (lambda a, _b: a.sum(-1), n * 4 + n // 16),
+        ]
+        seconds = sum(_time(_cold(make, fn)) for fn, _ in kinds)
+        nbytes = sum(b for _, b in kinds)
+        curve.append([nbytes / len(kinds), nbytes / seconds])
+    return curve
+
+
+def _optimizer() -> tuple[float, float]:
+    """AdamW's (seconds per tensor, bytes per second), from many small and few large tensors."""
+
+    def run(n_tensors: int, numel: int) -> float:
+        ps = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n_tensors)]
+        for p in ps:
+            p.grad = torch.randn(numel)
+        opt = torch.optim.AdamW(ps, lr=1e-3)
+        return _time(opt.step, min_s=0.1)
+
+    small_n, small_e, large_n, large_e = 128, 16, 4, 1 << 20
+    t_small, t_large = run(small_n, small_e), run(large_n, large_e)
+    per_tensor = t_small / small_n
+    stream = max(t_large - large_n * per_tensor, 1e-9)
+    return per_tensor, 28.0 * large_n * large_e / stream
+
+
+def _monotone(curve: list[list[float]]) -> list[list[float]]:
+    """Sorted by size (the step model interpolates between neighbours)."""
+    return sorted(curve)
+
+
+def _calls(backend, group, full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], None]]:
+    spare = full.clone()
+    return {
+        "all_gather": lambda: backend.all_gather(full, part, group).wait(60),
+        "reduce_scatter": lambda: backend.reduce_scatter(part, full, group).wait(60),
+        "all_to_all": lambda: backend.all_to_all(full, spare, group).wait(60),
+        "all_reduce": lambda: backend.all_reduce(full, group).wait(60),
+    }
+
+
+def _collectives_rank(rank: int, world: int, sizes: Sequence[int]) -> dict:
+    """On each of 2 ranks: seconds of each collective of each backend at each size."""
+    import torch.distributed as dist
+
+    from isp_comm.backends import make_backend
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name in ("symm", "torch"):
+        backend = make_backend(name, torch.device("cpu"), 60.0)
+        group = dist.group.WORLD
+        try:
+            for nbytes in sizes:
+                n = nbytes // 4
+                full = backend.empty(n, torch.float32, torch.device("cpu"), group)
+                part = backend.empty(n // world, torch.float32, torch.device("cpu"), group)
+                calls = _calls(backend, group, full, part)
+                for op, call in calls.items():
+                    dist.barrier()
+                    reps = max(3, min(50, (1 << 22) // nbytes))
+                    samples = []
+                    for _ in range(3):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            call()
+                        samples.append((time.perf_counter() - t0) / reps)
+                    out.setdefault(name, {}).setdefault(op, []).append([nbytes, statistics.median(samples)])
+        finally:
+            backend.close()
+    return out
+
+
+def _fit(points: list[list[float]], op: str, world: int) -> Link:
+    """Least squares of t = latency x steps + traffic / bandwidth (the step model's form)."""
+    steps = 2 * (world - 1) if op == "all_reduce" else world - 1
+    share = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    xs = [share * b for b, _ in points]
+    ys = [t for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-12)
+    alpha = max(my - slope * mx, 0.0)
+    return Link(latency_s=alpha / steps, bytes_per_s=1.0 / slope, curve=[[1.0, 1.0]])
+
+
+def measure_collectives(sizes: Sequence[int] = (1 << 14, 1 << 18, 1 << 22, 1 << 24)) -> dict:
+    """Both CPU backends at 2 ranks, fitted per collective."""
+    from isp_comm.testing import run_ranks
+
+    raw = run_ranks(_collectives_rank, 2, list(sizes), timeout_s=120.0)
+    merged = {b: {op: [[s, max(a, c)] for (s, a), (_, c) in zip(raw[0][b][op], raw[1][b][op])] for op in COLLECTIVES}
+              for b in raw[0]}  # fmt: skip
+    return {b: {"intra": {op: _fit(pts, op, 2) for op, pts in ops.items()}} for b, ops in merged.items()}
+
+
+RUNS = ((1, 32, 2), (4, 32, 2), (4, 256, 8))
+"""The calibration model's runs: (blocks, seq, sequences per rank). Two with almost no
+compute (the per-block cost is their slope) and one with 2,048 tokens per rank (how
+much slower the operators run inside a step than alone)."""
+
+
+def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
+    return [*TINY, "--layers", str(layers), "--seq", str(seq), "--batch", str(per_rank * world)]
+
+
+def _train(world: int, run: tuple[int, int, int], steps: int, out: str) -> dict:
+    """A calibration run; the median step_s after the first two steps and the peak RSS."""
+    cmd = [sys.executable, "-m", "isp_comm.train", *_flags(world, *run), "--steps", str(steps)]
+    cmd += ["--out", out, "--overwrite", "--device", "cpu", "--no-bf16"]
+    if world > 1:
+        cmd += ["--nproc-per-node", str(world)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode:
+        raise RuntimeError(f"calibration run failed: {res.stderr[-1500:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
+
+
+def _plan(world: int, run: tuple[int, int, int], profile_path: str) -> dict:
+    """``isp-train --plan`` of the same run on a profile without host costs: the memory
+    forecast (a fresh process: its baseline is a run's) and the modelled phases."""
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
+    cmd += ["--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    if res.returncode:
+        raise RuntimeError(f"calibration plan failed: {res.stderr[-1500:]}")
+    lines = res.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    step = next(line for line in lines if line.startswith("predicted step:"))
+    for phase in ("forward", "backward", "optimizer"):
+        out[phase + "_s"] = float(step.split(f" {phase} ", 1)[1].split(" s", 1)[0])
+    return out
+
+
+def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
+    """The calibration model trained by isp-train at each world (:data:`RUNS`). Run
+    first, while this process is small: a child's peak RSS (``ru_maxrss``) starts from
+    its parent's at the fork."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return {w: [_train(w, r, steps, os.path.join(tmp, f"run{w}-{i}")) for i, r in enumerate(RUNS)] for w in worlds}
+
+
+def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
+    """The 3 x 3 linear system ``rows @ x = rhs``."""
+    import torch
+
+    return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64)).tolist()
+
+
+def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
+    """The engine's and the loop's host cost, the operators' slowdown inside a step,
+    and the runtime's memory, from the calibration runs against the model of the same
+    runs on ``prof``: each run's measured step is ``scale x compute + optimizer +
+    blocks x per-block cost + per-step cost``; three runs, three unknowns."""
+    host_block, host_step, scale, runtime, raw = {}, {}, {}, {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, measured in runs.items():
+            key = "multi" if world > 1 else "single"
+            path = os.path.join(tmp, f"bare{world}.json")
+            dataclasses.replace(prof, per_node=world).save(path)
+            planned = [_plan(world, r, path) for r in RUNS]
+            rows = [[p["forward_s"] + p["backward_s"], r[0], 1.0] for p, r in zip(planned, RUNS)]
+            rhs = [m["step_s"] - p["optimizer_s"] for m, p in zip(measured, planned)]
+            k, per_block, per_step = _solve(rows, rhs)
+            scale[key], host_block[key], host_step[key] = max(k, 1.0), max(per_block, 0.0), max(per_step, 0.0)
+            peak = max(v for k, v in planned[1].items() if k in ("forward", "backward", "optimizer"))
+            runtime[key] = int(max(measured[1]["peak_rss_mib"] - peak, 0.0) * 2**20)
+            raw[key] = {
+                "runs": [list(r) for r in RUNS],
+                "measured": measured,
+                "planned": planned,
+                "solved": [k, per_block, per_step],
+            }
+    return dataclasses.replace(
+        prof,
+        host_block_s=host_block,
+        host_step_s=host_step,
+        compute_scale=scale,
+        runtime_bytes=runtime,
+        calibration=raw,
+    )
+
+
+def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = lambda _m: None) -> Profile:
+    """This machine's profile: micro-benchmarks in this process (one thread), the
+    collectives at 2 ranks when ``worlds`` holds one above 1, and the framework's
+    cost at each of ``worlds``."""
+    progress(f"framework: tiny isp-train runs at world {', '.join(map(str, worlds))}")
+    runs = tiny_runs(worlds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        op_s = _dispatch_s()
+        progress(f"dispatch {op_s * 1e6:.1f} us per operator; GEMMs and attention")
+        gemm = {"fp32": _gemm(torch.float32, op_s), "bf16": _gemm(torch.bfloat16, op_s)}
+        attention: dict[str, list[list[float]]] = {}
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            attention[name], attention[name + "_bwd"] = _attention(dt, op_s)
+        elementwise = _elementwise(op_s)
+        per_tensor, stream = _optimizer()
+    finally:
+        torch.set_num_threads(threads)
+    cpu = TARGETS["cpu"]
+    nominal = Link(latency_s=cpu.latency_intra_s, bytes_per_s=cpu.nvlink_bytes_per_s)
+    collectives = {b: {"intra": dict.fromkeys(COLLECTIVES, nominal)} for b in ("symm", "torch")}
+    if max(worlds) > 1:
+        progress("collectives at 2 ranks (symm, torch)")
+        collectives = measure_collectives()
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    when = datetime.date.today().isoformat()
+    prof = Profile(
+        name="this machine",
+        source=f"calibrated {when}: {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}",
+        device="cpu",
+        per_node=1,
+        nodes=1,
+        memory_bytes=avail,
+        peak_flops={"fp32": max(r for _, r in gemm["fp32"]), "bf16": max(r for _, r in gemm["bf16"])},
+        gemm=gemm,
+        attention=attention,
+        elementwise=elementwise,
+        op_host_s=op_s,
+        op_device_s=0.0,
+        optimizer_bytes_per_s=stream,
+        optimizer_tensor_s=per_tensor,
+        collectives=collectives,
+        default_backend="symm",
+        overlap=False,
+    )
+    progress("framework: the model of the same runs")
+    return framework(prof, runs)
+
+
+def main() -> None:
+    """``python -m isp_comm.planner.calibrate --profile FILE [--worlds 1 2]``: what
+    ``isp-train --plan`` runs on first use (bench/calibrate.py also prints a summary)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="measure this machine into a planner profile")
+    ap.add_argument("--profile", required=True, help="where to write the profile")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    calibrate(worlds=tuple(args.worlds)).save(args.profile)
+
+
+if __name__ == "__main__":
+    main()

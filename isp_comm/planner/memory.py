@@ -1,0 +1,96 @@
+"""The memory forecast for a profile's device: the parts that are not tensors.
+
+The forecast (:mod:`isp_comm.memory_forecast`) counts tensors. What a run reports, and
+what must fit, holds more:
+
+* on CPU, the reported figure is a rank's peak RSS (``peak_rss_mib`` in
+  metrics.jsonl): the process baseline (torch loaded, the model on meta; read from the
+  planning process), the forecast's tensors, and the runtime's memory measured by the
+  calibration (code pages of the kernels run, the data, the loop's threads);
+* on CUDA, the reported figures are ``max_memory_allocated`` (the forecast, with
+  cuBLAS's workspace, which the caching allocator serves) and
+  ``max_memory_reserved`` (allocated plus the allocator's rounding and
+  fragmentation); the device also holds the CUDA context and NCCL's buffers, which
+  the allocator never sees.
+
+Modelled, not measured (no GPU has been available): the rounding and fragmentation
+(5% of the allocated peak), the context (600 MiB) and NCCL's buffers (128 MiB per
+communicator: ``NCCL_BUFFSIZE`` 4 MiB x 2 directions x 16 channels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from isp_comm.memory_forecast import PHASES, MemoryForecast
+from isp_comm.planner.profile import Profile
+
+MARGIN = 0.05
+"""The share of a device's memory a plan keeps free: a layout fits when what the
+device holds at its highest phase is at most 95% of the device's memory."""
+FRAGMENTATION = 0.05
+"""CUDA: reserved over allocated, beyond the allocated peak (modelled)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """The forecast with the device's own parts, and whether it fits."""
+
+    forecast: MemoryForecast
+    """Tensors and the parts the reported figure holds (see the module note)."""
+    baseline: int
+    """CPU: the process baseline added to every phase (0 on CUDA)."""
+    reserved: int
+    """CUDA: the allocator's reserved peak (allocated plus rounding); CPU: the RSS peak."""
+    device_total: int
+    """What the device holds at the highest phase (CUDA: reserved, context, NCCL)."""
+    outside: dict[str, int]
+    """The parts outside the reported figure (CUDA: context, NCCL buffers, rounding)."""
+    capacity: int
+    """The device's memory (CPU: the host's available memory over its ranks)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.device_total <= (1 - MARGIN) * self.capacity
+
+    @property
+    def peak(self) -> int:
+        """The reported figure's forecast peak (absolute)."""
+        return max(self.forecast.peak(ph) for ph in PHASES) + self.baseline
+
+
+def communicators(world: int, wp: int, sp: int) -> int:
+    """NCCL communicators a rank holds: the world's, and the WP, SP and replica groups'
+    where they are other groups of more than one rank."""
+    groups = {world} if world > 1 else set()
+    n = len(groups)
+    for size in (wp, sp, world // wp):
+        if 1 < size < world:
+            n += 1
+    return n
+
+
+def device_memory(
+    fc: MemoryForecast, prof: Profile, *, world: int, wp: int, sp: int, baseline: int, capacity: int
+) -> DeviceMemory:
+    """The forecast ``fc`` on ``prof``'s device (see the module note)."""
+    multi = "multi" if world > 1 else "single"
+    if prof.device == "cpu":
+        extra = {"runtime: code, data, threads (calibrated)": prof.runtime_bytes.get(multi, 0)}
+        extra = {k: v for k, v in extra.items() if v}
+        phases = {ph: ({**parts, **extra} if ph != "wrap" else parts) for ph, parts in fc.phases.items()}
+        fc = dataclasses.replace(fc, phases=phases)
+        peak = max(fc.peak(ph) for ph in PHASES) + baseline
+        return DeviceMemory(fc, baseline, peak, peak + fc.shm_bytes // max(prof.per_node, 1), {}, capacity)
+    workspace = prof.cuda.get("workspace", 0)
+    ws = {"cuBLAS workspace": workspace}
+    phases = {ph: (parts if ph == "wrap" else {**parts, **ws}) for ph, parts in fc.phases.items()}
+    fc = dataclasses.replace(fc, phases=phases)
+    allocated = max(fc.peak(ph) for ph in PHASES)
+    outside = {
+        "allocator rounding and fragmentation (modelled, 5%)": int(FRAGMENTATION * allocated),
+        "CUDA context": prof.cuda.get("context", 0),
+        "NCCL buffers": prof.cuda.get("nccl_per_communicator", 0) * communicators(world, wp, sp),
+    }
+    reserved = allocated + outside["allocator rounding and fragmentation (modelled, 5%)"]
+    return DeviceMemory(fc, 0, reserved, allocated + sum(outside.values()), outside, capacity)

@@ -1,0 +1,248 @@
+"""A device profile: how fast a rank computes, moves bytes and talks to its peers.
+
+A :class:`Profile` is what the step-time model reads: GEMM and attention throughput
+by size, the bandwidth of element-wise operators, the host's cost per dispatched
+operator, the optimizer's, each backend's collectives (latency and bandwidth, inside a
+node and across nodes, with a curve of the fraction reached by message size), and the
+framework's own host cost per block and per step. It is a JSON file: built from a
+known target's published figures (:func:`from_target`), or measured on this machine
+(:mod:`isp_comm.planner.calibrate`) and cached per user (:func:`cached`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import os
+from typing import Literal
+
+from isp_comm.planner.targets import NCCL_CURVE_IB, NCCL_CURVE_NVLINK, Cluster
+
+Curve = list[list[float]]
+"""Points [x, y], x ascending; read by :func:`interp` (linear in log x, flat outside)."""
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+CACHE_ENV = "ISP_COMM_CACHE_DIR"
+"""Where calibrated profiles are cached (default: $XDG_CACHE_HOME/isp-comm, else ~/.cache/isp-comm)."""
+
+
+def interp(curve: Curve, x: float) -> float:
+    """``curve`` at ``x``: linear in log x between points, the end values outside."""
+    if not curve:
+        raise ValueError("empty curve")
+    xs = [p[0] for p in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    j = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = curve[j - 1], curve[j]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + w * (y1 - y0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One backend's collectives over one kind of link: time of a collective whose
+    busiest link carries ``b`` bytes is ``latency_s x steps + b / (bytes_per_s x
+    curve(message))``."""
+
+    latency_s: float
+    """Fixed cost per ring step (a collective over g ranks takes g - 1 steps)."""
+    bytes_per_s: float
+    """The link's bandwidth (per rank, one direction)."""
+    curve: Curve = dataclasses.field(default_factory=lambda: [[1.0, 1.0]])
+    """Fraction of ``bytes_per_s`` reached by message size (bytes over the group)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Everything the step-time model knows about a device (see the module note)."""
+
+    name: str
+    """What it describes: a target (``h100x8, 8 nodes``) or ``this machine``."""
+    source: str
+    """Where the figures come from: published ones, or a calibration (date, machine)."""
+    device: Literal["cpu", "cuda"]
+    """Where parameters live (the memory forecast's device)."""
+    per_node: int
+    """Ranks per node."""
+    nodes: int
+    """Nodes."""
+    memory_bytes: int
+    """Memory a rank can have: the GPU's, or the host's available memory over its ranks."""
+    peak_flops: dict[str, float]
+    """Peak FLOP/s by precision (``bf16``, ``fp32``), for MFU."""
+    gemm: dict[str, Curve]
+    """GEMM FLOP/s by the GEMM's FLOPs, per precision."""
+    attention: dict[str, Curve]
+    """Fused attention FLOP/s by the call's FLOPs, per precision (``bf16``,
+    ``fp32``) and direction (``bf16_bwd``, ``fp32_bwd``)."""
+    elementwise: Curve
+    """Element-wise operators: bytes/s by bytes read and written."""
+    op_host_s: float
+    """Host time per dispatched operator (eager PyTorch)."""
+    op_device_s: float
+    """Smallest device time of a kernel (0 on CPU: the host runs it)."""
+    optimizer_bytes_per_s: float
+    """AdamW's streaming rate over its parameters, gradients and two moments."""
+    optimizer_tensor_s: float
+    """AdamW's fixed host cost per parameter tensor (the per-tensor loop on CPU)."""
+    collectives: dict[str, dict[str, dict[str, Link]]]
+    """backend -> ``intra`` / ``inter`` (node) -> collective -> its :class:`Link`."""
+    default_backend: str
+    """What ``--backend auto`` resolves to on this device."""
+    overlap: bool
+    """Whether communication runs beside compute (GPUs: own engines and stream). On
+    CPU the collectives' copies take the cores the compute uses: they add up."""
+    host_block_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The engine's host cost per block per micro-step (hooks, waits, bookkeeping)
+    beyond the operators, by ``single`` (wp 1) / ``multi`` rank runs."""
+    host_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The loop's host cost per optimizer step beyond what is modelled (data, clip,
+    logging, the loss's read-back), by ``single`` / ``multi``."""
+    compute_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+    """How much longer operators take inside a step than alone (caches shared with
+    every other tensor of the step, allocation, autograd), calibrated on a run of the
+    calibration model, by ``single`` / ``multi`` (1 where not calibrated)."""
+    runtime_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """CPU: what a rank's RSS holds beyond the memory forecast and the process
+    baseline (code pages of the kernels run, the data, the loop's threads), measured
+    on a tiny run, by ``single`` / ``multi``."""
+    calibration: dict = dataclasses.field(default_factory=dict)
+    """What the calibration's tiny runs measured and the model predicted for them (the
+    figures behind ``host_block_s``, ``host_step_s`` and ``runtime_bytes``)."""
+    cuda: dict[str, int] = dataclasses.field(default_factory=dict)
+    """CUDA: modelled parts outside the forecast's tensors: ``context`` (the CUDA
+    context), ``workspace`` (cuBLAS), ``nccl_per_communicator`` (NCCL's buffers)."""
+
+    @property
+    def world(self) -> int:
+        return self.per_node * self.nodes
+
+    def link(self, backend: str, group: int, op: str) -> Link:
+        """The link a collective over ``group`` ranks runs on (groups are contiguous
+        ranks: one inside a node while it fits in one)."""
+        links = self.collectives.get(backend) or self.collectives[self.default_backend]
+        scope = "intra" if group <= self.per_node or "inter" not in links else "inter"
+        return links[scope][op]
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+def load(path: str) -> Profile:
+    """A profile file (what :meth:`Profile.save` and bench/calibrate.py write), or a
+    ``ValueError`` naming the file."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        raw["collectives"] = {
+            b: {s: {op: Link(**v) for op, v in ops.items()} for s, ops in scopes.items()}
+            for b, scopes in raw["collectives"].items()
+        }
+        return Profile(**raw)
+    except OSError as exc:
+        raise ValueError(f"--profile {path}: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise ValueError(f"--profile {path}: not a profile file ({type(exc).__name__}: {exc})") from exc
+
+
+def from_target(cluster: Cluster) -> Profile:
+    """A profile from a target's published figures (no measurement)."""
+    t = cluster.target
+    peak = {"bf16": t.peak_bf16_flops, "fp32": t.peak_fp32_flops}
+
+    def ramp(rate: float, half: float) -> Curve:
+        # throughput by work: small calls are bound by launch and tile occupancy;
+        # ``half``: the FLOPs at which half the rate is reached (assumed)
+        return [[half * 2.0**k, rate * (2.0**k / (1.0 + 2.0**k))] for k in range(-6, 9)]
+
+    gemm = {p: ramp(r * t.gemm_efficiency, 2e9 if t.device == "cuda" else 1e6) for p, r in peak.items()}
+    attention = {p: ramp(r * t.attention_efficiency, 4e9 if t.device == "cuda" else 1e6) for p, r in peak.items()}
+    attention.update({f"{p}_bwd": c for p, c in attention.items()})
+    bw = t.hbm_bytes_per_s * t.elementwise_efficiency
+    elementwise = [[2.0**k, bw * (2.0**k / (2.0**k + 2.0**20))] for k in range(10, 34, 2)]
+
+    def links(curve_intra, curve_inter) -> dict[str, dict[str, Link]]:
+        intra = Link(latency_s=t.latency_intra_s, bytes_per_s=t.nvlink_bytes_per_s, curve=[[*p] for p in curve_intra])
+        inter = Link(latency_s=t.latency_inter_s, bytes_per_s=t.ib_bytes_per_s, curve=[[*p] for p in curve_inter])
+        return {"intra": dict.fromkeys(COLLECTIVES, intra), "inter": dict.fromkeys(COLLECTIVES, inter)}
+
+    flat = [[1.0, 1.0]]
+    collectives = {"torch": links(NCCL_CURVE_NVLINK, NCCL_CURVE_IB)}
+    if t.device == "cpu":
+        collectives = {"symm": links(flat, NCCL_CURVE_IB), "torch": links(flat, NCCL_CURVE_IB)}
+    cuda = {}
+    if t.device == "cuda":
+        cuda = {
+            "context": 600 * 2**20,  # CUDA context and torch's kernels: ~0.5-0.7 GiB on Hopper (not allocated)
+            "workspace": 32 * 2**20,  # cuBLAS workspace torch allocates per stream on sm90 (4 MiB x 8)
+            # NCCL_BUFFSIZE (4 MiB) x 2 directions x 16 channels, per communicator
+            "nccl_per_communicator": 128 * 2**20,
+        }
+    return Profile(
+        name=cluster.describe(),
+        source=f"target {t.name}: published figures (isp_comm/planner/targets.py), not measured",
+        device=t.device,
+        per_node=cluster.per_node,
+        nodes=cluster.nodes,
+        memory_bytes=t.memory_bytes,
+        peak_flops=peak,
+        gemm=gemm,
+        attention=attention,
+        elementwise=elementwise,
+        op_host_s=t.op_host_s,
+        op_device_s=t.op_device_s,
+        optimizer_bytes_per_s=t.hbm_bytes_per_s * t.elementwise_efficiency,
+        optimizer_tensor_s=12 * t.op_host_s if t.device == "cpu" else 0.0,  # fused/for-each AdamW on GPUs
+        collectives=collectives,
+        default_backend="symm" if t.device == "cpu" else "torch",
+        overlap=t.device == "cuda",
+        host_block_s={"single": 20 * t.op_host_s, "multi": 40 * t.op_host_s},
+        host_step_s={"single": 200 * t.op_host_s, "multi": 400 * t.op_host_s},
+        cuda=cuda,
+    )
+
+
+def cache_dir() -> str:
+    """Where calibrated profiles are kept: ``$ISP_COMM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/isp-comm``, else ``~/.cache/isp-comm``."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "isp-comm")
+
+
+def machine_key(local_world: int) -> str:
+    """A cached profile's name: this machine's cores, CPU capability and torch, and the
+    ranks it was calibrated for (1, or 2 and more)."""
+    import torch
+
+    ranks = "multi" if local_world > 1 else "single"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"cpu-{os.cpu_count()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}.json"
+
+
+def cached(local_world: int, progress=print) -> Profile:
+    """This machine's profile for ``local_world`` ranks: from the cache, or calibrated
+    now (under a minute) and cached."""
+    path = os.path.join(cache_dir(), machine_key(local_world))
+    if os.path.exists(path):
+        return load(path)
+    import subprocess
+    import sys
+
+    progress(f"isp-train --plan: calibrating this machine once (under a minute); cached in {path}")
+    # in a process of its own: this one's RSS is the plan's baseline
+    cmd = [sys.executable, "-m", "isp_comm.planner.calibrate", "--profile", path]
+    cmd += ["--worlds", "2" if local_world > 1 else "1"]  # the runs this plan reads
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode:
+        raise ValueError(f"calibrating this machine failed: {res.stderr.strip()[-1500:]}")
+    return load(path)

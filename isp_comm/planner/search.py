@@ -1,0 +1,123 @@
+"""``--plan --search``: every layout of a world, the fastest that fit first.
+
+For a global batch (``--batch`` x ``--grad-accum``) and sequence length, the
+layouts are: ``wp`` and ``sp`` among the world's divisors (``sp`` also dividing the
+heads and the sequence), the replicas that follow, ``ckpt`` 0 / 0.5 / 1,
+``shard_outer`` off / on, ``vocab_parallel`` off / on (the reference llama, wp > 1),
+and the micro-batch: sequences per rank per micro-step, with ``--grad-accum`` making
+up the global batch. Each is forecast (memory, on the profile's device) and timed
+(:mod:`isp_comm.planner.step`); a layout fits when the device holds at most
+``1 - MARGIN`` of its memory at its highest phase. Fitting layouts come first, by
+predicted step time; those that cannot fit come after, marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from isp_comm.planner.memory import MARGIN, DeviceMemory
+from isp_comm.planner.step import StepTime
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run the job."""
+
+    world: int
+    wp: int
+    sp: int
+    ckpt: float
+    shard_outer: bool
+    vocab_parallel: bool
+    batch: int
+    """Sequences per micro-step over the job (isp-train's --batch)."""
+    grad_accum: int
+
+    def flags(self) -> list[str]:
+        out = ["--wp", str(self.wp), "--sp", str(self.sp), "--batch", str(self.batch)]
+        out += ["--grad-accum", str(self.grad_accum), "--ckpt", f"{self.ckpt:g}"]
+        out += ["--shard-outer"] if self.shard_outer else []
+        out += ["--vocab-parallel"] if self.vocab_parallel else []
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    layout: Layout
+    step: StepTime | None
+    """The predicted step (``None`` for a layout that cannot fit: not timed)."""
+    memory: DeviceMemory
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    world: int, global_batch: int, seq: int, heads: int, *, vocab_parallel: bool = True, max_sp: int = 64
+) -> list[Layout]:
+    """Every layout isp-train would run for this world and global batch."""
+    out = []
+    for sp in divisors(world):
+        if sp > max_sp or heads % sp or seq % sp:
+            continue
+        dp = world // sp
+        micro = [m for m in (1, 2, 4, 8, 16, 32) if global_batch % (dp * m) == 0]
+        for wp in divisors(world):
+            for m in micro:
+                for ckpt in (0.0, 0.5, 1.0):
+                    for outer in (False, True):
+                        for vp in (False, True) if vocab_parallel and wp > 1 else (False,):
+                            batch = dp * m
+                            out.append(Layout(world, wp, sp, ckpt, outer, vp, batch, global_batch // batch))
+    return out
+
+
+def rank(
+    candidates: list[Layout],
+    memory: Callable[[Layout], DeviceMemory],
+    step: Callable[[Layout], StepTime],
+    top: int = 5,
+) -> list[Ranked]:
+    """Every layout's memory; those that fit timed and ranked by predicted step time,
+    then those that do not, smallest first (only the ``top`` smallest timed)."""
+    mems = [(lay, memory(lay)) for lay in candidates]
+    fitting = sorted((Ranked(lay, step(lay), m) for lay, m in mems if m.fits), key=lambda r: r.step.step_s)
+    others = sorted(((lay, m) for lay, m in mems if not m.fits), key=lambda lm: lm[1].device_total)
+    return fitting + [Ranked(lay, step(lay) if i < top else None, m) for i, (lay, m) in enumerate(others)]
+
+
+def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) -> str:
+    """The ``top`` fastest that fit (or, when none does, the smallest), with the
+    command line of each."""
+    fitting = [r for r in ranked if r.fits]
+    lines = [
+        f"{len(ranked)} layouts, {len(fitting)} fit (at most {100 * (1 - MARGIN):.0f}% of the device's memory at "
+        "their highest phase); the fastest:"
+    ]
+    shown = fitting[:top]
+    if not shown:
+        lines[0] = f"{len(ranked)} layouts, none fits; the smallest:"
+        shown = ranked[:top]
+    lines.append("| # | wp | sp | replicas | ckpt | shard-outer | vocab-parallel | micro-batch x accum | step s | "
+                 "tokens/s | MFU % | device MiB | fits |")  # fmt: skip
+    lines.append("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|")
+    for i, r in enumerate(shown, 1):
+        lay, st = r.layout, r.step
+        assert st is not None  # the shown ones are timed
+        lines.append(
+            f"| {i} | {lay.wp} | {lay.sp} | {lay.world // lay.wp} | {lay.ckpt:g} | "
+            f"{'yes' if lay.shard_outer else 'no'} | "
+            f"{'yes' if lay.vocab_parallel else 'no'} | {lay.batch} x {lay.grad_accum} | {st.step_s:.3f} | "
+            f"{st.tokens_per_s:,.0f} | {st.mfu_pct:.1f} | {r.memory.device_total / 2**20:,.0f} | "
+            f"{'yes' if r.fits else '**no**'} |"
+        )
+    lines.append("")
+    for i, r in enumerate(shown, 1):
+        lines.append(f"{i}: {command(r.layout)}")
+    return "\n".join(lines)

@@ -1,0 +1,345 @@
+"""How long an optimizer step takes: the engine's schedule, replayed on a profile.
+
+The same inputs as the memory forecast: the unit layouts (what each block gathers and
+reduce-scatters), the configuration (checkpointing, slots, reduce-scatters in flight)
+and a meta trace at the rank's local shape (:mod:`isp_comm.planner.ops`). A
+micro-step is replayed on two clocks, the compute stream's and the communication
+stream's (collectives run one after the other, in issue order), as
+:mod:`isp_comm.hooks.engine` issues them:
+
+* forward: block i waits for its gather, issues block i+1's, computes; SP's
+  all-to-alls sit on the compute path (each block waits for them);
+* the outside (embedding, final norm, head, loss) forward and backward;
+* backward, in reverse: block i waits for its re-gather (the last block's is issued
+  when backward begins), issues block i-1's, recomputes its forward when it is
+  checkpointed, computes its backward, then issues its reduce-scatter after waiting
+  for the oldest when ``max_inflight_reduce_scatter`` are in flight;
+* the end of backward waits for every reduce-scatter; the gradients autograd leaves
+  whole are all-reduced (bucketed; counted after the last block, exposed).
+
+Then, once per optimizer step: the gradient-norm clip (a read of every gradient shard
+and one all-reduce), AdamW (memory-bound: parameters, gradients and both moments, and
+a fixed host cost per parameter tensor), the loss's all-reduce, and the loop's host
+cost. A compute piece costs its GEMMs and attention by FLOPs over the profile's
+throughput at that size, its element-wise operators by bytes over bandwidth, and one
+host dispatch per operator: on CPU these add up (the calibrated curves are whole
+calls, dispatch included, so views alone add a dispatch); on a GPU the host issues
+while the device runs, so a piece takes the longer of the two. On CPU, communication takes the
+cores the compute uses and adds to it (``Profile.overlap``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from isp_comm.config import ISPConfig
+from isp_comm.discovery import find_blocks
+from isp_comm.memory_forecast.weights import unit_layouts
+from isp_comm.planner.ops import Ops, StepOps, trace_ops
+from isp_comm.planner.profile import Profile, interp
+from isp_comm.train.metrics import flops_per_token
+
+ADAMW_BYTES_PER_ELEMENT = 28
+"""AdamW (fp32): parameter read and write, gradient read, two moments read and written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The predicted step of one rank: seconds per phase, exposed communication per phase."""
+
+    step_s: float
+    """Seconds per optimizer step (all micro-steps, the clip, the optimizer, the loop)."""
+    tokens_per_s: float
+    """Tokens per second of the whole job."""
+    mfu_pct: float
+    """Model FLOPs (6N + 12 L d s per token, as isp-train counts) over the peak bf16 FLOP/s."""
+    phases: dict[str, float]
+    """Seconds per step: ``forward``, ``backward`` (recompute included), ``optimizer``
+    (clip and AdamW), ``host`` (the loop's own cost), summed over micro-steps."""
+    exposed_comm: dict[str, float]
+    """Seconds per step the compute waited on communication, by phase."""
+    comm_s: dict[str, float]
+    """Seconds per step of each kind of collective (all_gather, reduce_scatter,
+    all_to_all, all_reduce), hidden or not."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _precision(low: bool) -> str:
+    return "bf16" if low else "fp32"
+
+
+def compute_time(ops: Ops, prof: Profile) -> float:
+    """Seconds for a piece of compute (see the module note)."""
+    dev = sum(f / interp(prof.gemm[_precision(lp)], f) for f, lp in ops.gemm)
+    for f, lp, back in ops.attention:
+        key = _precision(lp) + ("_bwd" if back else "")
+        dev += f / interp(prof.attention.get(key) or prof.attention[_precision(lp)], f)
+    dev += sum(b / interp(prof.elementwise, b) for b in ops.moved)
+    kernels = len(ops.gemm) + len(ops.attention) + len(ops.moved)
+    if prof.device == "cpu":  # the curves hold whole calls (dispatch included); views cost a dispatch
+        return dev + (ops.dispatches - kernels) * prof.op_host_s
+    dev += kernels * prof.op_device_s
+    return max(dev, ops.dispatches * prof.op_host_s)  # the host issues while the device runs
+
+
+def collective_time(prof: Profile, backend: str, op: str, group: int, nbytes: float, span: int = 0) -> float:
+    """Seconds for one collective over ``group`` ranks of a buffer of ``nbytes`` (the
+    gathered size for all-gather and reduce-scatter): ring steps' latency, and the
+    bytes the busiest link carries over its bandwidth at this message size. ``span``:
+    the ranks the group's members are spread over (default ``group``: contiguous)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    link = prof.link(backend, span or group, op)
+    steps, traffic = group - 1, (group - 1) / group
+    if op == "all_reduce":  # reduce-scatter then all-gather
+        steps, traffic = 2 * steps, 2 * traffic
+    return link.latency_s * steps + traffic * nbytes / (link.bytes_per_s * interp(link.curve, nbytes))
+
+
+@dataclasses.dataclass
+class _Clock:
+    """The compute stream's time and the communication stream's; ``overlap`` off:
+    every collective is waited for at once."""
+
+    overlap: bool
+    t: float = 0.0
+    comm: float = 0.0
+    exposed: float = 0.0
+
+    def issue(self, seconds: float) -> float:
+        """Queue a collective now; returns when it completes."""
+        start = max(self.comm, self.t)
+        self.comm = start + seconds
+        if not self.overlap:
+            self.wait(self.comm)
+        return self.comm
+
+    def wait(self, done: float) -> None:
+        if done > self.t:
+            self.exposed += done - self.t
+            self.t = done
+
+
+def _sizes(model: nn.Module, blocks: Sequence[nn.Module], config: ISPConfig, wp: int, memo: dict):
+    """Bytes each block gathers and reduce-scatters, the outer unit's, and the
+    gradients all-reduced whole (from the engine's layouts, as the forecast reads them)."""
+    key = ("layouts", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    if key not in memo:
+        memo[key] = unit_layouts(model, list(blocks), config, None, wp)
+    layouts, replicated = memo[key]
+    gather, reduce = [], []
+    outer_gather = outer_reduce = summed = 0
+    for i, lay, tr in layouts:
+        g = lay.gathered_numel * lay.gather_dtype.itemsize
+        r = sum(grp.gathered_numel * grp.dtype.itemsize for grp in lay.full_groups) if any(tr) else 0
+        if i >= 0:
+            gather.append(g)
+            reduce.append(r)
+        elif i == -1:
+            outer_gather, outer_reduce = g, r
+        elif any(tr):  # the vocab-parallel head and split embedding: their shards all-reduced over replicas
+            summed += sum(sp_.valid_rows * sp_.inner for sp_ in lay.params) * 4
+    rd = config.reduce_dtype.itemsize if config.reduce_dtype is not None else 4
+    repl = sum(p.numel() for p in replicated if p.requires_grad) * rd
+    return gather, reduce, outer_gather, outer_reduce, repl, summed
+
+
+@dataclasses.dataclass
+class _Costs:
+    """Seconds of each piece of a micro-step on one rank, in the engine's order."""
+
+    fwd: list[float]  # per block: forward compute (with its share of the host cost)
+    bwd: list[float]  # per block: backward compute
+    outer: float  # embedding, final norm, head and loss, forward and backward
+    ag: list[float]  # per block: its all-gather
+    rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
+    a2a: float  # per block and direction: Ulysses' four all-to-alls
+    outer_ag: float  # the sharded outer unit's gather (shard_outer)
+    outer_rs: float  # and its reduce-scatter
+    repl_ar: float  # the gradients autograd leaves whole, all-reduced
+    n_ckpt: int  # blocks checkpointed (the first ones)
+    max_inflight: int  # max_inflight_reduce_scatter
+
+
+def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int, int, int, int, int], memo: dict):
+    """The pieces' seconds (``sizes``: world, wp, sp, sequences and tokens per rank)."""
+    world, wp, sp, batch, seq = sizes
+    blocks = memo["blocks"]
+    tkey = ("ops", batch, seq, config.param_dtype)
+    if tkey not in memo:
+        memo[tkey] = trace_ops(model, blocks, batch, seq, config.param_dtype, copies=memo)
+    traced: StepOps = memo[tkey]
+    backend = _backend(config, prof)
+    skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    if skey not in memo:
+        memo[skey] = (_sizes(model, blocks, config, wp, memo), _elements_per_rank(model, config, wp, memo))
+    (gather, reduce, outer_gather, outer_reduce, repl, summed), _ = memo[skey]
+    multi = "multi" if world > 1 else "single"
+    host_block = prof.host_block_s.get(multi, 0.0)
+    scale = prof.compute_scale.get(multi, 1.0)
+    timed: dict[int, float] = {}  # twins share their Ops: each is timed once
+
+    def piece(o: Ops) -> float:
+        if id(o) not in timed:
+            timed[id(o)] = scale * compute_time(o.scaled_attention(sp), prof) + host_block / 2
+        return timed[id(o)]
+
+    def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
+        return collective_time(prof, backend, op, group, nbytes, span)
+
+    replicas = world // wp  # replica groups are strided: they span the world
+    # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
+    # activation's size (an upper bound for k and v under GQA)
+    a2a_bytes = _a2a_bytes(model, batch, seq, config.param_dtype)
+    return _Costs(
+        fwd=[piece(o) for o in traced.block_fwd],
+        bwd=[piece(o) for o in traced.block_bwd],
+        outer=scale * (compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof)),
+        ag=[coll("all_gather", wp, b) for b in gather],
+        rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
+        a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
+        outer_ag=coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0,
+        outer_rs=coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0,
+        repl_ar=coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world),
+        n_ckpt=round(config.activation_checkpointing * len(blocks)),
+        max_inflight=config.max_inflight_reduce_scatter,
+    )
+
+
+def _forward(clock: _Clock, c: _Costs, wp: int) -> float:
+    """One micro-step's forward (and the outside's backward); returns when the last
+    block's re-gather, issued as backward begins, completes."""
+    n = len(c.fwd)
+    if c.outer_ag:
+        clock.wait(clock.issue(c.outer_ag))
+    done = clock.issue(c.ag[0]) if wp > 1 and n else 0.0
+    for i in range(n):
+        clock.wait(done)
+        if wp > 1 and i + 1 < n:
+            done = clock.issue(c.ag[i + 1])
+        clock.t += c.fwd[i]
+        if c.a2a:
+            clock.wait(clock.issue(c.a2a))
+    last = clock.issue(c.ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
+    clock.t += c.outer
+    return last
+
+
+def _backward(clock: _Clock, c: _Costs, wp: int, last: float) -> None:
+    """One micro-step's backward through the blocks, to the last reduction."""
+    done, inflight = last, []
+    for i in reversed(range(len(c.bwd))):
+        clock.wait(done)
+        if wp > 1 and i > 0:
+            done = clock.issue(c.ag[i - 1])
+        clock.t += c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
+        if i < c.n_ckpt and c.a2a:
+            clock.wait(clock.issue(c.a2a))
+        if c.a2a:
+            clock.wait(clock.issue(c.a2a))
+        if c.rs[i]:
+            if len(inflight) >= c.max_inflight:
+                clock.wait(inflight.pop(0))
+            inflight.append(clock.issue(c.rs[i]))
+    for d in inflight:
+        clock.wait(d)
+    if c.outer_rs:
+        clock.wait(clock.issue(c.outer_rs))
+    if c.repl_ar:
+        clock.wait(clock.issue(c.repl_ar))
+
+
+def _optimizer(clock: _Clock, prof: Profile, n_params: int, elements: int, small_ar: float) -> None:
+    """Once per optimizer step: the clip (a read of every gradient and one all-reduce),
+    AdamW, and the all-reduce of the loss and the signal flag."""
+    clock.t += n_params * 3 * prof.op_host_s + elements * 4 / interp(prof.elementwise, elements * 4)
+    clock.wait(clock.issue(small_ar))
+    clock.t += n_params * prof.optimizer_tensor_s + elements * ADAMW_BYTES_PER_ELEMENT / prof.optimizer_bytes_per_s
+    clock.wait(clock.issue(small_ar))
+
+
+def step_time(
+    model: nn.Module,
+    config: ISPConfig | None,
+    prof: Profile,
+    *,
+    world: int,
+    wp: int | None,
+    sp: int,
+    batch: int,
+    seq: int,
+    grad_accum: int = 1,
+    memo: dict | None = None,
+) -> StepTime:
+    """The predicted step (see the module note). ``batch``: sequences per micro-step over
+    the whole job (each rank gets ``batch / (world / sp)`` of ``seq / sp`` tokens, as
+    isp-train splits them); ``model``: built on meta; ``memo``: reused across calls on
+    the same model (traces and layouts)."""
+    config = config or ISPConfig()
+    memo = {} if memo is None else memo
+    wp = wp or world // sp
+    dp = world // sp
+    if world % wp or world % sp or batch % dp or seq % sp:
+        raise ValueError(f"world {world}, wp {wp}, sp {sp}, batch {batch}, seq {seq}: not a layout isp-train runs")
+    if "blocks" not in memo:
+        memo["blocks"] = list(find_blocks(model))
+    if "n_params" not in memo:
+        memo["n_params"] = sum(1 for p in model.parameters() if p.requires_grad)
+    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo)
+    clock = _Clock(prof.overlap)
+    exposed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "host": 0.0}
+    for _ in range(grad_accum):
+        for phase in ("forward", "backward"):
+            t0, e0 = clock.t, clock.exposed
+            if phase == "forward":
+                last = _forward(clock, c, wp)
+            else:
+                _backward(clock, c, wp, last)
+            phases[phase] += clock.t - t0
+            exposed[phase] += clock.exposed - e0
+    t0, e0 = clock.t, clock.exposed
+    skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    small_ar = collective_time(prof, _backend(config, prof), "all_reduce", world, 8)
+    _optimizer(clock, prof, memo["n_params"], memo[skey][1], small_ar)
+    phases["optimizer"], exposed["optimizer"] = clock.t - t0, clock.exposed - e0
+    phases["host"] = prof.host_step_s.get("multi" if world > 1 else "single", 0.0)
+    step = sum(phases.values())
+    tokens = batch * grad_accum * seq
+    per_token = memo.get(("flops", seq)) or memo.setdefault(("flops", seq), flops_per_token(model, seq))
+    peak = prof.peak_flops.get("bf16" if config.param_dtype in (torch.bfloat16, torch.float16) else "fp32", 0.0)
+    comm = {
+        "all_gather": grad_accum * (2 * sum(c.ag) + c.outer_ag),
+        "reduce_scatter": grad_accum * (sum(c.rs) + c.outer_rs),
+        "all_to_all": grad_accum * c.a2a * (2 * len(c.fwd) + c.n_ckpt),
+        "all_reduce": grad_accum * c.repl_ar + 2 * small_ar,
+    }
+    mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
+    return StepTime(step, tokens / step, mfu, phases, exposed, comm)
+
+
+def _backend(config: ISPConfig, prof: Profile) -> str:
+    backend = prof.default_backend if config.backend == "auto" else config.backend
+    return backend if backend in prof.collectives else prof.default_backend
+
+
+def _elements_per_rank(model: nn.Module, config: ISPConfig, wp: int, memo: dict) -> int:
+    """Trainable elements rank 0 keeps (its shards and the replicated parameters)."""
+    key = ("layouts", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    layouts, replicated = memo[key]
+    shards = sum(sp_.valid_rows * sp_.inner for _, lay, tr in layouts for sp_, t in zip(lay.params, tr) if t)
+    return shards + sum(p.numel() for p in replicated if p.requires_grad)
+
+
+def _a2a_bytes(model: nn.Module, batch: int, seq: int, param_dtype: torch.dtype | None) -> float:
+    """Bytes of one Ulysses all-to-all of a rank: a [batch, seq/sp, hidden] activation."""
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", 0)
+    itemsize = param_dtype.itemsize if param_dtype is not None else 4
+    return float(batch * seq * hidden * itemsize)

@@ -1,0 +1,189 @@
+"""``isp-train --plan``: memory per phase, the predicted step, and with ``--search`` the
+fastest layouts, for this machine, a profile file or a target you are not on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from isp_comm.discovery import find_blocks
+from isp_comm.memory_forecast import forecast
+from isp_comm.planner import memory as planner_memory
+from isp_comm.planner import profile as profiles
+from isp_comm.planner import search as planner_search
+from isp_comm.planner.step import StepTime, step_time
+from isp_comm.planner.targets import TARGETS, parse_target
+from isp_comm.train import hf_model
+from isp_comm.train import metrics as metrics_mod
+from isp_comm.train.config import TrainConfig, resolve_device
+from isp_comm.train.data import load_tokens
+
+CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
+"""``0``: --plan without --target or --profile does not calibrate this machine; it
+uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute)."""
+NOT_FLAGS = {"plan", "target", "nodes", "profile", "search", "nproc_per_node", "nnodes", "rdzv_endpoint"}
+LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "batch", "grad_accum"}
+
+
+def _gpu_target() -> str:
+    """The known target this machine's GPU is, or ''."""
+    name = torch.cuda.get_device_name().lower()
+    return next((t for t in TARGETS if t != "cpu" and t in name), "")
+
+
+def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, int]:
+    """The profile to plan on and the world: --target's (its GPUs per node x --nodes),
+    --profile's, or this machine's (calibrated once and cached)."""
+    if cfg.target:
+        cluster = parse_target(cfg.target, cfg.nodes)
+        return profiles.from_target(cluster), cluster.world
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.nproc_per_node or world
+    if cfg.profile:
+        prof = profiles.load(cfg.profile)
+    elif resolve_device(cfg).type == "cuda":
+        gpu = _gpu_target()
+        if not gpu:
+            raise ValueError(f"--plan: no known target for {torch.cuda.get_device_name()}: give --target or --profile")
+        prof = profiles.from_target(parse_target(f"{gpu}x{local}", max(world // local, 1)))
+        return prof, world
+    elif os.environ.get(CALIBRATE_ENV) == "0":
+        prof = dataclasses.replace(profiles.from_target(parse_target("cpu")), name="this machine (nominal cpu)")
+    else:
+        prof = profiles.cached(local, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if prof.device == "cpu":
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        prof = dataclasses.replace(prof, memory_bytes=avail // max(local, 1))
+    return dataclasses.replace(prof, per_node=local, nodes=max(world // local, 1)), world
+
+
+def command_line(cfg: TrainConfig, prof: profiles.Profile, layout: planner_search.Layout) -> str:
+    """The isp-train command that runs ``layout`` with the rest of ``cfg``'s flags."""
+    default = TrainConfig()
+    parts = ["isp-train", "--nproc-per-node", str(prof.per_node)]
+    if prof.nodes > 1:
+        parts += ["--nnodes", str(prof.nodes), "--rdzv-endpoint", "HOST:PORT"]
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name in NOT_FLAGS | LAYOUT_FLAGS or value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            parts += [flag, str(value)]
+    return " ".join(parts + layout.flags())
+
+
+@dataclasses.dataclass
+class _Planner:
+    """A meta model on a profile's device: each configuration's memory and step."""
+
+    model: torch.nn.Module
+    prof: profiles.Profile
+    world: int
+    bf16: bool
+    baseline: int
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def memory(self, c: TrainConfig) -> planner_memory.DeviceMemory:
+        from isp_comm.train.__main__ import isp_config
+
+        wp, prof = c.wp or self.world, self.prof
+        blocks = self.memo.setdefault("blocks", list(find_blocks(self.model)))
+        fc = forecast(
+            self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
+            local_world=prof.per_node, blocks=blocks, memo=self.memo,
+        )  # fmt: skip
+        return planner_memory.device_memory(
+            fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes
+        )
+
+    def step(self, c: TrainConfig) -> StepTime:
+        from isp_comm.train.__main__ import isp_config
+
+        return step_time(
+            self.model, isp_config(c, self.bf16), self.prof, world=self.world, wp=c.wp or self.world, sp=c.sp,
+            batch=c.batch, seq=c.seq, grad_accum=c.grad_accum, memo=self.memo,
+        )  # fmt: skip
+
+
+def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceMemory, st: StepTime) -> None:
+    """The table, the parts outside it, whether it fits, and the predicted step."""
+    prof, world, fc, cuda = planner.prof, planner.world, mem.forecast, planner.prof.device == "cuda"
+    print(
+        f"isp-train --plan: {prof.device}{' bf16' if planner.bf16 else ''}, world {world}, wp {cfg.wp or world}, "
+        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({'CUDA allocated' if cuda else 'RSS'}); "
+        f"on {prof.name} ({prof.source})"
+    )
+    print(fc.table(planner.baseline))
+    if fc.shm_bytes:
+        print(f"shared memory (/dev/shm) of the host for the symmetric-memory backend: {fc.shm_bytes / 2**20:.1f} MiB")
+    for ph, nbytes in fc.host_staging.items():
+        print(f"host memory per rank for DCP's staging in {ph}: {nbytes / 2**20:.1f} MiB")
+    for part, nbytes in mem.outside.items():
+        print(f"not in max_memory_allocated: {part}: {nbytes / 2**20:.1f} MiB")
+    if cuda:
+        print(f"reserved (max_memory_reserved) forecast: {mem.reserved / 2**20:.1f} MiB")
+    verdict = "fits" if mem.fits else "does NOT fit"
+    print(
+        f"device holds at most {mem.device_total / 2**20:,.1f} MiB of {mem.capacity / 2**20:,.0f} MiB: {verdict} "
+        f"(a plan keeps {100 * planner_memory.MARGIN:.0f}% free)"
+    )
+    ph, ex = st.phases, st.exposed_comm
+    print(
+        f"predicted step: {st.step_s:.4g} s, {st.tokens_per_s:,.0f} tokens/s"
+        + (f", MFU {st.mfu_pct:.1f}%" if st.mfu_pct else "")
+        + f"; forward {ph['forward']:.4g} s, backward {ph['backward']:.4g} s (recompute included), optimizer "
+        f"{ph['optimizer']:.4g} s, loop {ph['host']:.4g} s; exposed communication: forward {ex['forward']:.3g} s, "
+        f"backward {ex['backward']:.3g} s, optimizer {ex['optimizer']:.3g} s"
+    )
+
+
+def _search(cfg: TrainConfig, planner: _Planner) -> None:
+    """--search: every layout of the world for the same global batch, ranked."""
+    model = planner.model
+    heads = getattr(getattr(model, "cfg", None), "n_heads", None) or model.config.num_attention_heads
+    candidates = planner_search.layouts(
+        planner.world, cfg.batch * cfg.grad_accum, cfg.seq, heads, vocab_parallel=not cfg.model and not cfg.lora_rank
+    )
+
+    def layout_config(lay: planner_search.Layout) -> TrainConfig:
+        knobs = ("wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "batch", "grad_accum")
+        return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in knobs})
+
+    ranked = planner_search.rank(
+        candidates, lambda lay: planner.memory(layout_config(lay)), lambda lay: planner.step(layout_config(lay))
+    )
+    print(planner_search.table(ranked, lambda lay: command_line(cfg, planner.prof, lay)))
+
+
+def plan(cfg: TrainConfig, world: int) -> None:
+    """``--plan``: the forecast table for these flags on the planning profile's device,
+    the predicted step, with ``--search`` the fastest layouts, then one JSON line
+    (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``)."""
+    from isp_comm.train.__main__ import build_meta_model, use_bf16
+
+    prof, world = planning_profile(cfg, world)
+    device = torch.device(prof.device)
+    if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
+        vocab, tok_dir = 0, ""
+    elif cfg.tokenizer:
+        vocab, tok_dir = len(hf_model.load_tokenizer(cfg.tokenizer)), cfg.tokenizer
+    else:
+        vocab, tok_dir = load_tokens(cfg.data)[1], ""
+    model, _ = build_meta_model(cfg, vocab, tok_dir)
+    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
+    planner = _Planner(model, prof, world, use_bf16(cfg, device), base)
+    mem = planner.memory(cfg)  # first: its checks name the flags
+    st = planner.step(cfg)
+    _print_plan(cfg, planner, mem, st)
+    if cfg.search:
+        _search(cfg, planner)
+    out = mem.forecast.as_mib(base)
+    out.update(step_s=round(st.step_s, 6), tokens_per_s=round(st.tokens_per_s, 1))
+    print(json.dumps(out))

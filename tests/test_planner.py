@@ -1,0 +1,200 @@
+"""The planner (issue 37): step time, device profiles and the layout search, on meta
+models and published target figures; and through isp-train --plan on a machine
+without CUDA. Timing against measurement is bench/plan_check.py's (never asserted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from isp_comm import ISPConfig
+from isp_comm.memory_forecast import PHASES, forecast
+from isp_comm.planner import profile as profiles
+from isp_comm.planner import search
+from isp_comm.planner.memory import device_memory
+from isp_comm.planner.step import step_time
+from isp_comm.planner.targets import parse_target
+from models.llama import LlamaConfig, build
+
+BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+def _meta(**kw):
+    with torch.device("meta"):
+        return build(LlamaConfig(**kw))
+
+
+def _evaluators(model, prof, world: int, seq: int):
+    memo: dict = {}
+    blocks = list(model.layers)
+
+    def cfg(lay: search.Layout) -> ISPConfig:
+        return ISPConfig(
+            **BF16,
+            activation_checkpointing=lay.ckpt,
+            shard_outer_params=lay.shard_outer,
+            vocab_parallel=lay.vocab_parallel,
+        )
+
+    def memory(lay: search.Layout):
+        fc = forecast(
+            model, cfg(lay), world, lay.wp, lay.sp, lay.batch, seq, device=prof.device,
+            local_world=prof.per_node, blocks=blocks, memo=memo,
+        )  # fmt: skip
+        return device_memory(fc, prof, world=world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
+
+    def step(lay: search.Layout):
+        return step_time(
+            model, cfg(lay), prof, world=world, wp=lay.wp, sp=lay.sp, batch=lay.batch, seq=seq,
+            grad_accum=lay.grad_accum, memo=memo,
+        )  # fmt: skip
+
+    return memory, step
+
+
+def test_70b_on_1024_gpus_in_under_10_s() -> None:
+    """Build, forecast and time every layout of a 70B on 128 nodes of 8 H100 (sp up to 8)."""
+    t0 = time.perf_counter()
+    model = _meta(vocab_size=128256, hidden=8192, ffn_hidden=28672, n_layers=80, n_heads=64, n_kv_heads=8)
+    prof = profiles.from_target(parse_target("h100x8", nodes=128))
+    memory, step = _evaluators(model, prof, 1024, 8192)
+    candidates = search.layouts(1024, 1024, 8192, 64, max_sp=8)
+    ranked = search.rank(candidates, memory, step)
+    seconds = time.perf_counter() - t0
+    assert seconds < 10.0, seconds
+    best = ranked[0]
+    assert best.fits and best.step is not None
+    assert 10.0 < best.step.mfu_pct < 70.0  # a plausible figure for bf16 on H100, not a measured one
+    assert all(r.fits for r in ranked[: sum(r.fits for r in ranked)])
+
+
+def test_a_layout_that_cannot_fit_is_ranked_as_not_fitting() -> None:
+    model = _meta(vocab_size=32000, hidden=4096, ffn_hidden=11008, n_layers=32, n_heads=32, n_kv_heads=32)
+    prof = profiles.from_target(parse_target("h100x8"))
+    memory, step = _evaluators(model, prof, 8, 4096)
+    candidates = search.layouts(8, 8, 4096, 32)
+    ranked = search.rank(candidates, memory, step)
+    fits = [r.fits for r in ranked]
+    assert any(fits) and not all(fits)
+    assert fits == sorted(fits, reverse=True)  # every fitting layout before every other
+    no_ckpt = [r for r in ranked if r.layout.ckpt == 0 and r.layout.wp == 1 and r.layout.batch == 8]
+    assert no_ckpt and not any(r.fits for r in no_ckpt)  # 7B unsharded, 32k tokens of activations: no
+    steps = [r.step.step_s for r in ranked if r.fits]
+    assert steps == sorted(steps)
+    table = search.table(ranked, lambda lay: "isp-train " + " ".join(lay.flags()))
+    assert table.count("\n1: isp-train") == 1 and "\n5: isp-train" in table
+
+
+def test_each_knob_moves_the_right_way() -> None:
+    """More checkpointing: slower and smaller. More wp: less memory, more communication."""
+    model = _meta(vocab_size=32000, hidden=4096, ffn_hidden=11008, n_layers=8, n_heads=32, n_kv_heads=8)
+    prof = profiles.from_target(parse_target("h100x8"))
+    memory, step = _evaluators(model, prof, 8, 4096)
+    lay = search.Layout(8, 8, 1, 0.0, False, False, 8, 1)
+    ckpt = dataclasses.replace(lay, ckpt=1.0)
+    assert step(ckpt).step_s > step(lay).step_s
+    assert memory(ckpt).peak < memory(lay).peak
+    wp2 = dataclasses.replace(lay, wp=2)
+    assert memory(lay).peak < memory(wp2).peak
+    assert step(lay).comm_s["all_gather"] > step(wp2).comm_s["all_gather"]
+    # a larger micro-batch per rank: fewer steps of fixed cost, more activations
+    big = dataclasses.replace(lay, batch=16)
+    assert step(big).tokens_per_s > step(lay).tokens_per_s and memory(big).peak > memory(lay).peak
+
+
+def test_targets_and_profiles() -> None:
+    c = parse_target("h100x8", nodes=8)
+    assert (c.per_node, c.nodes, c.world, c.target.name) == (8, 8, 64, "h100")
+    assert parse_target("a100").per_node == 8 and parse_target("cpu").world == 1
+    with pytest.raises(ValueError, match="one of h100, h200, a100, b200, cpu"):
+        parse_target("tpu")
+    prof = profiles.from_target(c)
+    assert prof.link("torch", 8, "all_gather").bytes_per_s > prof.link("torch", 16, "all_gather").bytes_per_s
+    assert profiles.interp([[1.0, 2.0], [100.0, 4.0]], 10.0) == pytest.approx(3.0)
+
+
+def test_profile_file_round_trip(tmp_path) -> None:
+    prof = profiles.from_target(parse_target("h200x4", nodes=2))
+    path = str(tmp_path / "h200.json")
+    prof.save(path)
+    assert profiles.load(path) == prof
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a profile file"):
+        profiles.load(str(tmp_path / "bad.json"))
+
+
+def _plan(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *flags]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ISP_COMM_PLAN_CALIBRATE": "0", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_plan_target_works_without_cuda() -> None:
+    """--plan --target h100x8 --nodes 2 --search on a machine that sees no GPU: the table,
+    the step, the fastest layouts with their command lines, and the JSON contract."""
+    res = _plan(
+        "--target", "h100x8", "--nodes", "2", "--layers", "4", "--hidden", "1024", "--heads", "8", "--batch", "32"
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert "world 16" in lines[0] and "h100x8, 2 nodes" in lines[0]
+    assert any(line.startswith("| cuBLAS workspace |") for line in lines)
+    assert any("NCCL buffers" in line for line in lines)
+    out = json.loads(lines[-1])
+    assert list(out) == [*PHASES, "step_s", "tokens_per_s"]
+    assert out["step_s"] > 0 and out["tokens_per_s"] > 0
+    res = _plan(
+        "--target",
+        "h100x8",
+        "--nodes",
+        "2",
+        "--layers",
+        "4",
+        "--hidden",
+        "1024",
+        "--heads",
+        "8",
+        "--batch",
+        "32",
+        "--search",
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    commands = [line for line in res.stdout.splitlines() if line[:3] in ("1: ", "2: ", "3: ", "4: ", "5: ")]
+    assert len(commands) == 5
+    assert all("isp-train --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST:PORT" in c for c in commands)
+    assert all("--wp" in c and "--grad-accum" in c for c in commands)
+
+
+@pytest.mark.timeout(120)
+def test_plan_refuses_a_bad_target_in_one_line() -> None:
+    res = _plan("--target", "h100x")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "isp-train: error: --target 'h100x': unknown; one of h100, h200, a100, b200, cpu, optionally xG for G "
+        "per node (h100x8)"
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "isp_comm.train", "--target", "h100"], capture_output=True, text=True, timeout=100
+    )
+    assert res.returncode == 2 and "give them with --plan" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibration_of_this_machine_is_under_a_minute(tmp_path) -> None:
+    """The first --plan without --target calibrates (world 1 here) and caches the profile."""
+    t0 = time.perf_counter()
+    res = _plan("--layers", "2", env={"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path)})
+    seconds = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert seconds < 60, seconds
+    cached = os.listdir(tmp_path)
+    assert len(cached) == 1 and profiles.load(str(tmp_path / cached[0])).host_step_s
