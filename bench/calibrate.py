@@ -42,6 +42,8 @@ def summary(prof) -> str:
         rows.append([f"operators inside a step over alone ({k})", f"{v:.2f} x"])
     for k, v in prof.runtime_bytes.items():
         rows.append([f"runtime memory beyond the forecast ({k})", f"{v / 2**20:.1f} MiB"])
+    for k, v in prof.transient_share.items():
+        rows.append([f"share of the step's transient tensors beyond the forecast ({k})", f"{100 * v:.1f}%"])
     return markdown_table(["what", "measured"], rows, "lr")
 
 

@@ -189,12 +189,18 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_calibration_of_this_machine_is_under_a_minute(tmp_path) -> None:
-    """The first --plan without --target calibrates (world 1 here) and caches the profile."""
-    t0 = time.perf_counter()
-    res = _plan("--layers", "2", env={"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path)})
-    seconds = time.perf_counter() - t0
+def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:
+    """The first --plan without --target calibrates (world 1 here) and caches the
+    profile; the second reads the cache. How long calibrating takes is measured by
+    bench/calibrate.py, not judged here."""
+    env = {"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path)}
+    res = _plan("--layers", "2", env=env)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert seconds < 60, seconds
+    assert "calibrating this machine once" in res.stderr
     cached = os.listdir(tmp_path)
-    assert len(cached) == 1 and profiles.load(str(tmp_path / cached[0])).host_step_s
+    assert len(cached) == 1
+    prof = profiles.load(str(tmp_path / cached[0]))
+    assert prof.host_step_s and prof.runtime_bytes and "single" in prof.transient_share
+    again = _plan("--layers", "2", env=env)
+    assert again.returncode == 0 and "calibrating" not in again.stderr, again.stderr[-2000:]
+    assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]

@@ -22,8 +22,10 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
   optimizer of the same run): three runs give the three unknowns, the host cost per
   block and per step, and how much slower the operators run inside a step than
   alone (caches, allocation, autograd; the microbenchmarks time them alone). What
-  the 4-block run's peak RSS holds beyond the memory forecast is the runtime's
-  memory. None of the validation grid's configurations is used.
+  the two 4-block runs' peak RSS holds beyond the memory forecast is a constant (the
+  runtime's memory) plus a share of the step's transient tensors (what the allocator
+  keeps): two runs, two unknowns. None of the validation grid's configurations is
+  used.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from isp_comm.memory_forecast import PHASES
+from isp_comm.planner.memory import TRANSIENT
 from isp_comm.planner.profile import COLLECTIVES, Link, Profile
 from isp_comm.planner.targets import TARGETS
 
@@ -73,11 +77,20 @@ a step, an operator reads tensors that many others were written after (measured 
 in cache, element-wise operators ran three times faster than in a real step)."""
 
 
+def _clone(t: object) -> object:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
 def _cold(make: Callable[[], tuple], fn: Callable[..., object]) -> Callable[[], object]:
     """``fn`` over copies of ``make()``'s operands, a different copy each call."""
     first = make()
     nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
-    copies = [first] + [make() for _ in range(min(max(POOL_BYTES // max(nbytes, 1), 1), 4096) - 1)]
+    n_copies = min(max(POOL_BYTES // max(nbytes, 1), 1), 4096)
+    # clones (a copy, strides kept), not new random draws: where the bytes live is what
+    # matters, and 64 MiB of randn took 80 ms against a copy's 25 ms, for each of ~120 calls
+    copies = [first] + [tuple(_clone(t) for t in first) for _ in range(n_copies - 1)]
     state = [0]
 
     def call() -> object:
@@ -267,20 +280,44 @@ def _train(world: int, run: tuple[int, int, int], steps: int, out: str) -> dict:
     return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
 
 
-def _plan(world: int, run: tuple[int, int, int], profile_path: str) -> dict:
-    """``isp-train --plan`` of the same run on a profile without host costs: the memory
-    forecast (a fresh process: its baseline is a run's) and the modelled phases."""
-    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
-    cmd += ["--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-    if res.returncode:
-        raise RuntimeError(f"calibration plan failed: {res.stderr[-1500:]}")
-    lines = res.stdout.strip().splitlines()
+def _plans(world: int, profile_path: str) -> list[dict]:
+    """``isp-train --plan`` of each of :data:`RUNS` on a profile without host costs:
+    the memory forecast (a fresh process each: its baseline is a run's) and the
+    modelled phases. The plans run side by side: nothing in them is timed."""
+    procs = []
+    for run in RUNS:
+        cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
+        cmd += ["--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_out, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"calibration plan failed: {err[-1500:]}")
+    return [_read_plan(out) for out, _err in outs]
+
+
+def _read_plan(stdout: str) -> dict:
+    """A plan's JSON line, its predicted phases' seconds and its transient MiB."""
+    lines = stdout.strip().splitlines()
     out = json.loads(lines[-1])
     step = next(line for line in lines if line.startswith("predicted step:"))
     for phase in ("forward", "backward", "optimizer"):
         out[phase + "_s"] = float(step.split(f" {phase} ", 1)[1].split(" s", 1)[0])
+    out["transient_mib"] = _transient_mib(lines)
     return out
+
+
+def _transient_mib(lines: list[str]) -> float:
+    """The step's transient tensors (:func:`~isp_comm.planner.memory.transient`) read
+    from the plan's table: its rows are parts, its columns :data:`PHASES`, in MiB."""
+    sums = dict.fromkeys(("forward", "backward"), 0.0)
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].startswith(TRANSIENT) and len(cells) == len(PHASES) + 1:
+            for ph in sums:
+                sums[ph] += float(cells[1 + PHASES.index(ph)] or 0.0)
+    return max(sums.values())
 
 
 def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
@@ -298,24 +335,34 @@ def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
     return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64)).tolist()
 
 
+def _beyond_forecast(measured: list[dict], planned: list[dict]) -> tuple[int, float]:
+    """What peak RSS holds beyond the forecast, as ``runtime + share x transient``:
+    two runs of the same model that differ in tokens give the two unknowns."""
+    gaps, transients = [], []
+    for m, p in zip(measured, planned):
+        gaps.append(m["peak_rss_mib"] - max(p[ph] for ph in ("forward", "backward", "optimizer")))
+        transients.append(p["transient_mib"])
+    share = max((gaps[1] - gaps[0]) / max(transients[1] - transients[0], 1e-9), 0.0)
+    return int(max(gaps[0] - share * transients[0], 0.0) * 2**20), share
+
+
 def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
     """The engine's and the loop's host cost, the operators' slowdown inside a step,
     and the runtime's memory, from the calibration runs against the model of the same
     runs on ``prof``: each run's measured step is ``scale x compute + optimizer +
     blocks x per-block cost + per-step cost``; three runs, three unknowns."""
-    host_block, host_step, scale, runtime, raw = {}, {}, {}, {}, {}
+    host_block, host_step, scale, runtime, share, raw = {}, {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for world, measured in runs.items():
             key = "multi" if world > 1 else "single"
             path = os.path.join(tmp, f"bare{world}.json")
             dataclasses.replace(prof, per_node=world).save(path)
-            planned = [_plan(world, r, path) for r in RUNS]
+            planned = _plans(world, path)
             rows = [[p["forward_s"] + p["backward_s"], r[0], 1.0] for p, r in zip(planned, RUNS)]
             rhs = [m["step_s"] - p["optimizer_s"] for m, p in zip(measured, planned)]
             k, per_block, per_step = _solve(rows, rhs)
             scale[key], host_block[key], host_step[key] = max(k, 1.0), max(per_block, 0.0), max(per_step, 0.0)
-            peak = max(v for k, v in planned[1].items() if k in ("forward", "backward", "optimizer"))
-            runtime[key] = int(max(measured[1]["peak_rss_mib"] - peak, 0.0) * 2**20)
+            runtime[key], share[key] = _beyond_forecast(measured[1:], planned[1:])
             raw[key] = {
                 "runs": [list(r) for r in RUNS],
                 "measured": measured,
@@ -328,6 +375,7 @@ def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
         host_step_s=host_step,
         compute_scale=scale,
         runtime_bytes=runtime,
+        transient_share=share,
         calibration=raw,
     )
 

@@ -5,8 +5,10 @@ what must fit, holds more:
 
 * on CPU, the reported figure is a rank's peak RSS (``peak_rss_mib`` in
   metrics.jsonl): the process baseline (torch loaded, the model on meta; read from the
-  planning process), the forecast's tensors, and the runtime's memory measured by the
-  calibration (code pages of the kernels run, the data, the loop's threads);
+  planning process), the forecast's tensors, the runtime's memory measured by the
+  calibration (code pages of the kernels run, the data, the loop's threads), and a
+  calibrated share of the step's transient tensors (what the allocator keeps of
+  memory freed inside the step, and temporaries the forecast does not count);
 * on CUDA, the reported figures are ``max_memory_allocated`` (the forecast, with
   cuBLAS's workspace, which the caching allocator serves) and
   ``max_memory_reserved`` (allocated plus the allocator's rounding and
@@ -59,6 +61,16 @@ class DeviceMemory:
         return max(self.forecast.peak(ph) for ph in PHASES) + self.baseline
 
 
+TRANSIENT = ("activations", "logits and loss", "activation gradients")
+"""The forecast's parts that live inside a step and grow with its tokens (names start so)."""
+
+
+def transient(fc: MemoryForecast) -> int:
+    """The step's transient tensors at their peak: the largest of forward's and
+    backward's :data:`TRANSIENT` parts."""
+    return max(sum(v for k, v in fc.phases[ph].items() if k.startswith(TRANSIENT)) for ph in ("forward", "backward"))
+
+
 def communicators(world: int, wp: int, sp: int) -> int:
     """NCCL communicators a rank holds: the world's, and the WP, SP and replica groups'
     where they are other groups of more than one rank."""
@@ -76,7 +88,11 @@ def device_memory(
     """The forecast ``fc`` on ``prof``'s device (see the module note)."""
     multi = "multi" if world > 1 else "single"
     if prof.device == "cpu":
-        extra = {"runtime: code, data, threads (calibrated)": prof.runtime_bytes.get(multi, 0)}
+        share = prof.transient_share.get(multi, 0.0)
+        extra = {
+            "runtime: code, data, threads (calibrated)": prof.runtime_bytes.get(multi, 0),
+            f"allocator: {100 * share:.0f}% of the step's transient tensors (calibrated)": int(share * transient(fc)),
+        }
         extra = {k: v for k, v in extra.items() if v}
         phases = {ph: ({**parts, **extra} if ph != "wrap" else parts) for ph, parts in fc.phases.items()}
         fc = dataclasses.replace(fc, phases=phases)

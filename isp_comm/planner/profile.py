@@ -111,9 +111,16 @@ class Profile:
     """CPU: what a rank's RSS holds beyond the memory forecast and the process
     baseline (code pages of the kernels run, the data, the loop's threads), measured
     on a tiny run, by ``single`` / ``multi``."""
+    transient_share: dict[str, float] = dataclasses.field(default_factory=dict)
+    """CPU: what a rank's peak RSS holds beyond the forecast per byte of the step's
+    transient tensors (activations, their gradients, logits): memory freed inside the
+    step that the allocator keeps, and temporaries the forecast does not count;
+    calibrated from two runs of the calibration model that differ only in tokens, by
+    ``single`` / ``multi``."""
     calibration: dict = dataclasses.field(default_factory=dict)
     """What the calibration's tiny runs measured and the model predicted for them (the
-    figures behind ``host_block_s``, ``host_step_s`` and ``runtime_bytes``)."""
+    figures behind ``host_block_s``, ``host_step_s``, ``runtime_bytes`` and
+    ``transient_share``)."""
     cuda: dict[str, int] = dataclasses.field(default_factory=dict)
     """CUDA: modelled parts outside the forecast's tensors: ``context`` (the CUDA
     context), ``workspace`` (cuBLAS), ``nccl_per_communicator`` (NCCL's buffers)."""
@@ -219,6 +226,11 @@ def cache_dir() -> str:
     return os.path.join(base, "isp-comm")
 
 
+PROFILE_VERSION = 2
+"""Part of a cached profile's name: a calibration that measures more gets a new one
+(2: ``transient_share``), so an older cache is not read in its place."""
+
+
 def machine_key(local_world: int) -> str:
     """A cached profile's name: this machine's cores, CPU capability and torch, and the
     ranks it was calibrated for (1, or 2 and more)."""
@@ -226,7 +238,7 @@ def machine_key(local_world: int) -> str:
 
     ranks = "multi" if local_world > 1 else "single"
     cap = torch.backends.cpu.get_cpu_capability()
-    return f"cpu-{os.cpu_count()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}.json"
+    return f"cpu-{os.cpu_count()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}-v{PROFILE_VERSION}.json"
 
 
 def cached(local_world: int, progress=print) -> Profile:
