@@ -173,10 +173,13 @@ def test_bad_flags_fail_with_one_line(args: list[str], text: str) -> None:
 def test_bad_data_fails_with_one_line(tmp_path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    _one_line_error(torchrun(2, "--data", str(empty), timeout=100), "holds no tokens")
+    # --out under tmp_path: the default runs/isp-train is the working directory's, where
+    # the README's main job leaves checkpoints that would be refused first
+    out = str(tmp_path / "run")
+    _one_line_error(torchrun(2, "--data", str(empty), "--out", out, timeout=100), "holds no tokens")
     short = tmp_path / "short.txt"
     short.write_text("hello")
-    _one_line_error(torchrun(2, "--data", str(short), "--seq", "64", timeout=100), "longer than the data")
+    _one_line_error(torchrun(2, "--data", str(short), "--seq", "64", "--out", out, timeout=100), "longer than the data")
 
 
 @pytest.mark.timeout(200)
@@ -321,7 +324,9 @@ def test_vocabulary_larger_than_the_model_is_one_line(tmp_path) -> None:
     small = tmp_path / "small-vocab"
     n = _hf_folder(small, text, vocab_size=200)  # its tokenizer has more tokens than its embedding rows
     assert n > 200
-    res = torchrun(1, "--model", str(small), "--data", str(data), "--seq", "16", "--steps", "1", timeout=100)
+    out = str(tmp_path / "run")  # not the working directory's runs/isp-train (see test_bad_data_fails_with_one_line)
+    args = ["--model", str(small), "--data", str(data), "--seq", "16", "--steps", "1", "--out", out]
+    res = torchrun(1, *args, timeout=100)
     _one_line_error(res, f"has a vocabulary of {n} tokens, more than the model's 200")
 
 
