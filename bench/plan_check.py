@@ -33,6 +33,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from isp_comm.planner.calibrate import measure_run  # noqa: E402
 
 SMALL = ["--layers", "4", "--hidden", "128", "--heads", "8", "--kv-heads", "2"]
 MEDIUM = ["--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "4"]
@@ -59,10 +60,6 @@ COMMON = ["--device", "cpu", "--no-trace", "--log-every", "1000"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", ISP_COMM_PLAN_CALIBRATE="0")
 
 
-def _launch(world: int) -> list[str]:
-    return ["--nproc-per-node", str(world)] if world > 1 else []
-
-
 def predict(profile: str, world: int, flags: list[str], search: bool = False) -> tuple[dict, list[str]]:
     cmd = [sys.executable, "-m", "isp_comm.train", "--plan", "--profile", profile, *COMMON, *flags]
     cmd += ["--nproc-per-node", str(world)] + (["--search"] if search else [])
@@ -74,14 +71,7 @@ def predict(profile: str, world: int, flags: list[str], search: bool = False) ->
 
 
 def measure(world: int, flags: list[str], steps: int, out: str) -> dict:
-    cmd = [sys.executable, "-m", "isp_comm.train", *COMMON, *flags, *_launch(world)]
-    cmd += ["--steps", str(steps), "--out", out, "--overwrite"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    if res.returncode:
-        raise RuntimeError(res.stderr[-2000:])
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
+    return measure_run([*COMMON, *flags], world, steps, out, timeout=600)
 
 
 def _rng(values: list[float], fmt: str) -> str:
@@ -129,16 +119,14 @@ def search_check(args, rows: list[dict], tmp: str) -> dict:
 
 def _model_batch(flags: list[str]) -> tuple:
     """A run's model, sequence and global batch (what a search keeps fixed)."""
-    value = dict(zip(flags[::2], flags[1::2])) if all(f.startswith("--") for f in flags[::2]) else {}
-    if not value:  # flags with switches (--shard-outer) break the pairs: walk them
-        i = 0
-        while i < len(flags):
-            if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-                value[flags[i]] = flags[i + 1]
-                i += 2
-            else:
-                value[flags[i]] = "on"
-                i += 1
+    value, i = {}, 0
+    while i < len(flags):  # a flag and its value, or a switch (--shard-outer) alone
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value[flags[i]] = flags[i + 1]
+            i += 2
+        else:
+            value[flags[i]] = "on"
+            i += 1
     keys = ("--layers", "--hidden", "--heads", "--kv-heads", "--seq")
     batch = int(value.get("--batch", 8)) * int(value.get("--grad-accum", 1))
     return (*(value.get(k) for k in keys), batch)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from isp_comm.memory_forecast import PHASES
-from isp_comm.planner.memory import TRANSIENT
+from isp_comm.planner.memory import transient
 from isp_comm.planner.profile import COLLECTIVES, Link, Profile
 from isp_comm.planner.targets import TARGETS
 
@@ -262,19 +262,20 @@ much slower the operators run inside a step than alone)."""
 
 
 def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
-    return [*TINY, "--layers", str(layers), "--seq", str(seq), "--batch", str(per_rank * world)]
+    shape = ["--layers", str(layers), "--seq", str(seq), "--batch", str(per_rank * world)]
+    return [*TINY, *shape, "--device", "cpu", "--no-bf16"]
 
 
-def _train(world: int, run: tuple[int, int, int], steps: int, out: str) -> dict:
-    """A calibration run; the median step_s after the first two steps and the peak RSS."""
-    cmd = [sys.executable, "-m", "isp_comm.train", *_flags(world, *run), "--steps", str(steps)]
-    cmd += ["--out", out, "--overwrite", "--device", "cpu", "--no-bf16"]
-    if world > 1:
-        cmd += ["--nproc-per-node", str(world)]
+def measure_run(flags: list[str], world: int, steps: int, out: str, timeout: float = 300) -> dict:
+    """isp-train with ``flags`` for ``steps`` steps at ``world`` ranks (one thread
+    each) into ``out``: the median ``step_s`` after the first two steps (warm-up) and
+    rank 0's peak RSS (bench/plan_check.py measures its grid with it too)."""
+    cmd = [sys.executable, "-m", "isp_comm.train", *flags, "--steps", str(steps), "--out", out, "--overwrite"]
+    cmd += ["--nproc-per-node", str(world)] if world > 1 else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode:
-        raise RuntimeError(f"calibration run failed: {res.stderr[-1500:]}")
+        raise RuntimeError(f"isp-train {' '.join(flags)} failed: {res.stderr[-1500:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
@@ -284,11 +285,10 @@ def _plans(world: int, profile_path: str) -> list[dict]:
     """``isp-train --plan`` of each of :data:`RUNS` on a profile without host costs:
     the memory forecast (a fresh process each: its baseline is a run's) and the
     modelled phases. The plans run side by side: nothing in them is timed."""
-    procs = []
+    procs, env = [], dict(os.environ, OMP_NUM_THREADS="1")
     for run in RUNS:
         cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
-        cmd += ["--device", "cpu", "--no-bf16", "--nproc-per-node", str(world)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd += ["--nproc-per-node", str(world)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_out, err) in zip(procs, outs):
@@ -309,15 +309,16 @@ def _read_plan(stdout: str) -> dict:
 
 
 def _transient_mib(lines: list[str]) -> float:
-    """The step's transient tensors (:func:`~isp_comm.planner.memory.transient`) read
-    from the plan's table: its rows are parts, its columns :data:`PHASES`, in MiB."""
-    sums = dict.fromkeys(("forward", "backward"), 0.0)
+    """The step's transient tensors (:func:`~isp_comm.planner.memory.transient`) of the
+    plan's table: its rows are parts, its columns :data:`PHASES`, in MiB."""
+    phases: dict[str, dict[str, float]] = {ph: {} for ph in PHASES}
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0].startswith(TRANSIENT) and len(cells) == len(PHASES) + 1:
-            for ph in sums:
-                sums[ph] += float(cells[1 + PHASES.index(ph)] or 0.0)
-    return max(sums.values())
+        if line.startswith("| ") and len(cells) == len(PHASES) + 1 and not cells[0].startswith(("part", "-", "*")):
+            for ph, cell in zip(PHASES, cells[1:]):
+                if cell:
+                    phases[ph][cells[0]] = float(cell)
+    return transient(phases)
 
 
 def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
@@ -325,13 +326,14 @@ def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
     first, while this process is small: a child's peak RSS (``ru_maxrss``) starts from
     its parent's at the fork."""
     with tempfile.TemporaryDirectory() as tmp:
-        return {w: [_train(w, r, steps, os.path.join(tmp, f"run{w}-{i}")) for i, r in enumerate(RUNS)] for w in worlds}
+        out: dict[int, list[dict]] = {}
+        for w in worlds:
+            out[w] = [measure_run(_flags(w, *r), w, steps, os.path.join(tmp, f"{w}-{i}")) for i, r in enumerate(RUNS)]
+        return out
 
 
 def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
     """The 3 x 3 linear system ``rows @ x = rhs``."""
-    import torch
-
     return torch.linalg.solve(torch.tensor(rows, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64)).tolist()
 
 

@@ -65,10 +65,10 @@ TRANSIENT = ("activations", "logits and loss", "activation gradients")
 """The forecast's parts that live inside a step and grow with its tokens (names start so)."""
 
 
-def transient(fc: MemoryForecast) -> int:
-    """The step's transient tensors at their peak: the largest of forward's and
-    backward's :data:`TRANSIENT` parts."""
-    return max(sum(v for k, v in fc.phases[ph].items() if k.startswith(TRANSIENT)) for ph in ("forward", "backward"))
+def transient(phases: dict[str, dict[str, float]]) -> float:
+    """The step's transient tensors at their peak (``phases``: a forecast's phase ->
+    part -> size): the largest of forward's and backward's :data:`TRANSIENT` parts."""
+    return max(sum(v for k, v in phases[ph].items() if k.startswith(TRANSIENT)) for ph in ("forward", "backward"))
 
 
 def communicators(world: int, wp: int, sp: int) -> int:
@@ -89,9 +89,10 @@ def device_memory(
     multi = "multi" if world > 1 else "single"
     if prof.device == "cpu":
         share = prof.transient_share.get(multi, 0.0)
+        kept = int(share * transient(fc.phases))
         extra = {
             "runtime: code, data, threads (calibrated)": prof.runtime_bytes.get(multi, 0),
-            f"allocator: {100 * share:.0f}% of the step's transient tensors (calibrated)": int(share * transient(fc)),
+            f"allocator: {100 * share:.0f}% of the step's transient tensors (calibrated)": kept,
         }
         extra = {k: v for k, v in extra.items() if v}
         phases = {ph: ({**parts, **extra} if ph != "wrap" else parts) for ph, parts in fc.phases.items()}

@@ -153,8 +153,7 @@ def _search(cfg: TrainConfig, planner: _Planner) -> None:
     )
 
     def layout_config(lay: planner_search.Layout) -> TrainConfig:
-        knobs = ("wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "batch", "grad_accum")
-        return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in knobs})
+        return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in LAYOUT_FLAGS})
 
     ranked = planner_search.rank(
         candidates, lambda lay: planner.memory(layout_config(lay)), lambda lay: planner.step(layout_config(lay))
