@@ -27,6 +27,9 @@ def summary(prof) -> str:
     for p in ("fp32", "bf16"):
         best = max(r for _, r in prof.gemm[p])
         rows.append([f"GEMM {p}, largest measured rate", f"{best / 1e9:.1f} GFLOP/s"])
+    for d in (16, 64):
+        rate = prof.attention_rate(False, False, 4.0 * 1024 * 1024 * d * 0.5, d)
+        rows.append([f"attention fp32 forward, seq 1024, head dim {d}", f"{rate / 1e9:.1f} GFLOP/s"])
     rows.append(["element-wise, largest size", f"{prof.elementwise[-1][1] / 1e9:.2f} GB/s"])
     rows.append(["AdamW streaming", f"{prof.optimizer_bytes_per_s / 1e9:.2f} GB/s"])
     rows.append(["AdamW per tensor", f"{prof.optimizer_tensor_s * 1e6:.1f} us"])
@@ -39,7 +42,7 @@ def summary(prof) -> str:
     for k, v in prof.host_step_s.items():
         rows.append([f"loop host cost per step ({k})", f"{v * 1e3:.3f} ms"])
     for k, v in prof.compute_scale.items():
-        rows.append([f"operators inside a step over alone ({k})", f"{v:.2f} x"])
+        rows.append([f"kernels inside a step over alone ({k})", f"{v:.2f} x"])
     for k, v in prof.runtime_bytes.items():
         rows.append([f"runtime memory beyond the forecast ({k})", f"{v / 2**20:.1f} MiB"])
     for k, v in prof.transient_share.items():

@@ -120,6 +120,32 @@ def test_targets_and_profiles() -> None:
     assert profiles.interp([[1.0, 2.0], [100.0, 4.0]], 10.0) == pytest.approx(3.0)
 
 
+def test_attention_is_timed_by_head_and_head_dim() -> None:
+    """A calibrated profile's attention: one head's rate at its head dim, between the
+    dims measured (log-linear), clamped outside them; targets keep one curve. In a
+    step: twice the heads cost twice the time; a narrower head of the same FLOPs
+    costs more; and the kinds of compute add up to forward and backward at world 1."""
+    prof = profiles.from_target(parse_target("cpu"))
+    slow, fast = [[1e3, 10e9], [1e9, 20e9]], [[1e3, 30e9], [1e9, 60e9]]
+    attention = {"fp32@16": slow, "fp32_bwd@16": slow, "fp32@64": fast, "fp32_bwd@64": fast}
+    cal = dataclasses.replace(prof, attention=attention)
+    assert cal.attention_rate(False, False, 1e9, 16) == pytest.approx(20e9)
+    assert cal.attention_rate(False, False, 1e9, 32) == pytest.approx(40e9)  # halfway in log dim
+    assert cal.attention_rate(False, True, 1e9, 8) == pytest.approx(20e9)  # below the dims measured
+    assert cal.attention_rate(False, False, 1e9, 128) == pytest.approx(60e9)
+    assert prof.attention_rate(True, True, 1e9, 16) == profiles.interp(prof.attention["bf16_bwd"], 1e9)
+
+    def attention_s(heads: int, kv: int, hidden: int) -> float:
+        model = _meta(vocab_size=256, hidden=hidden, ffn_hidden=256, n_layers=2, n_heads=heads, n_kv_heads=kv)
+        return step_time(model, None, cal, world=1, wp=1, sp=1, batch=2, seq=256).compute_s["attention"]
+
+    assert attention_s(8, 4, 512) == pytest.approx(2 * attention_s(4, 4, 256), rel=1e-6)  # same head, twice the heads
+    assert attention_s(8, 4, 256) > 1.4 * attention_s(4, 4, 256)  # same FLOPs in heads of 32, not 64
+    model = _meta(vocab_size=256, hidden=128, ffn_hidden=256, n_layers=3, n_heads=4, n_kv_heads=2)
+    st = step_time(model, ISPConfig(activation_checkpointing=1.0), cal, world=1, wp=1, sp=1, batch=2, seq=64)
+    assert sum(st.compute_s.values()) == pytest.approx(st.phases["forward"] + st.phases["backward"], rel=1e-9)
+
+
 def test_profile_file_round_trip(tmp_path) -> None:
     prof = profiles.from_target(parse_target("h200x4", nodes=2))
     path = str(tmp_path / "h200.json")

@@ -3,10 +3,12 @@
 One thread per rank, as isp-train runs on CPU. What is measured, and how:
 
 * GEMM throughput by size (``torch.mm`` of LLM-like shapes in the three layouts a
-  linear's forward and backward use, fp32 and bf16) and fused
-  attention (``scaled_dot_product_attention``, causal, forward and backward), each
-  the whole call's time (its dispatch included: on CPU the host runs the kernel),
-  its operands cycled through 64 MiB of copies (``POOL_BYTES``: not hot in cache);
+  linear's forward and backward use, fp32 and bf16) and fused attention
+  (``scaled_dot_product_attention``, causal, forward and backward, by one head's
+  FLOPs at head dims 16 to 128: on one thread the heads run in turn, and a narrow
+  head runs slower per FLOP), each the whole call's time (its dispatch included: on
+  CPU the host runs the kernel), its operands cycled through 64 MiB of copies
+  (``POOL_BYTES``: not hot in cache);
 * element-wise bandwidth by size (an add, a multiply, a SiLU and a row sum, whole
   calls, their bytes read and written over their summed time), and the host's cost
   per dispatched operator (an add of one element), which the model charges to the
@@ -17,10 +19,11 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
   ranks over four sizes, fitted to latency + bytes / bandwidth;
 * the framework: a small reference llama (width 64) trained by isp-train itself for
   a few steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
-  per rank, and 4 blocks at 2,048. Each measured step is ``scale x compute +
-  optimizer + blocks x per-block cost + per-step cost`` (the model's compute and
-  optimizer of the same run): three runs give the three unknowns, the host cost per
-  block and per step, and how much slower the operators run inside a step than
+  per rank, and 4 blocks at 2,048. Each measured step is ``scale x kernels +
+  the rest + blocks x per-block cost + per-step cost`` (the model's kernels, GEMMs,
+  attention and element-wise, and the rest, views' dispatch, communication and
+  optimizer, of the same run): three runs give the three unknowns, the host cost per
+  block and per step, and how much slower the kernels run inside a step than
   alone (caches, allocation, autograd; the microbenchmarks time them alone). What
   the two 4-block runs' peak RSS holds beyond the memory forecast is a constant (the
   runtime's memory) plus a share of the step's transient tensors (what the allocator
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from isp_comm.memory_forecast import PHASES
 from isp_comm.planner.memory import transient
 from isp_comm.planner.profile import COLLECTIVES, Link, Profile
+from isp_comm.planner.step import COMPUTE_KINDS
 from isp_comm.planner.targets import TARGETS
 
 TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "32", "--no-trace", "--log-every", "1000"]
@@ -121,28 +125,39 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
     return _monotone(curve)
 
 
-def _attention(dtype: torch.dtype, op_s: float) -> tuple[list[list[float]], list[list[float]]]:
-    fwd, bwd = [], []
-    for s_len, d in [(32, 16), (64, 32), (128, 32), (256, 32), (512, 64), (1024, 64)]:
+ATTENTION_SHAPES = {"fp32": (16, 32, 64, 128), "bf16": (64,)}
+"""Head dims at which fused attention is measured, per precision (bf16 on CPU: one;
+its rate at other dims is taken as at 64), each at sequence lengths 32 to 1,024."""
 
-        def make(s_len=s_len, d=d):
-            return tuple(torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
 
-        flops = 4.0 * 4 * s_len * s_len * d * 0.5
+def _attention(name: str, dtype: torch.dtype, op_s: float) -> dict[str, list[list[float]]]:
+    """Forward and backward FLOP/s by one head's FLOPs at each head dim (4 heads a call:
+    on one thread the heads run one after another, the rate is the same for 32)."""
+    curves: dict[str, list[list[float]]] = {}
+    for d in ATTENTION_SHAPES[name]:
+        fwd, bwd = [], []
+        for s_len in (32, 64, 128, 256, 512, 1024):
 
-        def forward(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            def make(s_len=s_len, d=d):
+                return tuple(torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
 
-        t_f = _time(_cold(make, forward))
+            flops = 4.0 * s_len * s_len * d * 0.5  # one head's, causal
 
-        def both(q, k, v):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            torch.autograd.grad(out.sum(), (q, k, v))
+            def forward(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        t_b = max(_time(_cold(make, both)) - t_f - 4 * op_s, 0.1 * t_f)  # less the forward, the sum and grad calls
-        fwd.append([flops, flops / t_f])
-        bwd.append([2.5 * flops, 2.5 * flops / t_b])
-    return _monotone(fwd), _monotone(bwd)
+            t_f = _time(_cold(make, forward)) / 4
+
+            def both(q, k, v):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out.sum(), (q, k, v))
+
+            # less the forward, the sum and grad calls
+            t_b = max(_time(_cold(make, both)) / 4 - t_f - op_s, 0.1 * t_f)
+            fwd.append([flops, flops / t_f])
+            bwd.append([2.5 * flops, 2.5 * flops / t_b])
+        curves[f"{name}@{d}"], curves[f"{name}_bwd@{d}"] = fwd, bwd
+    return curves
 
 
 def _elementwise(op_s: float) -> list[list[float]]:
@@ -298,12 +313,14 @@ def _plans(world: int, profile_path: str) -> list[dict]:
 
 
 def _read_plan(stdout: str) -> dict:
-    """A plan's JSON line, its predicted phases' seconds and its transient MiB."""
+    """A plan's JSON line, its predicted phases' and kinds of compute's seconds, and
+    its transient MiB."""
     lines = stdout.strip().splitlines()
     out = json.loads(lines[-1])
-    step = next(line for line in lines if line.startswith("predicted step:"))
-    for phase in ("forward", "backward", "optimizer"):
-        out[phase + "_s"] = float(step.split(f" {phase} ", 1)[1].split(" s", 1)[0])
+    for head, keys in (("predicted step:", ("forward", "backward", "optimizer")), ("predicted compute", COMPUTE_KINDS)):
+        line = next(line for line in lines if line.startswith(head))
+        for key in keys:
+            out[key + "_s"] = float(line.split(f" {key} ", 1)[1].split(" s", 1)[0])
     out["transient_mib"] = _transient_mib(lines)
     return out
 
@@ -349,9 +366,9 @@ def _beyond_forecast(measured: list[dict], planned: list[dict]) -> tuple[int, fl
 
 
 def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
-    """The engine's and the loop's host cost, the operators' slowdown inside a step,
+    """The engine's and the loop's host cost, the kernels' slowdown inside a step,
     and the runtime's memory, from the calibration runs against the model of the same
-    runs on ``prof``: each run's measured step is ``scale x compute + optimizer +
+    runs on ``prof``: each run's measured step is ``scale x kernels + the rest +
     blocks x per-block cost + per-step cost``; three runs, three unknowns."""
     host_block, host_step, scale, runtime, share, raw = {}, {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -360,8 +377,10 @@ def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
             path = os.path.join(tmp, f"bare{world}.json")
             dataclasses.replace(prof, per_node=world).save(path)
             planned = _plans(world, path)
-            rows = [[p["forward_s"] + p["backward_s"], r[0], 1.0] for p, r in zip(planned, RUNS)]
-            rhs = [m["step_s"] - p["optimizer_s"] for m, p in zip(measured, planned)]
+            slowed = [p["gemm_s"] + p["attention_s"] + p["elementwise_s"] for p in planned]
+            rows = [[e, r[0], 1.0] for e, r in zip(slowed, RUNS)]
+            rhs = [m["step_s"] - p["optimizer_s"] - (p["forward_s"] + p["backward_s"] - e)
+                   for m, p, e in zip(measured, planned, slowed)]  # fmt: skip
             k, per_block, per_step = _solve(rows, rhs)
             scale[key], host_block[key], host_step[key] = max(k, 1.0), max(per_block, 0.0), max(per_step, 0.0)
             runtime[key], share[key] = _beyond_forecast(measured[1:], planned[1:])
@@ -394,9 +413,7 @@ def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = 
         op_s = _dispatch_s()
         progress(f"dispatch {op_s * 1e6:.1f} us per operator; GEMMs and attention")
         gemm = {"fp32": _gemm(torch.float32, op_s), "bf16": _gemm(torch.bfloat16, op_s)}
-        attention: dict[str, list[list[float]]] = {}
-        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            attention[name], attention[name + "_bwd"] = _attention(dt, op_s)
+        attention = {**_attention("fp32", torch.float32, op_s), **_attention("bf16", torch.bfloat16, op_s)}
         elementwise = _elementwise(op_s)
         per_tensor, stream = _optimizer()
     finally:

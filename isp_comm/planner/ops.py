@@ -73,8 +73,9 @@ class Ops:
 
     gemm: list[tuple[float, bool]] = dataclasses.field(default_factory=list)
     """Each matrix product: (FLOPs, low precision)."""
-    attention: list[tuple[float, bool, bool]] = dataclasses.field(default_factory=list)
-    """Each fused attention: (FLOPs, low precision, backward)."""
+    attention: list[tuple[float, bool, bool, float, int]] = dataclasses.field(default_factory=list)
+    """Each fused attention: (FLOPs, low precision, backward, heads, head dim); heads:
+    the independent problems of the call (batch x query heads)."""
     moved: list[float] = dataclasses.field(default_factory=list)
     """Each element-wise operator: bytes read and written."""
     dispatches: int = 0
@@ -83,7 +84,8 @@ class Ops:
     def scaled_attention(self, factor: float) -> Ops:
         """The same with attention FLOPs multiplied (Ulysses SP: the rank attends over
         the whole sequence with 1/sp of the heads, sp times what the local trace saw)."""
-        return Ops(self.gemm, [(f * factor, lp, b) for f, lp, b in self.attention], self.moved, self.dispatches)
+        attention = [(f * factor, lp, b, h / factor, d) for f, lp, b, h, d in self.attention]
+        return Ops(self.gemm, attention, self.moved, self.dispatches)
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ class StepOps:
     @property
     def flops(self) -> float:
         every = [*self.block_fwd, *self.block_bwd, self.outer_fwd, self.outer_bwd]
-        return sum(f for o in every for f, _ in o.gemm) + sum(f for o in every for f, _, _ in o.attention)
+        return sum(f for o in every for f, _ in o.gemm) + sum(a[0] for o in every for a in o.attention)
 
 
 def _nbytes(x: object) -> int:
@@ -113,10 +115,11 @@ def _low(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
 
 
-def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
-    """QK^T and PV over [b, h, s, d]: 4 b h s_q s_k d, halved under a causal mask."""
+def _attention(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, back: bool) -> tuple:
+    """An :attr:`Ops.attention` entry: QK^T and PV over [b, h, s, d] are 4 b h s_q s_k d
+    FLOPs, halved under a causal mask (``scale`` times that: the backward's 2.5)."""
     b, h, sq, d = q.shape
-    return 4.0 * b * h * sq * k.shape[-2] * d * (0.5 if causal else 1.0)
+    return (scale * 4.0 * b * h * sq * k.shape[-2] * d * (0.5 if causal else 1.0), _low(q), back, float(b * h), d)
 
 
 class _Recorder(TorchDispatchMode):
@@ -146,10 +149,10 @@ class _Recorder(TorchDispatchMode):
             ops.gemm.append((2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1], _low(a)))
         elif name in ATTENTION_FWD:
             causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("is_causal", False))
-            ops.attention.append((_attention_flops(args[0], args[1], causal), _low(args[0]), False))
+            ops.attention.append(_attention(args[0], args[1], causal, 1.0, False))
         elif name in ATTENTION_BWD:  # (grad_out, q, k, v, out, lse, dropout, is_causal, ...)
             causal = bool(args[7]) if len(args) > 7 else bool(kwargs.get("is_causal", False))
-            ops.attention.append((2.5 * _attention_flops(args[1], args[2], causal), _low(args[1]), True))
+            ops.attention.append(_attention(args[1], args[2], causal, 2.5, True))
         elif name not in FREE:
             ops.moved.append(float(_nbytes(list(args)) + _nbytes(out)))
         return out

@@ -78,8 +78,11 @@ class Profile:
     gemm: dict[str, Curve]
     """GEMM FLOP/s by the GEMM's FLOPs, per precision."""
     attention: dict[str, Curve]
-    """Fused attention FLOP/s by the call's FLOPs, per precision (``bf16``,
-    ``fp32``) and direction (``bf16_bwd``, ``fp32_bwd``)."""
+    """Fused attention FLOP/s by one head's FLOPs (one sequence, one query head: the
+    kernel's FLOP/s depends on that problem's size, not on how many there are), per
+    precision (``bf16``, ``fp32``) and direction (``bf16_bwd``, ``fp32_bwd``), and
+    optionally measured at a head dim (``fp32@64``, ``fp32_bwd@64``): a narrow head
+    runs at a fraction of a wide one's rate (on CPU, 16 against 64: 0.6-0.8 times)."""
     elementwise: Curve
     """Element-wise operators: bytes/s by bytes read and written."""
     op_host_s: float
@@ -104,9 +107,10 @@ class Profile:
     """The loop's host cost per optimizer step beyond what is modelled (data, clip,
     logging, the loss's read-back), by ``single`` / ``multi``."""
     compute_scale: dict[str, float] = dataclasses.field(default_factory=dict)
-    """How much longer operators take inside a step than alone (caches shared with
-    every other tensor of the step, allocation, autograd), calibrated on a run of the
-    calibration model, by ``single`` / ``multi`` (1 where not calibrated)."""
+    """How much longer the kernels (GEMMs, attention, element-wise) take inside a step
+    than alone (caches shared with every other tensor of the step, and with the other
+    ranks' on a shared CPU; allocation), calibrated on runs of the calibration model,
+    by ``single`` / ``multi`` (1 where not calibrated)."""
     runtime_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     """CPU: what a rank's RSS holds beyond the memory forecast and the process
     baseline (code pages of the kernels run, the data, the loop's threads), measured
@@ -128,6 +132,22 @@ class Profile:
     @property
     def world(self) -> int:
         return self.per_node * self.nodes
+
+    def attention_rate(self, low: bool, backward: bool, head_flops: float, head_dim: int) -> float:
+        """Fused attention FLOP/s for one head's ``head_flops`` at ``head_dim``: between
+        the curves of the two nearest measured head dims (linear in log dim), the
+        nearest one outside them, the dim-less curve where none was measured."""
+        key = ("bf16" if low else "fp32") + ("_bwd" if backward else "")
+        if key not in self.attention:
+            key = key.removesuffix("_bwd")
+        dims = sorted(int(k.split("@")[1]) for k in self.attention if k.startswith(key + "@"))
+        if not dims:
+            return interp(self.attention[key], head_flops)
+        lo = max((d for d in dims if d <= head_dim), default=dims[0])
+        hi = min((d for d in dims if d >= head_dim), default=dims[-1])
+        r_lo, r_hi = (interp(self.attention[f"{key}@{d}"], head_flops) for d in (lo, hi))
+        w = math.log(head_dim / lo) / math.log(hi / lo) if hi > lo else 0.0
+        return r_lo + w * (r_hi - r_lo)
 
     def link(self, backend: str, group: int, op: str) -> Link:
         """The link a collective over ``group`` ranks runs on (groups are contiguous
@@ -171,7 +191,10 @@ def from_target(cluster: Cluster) -> Profile:
         return [[half * 2.0**k, rate * (2.0**k / (1.0 + 2.0**k))] for k in range(-6, 9)]
 
     gemm = {p: ramp(r * t.gemm_efficiency, 2e9 if t.device == "cuda" else 1e6) for p, r in peak.items()}
-    attention = {p: ramp(r * t.attention_efficiency, 4e9 if t.device == "cuda" else 1e6) for p, r in peak.items()}
+    # attention by one head's FLOPs: half the rate at a head of 1.3e8 FLOPs on a GPU (causal,
+    # d 128: s 720; 4e9 FLOPs over a call of 32 heads, the call's half point before; assumed),
+    # at 1e5 on a CPU (measured on the project's CPU: s 64, d 16 ran at a fifth of s 1024, d 64)
+    attention = {p: ramp(r * t.attention_efficiency, 1.3e8 if t.device == "cuda" else 1e5) for p, r in peak.items()}
     attention.update({f"{p}_bwd": c for p, c in attention.items()})
     bw = t.hbm_bytes_per_s * t.elementwise_efficiency
     elementwise = [[2.0**k, bw * (2.0**k / (2.0**k + 2.0**20))] for k in range(10, 34, 2)]
@@ -226,9 +249,10 @@ def cache_dir() -> str:
     return os.path.join(base, "isp-comm")
 
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Part of a cached profile's name: a calibration that measures more gets a new one
-(2: ``transient_share``), so an older cache is not read in its place."""
+(2: ``transient_share``; 3: attention by head and head dim), so an older cache is not
+read in its place."""
 
 
 def machine_key(local_world: int) -> str:

@@ -24,8 +24,11 @@ cost. A compute piece costs its GEMMs and attention by FLOPs over the profile's
 throughput at that size, its element-wise operators by bytes over bandwidth, and one
 host dispatch per operator: on CPU these add up (the calibrated curves are whole
 calls, dispatch included, so views alone add a dispatch); on a GPU the host issues
-while the device runs, so a piece takes the longer of the two. On CPU, communication takes the
-cores the compute uses and adds to it (``Profile.overlap``).
+while the device runs, so a piece takes the longer of the two. The kernels take
+longer inside a step than alone, by the profile's calibrated slowdown. Attention
+costs its heads one after another at one head's rate (its FLOPs and head dim). On
+CPU, communication takes the cores the compute uses and adds to it
+(``Profile.overlap``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class StepTime:
     comm_s: dict[str, float]
     """Seconds per step of each kind of collective (all_gather, reduce_scatter,
     all_to_all, all_reduce), hidden or not."""
+    compute_s: dict[str, float]
+    """Seconds per step of each kind of compute (:data:`COMPUTE_KINDS`), recompute
+    included: with the exposed communication, they make up forward and backward."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,18 +80,29 @@ def _precision(low: bool) -> str:
     return "bf16" if low else "fp32"
 
 
-def compute_time(ops: Ops, prof: Profile) -> float:
-    """Seconds for a piece of compute (see the module note)."""
-    dev = sum(f / interp(prof.gemm[_precision(lp)], f) for f, lp in ops.gemm)
-    for f, lp, back in ops.attention:
-        key = _precision(lp) + ("_bwd" if back else "")
-        dev += f / interp(prof.attention.get(key) or prof.attention[_precision(lp)], f)
-    dev += sum(b / interp(prof.elementwise, b) for b in ops.moved)
+COMPUTE_KINDS = ("gemm", "attention", "elementwise", "dispatch", "engine")
+"""What a step's compute is made of (:attr:`StepTime.compute_s`): matrix products,
+fused attention, element-wise operators, what the operators' dispatch adds, and the
+engine's host cost per block (``Profile.host_block_s``)."""
+
+
+def compute_parts(ops: Ops, prof: Profile, slowdown: float = 1.0) -> dict[str, float]:
+    """Seconds of a piece of compute by kind (see the module note), ``engine`` aside.
+    ``slowdown``: how much longer the kernels take inside a step than alone
+    (``Profile.compute_scale``)."""
+    gemm = sum(f / interp(prof.gemm[_precision(lp)], f) for f, lp in ops.gemm)
+    attention = 0.0
+    for f, lp, back, heads, dim in ops.attention:
+        attention += f / prof.attention_rate(lp, back, f / heads, dim)
+    elementwise = sum(b / interp(prof.elementwise, b) for b in ops.moved)
+    gemm, attention, elementwise = slowdown * gemm, slowdown * attention, slowdown * elementwise
     kernels = len(ops.gemm) + len(ops.attention) + len(ops.moved)
     if prof.device == "cpu":  # the curves hold whole calls (dispatch included); views cost a dispatch
-        return dev + (ops.dispatches - kernels) * prof.op_host_s
-    dev += kernels * prof.op_device_s
-    return max(dev, ops.dispatches * prof.op_host_s)  # the host issues while the device runs
+        dispatch = (ops.dispatches - kernels) * prof.op_host_s
+    else:  # launches, and where the host issuing is slower than the device running
+        dev = gemm + attention + elementwise + kernels * prof.op_device_s
+        dispatch = max(dev, ops.dispatches * prof.op_host_s) - (gemm + attention + elementwise)
+    return {"gemm": gemm, "attention": attention, "elementwise": elementwise, "dispatch": dispatch}
 
 
 def collective_time(prof: Profile, backend: str, op: str, group: int, nbytes: float, span: int = 0) -> float:
@@ -157,6 +174,7 @@ class _Costs:
     fwd: list[float]  # per block: forward compute (with its share of the host cost)
     bwd: list[float]  # per block: backward compute
     outer: float  # embedding, final norm, head and loss, forward and backward
+    compute: dict[str, float]  # the micro-step's compute by kind (recompute included)
     ag: list[float]  # per block: its all-gather
     rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
     a2a: float  # per block and direction: Ulysses' four all-to-alls
@@ -182,12 +200,12 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     (gather, reduce, outer_gather, outer_reduce, repl, summed), _ = memo[skey]
     multi = "multi" if world > 1 else "single"
     host_block = prof.host_block_s.get(multi, 0.0)
-    scale = prof.compute_scale.get(multi, 1.0)
-    timed: dict[int, float] = {}  # twins share their Ops: each is timed once
+    slowdown = prof.compute_scale.get(multi, 1.0)
+    timed: dict[int, dict[str, float]] = {}  # twins share their Ops: each is timed once
 
-    def piece(o: Ops) -> float:
+    def piece(o: Ops) -> dict[str, float]:
         if id(o) not in timed:
-            timed[id(o)] = scale * compute_time(o.scaled_attention(sp), prof) + host_block / 2
+            timed[id(o)] = {**compute_parts(o.scaled_attention(sp), prof, slowdown), "engine": host_block / 2}
         return timed[id(o)]
 
     def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
@@ -197,17 +215,21 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
     # activation's size (an upper bound for k and v under GQA)
     a2a_bytes = _a2a_bytes(model, batch, seq, config.param_dtype)
+    fwd, bwd = [piece(o) for o in traced.block_fwd], [piece(o) for o in traced.block_bwd]
+    outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
+    n_ckpt = round(config.activation_checkpointing * len(blocks))
     return _Costs(
-        fwd=[piece(o) for o in traced.block_fwd],
-        bwd=[piece(o) for o in traced.block_bwd],
-        outer=scale * (compute_time(traced.outer_fwd, prof) + compute_time(traced.outer_bwd, prof)),
+        fwd=[sum(p.values()) for p in fwd],
+        bwd=[sum(p.values()) for p in bwd],
+        outer=sum(sum(p.values()) for p in outer),
+        compute={k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS},
         ag=[coll("all_gather", wp, b) for b in gather],
         rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
         a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
         outer_ag=coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0,
         outer_rs=coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0,
         repl_ar=coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world),
-        n_ckpt=round(config.activation_checkpointing * len(blocks)),
+        n_ckpt=n_ckpt,
         max_inflight=config.max_inflight_reduce_scatter,
     )
 
@@ -321,7 +343,8 @@ def step_time(
         "all_reduce": grad_accum * c.repl_ar + 2 * small_ar,
     }
     mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
-    return StepTime(step, tokens / step, mfu, phases, exposed, comm)
+    compute = {k: grad_accum * v for k, v in c.compute.items()}
+    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute)
 
 
 def _backend(config: ISPConfig, prof: Profile) -> str:

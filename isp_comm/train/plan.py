@@ -142,6 +142,7 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
         f"{ph['optimizer']:.4g} s, loop {ph['host']:.4g} s; exposed communication: forward {ex['forward']:.3g} s, "
         f"backward {ex['backward']:.3g} s, optimizer {ex['optimizer']:.3g} s"
     )
+    print("predicted compute (forward and backward): " + ", ".join(f"{k} {v:.4g} s" for k, v in st.compute_s.items()))
 
 
 def _search(cfg: TrainConfig, planner: _Planner) -> None:
