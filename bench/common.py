@@ -44,10 +44,20 @@ def save_results(name: str, args: object, rows: list) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.json")
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    args = vars(args) if hasattr(args, "__dict__") else args
     with open(path, "w") as f:
-        args = vars(args) if hasattr(args, "__dict__") else args
-        json.dump({"args": args, "machine": machine, "rows": rows}, f, indent=1)
+        json.dump({"args": {k: _portable(v) for k, v in args.items()}, "machine": machine, "rows": rows}, f, indent=1)
     return path
+
+
+def _portable(value: object) -> object:
+    """An argument as the results keep it: a path inside the checkout relative to it,
+    one outside as "(outside the checkout)" (results are committed; machines' paths are not)."""
+    if not (isinstance(value, str) and os.path.isabs(value)):
+        return value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rel = os.path.relpath(value, root)
+    return "(outside the checkout)" if rel.startswith("..") else rel
 
 
 def wrap_world1(kind: str, model, bf16: bool):
