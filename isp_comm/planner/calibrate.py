@@ -125,7 +125,7 @@ def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
     return _monotone(curve)
 
 
-ATTENTION_SHAPES = {"fp32": (16, 32, 64, 128), "bf16": (64,)}
+ATTENTION_HEAD_DIMS = {"fp32": (16, 32, 64, 128), "bf16": (64,)}
 """Head dims at which fused attention is measured, per precision (bf16 on CPU: one;
 its rate at other dims is taken as at 64), each at sequence lengths 32 to 1,024."""
 
@@ -134,7 +134,7 @@ def _attention(name: str, dtype: torch.dtype, op_s: float) -> dict[str, list[lis
     """Forward and backward FLOP/s by one head's FLOPs at each head dim (4 heads a call:
     on one thread the heads run one after another, the rate is the same for 32)."""
     curves: dict[str, list[list[float]]] = {}
-    for d in ATTENTION_SHAPES[name]:
+    for d in ATTENTION_HEAD_DIMS[name]:
         fwd, bwd = [], []
         for s_len in (32, 64, 128, 256, 512, 1024):
 
