@@ -21,8 +21,8 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
   a few steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
   per rank, and 4 blocks at 2,048. Each measured step is ``scale x kernels +
   the rest + blocks x per-block cost + per-step cost`` (the model's kernels, GEMMs,
-  attention and element-wise, and the rest, views' dispatch, communication and
-  optimizer, of the same run): three runs give the three unknowns, the host cost per
+  attention, element-wise and the engine's copies, and the rest, views' dispatch,
+  communication and optimizer, of the same run): three runs give the three unknowns, the host cost per
   block and per step, and how much slower the kernels run inside a step than
   alone (caches, allocation, autograd; the microbenchmarks time them alone). What
   the two 4-block runs' peak RSS holds beyond the memory forecast is a constant (the
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from isp_comm.memory_forecast import PHASES
 from isp_comm.planner.memory import transient
 from isp_comm.planner.profile import COLLECTIVES, Link, Profile
-from isp_comm.planner.step import COMPUTE_KINDS
+from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
 
 TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "32", "--no-trace", "--log-every", "1000"]
@@ -377,7 +377,7 @@ def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
             path = os.path.join(tmp, f"bare{world}.json")
             dataclasses.replace(prof, per_node=world).save(path)
             planned = _plans(world, path)
-            slowed = [p["gemm_s"] + p["attention_s"] + p["elementwise_s"] for p in planned]
+            slowed = [sum(p[k + "_s"] for k in KERNELS) for p in planned]
             rows = [[e, r[0], 1.0] for e, r in zip(slowed, RUNS)]
             rhs = [m["step_s"] - p["optimizer_s"] - (p["forward_s"] + p["backward_s"] - e)
                    for m, p, e in zip(measured, planned, slowed)]  # fmt: skip

@@ -42,6 +42,7 @@ from torch import nn
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.weights import unit_layouts
+from isp_comm.memory_pool.plan import gather_landing
 from isp_comm.planner.ops import Ops, StepOps, trace_ops
 from isp_comm.planner.profile import Profile, interp
 from isp_comm.train.metrics import flops_per_token
@@ -80,10 +81,16 @@ def _precision(low: bool) -> str:
     return "bf16" if low else "fp32"
 
 
-COMPUTE_KINDS = ("gemm", "attention", "elementwise", "dispatch", "engine")
-"""What a step's compute is made of (:attr:`StepTime.compute_s`): matrix products,
-fused attention, element-wise operators, what the operators' dispatch adds, and the
-engine's host cost per block (``Profile.host_block_s``)."""
+KERNELS = ("gemm", "attention", "elementwise", "copies")
+"""The kinds of compute that run kernels (and take ``Profile.compute_scale`` longer
+inside a step than alone): matrix products, fused attention, element-wise operators,
+and the engine's own copies (a gather landed in its slot, a block's gradients packed
+for their reduce-scatter and the reduced shard written to ``.grad``)."""
+
+COMPUTE_KINDS = (*KERNELS, "dispatch", "engine")
+"""What a step's compute is made of (:attr:`StepTime.compute_s`): the kernels, what
+the operators' dispatch adds, and the engine's host cost per block
+(``Profile.host_block_s``)."""
 
 
 def compute_parts(ops: Ops, prof: Profile, slowdown: float = 1.0) -> dict[str, float]:
@@ -175,6 +182,10 @@ class _Costs:
     bwd: list[float]  # per block: backward compute
     outer: float  # embedding, final norm, head and loss, forward and backward
     compute: dict[str, float]  # the micro-step's compute by kind (recompute included)
+    land: list[float]  # per block: landing its gather in the slot (each gather)
+    pack: list[float]  # per block: packing its gradients, and writing the reduced shard
+    outer_land: float  # the same for the sharded outer unit
+    outer_pack: float
     ag: list[float]  # per block: its all-gather
     rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
     a2a: float  # per block and direction: Ulysses' four all-to-alls
@@ -218,11 +229,31 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     fwd, bwd = [piece(o) for o in traced.block_fwd], [piece(o) for o in traced.block_bwd]
     outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
     n_ckpt = round(config.activation_checkpointing * len(blocks))
+
+    def copy(nbytes: float) -> float:  # read once and written once
+        return slowdown * 2 * nbytes / interp(prof.elementwise, 2 * nbytes) if nbytes else 0.0
+
+    # [Note: the engine's copies] a gather lands in the slot by a copy (wp 1: from the
+    # shard; "staging": from the rank-major buffer; "per-parameter": the peers write the
+    # slot, no copy); each reduce packs the block's gradients, and the reduced shard is
+    # divided (world > 1) and copied into .grad (HookEngine, Reductions)
+    per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
+    land = [0.0 if per_parameter else copy(b) for b in gather]
+    pack = [copy(r) + (1 + (world > 1)) * copy(r / wp) for r in reduce]
+    root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
+    outer_land = copy(outer_gather) if root else 0.0
+    outer_pack = copy(outer_reduce) + (1 + (world > 1)) * copy(outer_reduce / wp) if root else 0.0
+    compute = {k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS}
+    compute["copies"] = 2 * sum(land) + sum(pack) + outer_land + outer_pack
     return _Costs(
         fwd=[sum(p.values()) for p in fwd],
         bwd=[sum(p.values()) for p in bwd],
         outer=sum(sum(p.values()) for p in outer),
-        compute={k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS},
+        compute=compute,
+        land=land,
+        pack=pack,
+        outer_land=outer_land,
+        outer_pack=outer_pack,
         ag=[coll("all_gather", wp, b) for b in gather],
         rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
         a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
@@ -240,12 +271,13 @@ def _forward(clock: _Clock, c: _Costs, wp: int) -> float:
     n = len(c.fwd)
     if c.outer_ag:
         clock.wait(clock.issue(c.outer_ag))
+    clock.t += c.outer_land
     done = clock.issue(c.ag[0]) if wp > 1 and n else 0.0
     for i in range(n):
         clock.wait(done)
         if wp > 1 and i + 1 < n:
             done = clock.issue(c.ag[i + 1])
-        clock.t += c.fwd[i]
+        clock.t += c.land[i] + c.fwd[i]
         if c.a2a:
             clock.wait(clock.issue(c.a2a))
     last = clock.issue(c.ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
@@ -260,17 +292,19 @@ def _backward(clock: _Clock, c: _Costs, wp: int, last: float) -> None:
         clock.wait(done)
         if wp > 1 and i > 0:
             done = clock.issue(c.ag[i - 1])
-        clock.t += c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
+        clock.t += c.land[i] + c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
         if i < c.n_ckpt and c.a2a:
             clock.wait(clock.issue(c.a2a))
         if c.a2a:
             clock.wait(clock.issue(c.a2a))
+        clock.t += c.pack[i]
         if c.rs[i]:
             if len(inflight) >= c.max_inflight:
                 clock.wait(inflight.pop(0))
             inflight.append(clock.issue(c.rs[i]))
     for d in inflight:
         clock.wait(d)
+    clock.t += c.outer_pack
     if c.outer_rs:
         clock.wait(clock.issue(c.outer_rs))
     if c.repl_ar:
