@@ -144,6 +144,20 @@ def test_attention_is_timed_by_head_and_head_dim() -> None:
     model = _meta(vocab_size=256, hidden=128, ffn_hidden=256, n_layers=3, n_heads=4, n_kv_heads=2)
     st = step_time(model, ISPConfig(activation_checkpointing=1.0), cal, world=1, wp=1, sp=1, batch=2, seq=64)
     assert sum(st.compute_s.values()) == pytest.approx(st.phases["forward"] + st.phases["backward"], rel=1e-9)
+    assert st.compute_s["copies"] > 0  # wp 1: each gather is a copy into the slot, gradients are packed
+
+
+def test_the_engines_copies_follow_its_landing() -> None:
+    """A 'staging' gather is copied out of the landing buffer; 'per-parameter' (peers
+    write the slot) is not: fewer copies, the packing of gradients left."""
+    model = _meta(vocab_size=32000, hidden=2048, ffn_hidden=5504, n_layers=4, n_heads=16, n_kv_heads=8)
+    prof = profiles.from_target(parse_target("h100x8"))
+
+    def copies(granularity: str) -> float:
+        cfg = ISPConfig(**BF16, comm_granularity=granularity)
+        return step_time(model, cfg, prof, world=8, wp=8, sp=1, batch=8, seq=2048).compute_s["copies"]
+
+    assert 0 < copies("module") < copies("block")
 
 
 def test_profile_file_round_trip(tmp_path) -> None:

@@ -7,13 +7,15 @@ micro-step is replayed on two clocks, the compute stream's and the communication
 stream's (collectives run one after the other, in issue order), as
 :mod:`isp_comm.hooks.engine` issues them:
 
-* forward: block i waits for its gather, issues block i+1's, computes; SP's
-  all-to-alls sit on the compute path (each block waits for them);
+* forward: block i waits for its gather, lands it in its slot (a copy, unless the
+  peers write the slot), issues block i+1's, computes; SP's all-to-alls sit on the
+  compute path (each block waits for them);
 * the outside (embedding, final norm, head, loss) forward and backward;
 * backward, in reverse: block i waits for its re-gather (the last block's is issued
   when backward begins), issues block i-1's, recomputes its forward when it is
-  checkpointed, computes its backward, then issues its reduce-scatter after waiting
-  for the oldest when ``max_inflight_reduce_scatter`` are in flight;
+  checkpointed, computes its backward, packs its gradients, then issues its
+  reduce-scatter after waiting for the oldest when ``max_inflight_reduce_scatter``
+  are in flight (the reduced shard is written to ``.grad`` by a copy);
 * the end of backward waits for every reduce-scatter; the gradients autograd leaves
   whole are all-reduced (bucketed; counted after the last block, exposed).
 
