@@ -239,12 +239,14 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     # shard; "staging": from the rank-major buffer; "per-parameter": the peers write the
     # slot, no copy); each reduce packs the block's gradients, and the reduced shard is
     # divided (world > 1) and copied into .grad (HookEngine, Reductions)
+    def packed(nbytes: float) -> float:
+        return copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp)
+
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
-    pack = [copy(r) + (1 + (world > 1)) * copy(r / wp) for r in reduce]
+    pack = [packed(r) for r in reduce]
     root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
-    outer_land = copy(outer_gather) if root else 0.0
-    outer_pack = copy(outer_reduce) + (1 + (world > 1)) * copy(outer_reduce / wp) if root else 0.0
+    outer_land, outer_pack = (copy(outer_gather), packed(outer_reduce)) if root else (0.0, 0.0)
     compute = {k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS}
     compute["copies"] = 2 * sum(land) + sum(pack) + outer_land + outer_pack
     return _Costs(
