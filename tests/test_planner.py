@@ -127,13 +127,16 @@ def test_attention_is_timed_by_head_and_head_dim() -> None:
     costs more; and the kinds of compute add up to forward and backward at world 1."""
     prof = profiles.from_target(parse_target("cpu"))
     slow, fast = [[1e3, 10e9], [1e9, 20e9]], [[1e3, 30e9], [1e9, 60e9]]
-    attention = {"fp32@16": slow, "fp32_bwd@16": slow, "fp32@64": fast, "fp32_bwd@64": fast}
+    half = [[x, r / 2] for x, r in slow]  # the backward's own curve at dim 16
+    attention = {"fp32@16": slow, "fp32_bwd@16": half, "fp32@64": fast, "fp32_bwd@64": fast}
     cal = dataclasses.replace(prof, attention=attention)
     assert cal.attention_rate(False, False, 1e9, 16) == pytest.approx(20e9)
     assert cal.attention_rate(False, False, 1e9, 32) == pytest.approx(40e9)  # halfway in log dim
-    assert cal.attention_rate(False, True, 1e9, 8) == pytest.approx(20e9)  # below the dims measured
+    assert cal.attention_rate(False, True, 1e9, 8) == pytest.approx(10e9)  # below the dims measured, backward's
     assert cal.attention_rate(False, False, 1e9, 128) == pytest.approx(60e9)
     assert prof.attention_rate(True, True, 1e9, 16) == profiles.interp(prof.attention["bf16_bwd"], 1e9)
+    forward_only = dataclasses.replace(prof, attention={"fp32@16": slow})
+    assert forward_only.attention_rate(False, True, 1e9, 16) == pytest.approx(20e9)  # no backward: the forward's
 
     def attention_s(heads: int, kv: int, hidden: int) -> float:
         model = _meta(vocab_size=256, hidden=hidden, ffn_hidden=256, n_layers=2, n_heads=heads, n_kv_heads=kv)

@@ -138,9 +138,9 @@ class Profile:
         the curves of the two nearest measured head dims (linear in log dim), the
         nearest one outside them, the dim-less curve where none was measured."""
         key = ("bf16" if low else "fp32") + ("_bwd" if backward else "")
-        if key not in self.attention:
-            key = key.removesuffix("_bwd")
         dims = sorted(int(k.split("@")[1]) for k in self.attention if k.startswith(key + "@"))
+        if not dims and key not in self.attention and backward:  # no backward measured: the forward's rate
+            return self.attention_rate(low, False, head_flops, head_dim)
         if not dims:
             return interp(self.attention[key], head_flops)
         lo = max((d for d in dims if d <= head_dim), default=dims[0])
