@@ -96,7 +96,8 @@ the operators' dispatch adds, and the engine's host cost per block
 
 
 def compute_parts(ops: Ops, prof: Profile, slowdown: float = 1.0) -> dict[str, float]:
-    """Seconds of a piece of compute by kind (see the module note), ``engine`` aside.
+    """Seconds of a piece of compute by kind (see the module note); ``copies`` and
+    ``engine`` are the schedule's, not a piece's (``_costs`` adds them).
     ``slowdown``: how much longer the kernels take inside a step than alone
     (``Profile.compute_scale``)."""
     gemm = sum(f / interp(prof.gemm[_precision(lp)], f) for f, lp in ops.gemm)
