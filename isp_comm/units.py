@@ -95,7 +95,6 @@ class BlockUnit(BlockLayout):
         self.flat_shard = torch.zeros(self.store.numel, dtype=self.dtype, device=self.device)
         self.shards: tuple[nn.Parameter, ...] = ()
         self._install_shards(materialize)
-        self.grad_flat: torch.Tensor | None = None
         self._trainable: tuple[bool, ...] = ()
         self.groups: tuple[ReduceGroup, ...] = ()
         self.whole_group: ReduceGroup | None = None
@@ -188,21 +187,24 @@ class BlockUnit(BlockLayout):
     def accumulate_grad(self, reduced: torch.Tensor, group: ReduceGroup) -> None:
         """Add ``group``'s reduced gradient shard into the shard parameters' ``.grad``.
 
-        [Note: grad aliasing] A shard's ``.grad`` is a view of ``grad_flat`` (one
-        buffer per block, laid out like the flat shard, allocated once), so after
-        ``zero_grad(set_to_none=True)`` the next step writes into the same memory.
+        [Note: grad aliasing] A shard's ``.grad`` is a view of one flat buffer per block,
+        laid out like the flat shard, so the whole block's gradient is written by one
+        copy and the optimizer reads it in place. The unit keeps no reference to that
+        buffer: the ``.grad`` views do. ``zero_grad(set_to_none=True)`` therefore frees
+        it, as it frees FSDP2's sharded gradients, and the next backward allocates a new
+        one as the block's gradient arrives; a gradient shard costs memory only from its
+        block's backward to ``zero_grad``, never during the forward.
         """
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros_like(self.flat_shard)
+        flat = self._grad_buffer()
         if group is self.whole_group:  # one kernel for the whole block
             fresh = [s for s in self.shards if s.grad is None]
             if len(fresh) == len(self.shards):
                 for sp, shard in zip(self.params, self.shards):
-                    shard.grad = self.shard_view(self.grad_flat, sp)
-                self.grad_flat.copy_(reduced[: self.grad_flat.numel()])
+                    shard.grad = self.shard_view(flat, sp)
+                flat.copy_(reduced[: flat.numel()])
                 return
-            if not fresh and all(s.grad._base is self.grad_flat for s in self.shards):  # still our views
-                self.grad_flat.add_(reduced[: self.grad_flat.numel()])
+            if not fresh and all(s.grad._base is flat for s in self.shards):  # still our views
+                flat.add_(reduced[: flat.numel()])
                 return
         for i, off in zip(group.members, group.layout.offsets):
             sp, shard = self.params[i], self.shards[i]
@@ -210,7 +212,17 @@ class BlockUnit(BlockLayout):
                 continue
             piece = sp.user(reduced[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape))
             if shard.grad is None:
-                shard.grad = self.shard_view(self.grad_flat, sp)
+                shard.grad = self.shard_view(flat, sp)
                 shard.grad.copy_(piece)
             else:
                 shard.grad.add_(piece)
+
+    def _grad_buffer(self) -> torch.Tensor:
+        """The flat buffer the shards' ``.grad`` are views of (see [Note: grad
+        aliasing]): the one a shard's ``.grad`` still views, else a new one (not
+        zeroed: every piece is written before its ``.grad`` view is set)."""
+        for s in self.shards:
+            base = None if s.grad is None else s.grad._base
+            if base is not None and base.shape == self.flat_shard.shape and base.dtype == self.flat_shard.dtype:
+                return base
+        return torch.empty_like(self.flat_shard)

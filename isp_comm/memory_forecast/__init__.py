@@ -12,18 +12,20 @@ autograd keeps for backward (meta tensors: nothing is computed).
 [Note: what the forecast counts]
 All figures are bytes on one rank (rank 0, whose shards are the largest), above the
 process's baseline (torch imported, process groups made, model built on meta). The
-steady state of a step is counted: from the second step on, the gradient shards
-(one flat buffer per unit, kept across ``zero_grad``) and the optimizer state exist
-in every phase. The phases and what each adds to the persistent parts (master
+steady state of a step is counted: from the second step on, the optimizer state
+exists in every phase. A unit's gradient shard (one flat buffer, freed by
+``zero_grad(set_to_none=True)`` as FSDP2's are) exists from its block's backward to
+the optimizer step. The phases and what each adds to the persistent parts (master
 shards, replicated parameters, pool):
 
 * ``wrap``: one module's full weights, materialised before its rows are taken;
 * ``forward``: cast copies and the outer gather, the saved activations of every
   block (only the input of a checkpointed one), then the logits and the loss;
 * ``backward``: the largest moment of the walk from the loss back to the
-  embedding: the activations still to be used, the block's full (unsharded) weight
-  gradients before they are packed, a checkpointed block's recomputation, and the
-  replicated parameters' gradients (full size, master dtype);
+  embedding: the activations still to be used, the gradient shards of the blocks
+  already walked, the block's full (unsharded) weight gradients before they are
+  packed, a checkpointed block's recomputation, and the replicated parameters'
+  gradients (full size, master dtype);
 * ``optimizer``: gradients of everything plus the optimizer's temporaries;
 * ``save`` / ``async_save`` / ``load``: DCP's per-item copies; the async save's
   staging holds a whole copy of the model and optimizer shards (on CUDA these are

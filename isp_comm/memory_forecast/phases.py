@@ -15,7 +15,7 @@ from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
 from isp_comm.memory_forecast.pool import host_shared_memory, pool_plan
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
-from isp_comm.memory_forecast.weights import Weights, cpu_runtime, unit_layouts, weights
+from isp_comm.memory_forecast.weights import Weights, cpu_runtime, flat_bytes, unit_layouts, weights
 
 
 def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str, memo: dict) -> None:
@@ -94,13 +94,14 @@ def forecast(
     allreduce = sum(w.replicated_trainable) + w.wp_summed if world > 1 else 0
     steady = {
         **persistent,
-        "gradient shards": w.grad_shards,
         "optimizer state": w.opt_state,
         "all-reduce buffers": allreduce,
         **cpu_runtime(device, world, config.param_dtype),
     }
     phases = {"wrap": _wrap(persistent, w, device)}
-    phases.update(_step(steady, w, traced, acts, n_ckpt, [(lay, tr) for i, lay, tr in layouts if i >= 0]))
+    grads = {i: flat_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
+    blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0)))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     staging = {"save": w.largest_item, "async_save": w.master + w.replicated + w.opt_state, "load": 2 * w.largest_item}
     for ph, nbytes in staging.items():  # on CUDA, DCP stages in host memory (pinned for async saves)
@@ -130,11 +131,15 @@ def _step(
     traced: Traced,
     acts: list[int],
     n_ckpt: int,
-    block_layouts: list[tuple[object, list[bool]]],
+    blocks: list[tuple[object, list[bool], int]],
+    head_grad: int,
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
-    peak is the largest moment of the walk from the loss back to the embedding."""
+    peak is the largest moment of the walk from the loss back to the embedding; at
+    block i it holds the gradient shards of the blocks after i (``blocks``: each
+    block's layout, trainable flags and gradient shard bytes) and of the vocab-parallel
+    head (``head_grad``), whose backward comes first."""
     step_parts = {**steady, "cast copies": w.casts, "outer gather": w.outer_gather}
     loss_fwd, loss_bwd, logits = loss_bytes(traced)
     n = len(acts)
@@ -143,11 +148,20 @@ def _step(
     head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
-    moments = [{act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, "replicated grads": head_grads}]
-    for i, (lay, tr) in enumerate(block_layouts):
+    later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
+    moments = [
+        {
+            act_label: kept[-1] + traced.outer_saved,
+            "gradient shards": head_grad,
+            "logits and loss": loss_bwd,
+            "replicated grads": head_grads,
+        }
+    ]
+    for i, (lay, tr, _) in enumerate(blocks):
         moments.append(
             {
                 act_label: kept[i] + traced.outer_saved,
+                "gradient shards": later[i + 1],
                 "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
                 * lay.gather_dtype.itemsize,
                 "activation gradients": 2 * hidden + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0),
@@ -165,4 +179,9 @@ def _optimizer(steady: dict[str, int], w: Weights, optimizer: str, device: str) 
     temporaries = 0
     if optimizer == "adamw":
         temporaries = sum(w.all_trainable) if device == "cuda" else 2 * max(w.all_trainable, default=0)
-    return {**steady, "replicated grads": sum(w.replicated_trainable), "optimizer temporaries": temporaries}
+    return {
+        **steady,
+        "gradient shards": w.grad_shards,
+        "replicated grads": sum(w.replicated_trainable),
+        "optimizer temporaries": temporaries,
+    }
