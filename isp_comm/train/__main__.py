@@ -39,7 +39,7 @@ from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.plan import plan
 from isp_comm.train.store import is_pretokenized, prepare_store
 from isp_comm.train.timeline import draw, write_trace
-from models.llama import LlamaConfig, build
+from models.llama import LlamaConfig, build, llama_ffn_hidden
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -390,7 +390,7 @@ def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.
         mcfg = LlamaConfig(
             vocab_size=vocab,
             hidden=cfg.hidden,
-            ffn_hidden=cfg.hidden * 8 // 3,
+            ffn_hidden=llama_ffn_hidden(cfg.hidden),
             n_layers=cfg.layers,
             n_heads=cfg.heads,
             n_kv_heads=cfg.kv_heads,

@@ -66,7 +66,8 @@ class TrainConfig:
     layers: int = 4
     """Transformer blocks of the reference llama."""
     hidden: int = 128
-    """Model width of the reference llama."""
+    """Model width of the reference llama (its MLP is llama's: 8/3 of it, rounded up
+    to a multiple of 256, so that GPU GEMMs stay aligned)."""
     heads: int = 8
     """Attention heads of the reference llama."""
     kv_heads: int = 2
