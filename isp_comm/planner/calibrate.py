@@ -284,7 +284,8 @@ def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
 def measure_run(flags: list[str], world: int, steps: int, out: str, timeout: float = 300) -> dict:
     """isp-train with ``flags`` for ``steps`` steps at ``world`` ranks (one thread
     each) into ``out``: the median ``step_s`` after the first two steps (warm-up) and
-    rank 0's peak RSS (bench/plan_check.py measures its grid with it too)."""
+    rank 0's peak RSS, or on CUDA its peak allocated and reserved memory
+    (bench/plan_check.py and bench/plan_gpu.py measure their grids with it too)."""
     cmd = [sys.executable, "-m", "isp_comm.train", *flags, "--steps", str(steps), "--out", out, "--overwrite"]
     cmd += ["--nproc-per-node", str(world)] if world > 1 else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -293,7 +294,8 @@ def measure_run(flags: list[str], world: int, steps: int, out: str, timeout: flo
         raise RuntimeError(f"isp-train {' '.join(flags)} failed: {res.stderr[-1500:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), "peak_rss_mib": rows[-1]["peak_rss_mib"]}
+    peaks = {k: rows[-1][k] for k in ("peak_rss_mib", "peak_alloc_mib", "peak_reserved_mib") if k in rows[-1]}
+    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), **peaks}
 
 
 def _plans(world: int, profile_path: str) -> list[dict]:

@@ -1,0 +1,111 @@
+"""The planner against measurement on one GPU: step time and peak memory at world 1.
+
+    python bench/plan_gpu.py [--repeats 3] [--steps 10] [--out DIR]
+
+Four sizes of isp-train's reference llama around bench/gpu.py's 697M one (hidden
+2048, 12 layers, vocab 32000; isp-train's MLP is 8/3 of the hidden size, 5461 where
+bench/gpu.py's is 5632), trained on random tokens of a 32000-word vocabulary
+(a .npy file), at seq 2048 x batch 4 in bf16:
+``isp-train --plan --device cuda`` predicts on the nominal target of this GPU (the
+published peak and bandwidth of bench's table, nothing calibrated here), and
+isp-train trains the same flags ``--repeats`` times. Measured per run: the median
+``step_s`` of metrics.jsonl after its first two steps, and ``peak_alloc_mib``
+(``torch.cuda.max_memory_allocated``); over runs, the median and range. Predicted:
+``step_s`` and the highest of the wrap, forward, backward and optimizer phases.
+
+Prints a markdown table and writes OUT/plan_gpu.json (--out, default bench/results/local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from isp_comm.planner.calibrate import measure_run  # noqa: E402
+
+SIZES = {  # name: (hidden, layers, heads, kv heads)
+    "170M": (1024, 12, 8, 4),
+    "390M": (1536, 12, 12, 4),
+    "680M": (2048, 12, 16, 8),
+    "1.4B": (2560, 16, 20, 4),
+}
+VOCAB = 32000
+FLAGS = ["--device", "cuda", "--seq", "2048", "--batch", "4", "--no-trace", "--log-every", "1000"]
+PHASES = ("wrap", "forward", "backward", "optimizer")
+
+
+def model_flags(hidden: int, layers: int, heads: int, kv: int) -> list[str]:
+    return ["--hidden", str(hidden), "--layers", str(layers), "--heads", str(heads), "--kv-heads", str(kv)]
+
+
+def predict(flags: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *flags]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _rng(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--sizes", default=",".join(SIZES), help="which of the four models")
+    add_out(ap)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "tokens.npy")  # the vocabulary is the largest id + 1
+        tokens = np.random.default_rng(0).integers(0, VOCAB, 2_000_000, dtype=np.int32)
+        tokens[0] = VOCAB - 1
+        np.save(data, tokens)
+        for name in args.sizes.split(","):
+            flags = [*model_flags(*SIZES[name]), "--data", data, *FLAGS]
+            pred = predict(flags)
+            runs = [measure_run(flags, 1, args.steps, os.path.join(tmp, f"run{r}"), 600) for r in range(args.repeats)]
+            row = {
+                "name": name,
+                "size": SIZES[name],
+                "predicted_step_s": pred["step_s"],
+                "predicted_peak_mib": max(pred[ph] for ph in PHASES),
+                "step_s": [r["step_s"] for r in runs],
+                "peak_alloc_mib": [r["peak_alloc_mib"] for r in runs],
+            }
+            row["step_error_pct"] = 100 * (row["predicted_step_s"] / statistics.median(row["step_s"]) - 1)
+            row["memory_error_pct"] = 100 * (row["predicted_peak_mib"] / statistics.median(row["peak_alloc_mib"]) - 1)
+            progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
+            rows.append(row)
+    table = [
+        [
+            r["name"],
+            f"{r['predicted_step_s'] * 1e3:.1f}",
+            _rng([s * 1e3 for s in r["step_s"]], ".1f"),
+            f"{r['step_error_pct']:+.1f}",
+            f"{r['predicted_peak_mib']:.0f}",
+            _rng(r["peak_alloc_mib"], ".0f"),
+            f"{r['memory_error_pct']:+.1f}",
+        ]
+        for r in rows
+    ]
+    head = ["model", "predicted ms", "measured ms, median (range)", "step error %"]
+    head += ["predicted MiB", "measured peak allocated MiB", "memory error %"]
+    print(markdown_table(head, table, "lrrrrrr"))
+    print(save_results("plan_gpu", args, rows))
+
+
+if __name__ == "__main__":
+    main()
