@@ -11,8 +11,9 @@ isp-train trains the same flags ``--repeats`` times. Measured per run: the media
 over runs, the median (and range) of both. Predicted: ``step_s`` and the highest of
 the wrap, forward, backward and optimizer phases (the run's last checkpoint is
 saved after its last metrics row). Then ``--search`` for one model and global batch
-at world 2: its first pick is run too, and compared with the fastest layout
-measured. Last, a published figure beside a prediction (not a fit): torchtitan's
+at world 2: its five fastest layouts and the grid's layouts of that model and batch
+are run side by side (``--repeats`` rounds, each layout once a round), and the first
+pick is compared with the fastest measured. Last, a published figure beside a prediction (not a fit): torchtitan's
 Llama-3.1-8B on 8 H100 with FSDP2.
 
 Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
@@ -96,40 +97,69 @@ def check_point(name: str, world: int, flags: list[str], args, tmp: str) -> dict
     return row
 
 
-def search_check(args, rows: list[dict], tmp: str) -> dict:
-    """The search's first pick, run, against the fastest measured layout of the same
-    model and global batch (the grid's points and the pick)."""
+def search_check(args, tmp: str) -> dict:
+    """The search's first pick against the fastest of its rivals, measured side by side:
+    the search's other top five and the grid's layouts of the same model and global
+    batch, run in ``--repeats`` rounds, one run of each layout per round (so a drift of
+    the machine's speed during the check reaches every layout alike)."""
     world, flags = SEARCH
     _, lines = predict(args.profile, world, flags, search=True)
-    first = next(line for line in lines if line.startswith("1: isp-train"))
-    pick = first.split("isp-train", 1)[1].split()
-    pick = [a for i, a in enumerate(pick) if a != "--nproc-per-node" and (i == 0 or pick[i - 1] != "--nproc-per-node")]
-    same = [r for r in rows if r["world"] == world and _model_batch(r["flags"]) == _model_batch(flags)]
-    pick_row = check_point("search's first pick", world, pick, args, tmp)
-    measured = {r["name"]: statistics.median(r["step_s"]) for r in [*same, pick_row]}
+    picks = [
+        _strip_world(line.split("isp-train", 1)[1].split())
+        for line in lines
+        if line[:1].isdigit() and ": isp-train" in line
+    ]
+    rivals = [(name, f) for name, w, f in GRID if w == world and _model_batch(f) == _model_batch(flags)]
+    candidates: dict[tuple, tuple[str, list[str]]] = {}
+    for i, f in enumerate(picks, 1):
+        candidates.setdefault(_layout(f, world), (f"search #{i}", f))
+    for name, f in rivals:
+        candidates.setdefault(_layout(f, world), (name, f))
+    runs: dict[str, list[float]] = {name: [] for name, _ in candidates.values()}
+    for r in range(args.repeats):
+        for name, f in candidates.values():
+            runs[name].append(measure(world, f, args.steps, os.path.join(tmp, f"search{r}"))["step_s"])
+    measured = {name: statistics.median(v) for name, v in runs.items()}
     fastest = min(measured, key=measured.get)
-    return {
-        "pick": pick,
-        "pick_row": pick_row,
-        "measured": measured,
-        "fastest": fastest,
-        "gap_pct": 100 * (measured["search's first pick"] / measured[fastest] - 1),
-    }
+    gap = 100 * (measured["search #1"] / measured[fastest] - 1)
+    progress(f"search: first pick {gap:+.1f}% against the fastest measured ({fastest})")
+    flags_of = {name: f for name, f in candidates.values()}
+    return {"pick": picks[0], "flags": flags_of, "runs": runs, "measured": measured, "fastest": fastest, "gap_pct": gap}
 
 
-def _model_batch(flags: list[str]) -> tuple:
-    """A run's model, sequence and global batch (what a search keeps fixed)."""
+def _strip_world(args: list[str]) -> list[str]:
+    """A search's command line without ``--nproc-per-node N`` (measure adds the world)."""
+    return [a for i, a in enumerate(args) if a != "--nproc-per-node" and (i == 0 or args[i - 1] != "--nproc-per-node")]
+
+
+def _values(flags: list[str]) -> dict[str, str]:
+    """Each flag's value; a switch (--shard-outer) alone is "on"."""
     value, i = {}, 0
-    while i < len(flags):  # a flag and its value, or a switch (--shard-outer) alone
+    while i < len(flags):
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             value[flags[i]] = flags[i + 1]
             i += 2
         else:
             value[flags[i]] = "on"
             i += 1
+    return value
+
+
+def _model_batch(flags: list[str]) -> tuple:
+    """A run's model, sequence and global batch (what a search keeps fixed)."""
+    value = _values(flags)
     keys = ("--layers", "--hidden", "--heads", "--kv-heads", "--seq")
     batch = int(value.get("--batch", 8)) * int(value.get("--grad-accum", 1))
     return (*(value.get(k) for k in keys), batch)
+
+
+def _layout(flags: list[str], world: int) -> tuple:
+    """What a search varies, with isp-train's defaults (``--wp 0``: the world over sp)."""
+    v = _values(flags)
+    sp = int(v.get("--sp", 1))
+    wp = int(v.get("--wp", 0)) or world // sp
+    switches = tuple(k in v for k in ("--shard-outer", "--vocab-parallel"))
+    return (wp, sp, float(v.get("--ckpt", 0)), *switches, int(v.get("--batch", 8)), int(v.get("--grad-accum", 1)))
 
 
 def torchtitan_point() -> list[dict]:
@@ -168,7 +198,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, world, flags in GRID[: args.only or None]:
             rows.append(check_point(name, world, flags, args, tmp))
-        search = search_check(args, rows, tmp)
+        search = search_check(args, tmp)
     titan = torchtitan_point()
     table = [
         [
@@ -193,11 +223,10 @@ def main() -> None:
         f"({sum(e > 20 for e in errors)} over 20%); memory: largest |error| {max(mem):.1f}% "
         f"({sum(e > 5 for e in mem)} over 5%)"
     )
-    print(
-        f"search's first pick ({' '.join(search['pick'])}): {search['measured'][search_key()] * 1e3:.1f} ms measured; "
-        f"fastest measured: {search['fastest']} {search['measured'][search['fastest']] * 1e3:.1f} ms; "
-        f"gap {search['gap_pct']:+.1f}%"
-    )
+    print(f"\nthe search's first pick ({' '.join(search['pick'])}) against its rivals, side by side:")
+    table = [[name, _rng([s * 1e3 for s in v], ".1f")] for name, v in search["runs"].items()]
+    print(markdown_table(["layout", "measured ms, median (range)"], table, "lr"))
+    print(f"fastest measured: {search['fastest']}; the first pick's gap: {search['gap_pct']:+.1f}%")
     for t in titan:
         print(
             f"torchtitan Llama-3.1-8B, 8 H100, seq 8192, local batch 1: isp-comm wp 8 ckpt {t['ckpt']:g} predicted "
@@ -206,10 +235,6 @@ def main() -> None:
             f"{100 * (t['tokens_per_s_per_gpu'] / 6667 - 1):+.0f}%"
         )
     print(save_results("plan_check", args, [{"grid": rows, "search": search, "torchtitan": titan}]))
-
-
-def search_key() -> str:
-    return "search's first pick"
 
 
 if __name__ == "__main__":

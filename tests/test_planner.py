@@ -19,7 +19,7 @@ from isp_comm.memory_forecast import PHASES, forecast
 from isp_comm.planner import profile as profiles
 from isp_comm.planner import search
 from isp_comm.planner.memory import device_memory
-from isp_comm.planner.step import step_time
+from isp_comm.planner.step import collective_time, step_time
 from isp_comm.planner.targets import parse_target
 from models.llama import LlamaConfig, build
 
@@ -161,6 +161,26 @@ def test_the_engines_copies_follow_its_landing() -> None:
         return step_time(model, cfg, prof, world=8, wp=8, sp=1, batch=8, seq=2048).compute_s["copies"]
 
     assert 0 < copies("module") < copies("block")
+
+
+def test_the_vocab_parallel_head_pays_its_collectives() -> None:
+    """The vocab-parallel head gathers the WP group's hidden states and reduce-scatters
+    their gradient, both on the compute path: the reduce-scatter is charged at its size
+    and the forward waits for the gathers (backward saves the whole head's all-reduce,
+    so it may wait less); at wp 1 there is nothing to pay."""
+    model = _meta(vocab_size=32000, hidden=2048, ffn_hidden=5632, n_layers=2, n_heads=16, n_kv_heads=8)
+    prof = profiles.from_target(parse_target("h100x8", nodes=2))
+
+    def st(wp: int, vocab_parallel: bool):
+        cfg = ISPConfig(**BF16, vocab_parallel=vocab_parallel)
+        return step_time(model, cfg, prof, world=16, wp=wp, sp=1, batch=16, seq=2048)
+
+    plain, vocab = st(8, False), st(8, True)
+    hidden_grad = collective_time(prof, prof.default_backend, "reduce_scatter", 8, 8 * 2048 * 2048 * 2)
+    assert vocab.comm_s["reduce_scatter"] - plain.comm_s["reduce_scatter"] == pytest.approx(hidden_grad, rel=1e-9)
+    assert vocab.comm_s["all_gather"] > plain.comm_s["all_gather"]
+    assert vocab.exposed_comm["forward"] > plain.exposed_comm["forward"]
+    assert st(1, True).exposed_comm["forward"] == st(1, False).exposed_comm["forward"]
 
 
 def test_profile_file_round_trip(tmp_path) -> None:

@@ -10,7 +10,10 @@ stream's (collectives run one after the other, in issue order), as
 * forward: block i waits for its gather, lands it in its slot (a copy, unless the
   peers write the slot), issues block i+1's, computes; SP's all-to-alls sit on the
   compute path (each block waits for them);
-* the outside (embedding, final norm, head, loss) forward and backward;
+* the outside (embedding, final norm, head, loss) forward and backward; with the
+  vocab-parallel head, its collectives over the WP group on the compute path (the
+  hidden states and labels gathered, the softmax's maxima and sums, and in backward
+  the loss gradients gathered and the hidden states' gradient reduce-scattered);
 * backward, in reverse: block i waits for its re-gather (the last block's is issued
   when backward begins), issues block i-1's, recomputes its forward when it is
   checkpointed, computes its backward, packs its gradients, then issues its
@@ -192,6 +195,8 @@ class _Costs:
     ag: list[float]  # per block: its all-gather
     rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
     a2a: float  # per block and direction: Ulysses' four all-to-alls
+    vocab_fwd: dict[str, float]  # the vocab-parallel head's collectives by kind, forward
+    vocab_bwd: dict[str, float]  # and backward (all waited for on the compute path)
     outer_ag: float  # the sharded outer unit's gather (shard_outer)
     outer_rs: float  # and its reduce-scatter
     repl_ar: float  # the gradients autograd leaves whole, all-reduced
@@ -243,6 +248,8 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     def packed(nbytes: float) -> float:
         return copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp)
 
+    vp = wp if config.vocab_parallel else 1
+    vocab_fwd, vocab_bwd = _vocab_parallel(coll, vp, batch * seq, a2a_bytes / (batch * seq))
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
     pack = [packed(r) for r in reduce]
@@ -262,6 +269,8 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
         ag=[coll("all_gather", wp, b) for b in gather],
         rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
         a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
+        vocab_fwd=vocab_fwd,
+        vocab_bwd=vocab_bwd,
         outer_ag=coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0,
         outer_rs=coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0,
         repl_ar=coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world),
@@ -285,8 +294,12 @@ def _forward(clock: _Clock, c: _Costs, wp: int) -> float:
         clock.t += c.land[i] + c.fwd[i]
         if c.a2a:
             clock.wait(clock.issue(c.a2a))
+    if c.vocab_fwd:
+        clock.wait(clock.issue(sum(c.vocab_fwd.values())))
     last = clock.issue(c.ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
     clock.t += c.outer
+    if c.vocab_bwd:
+        clock.wait(clock.issue(sum(c.vocab_bwd.values())))
     return last
 
 
@@ -381,6 +394,8 @@ def step_time(
         "all_to_all": grad_accum * c.a2a * (2 * len(c.fwd) + c.n_ckpt),
         "all_reduce": grad_accum * c.repl_ar + 2 * small_ar,
     }
+    for kind, seconds in [*c.vocab_fwd.items(), *c.vocab_bwd.items()]:
+        comm[kind] += grad_accum * seconds
     mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
     compute = {k: grad_accum * v for k, v in c.compute.items()}
     return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute)
@@ -397,6 +412,27 @@ def _elements_per_rank(model: nn.Module, config: ISPConfig, wp: int, memo: dict)
     layouts, replicated = memo[key]
     shards = sum(sp_.valid_rows * sp_.inner for _, lay, tr in layouts for sp_, t in zip(lay.params, tr) if t)
     return shards + sum(p.numel() for p in replicated if p.requires_grad)
+
+
+def _vocab_parallel(coll, wp: int, tokens: int, hidden_bytes: float) -> tuple[dict, dict]:
+    """The vocab-parallel head's collectives over the WP group (:mod:`isp_comm.vocab_parallel`),
+    seconds by kind, forward and backward; none at wp 1. ``tokens``: this rank's;
+    ``hidden_bytes``: one token's hidden state. Sizes are the gathered buffers'."""
+    if wp <= 1:
+        return {}, {}
+    every = wp * tokens  # the WP group's tokens
+    forward = {
+        # hidden states, labels (int64), each rank's logit maxima for every token
+        "all_gather": coll("all_gather", wp, every * hidden_bytes)
+        + coll("all_gather", wp, every * 8)
+        + coll("all_gather", wp, wp * every * 4),
+        "all_reduce": coll("all_reduce", wp, 2 * every * 4),  # the softmax's sums and target logits
+    }
+    backward = {
+        "all_gather": coll("all_gather", wp, every * 4),  # each rank's loss gradients
+        "reduce_scatter": coll("reduce_scatter", wp, every * hidden_bytes),  # the hidden states' gradient
+    }
+    return forward, backward
 
 
 def _a2a_bytes(model: nn.Module, batch: int, seq: int, param_dtype: torch.dtype | None) -> float:
