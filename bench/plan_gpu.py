@@ -3,9 +3,9 @@
     python bench/plan_gpu.py [--repeats 3] [--steps 10] [--out DIR]
 
 Four sizes of isp-train's reference llama around bench/gpu.py's 697M one (hidden
-2048, 12 layers, vocab 32000; isp-train's MLP is 8/3 of the hidden size, 5461 where
-bench/gpu.py's is 5632), trained on random tokens of a 32000-word vocabulary
-(a .npy file), at seq 2048 x batch 4 in bf16:
+2048, 12 layers, vocab 32000; isp-train's MLP is llama's, 8/3 of the hidden size
+rounded up to a multiple of 256: 5632, as bench/gpu.py's), trained on random tokens
+of a 32000-word vocabulary (a .npy file), at seq 2048 x batch 4 in bf16:
 ``isp-train --plan --device cuda`` predicts on the nominal target of this GPU (the
 published peak and bandwidth of bench's table, nothing calibrated here), and
 isp-train trains the same flags ``--repeats`` times. Measured per run: the median

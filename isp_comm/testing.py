@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -109,6 +110,47 @@ def run_ranks(
         if errors:
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
         return [out[r] for r in range(world)]
+
+
+# ---- what a step asks of the host (CPU proxies for CUDA synchronisation) ----
+def _host_reads_mode() -> type:
+    import torch
+
+    class HostReads(torch.overrides.TorchFunctionMode):
+        """Counts the Python calls that read a tensor's values to the host (on CUDA each
+        one waits for the GPU), and the tensors made from Python data on a given device
+        (on CUDA a blocking host-to-device copy). A proxy that CPU ranks can run: a
+        read inside a C++ op is not seen (tests/gpu runs a step under
+        ``set_sync_debug_mode("error")`` for that)."""
+
+        NAMES = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
+        COPIES = frozenset({"tensor", "as_tensor"})
+
+        def __init__(self, within: str | None) -> None:
+            super().__init__()
+            self.within = within
+            self.calls: list[str] = []
+            self.copies: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if self.within is not None and not sys._getframe(1).f_code.co_filename.startswith(self.within):
+                pass  # called from outside the code under test (torch.optim's CPU step counters, say)
+            elif name in self.NAMES:
+                self.calls.append(name)
+            elif name in self.COPIES and (kwargs or {}).get("device") is not None:
+                self.copies.append(name)
+            return func(*args, **(kwargs or {}))
+
+    return HostReads
+
+
+def host_reads(within: str | None = None) -> Any:
+    """A ``TorchFunctionMode`` (use it as a context manager) whose ``calls`` list the
+    host reads made under it, and ``copies`` the tensors made from Python data on a
+    device (see its class note); ``within``: only those called from files under this
+    folder. Made on first use: this module imports no torch."""
+    return _host_reads_mode()(within)
 
 
 # ---- tiny Hugging Face folders (tests, the README's worked example; nothing downloaded) ----

@@ -38,6 +38,8 @@ def test_nvshmem4py_and_cuda_core_have_what_the_backend_uses() -> None:
         assert callable(getattr(nvshmem, name)), name
     assert hasattr(nvshmem, "alltoall") and hasattr(nvshmem.Teams, "TEAM_WORLD")
     assert not hasattr(nvshmem.interop.torch, "empty")  # what the backend once called
+    api = nvshmem_backend.load_api()  # the backend's own imports (cuda-core 1.x has no .experimental)
+    assert api.core is nvshmem and api.Device is Device
     inspect.signature(nvshmem.init).bind(device=None, uid=None, rank=0, nranks=1, initializer_method="uid")
     inspect.signature(nvshmem.tensor).bind((4,), dtype=torch.float32)
     # the unique id travels as 128 raw bytes (needs no GPU: only its host library)
@@ -261,6 +263,15 @@ def test_nvshmem_backend_against_fake_nvshmem4py(world: int) -> None:
         assert 0 not in r["streams"] and len(r["streams"]) == 1, r
 
 
+def test_nvshmem_binds_the_parameters_gpu_not_the_current_one(monkeypatch) -> None:
+    """A model on cuda:1 while cuda:0 is current (no ``set_device``): NVSHMEM binds GPU 1.
+    Only a bare ``cuda`` asks which device is current."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert nvshmem_backend.device_index(torch.device("cuda", 1)) == 1
+    assert nvshmem_backend.device_index(torch.device("cuda")) == 0
+    assert nvshmem_backend.device_index(torch.device("cpu")) == 0
+
+
 def _nvshmem_backend_on_fakes(rank: int, **fake_kw):
     from tests.fakes import Checked, FakeNvshmem, _Device
 
@@ -396,9 +407,15 @@ def _symm_worker(rank: int, world: int) -> dict:
                 setattr(handle, method, call)
             return handle
 
+    from isp_comm.backends import streams
+
+    synced = []  # host waits for a device or a stream: growing scratch must make none
+    streams._HostStream.synchronize = lambda self: synced.append("stream")  # this rank's process only
+    runtime = HostRuntime()
+    runtime.synchronize = lambda device: synced.append("device")
     checks = (lambda device: f"gpu{rank}", lambda device, uuids: len(set(uuids)) == len(uuids))
     fake = CheckedSymm()
-    backend = cuda_symm.CudaSymmBackend(60.0, symm=Checked(fake, symm), runtime=HostRuntime(), peer_check=checks)
+    backend = cuda_symm.CudaSymmBackend(60.0, symm=Checked(fake, symm), runtime=runtime, peer_check=checks)
     cpu = torch.device("cpu")
     try:
         backend.reserve(dist.group.WORLD, 4099 * 4, cpu, "gather")
@@ -407,9 +424,10 @@ def _symm_worker(rank: int, world: int) -> dict:
     finally:
         fake.close()
     lanes = sorted({lane for _, lane in backend._buffers})
-    grown = len(backend._retired)
+    grown, synced_in_use = len(backend._retired), list(synced)
     backend.close()
-    return {"checked": checked, "lanes": lanes, "grown": grown, "streams": len(backend._rt.streams)}
+    streams_made = len(backend._rt.streams)
+    return {"checked": checked, "lanes": lanes, "grown": grown, "streams": streams_made, "synced": synced_in_use}
 
 
 def _symm_device_worker(rank: int, world: int) -> list:
@@ -468,6 +486,7 @@ def test_cuda_symm_backend_against_fake_symmetric_memory(world: int) -> None:
         assert r["checked"] == 40, r
         assert r["lanes"] == ["all_to_all", "gather", "reduce"] and r["streams"] == 3, r
         assert r["grown"] >= 1, r  # the 150,000-element collectives outgrew the 1 MiB start
+        assert r["synced"] == [], r  # ... without a host wait: the old buffer is retired, not waited for
 
 
 def _gloo_worker(rank: int, world: int) -> bool:

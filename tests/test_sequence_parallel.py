@@ -10,7 +10,7 @@ import torch.distributed as dist
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.backends import SymmCpuBackend, TorchBackend
 from isp_comm.sequence_parallel import all_to_all
-from isp_comm.testing import run_ranks
+from isp_comm.testing import host_reads, run_ranks
 from models.llama import LlamaConfig, build
 from tests.parity import loss_fn, max_diff
 
@@ -264,23 +264,6 @@ def test_local_attention_varlen_and_packed_forms() -> None:
         local_attention(q, k, v, torch.tensor([0, 9, 9, 16]))
 
 
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the Python calls that read a tensor's values to the host (on CUDA each
-    one waits for the GPU). A proxy that CPU ranks can run: a read inside a C++ op is
-    not seen (tests/gpu runs a step under ``set_sync_debug_mode("error")`` for that)."""
-
-    NAMES = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.NAMES:
-            self.calls.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _host_reads_worker(rank: int, world: int) -> list[int]:
     model = build(LlamaConfig(**{**SP_CFG, "n_layers": 3}))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig(activation_checkpointing=0.5))
@@ -292,7 +275,7 @@ def _host_reads_worker(rank: int, world: int) -> list[int]:
     for _ in range(3):
         x, y = torch.randint(0, 37, (2, seq), generator=g), torch.randint(0, 37, (2, seq), generator=g)
         cu = torch.tensor([0, *DOCS]).cumsum(0)  # a new boundaries tensor every step, as a data loader gives
-        with HostReads() as mode:
+        with host_reads() as mode:
             loss_fn(model(x[:, lo:hi], position_ids=pos[lo:hi], cu_seqlens=cu), y[:, lo:hi]).backward()
         reads.append(len(mode.calls))
     comm.close()

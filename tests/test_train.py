@@ -670,3 +670,41 @@ def test_resume_after_dropout_is_bitwise_on_every_rank(tmp_path) -> None:
 
     for straight, resumed in run_ranks(dropout_resume_worker, 2, str(tmp_path), "cpu", timeout_s=100):
         assert straight == resumed, (straight, resumed)
+
+
+def _step_host_worker(rank: int, world: int, out: str) -> list[tuple[list[str], list[str]]]:
+    """isp-train's own step (``one_step``) on this rank, twice, under the host-read
+    counter: what each asked of the host."""
+    import contextlib
+
+    import isp_comm
+    from isp_comm.testing import host_reads
+    from isp_comm.train import __main__ as train
+    from isp_comm.train.config import parse_config
+
+    cfg = parse_config(["--device", "cpu", "--steps", "3", "--out", out, "--no-trace", "--grad-accum", "2"])
+    seen = []
+    with contextlib.ExitStack() as closing:
+        job = train.setup(cfg, torch.device("cpu"), closing)
+        feed = job.data.start(1, cfg.steps, pin=False)
+        closing.callback(feed.close)
+        hook = job.comm.scheduler_hook()
+        for step in (1, 2):
+            with host_reads(within=os.path.dirname(isp_comm.__file__)) as mode:  # not torch.optim's
+                train.one_step(job, hook, feed.get(step), step)
+            seen.append((mode.calls, mode.copies))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_an_isp_train_step_reads_the_host_once_and_copies_nothing_to_the_device(tmp_path) -> None:
+    """One optimizer step of isp-train (two micro-steps, world 2) reads the host once:
+    the loss, the signal flag and the norm come back in one ``tolist``. No tensor is
+    made from Python data on the device inside the step (on CUDA that is a blocking
+    host-to-device copy: ``torch.tensor(flag, device=...)`` was one, every step).
+    Counted in isp-comm's code (AdamW's step counters are CPU tensors, read on the
+    host by design), from the second step (the first sets up shared memory)."""
+    from isp_comm.testing import run_ranks
+
+    for seen in run_ranks(_step_host_worker, 2, str(tmp_path / "run"), timeout_s=100):
+        assert seen[1] == (["tolist"], []), seen

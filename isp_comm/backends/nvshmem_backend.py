@@ -148,6 +148,14 @@ def load_api() -> NvshmemApi:
     return NvshmemApi(nvshmem.core, Device)
 
 
+def device_index(device: torch.device) -> int:
+    """The GPU NVSHMEM binds: the parameters' (``cuda:N``), not whichever is current;
+    the current one only for a bare ``cuda``; 0 for CPU tensors (tests on fakes)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
 class NvshmemBackend(Backend):
     name = "nvshmem"
 
@@ -174,10 +182,7 @@ class NvshmemBackend(Backend):
         """Bind NVSHMEM to the parameters' GPU and meet the other ranks through a
         unique id that rank 0 creates and broadcasts."""
         nv = self._api.core
-        index = self._device.index if self._device.index is not None else 0
-        if self._device.type == "cuda" and self._device.index is None:
-            index = torch.cuda.current_device()
-        dev = self._api.Device(index)
+        dev = self._api.Device(device_index(self._device))
         dev.set_current()
         uid = nv.get_unique_id(empty=True)
         if dist.get_rank() == 0:
