@@ -18,7 +18,7 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
 * each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
   ranks over four sizes, fitted to latency + bytes / bandwidth;
 * the framework: a small reference llama (width 64) trained by isp-train itself for
-  a few steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
+  10 to 30 steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
   per rank, and 4 blocks at 2,048. Each measured step is ``scale x kernels +
   the rest + blocks x per-block cost + per-step cost`` (the model's kernels, GEMMs,
   attention, element-wise and the engine's copies, and the rest, views' dispatch,
@@ -275,6 +275,12 @@ RUNS = ((1, 32, 2), (4, 32, 2), (4, 256, 8))
 compute (the per-block cost is their slope) and one with 2,048 tokens per rank (how
 much slower the operators run inside a step than alone)."""
 
+RUN_STEPS = (30, 30, 10)
+"""Steps of each of :data:`RUNS` (the median after two warm-up steps is its figure).
+The two cheap runs' steps take 5-20 ms: at two ranks on two cores, the median of 6
+of them moved by up to 14% from that of 38 in the same process, and their slope is
+the per-block cost; 28 more steps cost under a second."""
+
 
 def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
     shape = ["--layers", str(layers), "--seq", str(seq), "--batch", str(per_rank * world)]
@@ -340,14 +346,17 @@ def _transient_mib(lines: list[str]) -> float:
     return transient(phases)
 
 
-def tiny_runs(worlds: Sequence[int], steps: int = 8) -> dict[int, list[dict]]:
-    """The calibration model trained by isp-train at each world (:data:`RUNS`). Run
-    first, while this process is small: a child's peak RSS (``ru_maxrss``) starts from
-    its parent's at the fork."""
+def tiny_runs(worlds: Sequence[int]) -> dict[int, list[dict]]:
+    """The calibration model trained by isp-train at each world (:data:`RUNS`, for
+    :data:`RUN_STEPS`). Run first, while this process is small: a child's peak RSS
+    (``ru_maxrss``) starts from its parent's at the fork."""
     with tempfile.TemporaryDirectory() as tmp:
         out: dict[int, list[dict]] = {}
         for w in worlds:
-            out[w] = [measure_run(_flags(w, *r), w, steps, os.path.join(tmp, f"{w}-{i}")) for i, r in enumerate(RUNS)]
+            out[w] = [
+                measure_run(_flags(w, *r), w, steps, os.path.join(tmp, f"{w}-{i}"))
+                for i, (r, steps) in enumerate(zip(RUNS, RUN_STEPS))
+            ]
         return out
 
 

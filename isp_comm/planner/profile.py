@@ -249,10 +249,10 @@ def cache_dir() -> str:
     return os.path.join(base, "isp-comm")
 
 
-PROFILE_VERSION = 3
-"""Part of a cached profile's name: a calibration that measures more gets a new one
-(2: ``transient_share``; 3: attention by head and head dim), so an older cache is not
-read in its place."""
+PROFILE_VERSION = 4
+"""Part of a cached profile's name: a calibration that measures more, or better, gets a
+new one (2: ``transient_share``; 3: attention by head and head dim; 4: the cheap
+framework runs over 30 steps), so an older cache is not read in its place."""
 
 
 def machine_key(local_world: int) -> str:
