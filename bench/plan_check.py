@@ -13,8 +13,8 @@ the wrap, forward, backward and optimizer phases (the run's last checkpoint is
 saved after its last metrics row). Then ``--search`` for one model and global batch
 at world 2: its five fastest layouts and the grid's layouts of that model and batch
 are run side by side (``--repeats`` rounds, each layout once a round), and the first
-pick is compared with the fastest measured. Last, a published figure beside a prediction (not a fit): torchtitan's
-Llama-3.1-8B on 8 H100 with FSDP2.
+pick is compared with the fastest measured. Last, a published figure beside a
+prediction (not a fit): torchtitan's Llama-3.1-8B on 8 H100 with FSDP2.
 
 Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
 The profile must come from bench/calibrate.py on this machine; the grid's models are

@@ -18,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 def _entry(
     fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple, backend: str
@@ -113,44 +115,32 @@ def run_ranks(
 
 
 # ---- what a step asks of the host (CPU proxies for CUDA synchronisation) ----
-def _host_reads_mode() -> type:
-    import torch
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Use as a context manager: ``calls`` lists the Python calls that read a tensor's
+    values to the host (on CUDA each one waits for the GPU), ``copies`` the tensors
+    made from Python data on a given device (on CUDA a blocking host-to-device copy);
+    ``within``: only those called from files under this folder. A proxy that CPU ranks
+    can run: a read inside a C++ op is not seen (tests/gpu runs a step under
+    ``set_sync_debug_mode("error")`` for that)."""
 
-    class HostReads(torch.overrides.TorchFunctionMode):
-        """Counts the Python calls that read a tensor's values to the host (on CUDA each
-        one waits for the GPU), and the tensors made from Python data on a given device
-        (on CUDA a blocking host-to-device copy). A proxy that CPU ranks can run: a
-        read inside a C++ op is not seen (tests/gpu runs a step under
-        ``set_sync_debug_mode("error")`` for that)."""
+    NAMES = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
+    COPIES = frozenset({"tensor", "as_tensor"})
 
-        NAMES = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
-        COPIES = frozenset({"tensor", "as_tensor"})
+    def __init__(self, within: str | None = None) -> None:
+        super().__init__()
+        self.within = within
+        self.calls: list[str] = []
+        self.copies: list[str] = []
 
-        def __init__(self, within: str | None) -> None:
-            super().__init__()
-            self.within = within
-            self.calls: list[str] = []
-            self.copies: list[str] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if self.within is not None and not sys._getframe(1).f_code.co_filename.startswith(self.within):
-                pass  # called from outside the code under test (torch.optim's CPU step counters, say)
-            elif name in self.NAMES:
-                self.calls.append(name)
-            elif name in self.COPIES and (kwargs or {}).get("device") is not None:
-                self.copies.append(name)
-            return func(*args, **(kwargs or {}))
-
-    return HostReads
-
-
-def host_reads(within: str | None = None) -> Any:
-    """A ``TorchFunctionMode`` (use it as a context manager) whose ``calls`` list the
-    host reads made under it, and ``copies`` the tensors made from Python data on a
-    device (see its class note); ``within``: only those called from files under this
-    folder. Made on first use: this module imports no torch."""
-    return _host_reads_mode()(within)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.within is not None and not sys._getframe(1).f_code.co_filename.startswith(self.within):
+            pass  # called from outside the code under test (torch.optim's CPU step counters, say)
+        elif name in self.NAMES:
+            self.calls.append(name)
+        elif name in self.COPIES and (kwargs or {}).get("device") is not None:
+            self.copies.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 # ---- tiny Hugging Face folders (tests, the README's worked example; nothing downloaded) ----

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.backends import SymmCpuBackend, TorchBackend
 from isp_comm.sequence_parallel import all_to_all
-from isp_comm.testing import host_reads, run_ranks
+from isp_comm.testing import HostReads, run_ranks
 from models.llama import LlamaConfig, build
 from tests.parity import loss_fn, max_diff
 
@@ -275,7 +275,7 @@ def _host_reads_worker(rank: int, world: int) -> list[int]:
     for _ in range(3):
         x, y = torch.randint(0, 37, (2, seq), generator=g), torch.randint(0, 37, (2, seq), generator=g)
         cu = torch.tensor([0, *DOCS]).cumsum(0)  # a new boundaries tensor every step, as a data loader gives
-        with host_reads() as mode:
+        with HostReads() as mode:
             loss_fn(model(x[:, lo:hi], position_ids=pos[lo:hi], cu_seqlens=cu), y[:, lo:hi]).backward()
         reads.append(len(mode.calls))
     comm.close()

@@ -678,7 +678,7 @@ def _step_host_worker(rank: int, world: int, out: str) -> list[tuple[list[str], 
     import contextlib
 
     import isp_comm
-    from isp_comm.testing import host_reads
+    from isp_comm.testing import HostReads
     from isp_comm.train import __main__ as train
     from isp_comm.train.config import parse_config
 
@@ -690,7 +690,7 @@ def _step_host_worker(rank: int, world: int, out: str) -> list[tuple[list[str], 
         closing.callback(feed.close)
         hook = job.comm.scheduler_hook()
         for step in (1, 2):
-            with host_reads(within=os.path.dirname(isp_comm.__file__)) as mode:  # not torch.optim's
+            with HostReads(within=os.path.dirname(isp_comm.__file__)) as mode:  # not torch.optim's
                 train.one_step(job, hook, feed.get(step), step)
             seen.append((mode.calls, mode.copies))
     return seen

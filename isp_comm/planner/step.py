@@ -233,7 +233,7 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     replicas = world // wp  # replica groups are strided: they span the world
     # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
     # activation's size (an upper bound for k and v under GQA)
-    a2a_bytes = _a2a_bytes(model, batch, seq, config.param_dtype)
+    a2a_bytes = batch * seq * _token_bytes(model, config.param_dtype)  # [batch, seq/sp, hidden]
     fwd, bwd = [piece(o) for o in traced.block_fwd], [piece(o) for o in traced.block_bwd]
     outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
     n_ckpt = round(config.activation_checkpointing * len(blocks))
@@ -249,7 +249,7 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
         return copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp)
 
     vp = wp if config.vocab_parallel else 1
-    vocab_fwd, vocab_bwd = _vocab_parallel(coll, vp, batch * seq, a2a_bytes / (batch * seq))
+    vocab_fwd, vocab_bwd = _vocab_parallel(coll, vp, batch * seq, _token_bytes(model, config.param_dtype))
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
     pack = [packed(r) for r in reduce]
@@ -435,9 +435,10 @@ def _vocab_parallel(coll, wp: int, tokens: int, hidden_bytes: float) -> tuple[di
     return forward, backward
 
 
-def _a2a_bytes(model: nn.Module, batch: int, seq: int, param_dtype: torch.dtype | None) -> float:
-    """Bytes of one Ulysses all-to-all of a rank: a [batch, seq/sp, hidden] activation."""
+def _token_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> float:
+    """Bytes of one token's hidden state in the compute dtype (a rank's Ulysses
+    all-to-all and the vocab-parallel head move ``tokens x`` this)."""
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     hidden = getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", 0)
     itemsize = param_dtype.itemsize if param_dtype is not None else 4
-    return float(batch * seq * hidden * itemsize)
+    return float(hidden * itemsize)
