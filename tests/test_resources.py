@@ -172,6 +172,22 @@ def test_full_disk_during_save_is_one_line_and_resume_continues(tmp_path) -> Non
     assert losses(str(copy)) == losses(ref)  # bitwise, the uninterrupted run's losses
 
 
+def test_a_save_whose_oserror_torch_lost_is_named_a_full_disk(tmp_path, monkeypatch) -> None:
+    """torch's zip writer can drop the ENOSPC of a short write and raise only this (the
+    full-disk test above hit it at the llama-width MLP); the free space names the cause."""
+    from isp_comm.train import checkpoint
+
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    target = str(tmp_path / "checkpoints" / "step_000004.partial")  # not created: its parent counts
+    assert checkpoint._cause(lost, folder=target) == str(lost)  # a folder with space: torch's words
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage._replace(free=4096))
+    assert checkpoint._cause(lost, folder=target) == (
+        f"No space left on device (4096 bytes free where it was written; torch said: {lost})"
+    )
+    assert checkpoint._cause(OSError(28, "No space left on device"), folder=target).startswith("No space")
+
+
 def test_shared_memory_need_is_in_the_memory_plan() -> None:
     plan = run_ranks(_plan_worker, 2, timeout_s=60)[0]
     assert plan.shm_bytes >= 2 * plan.pool_bytes, plan  # two ranks' pools, plus scratch

@@ -55,9 +55,17 @@ class CheckpointError(ValueError):
     path and the cause); raised on every rank alike."""
 
 
-def _cause(exc: BaseException) -> str:
+# Below this many free bytes, a save that failed without an OSError ran out of space.
+FULL_BYTES = 1 << 20
+
+
+def _cause(exc: BaseException, folder: str | None = None) -> str:
     """The root cause of a failed save or load, e.g. ``[Errno 28] No space left on device``
-    (DCP wraps every rank's failure in a ``CheckpointException``)."""
+    (DCP wraps every rank's failure in a ``CheckpointException``).
+
+    torch's zip writer can lose the ``OSError`` of a short write and raise only
+    ``unexpected pos``; when no ``OSError`` is in the chain and the file system holding
+    ``folder`` (the save's target) is full, the cause is named as a full disk."""
     seen: list[BaseException] = []
     todo = [exc]
     while todo:
@@ -74,7 +82,22 @@ def _cause(exc: BaseException) -> str:
         if isinstance(e, OSError):
             return f"{e.strerror or e} ({type(e).__name__}, errno {e.errno})" if e.errno else str(e)
     lines = str(exc).strip().splitlines()
-    return lines[-1] if lines else type(exc).__name__
+    said = lines[-1] if lines else type(exc).__name__
+    free = _free_bytes(folder) if folder else None
+    if free is not None and free < FULL_BYTES:
+        return f"No space left on device ({free} bytes free where it was written; torch said: {said})"
+    return said
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Free bytes on the file system holding ``folder`` (or its nearest existing parent)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _agree(error: str | None, remove: str | None = None) -> None:
@@ -201,10 +224,11 @@ class Checkpointer:
     def _failed(self, path: str, exc: BaseException) -> None:
         """Remove the partial checkpoint and raise, on every rank, one line naming the
         path, the cause and the checkpoint ``--resume`` would still use."""
+        cause = _cause(exc, folder=path)  # before the removal frees the space
         if dist.get_rank() == 0:  # DCP raised the same failure on every rank: no agreement needed
             shutil.rmtree(path, ignore_errors=True)
         final = path[: -len(PARTIAL)]
-        raise CheckpointError(f"saving checkpoint {final} failed: {_cause(exc)}; {self._kept()}") from exc
+        raise CheckpointError(f"saving checkpoint {final} failed: {cause}; {self._kept()}") from exc
 
     def _kept(self) -> str:
         good = latest(self.out)
