@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 
 import pytest
 import torch
@@ -50,6 +51,11 @@ def _check_reduce(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, gl
 def _contract_worker(rank: int, world: int, name: str) -> None:
     backend = _make(name)
     group = dist.new_group(list(range(world)))
+    with warnings.catch_warnings(record=True) as caught:  # torch 2.13 deprecates names 2.11 has
+        warnings.simplefilter("always")
+        backend.all_gather(torch.empty(world * 3), torch.ones(3), group).wait(TIMEOUT)
+        backend.reduce_scatter(torch.empty(3), torch.ones(world * 3), group).wait(TIMEOUT)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
     for salt, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
         inp = _data(rank, n, dtype, salt)
         # all-gather: bitwise equal to gloo

@@ -11,6 +11,11 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend, CompletedHandle, Handle
 from isp_comm.errors import ISPCommTimeout
 
+# torch 2.13 names these ``*_single`` and warns (FutureWarning) on the old names, which
+# torch 2.11 alone has: the same collectives, the same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class TorchHandle(Handle):
     """Wraps a ``dist.Work`` so that waiting has a deadline and a useful error.
@@ -101,8 +106,9 @@ def runs_on_nccl(group: ProcessGroup, device: torch.device) -> bool:
 class TorchBackend(Backend):
     """``torch.distributed`` collectives, always asynchronous.
 
-    Uses only names that torch 2.11 and 2.13 both have (``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``, ``all_to_all_single``, ``all_reduce``)."""
+    The all-gather and reduce-scatter are torch 2.13's ``all_gather_single`` and
+    ``reduce_scatter_single``, or on torch 2.11 the same calls under their old names
+    (``all_gather_into_tensor``, ``reduce_scatter_tensor``)."""
 
     name = "torch"
 
@@ -121,14 +127,14 @@ class TorchBackend(Backend):
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        work = _all_gather_single(out, inp, group=group, async_op=True)
         return self._handle(work, "all-gather", group, inp.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
-        work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
+        work = _reduce_scatter_single(out, inp, group=group, async_op=True)
         return self._handle(work, "reduce-scatter", group, inp.device)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
