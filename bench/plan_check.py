@@ -19,6 +19,13 @@ prediction (not a fit): torchtitan's Llama-3.1-8B on 8 H100 with FSDP2.
 Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
 The profile must come from bench/calibrate.py on this machine; the grid's models are
 not the calibration's.
+
+    python bench/plan_check.py --profile FILE --rescore RESULTS
+
+runs nothing: it scores the grid measurements saved in RESULTS (a plan_check.json, one
+run or several) with FILE's predictions. Scoring the same measurements with several
+calibrations tells the calibration's share of the error from the runs' own (and a
+change to the calibration can be checked in minutes, not the grid's ten).
 """
 
 from __future__ import annotations
@@ -73,6 +80,37 @@ def predict(profile: str, world: int, flags: list[str], search: bool = False) ->
 
 def measure(world: int, flags: list[str], steps: int, out: str) -> dict:
     return measure_run([*COMMON, *flags], world, steps, out, timeout=600)
+
+
+def rescore(profile: str, results: str) -> list[dict]:
+    """Each saved run's grid measurements against ``profile``'s predictions (one
+    prediction per point, shared by the runs)."""
+    with open(results) as f:
+        saved = json.load(f)
+    predicted: dict[tuple, dict] = {}
+    out = []
+    for i, run in enumerate(saved.get("runs", [saved])):
+        steps, memory = [], []
+        for g in (g for row in run["rows"] for g in row["grid"]):
+            key = (g["world"], tuple(g["flags"]))
+            if key not in predicted:
+                predicted[key] = predict(profile, g["world"], g["flags"])[0]
+            pred = predicted[key]
+            steps.append(100 * (pred["step_s"] / statistics.median(g["step_s"]) - 1))
+            peak = max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer"))
+            memory.append(100 * (peak / statistics.median(g["peak_rss_mib"]) - 1))
+        out.append(
+            {
+                "run": i,
+                "points": len(steps),
+                "step_median_abs_error_pct": statistics.median(abs(e) for e in steps),
+                "step_largest_abs_error_pct": max(abs(e) for e in steps),
+                "step_mean_error_pct": statistics.fmean(steps),
+                "memory_largest_abs_error_pct": max(abs(e) for e in memory),
+                "step_error_pct": steps,
+            }
+        )
+    return out
 
 
 def _rng(values: list[float], fmt: str) -> str:
@@ -192,8 +230,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", type=int, default=0, help="the first N points only (a smoke run)")
+    ap.add_argument("--rescore", metavar="RESULTS", help="score a saved plan_check.json's runs; run nothing")
     add_out(ap)
     args = ap.parse_args()
+    if args.rescore:
+        scored = rescore(args.profile, args.rescore)
+        table = [
+            [s["run"], s["points"]]
+            + [f"{s[k]:{f}}" for k, f in (("step_median_abs_error_pct", ".1f"), ("step_largest_abs_error_pct", ".1f"),
+                                          ("step_mean_error_pct", "+.1f"), ("memory_largest_abs_error_pct", ".1f"))]
+            for s in scored
+        ]  # fmt: skip
+        head = ["saved run", "points", "step median |error| %", "largest %", "mean %", "memory largest |error| %"]
+        print(markdown_table(head, table, "rrrrrr"))
+        print(save_results("plan_check_rescore", args, scored))
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, world, flags in GRID[: args.only or None]:
