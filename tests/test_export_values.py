@@ -80,6 +80,7 @@ def _differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     return f"{len(bad)} of {len(want)} tensors differ, e.g. {bad[:3]}" if bad else ""
 
 
+@pytest.mark.slow  # 38 s; the CI tier's isp-train tests export too (tests/test_train.py)
 @pytest.mark.timeout(420)
 def test_every_export_path_matches_full_state_dict(tmp_path) -> None:
     model_dir, plain = _run(tmp_path, "plain")

@@ -83,6 +83,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # 14 s; the CI tier trains LoRA through examples/lora.py
 @pytest.mark.timeout(300)
 def test_peft_lora_trains_like_single_process() -> None:
     every = run_ranks(_worker, 4, timeout_s=280)

@@ -60,6 +60,7 @@ def _delay_worker(rank: int, world: int, delay: float) -> tuple:
     return {k: v.clone() for k, v in sd.items()}, losses
 
 
+@pytest.mark.slow  # 11 s; the CI tier's backends take random delays back to back
 @pytest.mark.timeout(200)
 def test_random_delays_change_nothing() -> None:
     plain = run_ranks(_delay_worker, 3, 0.0, timeout_s=90)

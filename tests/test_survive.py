@@ -93,7 +93,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("launcher", ["own", "torchrun"])
+# isp-train's own launcher in the slow tier (9 s): the CI tier kills a torchrun job's
+@pytest.mark.parametrize("launcher", [pytest.param("own", marks=pytest.mark.slow), "torchrun"])
 def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, launcher: str) -> None:
     """SIGKILL to the launcher's process group (what a scheduler does): every rank is
     gone within 2 s, and no checkpoint is written after the kill."""
@@ -154,7 +155,7 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("save", [True, pytest.param(False, marks=pytest.mark.slow)])  # CI: the saving one
 def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
     """SIGINT to the launcher's process group (Ctrl-C at a terminal): by default the
     step finishes, a checkpoint is saved and one line says so; with
