@@ -82,6 +82,16 @@ def measure(world: int, flags: list[str], steps: int, out: str) -> dict:
     return measure_run([*COMMON, *flags], world, steps, out, timeout=600)
 
 
+def _peak_mib(pred: dict) -> float:
+    """A plan's predicted peak: the highest of the phases a training run reaches."""
+    return max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer"))
+
+
+def _error_pct(predicted: float, measured: list[float]) -> float:
+    """Predicted against the median of the measured runs, in percent."""
+    return 100 * (predicted / statistics.median(measured) - 1)
+
+
 def rescore(profile: str, results: str) -> list[dict]:
     """Each saved run's grid measurements against ``profile``'s predictions (one
     prediction per point, shared by the runs)."""
@@ -96,9 +106,8 @@ def rescore(profile: str, results: str) -> list[dict]:
             if key not in predicted:
                 predicted[key] = predict(profile, g["world"], g["flags"])[0]
             pred = predicted[key]
-            steps.append(100 * (pred["step_s"] / statistics.median(g["step_s"]) - 1))
-            peak = max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer"))
-            memory.append(100 * (peak / statistics.median(g["peak_rss_mib"]) - 1))
+            steps.append(_error_pct(pred["step_s"], g["step_s"]))
+            memory.append(_error_pct(_peak_mib(pred), g["peak_rss_mib"]))
         out.append(
             {
                 "run": i,
@@ -125,12 +134,12 @@ def check_point(name: str, world: int, flags: list[str], args, tmp: str) -> dict
         "world": world,
         "flags": flags,
         "predicted_step_s": pred["step_s"],
-        "predicted_peak_mib": max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer")),
+        "predicted_peak_mib": _peak_mib(pred),
         "step_s": [r["step_s"] for r in runs],
         "peak_rss_mib": [r["peak_rss_mib"] for r in runs],
     }
-    row["step_error_pct"] = 100 * (row["predicted_step_s"] / statistics.median(row["step_s"]) - 1)
-    row["memory_error_pct"] = 100 * (row["predicted_peak_mib"] / statistics.median(row["peak_rss_mib"]) - 1)
+    row["step_error_pct"] = _error_pct(row["predicted_step_s"], row["step_s"])
+    row["memory_error_pct"] = _error_pct(row["predicted_peak_mib"], row["peak_rss_mib"])
     progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
     return row
 
