@@ -155,6 +155,22 @@ def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
     assert len(lines) == 1 and text in lines[0], res.stderr[-2000:]
 
 
+def test_the_embedded_corpus_walks_its_chain_and_keeps_its_tokens() -> None:
+    """Each token is one of its predecessor's successors, and the default corpus is
+    the one every documented loss was measured on (its first tokens and a checksum,
+    taken from the element-by-element walk it replaced)."""
+    from isp_comm.train.data import markov_corpus
+
+    tokens = markov_corpus(500, 16, branching=3, seed=5)
+    g = torch.Generator().manual_seed(5)
+    succ = torch.randint(0, 16, (16, 3), generator=g)
+    assert tokens[0] == 0 and all(int(b) in succ[int(a)].tolist() for a, b in zip(tokens[:-1], tokens[1:]))
+    default = markov_corpus(200_000, 256)
+    assert default.dtype == torch.long and default.shape == (200_000,)
+    assert default[:12].tolist() == [0, 47, 19, 79, 39, 121, 52, 19, 42, 148, 36, 112]
+    assert int((default.double() * torch.arange(200_000, dtype=torch.double)).sum()) == 2506353074627
+
+
 def test_the_reference_llama_has_llamas_mlp_width() -> None:
     # isp-train --hidden H builds llama's MLP (8/3 H rounded up to 256): Llama-2-7B's
     # 11008 at 4096, bench/gpu.py's 5632 at 2048. An unaligned 5461 made an H100 step
