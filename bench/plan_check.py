@@ -1,12 +1,13 @@
 """The planner against measurement on this machine: step time and peak memory.
 
-    python bench/plan_check.py --profile FILE [--repeats 3] [--steps 10] [--out DIR]
+    python bench/plan_check.py --profile FILE [--repeats 3] [--steps 20] [--out DIR]
 
 For each point of a grid (world 1 and 2, one thread per rank; two sizes of the
 reference llama, sequence length, batch, checkpointing, and wp against sp),
 ``isp-train --plan --profile FILE`` predicts the step time and the memory, and
-isp-train trains the same flags ``--repeats`` times. Measured per run: the median
-``step_s`` of metrics.jsonl after its first two steps (warm-up), and rank 0's
+isp-train trains the same flags ``--repeats`` times, in rounds (the whole grid once a
+round). Measured per run: the median ``step_s`` of metrics.jsonl after its first two
+steps (warm-up; over 20 steps, a slow stretch of a few steps is not the median), and rank 0's
 ``peak_rss_mib`` (ru_maxrss: what the run's highest moment held, baseline included);
 over runs, the median (and range) of both. Predicted: ``step_s`` and the highest of
 the wrap, forward, backward and optimizer phases (the run's last checkpoint is
@@ -126,22 +127,32 @@ def _rng(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def check_point(name: str, world: int, flags: list[str], args, tmp: str) -> dict:
-    pred, _ = predict(args.profile, world, flags)
-    runs = [measure(world, flags, args.steps, os.path.join(tmp, f"run{r}")) for r in range(args.repeats)]
-    row = {
-        "name": name,
-        "world": world,
-        "flags": flags,
-        "predicted_step_s": pred["step_s"],
-        "predicted_peak_mib": _peak_mib(pred),
-        "step_s": [r["step_s"] for r in runs],
-        "peak_rss_mib": [r["peak_rss_mib"] for r in runs],
-    }
-    row["step_error_pct"] = _error_pct(row["predicted_step_s"], row["step_s"])
-    row["memory_error_pct"] = _error_pct(row["predicted_peak_mib"], row["peak_rss_mib"])
-    progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
-    return row
+def check_grid(points: list[tuple[str, int, list[str]]], args, tmp: str) -> list[dict]:
+    """Each point predicted, then measured in ``--repeats`` rounds, one run of each
+    point a round: a point's runs lie minutes apart, so a slow stretch of the machine
+    reaches one run of several points, not every run of one (the median drops it)."""
+    preds = [predict(args.profile, world, flags)[0] for _, world, flags in points]
+    runs: list[list[dict]] = [[] for _ in points]
+    for r in range(args.repeats):
+        for i, (_, world, flags) in enumerate(points):
+            runs[i].append(measure(world, flags, args.steps, os.path.join(tmp, f"run{i}")))
+        progress(f"grid: round {r + 1} of {args.repeats} measured")
+    rows = []
+    for (name, world, flags), pred, measured in zip(points, preds, runs):
+        row = {
+            "name": name,
+            "world": world,
+            "flags": flags,
+            "predicted_step_s": pred["step_s"],
+            "predicted_peak_mib": _peak_mib(pred),
+            "step_s": [m["step_s"] for m in measured],
+            "peak_rss_mib": [m["peak_rss_mib"] for m in measured],
+        }
+        row["step_error_pct"] = _error_pct(row["predicted_step_s"], row["step_s"])
+        row["memory_error_pct"] = _error_pct(row["predicted_peak_mib"], row["peak_rss_mib"])
+        progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
+        rows.append(row)
+    return rows
 
 
 def search_check(args, tmp: str) -> dict:
@@ -237,7 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True, help="a profile of this machine (bench/calibrate.py)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", type=int, default=0, help="the first N points only (a smoke run)")
     ap.add_argument("--rescore", metavar="RESULTS", help="score a saved plan_check.json's runs; run nothing")
     add_out(ap)
@@ -254,10 +265,8 @@ def main() -> None:
         print(markdown_table(head, table, "rrrrrr"))
         print(save_results("plan_check_rescore", args, scored))
         return
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, world, flags in GRID[: args.only or None]:
-            rows.append(check_point(name, world, flags, args, tmp))
+        rows = check_grid(GRID[: args.only or None], args, tmp)
         search = search_check(args, tmp)
     titan = torchtitan_point()
     table = [

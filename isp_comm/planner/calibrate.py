@@ -18,7 +18,7 @@ One thread per rank, as isp-train runs on CPU. What is measured, and how:
 * each CPU backend's collectives (``symm``: shared memory; ``torch``: gloo) at 2
   ranks over four sizes, fitted to latency + bytes / bandwidth;
 * the framework: a small reference llama (width 64) trained by isp-train itself for
-  10 to 30 steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
+  20 to 30 steps at each world, three times (:data:`RUNS`): 1 and 4 blocks at 64 tokens
   per rank, and 4 blocks at 2,048. Each measured step is ``scale x kernels +
   the rest + blocks x per-block cost + per-step cost`` (the model's kernels, GEMMs,
   attention, element-wise and the engine's copies, and the rest, views' dispatch,
@@ -275,11 +275,14 @@ RUNS = ((1, 32, 2), (4, 32, 2), (4, 256, 8))
 compute (the per-block cost is their slope) and one with 2,048 tokens per rank (how
 much slower the operators run inside a step than alone)."""
 
-RUN_STEPS = (30, 30, 10)
+RUN_STEPS = (30, 30, 20)
 """Steps of each of :data:`RUNS` (the median after two warm-up steps is its figure).
 The two cheap runs' steps take 5-20 ms: at two ranks on two cores, the median of 6
 of them moved by up to 14% from that of 38 in the same process, and their slope is
-the per-block cost; 28 more steps cost under a second."""
+the per-block cost; 28 more steps cost under a second. The large run's steps take
+110-160 ms, and a run now and then has a slow stretch of 4 to 7 steps (20-60% over
+the rest) after its warm-up: over 8 steps that stretch was the median (a run 20%
+slow), over 18 it is not."""
 
 
 def _flags(world: int, layers: int, seq: int, per_rank: int) -> list[str]:
