@@ -13,8 +13,8 @@ over runs, the median (and range) of both. Predicted: ``step_s`` and the highest
 the wrap, forward, backward and optimizer phases (the run's last checkpoint is
 saved after its last metrics row). Then ``--search`` for one model and global batch
 at world 2: its five fastest layouts and the grid's layouts of that model and batch
-are run side by side (``--repeats`` rounds, each layout once a round), and the first
-pick is compared with the fastest measured. Last, a published figure beside a
+are run side by side (``--search-repeats`` rounds, 5 by default, each layout once a
+round), and the first pick is compared with the fastest measured. Last, a published figure beside a
 prediction (not a fit): torchtitan's Llama-3.1-8B on 8 H100 with FSDP2.
 
 Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
@@ -158,8 +158,8 @@ def check_grid(points: list[tuple[str, int, list[str]]], args, tmp: str) -> list
 def search_check(args, tmp: str) -> dict:
     """The search's first pick against the fastest of its rivals, measured side by side:
     the search's other top five and the grid's layouts of the same model and global
-    batch, run in ``--repeats`` rounds, one run of each layout per round (so a drift of
-    the machine's speed during the check reaches every layout alike)."""
+    batch, run in ``--search-repeats`` rounds, one run of each layout per round (so a
+    drift of the machine's speed during the check reaches every layout alike)."""
     world, flags = SEARCH
     _, lines = predict(args.profile, world, flags, search=True)
     picks = [
@@ -174,7 +174,7 @@ def search_check(args, tmp: str) -> dict:
     for name, f in rivals:
         candidates.setdefault(_layout(f, world), (name, f))
     runs: dict[str, list[float]] = {name: [] for name, _ in candidates.values()}
-    for r in range(args.repeats):
+    for r in range(args.search_repeats):
         for name, f in candidates.values():
             runs[name].append(measure(world, f, args.steps, os.path.join(tmp, f"search{r}"))["step_s"])
     measured = {name: statistics.median(v) for name, v in runs.items()}
@@ -249,6 +249,13 @@ def main() -> None:
     ap.add_argument("--profile", required=True, help="a profile of this machine (bench/calibrate.py)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--search-repeats",
+        type=int,
+        default=5,
+        help="rounds of the search's check (its top layouts are predicted a few percent apart, "
+        "and two runs of one layout at two ranks can differ by more)",
+    )
     ap.add_argument("--only", type=int, default=0, help="the first N points only (a smoke run)")
     ap.add_argument("--rescore", metavar="RESULTS", help="score a saved plan_check.json's runs; run nothing")
     add_out(ap)
