@@ -267,3 +267,41 @@ def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:
     again = _plan("--layers", "2", env=env)
     assert again.returncode == 0 and "calibrating" not in again.stderr, again.stderr[-2000:]
     assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_cpu_validation_benchmark_runs_and_rescores(tmp_path) -> None:
+    """bench/plan_check.py end to end at its smallest (one grid point, one run, one
+    round of the search's check) on the nominal cpu target's profile, then --rescore
+    of what it saved. Its figures go in the docs; nothing here judges them."""
+    path = str(tmp_path / "cpu.json")
+    profiles.from_target(parse_target("cpu")).save(path)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "plan_check.py")
+    small = ["--only", "1", "--repeats", "1", "--steps", "3", "--search-repeats", "1", "--out", str(tmp_path)]
+    res = subprocess.run(
+        [sys.executable, script, "--profile", path, *small], capture_output=True, text=True, timeout=500
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(tmp_path / "plan_check.json") as f:
+        (saved,) = json.load(f)["rows"]
+    (point,) = saved["grid"]
+    assert point["predicted_step_s"] > 0 and len(point["step_s"]) == 1 and point["peak_rss_mib"][0] > 0
+    search_runs = saved["search"]["runs"]
+    assert "search #1" in search_runs and len(search_runs) >= 5 and all(len(v) == 1 for v in search_runs.values())
+    assert saved["search"]["fastest"] in search_runs and [t["ckpt"] for t in saved["torchtitan"]] == [0.0, 1.0]
+    again = [
+        sys.executable,
+        script,
+        "--profile",
+        path,
+        "--rescore",
+        str(tmp_path / "plan_check.json"),
+        "--out",
+        str(tmp_path),
+    ]
+    res = subprocess.run(again, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(tmp_path / "plan_check_rescore.json") as f:
+        (scored,) = json.load(f)["rows"]
+    assert scored["points"] == 1 and scored["step_error_pct"] == [pytest.approx(point["step_error_pct"])]
