@@ -280,8 +280,8 @@ RUN_STEPS = (30, 30, 20)
 The two cheap runs' steps take 5-20 ms: at two ranks on two cores, the median of 6
 of them moved by up to 14% from that of 38 in the same process, and their slope is
 the per-block cost; 28 more steps cost under a second. The large run's steps take
-110-160 ms, and a run now and then has a slow stretch of 4 to 7 steps (20-60% over
-the rest) after its warm-up: over 8 steps that stretch was the median (a run 20%
+110-160 ms, and a run now and then has a slow stretch of 4 to 7 steps (10-50% over
+the rest) after its warm-up: over 8 steps that stretch was the median (a run up to 30%
 slow), over 18 it is not."""
 
 
