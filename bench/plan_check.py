@@ -88,7 +88,7 @@ def _peak_mib(pred: dict) -> float:
     return max(pred[ph] for ph in ("wrap", "forward", "backward", "optimizer"))
 
 
-def _error_pct(predicted: float, measured: list[float]) -> float:
+def error_pct(predicted: float, measured: list[float]) -> float:
     """Predicted against the median of the measured runs, in percent."""
     return 100 * (predicted / statistics.median(measured) - 1)
 
@@ -107,8 +107,8 @@ def rescore(profile: str, results: str) -> list[dict]:
             if key not in predicted:
                 predicted[key] = predict(profile, g["world"], g["flags"])[0]
             pred = predicted[key]
-            steps.append(_error_pct(pred["step_s"], g["step_s"]))
-            memory.append(_error_pct(_peak_mib(pred), g["peak_rss_mib"]))
+            steps.append(error_pct(pred["step_s"], g["step_s"]))
+            memory.append(error_pct(_peak_mib(pred), g["peak_rss_mib"]))
         out.append(
             {
                 "run": i,
@@ -127,6 +127,27 @@ def _rng(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
+def error_table(rows: list[dict], first: dict[str, str], memory: str, memory_head: str, mib: str = ".1f") -> str:
+    """Predicted against measured, a row per point (markdown): ``first`` maps the
+    leading columns' heads to the rows' keys, ``memory`` is the measured memory's key
+    (plan_gpu.py's grid reads the same way)."""
+    table = [
+        [
+            *(str(r[k]) for k in first.values()),
+            f"{r['predicted_step_s'] * 1e3:.1f}",
+            _rng([s * 1e3 for s in r["step_s"]], ".1f"),
+            f"{r['step_error_pct']:+.1f}",
+            f"{r['predicted_peak_mib']:{mib}}",
+            _rng(r[memory], mib),
+            f"{r['memory_error_pct']:+.1f}",
+        ]
+        for r in rows
+    ]
+    head = [*first, "predicted ms", "measured ms, median (range)", "step error %"]
+    head += ["predicted MiB", memory_head, "memory error %"]
+    return markdown_table(head, table, "l" + "r" * (len(head) - 1))
+
+
 def check_grid(points: list[tuple[str, int, list[str]]], args, tmp: str) -> list[dict]:
     """Each point predicted, then measured in ``--repeats`` rounds, one run of each
     point a round: a point's runs lie minutes apart, so a slow stretch of the machine
@@ -139,20 +160,20 @@ def check_grid(points: list[tuple[str, int, list[str]]], args, tmp: str) -> list
         progress(f"grid: round {r + 1} of {args.repeats} measured")
     rows = []
     for (name, world, flags), pred, measured in zip(points, preds, runs):
-        row = {
-            "name": name,
-            "world": world,
-            "flags": flags,
-            "predicted_step_s": pred["step_s"],
-            "predicted_peak_mib": _peak_mib(pred),
-            "step_s": [m["step_s"] for m in measured],
-            "peak_rss_mib": [m["peak_rss_mib"] for m in measured],
-        }
-        row["step_error_pct"] = _error_pct(row["predicted_step_s"], row["step_s"])
-        row["memory_error_pct"] = _error_pct(row["predicted_peak_mib"], row["peak_rss_mib"])
-        progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
-        rows.append(row)
+        head = {"name": name, "world": world, "flags": flags}
+        rows.append(scored_row(head, pred["step_s"], _peak_mib(pred), measured, "peak_rss_mib"))
     return rows
+
+
+def scored_row(head: dict, step_s: float, peak_mib: float, measured: list[dict], memory: str) -> dict:
+    """A point's row: ``head``, the predicted step and peak, the measured runs' step
+    and ``memory`` figures, and the errors against their medians (printed as it goes)."""
+    row = {**head, "predicted_step_s": step_s, "predicted_peak_mib": peak_mib}
+    row.update(step_s=[m["step_s"] for m in measured], **{memory: [m[memory] for m in measured]})
+    row["step_error_pct"] = error_pct(step_s, row["step_s"])
+    row["memory_error_pct"] = error_pct(peak_mib, row[memory])
+    progress(f"{row['name']}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
+    return row
 
 
 def search_check(args, tmp: str) -> dict:
@@ -276,22 +297,7 @@ def main() -> None:
         rows = check_grid(GRID[: args.only or None], args, tmp)
         search = search_check(args, tmp)
     titan = torchtitan_point()
-    table = [
-        [
-            r["name"],
-            r["world"],
-            f"{r['predicted_step_s'] * 1e3:.1f}",
-            _rng([s * 1e3 for s in r["step_s"]], ".1f"),
-            f"{r['step_error_pct']:+.1f}",
-            f"{r['predicted_peak_mib']:.1f}",
-            _rng(r["peak_rss_mib"], ".1f"),
-            f"{r['memory_error_pct']:+.1f}",
-        ]
-        for r in rows
-    ]
-    head = ["point", "world", "predicted ms", "measured ms, median (range)", "step error %"]
-    head += ["predicted MiB", "measured peak RSS MiB", "memory error %"]
-    print(markdown_table(head, table, "lrrrrrrr"))
+    print(error_table(rows, {"point": "name", "world": "world"}, "peak_rss_mib", "measured peak RSS MiB"))
     errors = [abs(r["step_error_pct"]) for r in rows]
     mem = [abs(r["memory_error_pct"]) for r in rows]
     print(

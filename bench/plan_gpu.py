@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from bench.common import add_out, save_results  # noqa: E402
+from bench.plan_check import error_table, scored_row  # noqa: E402
 from isp_comm.planner.calibrate import measure_run  # noqa: E402
 
 SIZES = {  # name: (hidden, layers, heads, kv heads)
@@ -56,10 +56,6 @@ def predict(flags: list[str]) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _rng(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -77,33 +73,10 @@ def main() -> None:
             flags = [*model_flags(*SIZES[name]), "--data", data, *FLAGS]
             pred = predict(flags)
             runs = [measure_run(flags, 1, args.steps, os.path.join(tmp, f"run{r}"), 600) for r in range(args.repeats)]
-            row = {
-                "name": name,
-                "size": SIZES[name],
-                "predicted_step_s": pred["step_s"],
-                "predicted_peak_mib": max(pred[ph] for ph in PHASES),
-                "step_s": [r["step_s"] for r in runs],
-                "peak_alloc_mib": [r["peak_alloc_mib"] for r in runs],
-            }
-            row["step_error_pct"] = 100 * (row["predicted_step_s"] / statistics.median(row["step_s"]) - 1)
-            row["memory_error_pct"] = 100 * (row["predicted_peak_mib"] / statistics.median(row["peak_alloc_mib"]) - 1)
-            progress(f"{name}: {row['step_error_pct']:+.1f}% step, {row['memory_error_pct']:+.1f}% memory")
-            rows.append(row)
-    table = [
-        [
-            r["name"],
-            f"{r['predicted_step_s'] * 1e3:.1f}",
-            _rng([s * 1e3 for s in r["step_s"]], ".1f"),
-            f"{r['step_error_pct']:+.1f}",
-            f"{r['predicted_peak_mib']:.0f}",
-            _rng(r["peak_alloc_mib"], ".0f"),
-            f"{r['memory_error_pct']:+.1f}",
-        ]
-        for r in rows
-    ]
-    head = ["model", "predicted ms", "measured ms, median (range)", "step error %"]
-    head += ["predicted MiB", "measured peak allocated MiB", "memory error %"]
-    print(markdown_table(head, table, "lrrrrrr"))
+            peak = max(pred[ph] for ph in PHASES)
+            head = {"name": name, "size": SIZES[name]}
+            rows.append(scored_row(head, pred["step_s"], peak, runs, "peak_alloc_mib"))
+    print(error_table(rows, {"model": "name"}, "peak_alloc_mib", "measured peak allocated MiB", mib=".0f"))
     print(save_results("plan_gpu", args, rows))
 
 
