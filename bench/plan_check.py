@@ -178,7 +178,7 @@ def scored_row(head: dict, step_s: float, peak_mib: float, measured: list[dict],
 
 def search_check(args, tmp: str) -> dict:
     """The search's first pick against the fastest of its rivals, measured side by side:
-    the search's other top five and the grid's layouts of the same model and global
+    the search's other top four and the grid's layouts of the same model and global
     batch, run in ``--search-repeats`` rounds, one run of each layout per round (so a
     drift of the machine's speed during the check reaches every layout alike)."""
     world, flags = SEARCH
