@@ -7,15 +7,15 @@ reference llama, sequence length, batch, checkpointing, and wp against sp),
 ``isp-train --plan --profile FILE`` predicts the step time and the memory, and
 isp-train trains the same flags ``--repeats`` times, in rounds (the whole grid once a
 round). Measured per run: the median ``step_s`` of metrics.jsonl after its first two
-steps (warm-up; over 20 steps, a slow stretch of a few steps is not the median), and rank 0's
-``peak_rss_mib`` (ru_maxrss: what the run's highest moment held, baseline included);
+steps (warm-up; over 20 steps, a slow stretch of a few steps is not the median), and
+rank 0's ``peak_rss_mib`` (ru_maxrss: what the run's highest moment held, baseline included);
 over runs, the median (and range) of both. Predicted: ``step_s`` and the highest of
 the wrap, forward, backward and optimizer phases (the run's last checkpoint is
 saved after its last metrics row). Then ``--search`` for one model and global batch
 at world 2: its five fastest layouts and the grid's layouts of that model and batch
 are run side by side (``--search-repeats`` rounds, 5 by default, each layout once a
-round), and the first pick is compared with the fastest measured. Last, a published figure beside a
-prediction (not a fit): torchtitan's Llama-3.1-8B on 8 H100 with FSDP2.
+round), and the first pick is compared with the fastest measured. Last, a published
+figure beside a prediction (not a fit): torchtitan's Llama-3.1-8B on 8 H100 with FSDP2.
 
 Prints markdown tables and writes OUT/plan_check.json (--out, default bench/results/local).
 The profile must come from bench/calibrate.py on this machine; the grid's models are
