@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isp_comm.backends import make_backend
+from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
@@ -103,7 +104,8 @@ class ISPCommunicator:
         self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
             self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
-        self._state = ShardedState(self.model, self.groups, self._sharded, self.sharded_units, device)
+        self.collectives = StepCollectives(self.backend, self.ctx, device)
+        self._state = ShardedState(self.model, self.groups, self._sharded, self.sharded_units, device, self.collectives)
         self._full = FullState(self.model, self.groups, self._sharded, self.sharded_units, self.backend, self.ctx)
         in_units = {id(s) for unit in self.sharded_units for s in unit.shards}
         return [p for p in self.model.parameters() if id(p) not in in_units]
@@ -298,6 +300,21 @@ class ISPCommunicator:
 
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self._sharded
+
+    # ---- collectives outside the block schedule (see isp_comm/collectives.py) ---------------
+    def all_reduce(self, tensor: torch.Tensor, *, what: str = "an all-reduce") -> torch.Tensor:
+        """Sum ``tensor`` in place over the world, through the communicator's backend and
+        under its deadline (a step's loss, a metric, a validation total); returns it.
+        Collective over the world. ``what`` names it in a timeout's message."""
+        self._check_idle("all_reduce()")
+        return self.collectives.all_reduce(tensor, self.groups.world_group, self.groups.world_size, what)
+
+    def all_gather_object(self, obj: Any, *, what: str = "an object gather") -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, through the communicator's
+        backend and under its deadline. Collective over the world; reads the host, so
+        never call it inside a step."""
+        self._check_idle("all_gather_object()")
+        return self.collectives.all_gather_object(obj, self.groups.world_group, self.groups.world_size, what)
 
     # ---- full state (see isp_comm/full_state.py) --------------------------------------------
     def full_state_dict(self, cpu: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:

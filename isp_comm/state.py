@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from isp_comm.collectives import StepCollectives
 from isp_comm.groups import ParallelGroups
 from isp_comm.layout import ShardedParam
 from isp_comm.units import BlockUnit
@@ -80,9 +80,10 @@ class ShardedState:
         sharded: Mapping[str, tuple[BlockUnit, ShardedParam]],
         units: list[BlockUnit],
         device: torch.device,
+        collectives: StepCollectives,
     ) -> None:
         self.model, self.groups, self.sharded, self.units = model, groups, sharded, units
-        self.device = device
+        self.device, self.collectives = device, collectives
         self._mesh: DeviceMesh | None = None
 
     # ---- DTensor views -----------------------------------------------------------------
@@ -293,8 +294,8 @@ class ShardedState:
             if norms:
                 stacked = torch.stack(norms)
                 part[i] = stacked.max() if inf else stacked.pow(norm_type).sum()
-        if self.groups.wp_size > 1:  # the sharded part, in place
-            dist.all_reduce(part[:1], op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.groups.wp_group)
+        g, reduce = self.groups, self.collectives.all_max if inf else self.collectives.all_reduce
+        reduce(part[:1], g.wp_group, g.wp_size, "the clip's norm all-reduce")  # the sharded part, in place
         total = part.max() if inf else part.sum().pow(1.0 / norm_type)
         total = total.float()
         if error_if_nonfinite and not torch.isfinite(total):
