@@ -18,8 +18,8 @@ which is how the compile-vs-eager rows are measured where no GPU is lent.
 Each run: 3 warm-up steps (compilation included), then ``--windows`` windows of
 ``--steps`` steps, each timed with a device synchronisation at its ends only. The
 table gives the median window's ms/step with the range, MFU (FLOPs counted as in
-isp_comm/train/metrics.py, against the device's peak from its table) and peak
-allocated / reserved memory. Raw figures go to --out (default bench/results/local/gpu.json). ``--profile
+isp_comm/model_flops.py, against the device's peak from isp_comm/train/metrics.py's
+table) and peak allocated / reserved memory. Raw figures go to --out (default bench/results/local/gpu.json). ``--profile
 NAME`` also writes ``torch.profiler`` key averages (by CUDA time and by self CPU
 time) of two steps of run NAME to gpu_profile_NAME.txt beside the JSON.
 """
@@ -41,7 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import LOCAL, wrap_world1  # noqa: E402
-from isp_comm.train.metrics import flops_per_token, peak_tflops  # noqa: E402
+from isp_comm.model_flops import flops_per_token  # noqa: E402
+from isp_comm.train.metrics import peak_tflops  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 
 RUNS = ("plain", "fsdp2", "isp", "plain+compile", "fsdp2+compile", "isp+compile")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from isp_comm.testing import run_ranks
-from isp_comm.train.data import Prefetcher, Slicing, Step, TrainData
+from isp_comm.train.batching import Prefetcher, TrainData
+from isp_comm.train.data import Slicing, Step
 from isp_comm.train.packing import IGNORE, PackedRows
 from isp_comm.train.store import open_store, write_store
 
@@ -92,8 +93,8 @@ def parity_worker(rank: int, world: int, path: str) -> dict:
     code) against the same documents run one by one on an unwrapped copy; then a
     validation pass, counting the collectives it issues."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-    from isp_comm.train.data import packed_step
-    from isp_comm.train.evaluate import eval_set, evaluate, logits_of, micro_loss
+    from isp_comm.train.batching import eval_set, packed_step
+    from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
     from isp_comm.train.packing import DataOrder
     from models.llama import LlamaConfig, build
 

@@ -94,16 +94,17 @@ def test_plan_prints_the_table_and_exits_0() -> None:
 
 
 def test_warning_names_the_biggest_part(monkeypatch) -> None:
-    from isp_comm.train import __main__ as train
+    from isp_comm.train import preflight
     from isp_comm.train.config import parse_config
+    from isp_comm.train.model import build_meta_model, isp_config
 
     cfg = parse_config(["--layers", "2", "--hidden", "64", "--seq", "512", "--batch", "8"])
-    model, _ = train.build_meta_model(cfg, 256, "")
-    icfg = train.isp_config(cfg, bf16=False)
-    monkeypatch.setattr(train, "free_memory_per_rank", lambda device, local: 2**20)
-    (line,) = train.memory_warnings(cfg, model, icfg, 2, torch.device("cpu"))
-    fc = train.memory_forecast(cfg, model, icfg, 2, torch.device("cpu"))
+    model, _ = build_meta_model(cfg, 256, "")
+    icfg = isp_config(cfg, bf16=False)
+    monkeypatch.setattr(preflight, "free_memory_per_rank", lambda device, local: 2**20)
+    (line,) = preflight.memory_warnings(cfg, model, icfg, 2, torch.device("cpu"))
+    fc = preflight.memory_forecast(cfg, model, icfg, 2, torch.device("cpu"))
     part, _ = fc.biggest(fc.worst())
     assert part in line and "try " in line and fc.worst() in line, line
-    monkeypatch.setattr(train, "free_memory_per_rank", lambda device, local: 2**40)
-    assert train.memory_warnings(cfg, model, icfg, 2, torch.device("cpu")) == []
+    monkeypatch.setattr(preflight, "free_memory_per_rank", lambda device, local: 2**40)
+    assert preflight.memory_warnings(cfg, model, icfg, 2, torch.device("cpu")) == []

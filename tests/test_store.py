@@ -117,7 +117,7 @@ def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
 
 
 def test_pretokenized_files_are_memory_mapped(tmp_path):
-    from isp_comm.train.data import load_tokens
+    from isp_comm.train.sources import load_tokens
 
     np.save(tmp_path / "t.npy", np.array([3, 1, 4, 1, 5], dtype=np.int8))
     np.array([70, 2, 65_535], dtype=np.uint16).tofile(tmp_path / "t.bin")
@@ -170,7 +170,7 @@ def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
     import pyarrow as pa
 
     from isp_comm.testing import tiny_tokenizer
-    from isp_comm.train.data import batch_at
+    from isp_comm.train.batching import batch_at
 
     texts = ["one two three", "four five", "six"]
     tok = tiny_tokenizer(str(tmp_path / "tok"), " ".join(texts) * 10)
@@ -194,7 +194,9 @@ def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
 
 
 def test_windows_of_mapped_files_read_the_right_tokens(tmp_path):
-    from isp_comm.train.data import batch_at, load_tokens, read_windows
+    from isp_comm.train.batching import batch_at
+    from isp_comm.train.data import read_windows
+    from isp_comm.train.sources import load_tokens
 
     arr = np.arange(5000, dtype=np.int32) % 977
     np.save(tmp_path / "t.npy", arr)  # a header before the data: the offset counts

@@ -133,7 +133,8 @@ def test_resume_at_another_wp_and_export(tmp_path) -> None:
 
     # the export holds the trained weights: the exported model's loss on step 7's batch
     # is the loss the resumed run logged at step 7 (computed with the step-6 weights)
-    from isp_comm.train.data import batch_at, load_tokens
+    from isp_comm.train.batching import batch_at
+    from isp_comm.train.sources import load_tokens
 
     tokens, _ = load_tokens("")
     x, y = batch_at(tokens, 7, 4, 32)
@@ -175,12 +176,12 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
     # isp-train --hidden H builds llama's MLP (8/3 H rounded up to 256): Llama-2-7B's
     # 11008 at 4096, bench/gpu.py's 5632 at 2048. An unaligned 5461 made an H100 step
     # of the 697M llama 1.9x slower (cuBLAS falls back to pre-Hopper kernels).
-    from isp_comm.train import __main__ as train
     from isp_comm.train.config import parse_config
+    from isp_comm.train.model import build_meta_model
 
     for hidden, ffn in ((2048, 5632), (4096, 11008), (128, 512)):
         cfg = parse_config(["--hidden", str(hidden), "--heads", "16", "--kv-heads", "8", "--device", "cpu"])
-        model, mcfg = train.build_meta_model(cfg, 256, "")
+        model, mcfg = build_meta_model(cfg, 256, "")
         assert mcfg.ffn_hidden == ffn
         assert model.layers[0].mlp.gate_proj.weight.shape == (ffn, hidden)
 
@@ -628,8 +629,8 @@ def test_lora_init_from_an_export_adapts_its_weights(tmp_path) -> None:
     for key, value in trained.items():
         if ".lora_" not in key:
             assert torch.equal(value, plain[key.removeprefix("base_model.model.").replace(".base_layer.", ".")])
-    from isp_comm.train.__main__ import start_warnings
     from isp_comm.train.config import TrainConfig
+    from isp_comm.train.preflight import start_warnings
 
     (warning,) = start_warnings(TrainConfig(lora_rank=4))
     assert "--lora-rank adapts the reference llama's random initialisation" in warning
@@ -695,19 +696,20 @@ def _step_host_worker(rank: int, world: int, out: str) -> list[tuple[list[str], 
 
     import isp_comm
     from isp_comm.testing import HostReads
-    from isp_comm.train import __main__ as train
     from isp_comm.train.config import parse_config
+    from isp_comm.train.job import setup
+    from isp_comm.train.loop import one_step
 
     cfg = parse_config(["--device", "cpu", "--steps", "3", "--out", out, "--no-trace", "--grad-accum", "2"])
     seen = []
     with contextlib.ExitStack() as closing:
-        job = train.setup(cfg, torch.device("cpu"), closing)
+        job = setup(cfg, torch.device("cpu"), closing)
         feed = job.data.start(1, cfg.steps, pin=False)
         closing.callback(feed.close)
         hook = job.comm.scheduler_hook()
         for step in (1, 2):
             with HostReads(within=os.path.dirname(isp_comm.__file__)) as mode:  # not torch.optim's
-                train.one_step(job, hook, feed.get(step), step)
+                one_step(job, hook, feed.get(step), step)
             seen.append((mode.calls, mode.copies))
     return seen
 

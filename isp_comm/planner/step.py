@@ -48,9 +48,9 @@ from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.weights import unit_layouts
 from isp_comm.memory_pool.plan import gather_landing
+from isp_comm.model_flops import flops_per_token
 from isp_comm.planner.ops import Ops, StepOps, trace_ops
 from isp_comm.planner.profile import Profile, interp
-from isp_comm.train.metrics import flops_per_token
 
 ADAMW_BYTES_PER_ELEMENT = 28
 """AdamW (fp32): parameter read and write, gradient read, two moments read and written."""

@@ -18,13 +18,13 @@ model: its blocks are gathered as in a forward, and nothing is reduce-scattered.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from isp_comm.train.data import Micro, Slicing, Step, batch_at
+from isp_comm.train.batching import EvalSet
+from isp_comm.train.data import Micro, Step
 from isp_comm.train.packing import IGNORE
 
 
@@ -56,37 +56,6 @@ def micro_loss(comm, logits: torch.Tensor, micro: Micro, step: Step, world: int)
     if step.n_targets is not None:  # packed (a step of one-token documents only has none)
         return token_sum(comm, logits, micro.targets) * (world / max(step.n_targets, 1))
     return comm.cross_entropy(logits.float(), micro.targets) / len(step.micros)
-
-
-@dataclass
-class EvalSet:
-    """The held-out batches, made once: ``micros`` on this rank, fixed for the run."""
-
-    micros: list[Micro]
-
-
-def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalSet:
-    """``batches`` global batches of the held-out data, in order: its first packed rows
-    (wrapping around when it holds fewer), or windows at fixed seeds."""
-    from isp_comm.train.packing import PackedRows, rank_rows
-
-    micros = []
-    if packed:
-        rows = PackedRows(tokens, offsets, cut.seq)
-        for b in range(batches):
-            ids = [(b * cut.batch + j) % len(rows) for j in range(cut.batch)]
-            r = rows.packed(rank_rows(ids, cut.dp_rank, cut.dp))
-            part = cut.chunk(len(r.inputs))
-            micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
-        return EvalSet(micros)
-    if len(tokens) < cut.seq + 2:
-        raise ValueError(f"the held-out data ({len(tokens)} tokens) is shorter than --seq {cut.seq}")
-    per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
-    for b in range(batches):
-        x, y = batch_at(tokens, -1 - b, cut.batch, cut.seq)  # seeds apart from training's steps
-        rows = slice(cut.dp_rank * per, (cut.dp_rank + 1) * per)
-        micros.append(Micro(x[rows, part], y[rows, part], torch.arange(cut.seq)[part]))
-    return EvalSet(micros)
 
 
 def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, is_hf: bool) -> dict[str, float]:

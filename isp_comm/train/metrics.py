@@ -1,17 +1,11 @@
-"""What a step costs: MFU against the device's peak, and peak memory (GPU or RSS).
-
-FLOPs per token follow the usual count for a decoder (as torchtitan and the PaLM
-paper count them): ``6 N`` for the matmuls of ``N`` non-embedding parameters in
-forward and backward, plus ``12 L d s`` for attention scores and values over a
-sequence of ``s`` with ``L`` layers of width ``d`` (the causal mask not discounted).
-"""
+"""What a step costs: MFU against the device's peak (FLOPs per token from
+``isp_comm/model_flops.py``), and peak memory (GPU or RSS)."""
 
 from __future__ import annotations
 
 import resource
 
 import torch
-from torch import nn
 
 PEAK_BF16_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets
     "H200": 989.4,
@@ -37,16 +31,6 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float:
     name = torch.cuda.get_device_name(device)
     hits = [k for k in PEAK_BF16_TFLOPS if k in name]
     return PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else 0.0
-
-
-def flops_per_token(model: nn.Module, seq: int) -> float:
-    """Training FLOPs per token of a llama-class ``model`` (built on meta is fine)."""
-    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    n = sum(p.numel() for p in model.parameters()) - embeddings
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    layers = getattr(cfg, "n_layers", None) or getattr(cfg, "num_hidden_layers", 0)
-    width = getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", 0)
-    return 6.0 * n + 12.0 * layers * width * seq
 
 
 def proc_status_bytes(field: str) -> int:

@@ -18,9 +18,10 @@ from isp_comm.planner import search as planner_search
 from isp_comm.planner.step import StepTime, step_time
 from isp_comm.planner.targets import TARGETS, parse_target
 from isp_comm.train import hf_model
-from isp_comm.train import metrics as metrics_mod
 from isp_comm.train.config import TrainConfig, resolve_device
-from isp_comm.train.data import load_tokens
+from isp_comm.train.metrics import proc_status_bytes
+from isp_comm.train.model import build_meta_model, isp_config, use_bf16
+from isp_comm.train.sources import load_tokens
 
 CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
 """``0``: --plan without --target or --profile does not calibrate this machine; it
@@ -91,8 +92,6 @@ class _Planner:
     memo: dict = dataclasses.field(default_factory=dict)
 
     def memory(self, c: TrainConfig) -> planner_memory.DeviceMemory:
-        from isp_comm.train.__main__ import isp_config
-
         wp, prof = c.wp or self.world, self.prof
         blocks = self.memo.setdefault("blocks", list(find_blocks(self.model)))
         fc = forecast(
@@ -104,8 +103,6 @@ class _Planner:
         )
 
     def step(self, c: TrainConfig) -> StepTime:
-        from isp_comm.train.__main__ import isp_config
-
         return step_time(
             self.model, isp_config(c, self.bf16), self.prof, world=self.world, wp=c.wp or self.world, sp=c.sp,
             batch=c.batch, seq=c.seq, grad_accum=c.grad_accum, memo=self.memo,
@@ -166,8 +163,6 @@ def plan(cfg: TrainConfig, world: int) -> None:
     """``--plan``: the forecast table for these flags on the planning profile's device,
     the predicted step, with ``--search`` the fastest layouts, then one JSON line
     (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``)."""
-    from isp_comm.train.__main__ import build_meta_model, use_bf16
-
     prof, world = planning_profile(cfg, world)
     device = torch.device(prof.device)
     if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
@@ -177,7 +172,7 @@ def plan(cfg: TrainConfig, world: int) -> None:
     else:
         vocab, tok_dir = load_tokens(cfg.data)[1], ""
     model, _ = build_meta_model(cfg, vocab, tok_dir)
-    base = 0 if device.type == "cuda" else metrics_mod.proc_status_bytes("VmRSS")
+    base = 0 if device.type == "cuda" else proc_status_bytes("VmRSS")
     planner = _Planner(model, prof, world, use_bf16(cfg, device), base)
     mem = planner.memory(cfg)  # first: its checks name the flags
     st = planner.step(cfg)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from isp_comm.train.data import read_windows
+
 FORMAT = "isp-token-store-1"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _BATCH_DOCS = 256
@@ -254,8 +256,6 @@ def check_data(path: str) -> None:
         if flat.size == 0:
             raise ValueError(f"--data {path}: the file holds no tokens")
         if np.issubdtype(arr.dtype, np.signedinteger):
-            from isp_comm.train.data import read_windows
-
             for i in range(0, flat.size, 1 << 24):
                 if int(read_windows(flat, [i], min(1 << 24, flat.size - i))[0].min()) < 0:
                     raise ValueError(f"--data {path}: negative token ids")

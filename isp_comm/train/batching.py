@@ -1,0 +1,193 @@
+"""The batches a run trains and validates on: random windows of the token stream, or
+packed rows in a resumable order; the held-out batches; and the thread that makes the
+next steps' batches ahead of the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from isp_comm.train.data import Micro, Slicing, Step, read_windows
+from isp_comm.train.packing import DataOrder, PackedRows, rank_rows, split_documents
+
+
+def batch_at(tokens: torch.Tensor | np.ndarray, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``step``: ``batch`` windows of ``seq + 1`` tokens, deterministic.
+    Only these windows are read from a memory-mapped ``tokens``."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
+    win = torch.from_numpy(np.stack(read_windows(tokens, starts.tolist(), seq + 1)).astype(np.int64))
+    return win[:, :-1], win[:, 1:]
+
+
+def window_step(tokens, step: int, cut: Slicing) -> Step:
+    """Global batch ``step`` of random windows (``batch_at``), this rank's part."""
+    x, y = batch_at(tokens, step, cut.batch * cut.grad_accum, cut.seq)
+    per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
+    positions = torch.arange(cut.seq)[part]
+    micros = []
+    for m in range(cut.grad_accum):
+        rows = slice(m * cut.batch + cut.dp_rank * per, m * cut.batch + (cut.dp_rank + 1) * per)
+        micros.append(Micro(x[rows, part], y[rows, part], positions))
+    return Step(step, micros)
+
+
+def packed_step(rows, order, step: int, cut: Slicing) -> Step:
+    """The next ``batch x grad_accum`` rows of ``order`` (a ``DataOrder`` over the
+    ``PackedRows`` ``rows``), this rank's part, each micro-step's rows packed into one
+    sequence with its document boundaries."""
+    ids = order.take(cut.batch * cut.grad_accum)
+    micros = []
+    for m in range(cut.grad_accum):
+        r = rows.packed(rank_rows(ids[m * cut.batch : (m + 1) * cut.batch], cut.dp_rank, cut.dp))
+        part = cut.chunk(len(r.inputs))
+        micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
+    return Step(step, micros, rows.n_targets(ids), order.position)
+
+
+class Prefetcher:
+    """Makes the batches of steps ``first, first + 1, ...`` in a thread, ``depth``
+    ahead of the training loop, so reading the store stays off the critical path
+    (pinned on CUDA, so the copy to the device is asynchronous). ``close`` stops and
+    joins the thread; a failure in it is raised by ``get``."""
+
+    def __init__(self, make, first: int, last: int, pin: bool = False, depth: int = 2) -> None:
+        self._make, self._pin = make, pin
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first, last), name="isp-data", daemon=True)
+        self._thread.start()
+
+    def _run(self, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            try:
+                item = self._make(step)
+                if self._pin:
+                    item = dataclasses.replace(item, micros=[m.pinned() for m in item.micros])
+            except BaseException as exc:  # handed to the loop, which raises it
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, BaseException):
+                return
+
+    def get(self, step: int) -> Step:
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the data thread ended early") from None
+        if isinstance(item, BaseException):
+            raise item
+        if item.step != step:
+            raise RuntimeError(f"the data thread made step {item.step}, the loop wants step {step}")
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+@dataclass
+class EvalSet:
+    """The held-out batches, made once: ``micros`` on this rank, fixed for the run."""
+
+    micros: list[Micro]
+
+
+def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalSet:
+    """``batches`` global batches of the held-out data, in order: its first packed rows
+    (wrapping around when it holds fewer), or windows at fixed seeds."""
+    micros = []
+    if packed:
+        rows = PackedRows(tokens, offsets, cut.seq)
+        for b in range(batches):
+            ids = [(b * cut.batch + j) % len(rows) for j in range(cut.batch)]
+            r = rows.packed(rank_rows(ids, cut.dp_rank, cut.dp))
+            part = cut.chunk(len(r.inputs))
+            micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
+        return EvalSet(micros)
+    if len(tokens) < cut.seq + 2:
+        raise ValueError(f"the held-out data ({len(tokens)} tokens) is shorter than --seq {cut.seq}")
+    per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
+    for b in range(batches):
+        x, y = batch_at(tokens, -1 - b, cut.batch, cut.seq)  # seeds apart from training's steps
+        rows = slice(cut.dp_rank * per, (cut.dp_rank + 1) * per)
+        micros.append(Micro(x[rows, part], y[rows, part], torch.arange(cut.seq)[part]))
+    return EvalSet(micros)
+
+
+class TrainData:
+    """What a run trains and validates on: packed rows in a resumable order when the
+    documents are known (``offsets``) and ``pack`` is on, else random windows; the
+    held-out batches of ``eval_split`` (the last documents, or tokens) or of
+    ``eval_source`` (tokens, offsets)."""
+
+    def __init__(
+        self,
+        tokens,
+        offsets,
+        cut: Slicing,
+        pack: bool = True,
+        seed: int = 0,
+        eval_split: float = 0.0,
+        eval_source: tuple | None = None,
+        eval_batches: int = 0,
+    ) -> None:
+        self.cut, self.packed = cut, pack and offsets is not None
+        if eval_split and offsets is not None:
+            (tokens, offsets), eval_source = split_documents(tokens, offsets, eval_split)
+        elif eval_split:
+            keep = len(tokens) - max(cut.seq + 2, int(len(tokens) * eval_split))
+            tokens, eval_source = tokens[:keep], (tokens[keep:], None)
+        self.tokens, self.rows, self.order, self.position = tokens, None, None, 0
+        if len(tokens) < cut.seq + 2:
+            raise ValueError(f"--seq {cut.seq} is longer than the training data ({len(tokens)} tokens)")
+        if self.packed:
+            self.rows = PackedRows(tokens, offsets, cut.seq)
+            self.order = DataOrder(len(self.rows), seed=seed)
+        self.eval = None
+        if eval_source is not None and eval_batches:
+            ev_tokens, ev_offsets = eval_source
+            self.eval = eval_set(ev_tokens, ev_offsets, cut, eval_batches, pack and ev_offsets is not None)
+
+    def describe(self) -> str:
+        what = f"{len(self.rows)} packed rows" if self.rows is not None else "random windows"
+        return what + (f", {len(self.eval.micros)} held-out batches" if self.eval is not None else "")
+
+    def resume(self, saved: dict, step: int) -> None:
+        """Continue after ``step``: from the checkpoint's data order when it has one,
+        else as if every earlier step took ``batch x grad_accum`` rows."""
+        if self.order is None:
+            return
+        if saved:
+            self.order.load_state_dict(saved)
+        else:
+            self.order.position = step * self.cut.batch * self.cut.grad_accum
+        self.position = self.order.position
+
+    def state_dict(self) -> dict | None:
+        """The data order at the last step taken (what a checkpoint holds); None for windows."""
+        return None if self.order is None else {**self.order.state_dict(), "position": self.position}
+
+    def taken(self, step: Step) -> None:
+        self.position = step.position
+
+    def make(self, step: int) -> Step:
+        if self.order is None:
+            return window_step(self.tokens, step, self.cut)
+        return packed_step(self.rows, self.order, step, self.cut)
+
+    def start(self, first: int, last: int, pin: bool = False) -> Prefetcher:
+        return Prefetcher(self.make, first, last, pin=pin)

@@ -1,0 +1,116 @@
+"""The training loop of one rank: ``run`` (setup, the steps, the end) and each
+optimizer step over its micro-steps."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from isp_comm.train.config import TrainConfig
+from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
+from isp_comm.train.job import Job, lr_at, setup
+from isp_comm.train.outputs import finish, open_outputs, report
+from isp_comm.train.signals import Interrupted
+
+
+def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> None:
+    """The job on this rank; what it opens that holds threads or groups (the
+    communicator, the checkpointer, the data thread) is closed by ``closing``, also
+    after an error."""
+    job = setup(cfg, device, closing)
+    start = open_outputs(job, closing)
+    last = train(job, start, closing)
+    finish(job, start, last)
+
+
+def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
+    """Steps ``start + 1`` to ``--steps``: each one's row goes to metrics.jsonl, the
+    bar and the log; checkpoints at --save-every and on a signal. Returns the last row."""
+    cfg, comm = job.cfg, job.comm
+    # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
+    interactive = sys.stderr.isatty()
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=job.rank != 0 or not interactive, unit="step", dynamic_ncols=True
+    )
+    feed = job.data.start(start + 1, cfg.steps, pin=job.device.type == "cuda")  # batches read ahead, in a thread
+    closing.callback(feed.close)
+    hook = comm.scheduler_hook()
+    t_start, tokens_done, last = time.perf_counter(), 0, {}
+    step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
+    for step in range(start + 1, cfg.steps + 1):
+        if cfg.trace and step == max(start + 1, cfg.steps - 2):
+            comm.start_trace()
+        t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
+        t_data = time.perf_counter()
+        batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
+        data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
+        loss_value, interrupted, grad_norm = one_step(job, hook, batch, step)
+        dt = time.perf_counter() - t0
+        if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
+            first_step_s, t_start = dt, time.perf_counter()
+        else:
+            tokens_done += step_tokens
+        s = comm.stats()
+        rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else step_tokens / dt
+        last = {
+            "step": step,
+            "loss": loss_value,
+            "lr": lr_at(cfg, step),
+            "grad_norm": grad_norm,
+            "tokens_per_s": rate,
+            "step_s": dt,
+            "data_wait_s": data_wait,
+            "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
+            "pool_bytes": s["pool_bytes"],
+            **job.meter.read(rate / job.world * job.flops_per_token),
+        }
+        if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
+            t_eval = time.perf_counter()
+            last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
+            t_start += time.perf_counter() - t_eval
+        report(job, bar, last, first_step_s if step == start + 1 else None)
+        if interrupted and job.signals.armed and step != cfg.steps:
+            job.saver.save(step, comm, job.opt, job.data.state_dict())
+            job.saver.close()
+            comm.close()
+            raise Interrupted(step, job.signals.got or signal.SIGTERM)
+        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+            job.saver.save(step, comm, job.opt, job.data.state_dict())
+    bar.close()
+    return last
+
+
+def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
+    """One optimizer step on the global batch: the mean loss over ranks, whether any
+    rank got a signal, and the global gradient norm."""
+    cfg, device = job.cfg, job.device
+    for g in job.opt.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    step_loss = torch.zeros((), device=device)
+    for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
+        micro = micro.to(device)
+        hook.before_forward()
+        logits = logits_of(job.model, micro, bool(cfg.model))
+        loss = micro_loss(job.comm, logits, micro, batch, job.world)
+        hook.before_backward()
+        loss.backward()
+        hook.after_backward()
+        step_loss += loss.detach()
+        del logits, loss
+    norm = job.comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
+    job.opt.step()
+    job.opt.zero_grad()
+    job.data.taken(batch)
+    # the loss and whether any rank got a signal: one all-reduce; then one host read
+    # (a fill, not a host-to-device copy, so the step is issued whole before it)
+    both = torch.stack([step_loss, torch.full((), float(job.signals.got), device=device)])
+    dist.all_reduce(both)
+    total, flagged, grad_norm = torch.cat([both, norm.reshape(1).to(both.dtype)]).tolist()
+    return total / job.world, flagged > 0, grad_norm

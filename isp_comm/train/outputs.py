@@ -1,0 +1,114 @@
+"""What a run writes: on the way in, the resumed checkpoint's step, the checkpointer,
+metrics.jsonl and the run's files; each step's row (metrics.jsonl, the bar, the log
+line); at the end, the final checkpoint, the trace and timeline, the closing line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import asdict
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from isp_comm.train import checkpoint, hf_model, run_folder
+from isp_comm.train.data import unigram_entropy
+from isp_comm.train.evaluate import eval_note
+from isp_comm.train.job import Job, lr_at
+from isp_comm.train.timeline import draw, write_trace
+
+
+def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
+    """Resume from the checkpoint (returning its step, else 0), open the checkpointer
+    and metrics.jsonl, and write the run's files and first line (rank 0)."""
+    cfg, rank = job.cfg, job.rank
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
+    start, saved_order = 0, {}
+    if job.resume_from is not None:
+        start = checkpoint.load(job.resume_from, job.comm, job.opt, saved_order)
+        job.data.resume(saved_order, start)
+        if rank == 0:
+            print(run_folder.resume_line(job.resume_from, job.previous), flush=True)
+            stretched = run_folder.stretch_line(job.previous, cfg, start, lr_at)
+            if stretched:
+                print(stretched, flush=True)
+            run_folder.cut_metrics(cfg.out, start)
+    job.saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda")
+    closing.callback(job.saver.close)
+    if rank == 0:
+        job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
+        write_run_files(job, start)
+    return start
+
+
+def write_run_files(job: Job, start: int) -> None:
+    """What ran (the flags and rank 0's shard of every parameter), and its first line."""
+    cfg, model = job.cfg, job.model
+    shards = {k: list(v.shape) for k, v in model.state_dict().items()}
+    run_folder.write_run(cfg.out, cfg, job.world, shards, job.previous, start, {} if cfg.model else asdict(job.mcfg))
+    run_folder.write_config(cfg.out, cfg)
+    if cfg.model:
+        hf_model.save_run_files(model, job.tok_dir, cfg.out)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    groups, comm = job.comm.groups, job.comm
+    tqdm.write(
+        f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
+        f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
+        f"{job.n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
+        f"data {len(job.tokens)} tokens ({job.data.describe()}), vocabulary {job.vocab}, "
+        f"unigram entropy {unigram_entropy(job.tokens, job.vocab):.3f} nats"
+    )
+
+
+def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
+    """A step's row: to metrics.jsonl, the progress bar, and (rank 0) the plain log
+    line every --log-every steps, after the first step and with an evaluation."""
+    if job.metrics is not None:
+        job.metrics.write(json.dumps(last) + "\n")
+        job.metrics.flush()
+    bar.update(1)
+    bar.set_postfix(
+        loss=f"{last['loss']:.3f}",
+        gnorm=f"{last['grad_norm']:.2f}",
+        tok_s=f"{last['tokens_per_s']:.0f}",
+        comm=f"{last['exposed_comm_pct']:.0f}%",
+        pool=f"{last['pool_bytes'] / 2**20:.1f}MiB",
+        **job.meter.postfix(last),
+    )
+    if job.rank != 0:
+        return
+    step = last["step"]
+    if first_step_s is not None:
+        tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
+    if step % job.cfg.log_every == 0 or first_step_s is not None or "eval_loss" in last:
+        tqdm.write(
+            f"step {step:4d}  loss {last['loss']:.4f}  {last['tokens_per_s']:8.0f} tok/s  "
+            f"exposed comm {last['exposed_comm_pct']:4.1f}%  {job.meter.line(last)}{eval_note(last)}"
+        )
+
+
+def finish(job: Job, start: int, last: dict) -> None:
+    """The final checkpoint, the trace and timeline, and rank 0's closing line."""
+    cfg, comm = job.cfg, job.comm
+    local_spans = comm.stop_trace()
+    if start < cfg.steps:
+        job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
+    job.saver.close()
+    spans: list = [None] * job.world
+    dist.all_gather_object(spans, local_spans)
+    comm.close()
+    if job.rank != 0:
+        return
+    if cfg.trace and any(spans):
+        write_trace(os.path.join(cfg.out, "trace.json"), spans)
+        draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
+    job.metrics.close()
+    if last:
+        print(
+            f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
+            f"{job.meter.summary(last)}; outputs in {cfg.out}"
+        )
