@@ -12,6 +12,15 @@ param-major, when waited), or straight into the slot from the peers
 ``GATHERED``: the slot holds the block's full weights, param-major.
 Swapped in (any gathered state): the block's modules point at views of the slot.
 
+[Note: who swaps a block]
+The state alone swaps a block's modules in and out of its slot: ``swap_in`` for a
+compute, ``swap_out`` when a compute ends but the block stays gathered (a recompute
+in backward, a forward that raised, the end of the block's backward), and on every
+way back to SHARDED (``reshard``, ``abandon``), so a freed slot is never pointed at.
+The engine asks for these transitions and never swaps a block's unit itself. One
+block's forward thus moves engine.py -> block_state.py -> units.py and back at most
+3 times (tests/test_block_path.py counts it).
+
 [Note: direct landing]
 With ``comm_granularity="module"`` peers write the slot itself, possibly from
 another thread, while autograd may hold views of it saved by the last forward;
@@ -36,6 +45,18 @@ from isp_comm.hooks.autograd import BackwardHooks, UnshardBlock
 from isp_comm.hooks.casting import cast_params_in, cast_params_out
 from isp_comm.memory_pool import SlotPool, gather_landing
 from isp_comm.units import BlockUnit
+
+
+def swap_in_views(unit: BlockUnit, region: torch.Tensor, hooks: BackwardHooks) -> None:
+    """Point ``unit``'s modules at full views of its gathered ``region``: out of an
+    ``UnshardBlock`` node when grad is enabled and the unit trains (its backward marks
+    the end of the unit's backward), else detached. A block's state swaps it in
+    through this; the engine swaps the root unit (outside the pool) in through it too."""
+    if torch.is_grad_enabled() and unit.requires_grad:
+        views = list(UnshardBlock.apply(unit.anchor, hooks, unit, region))
+    else:
+        views = [v.detach() for v in unit.full_views(region)]
+    unit.swap_in(views)
 
 
 class GatherState(Enum):
@@ -151,11 +172,13 @@ class BlockState:
 
     # ---- back to SHARDED -------------------------------------------------------------
     def reshard(self) -> bool:
-        """Free the slot (waiting for an in-flight gather first); ``False`` when the
-        block was sharded already."""
+        """Free the slot (waiting for an in-flight gather first, swapping the block's
+        modules out of it when they point at it); ``False`` when the block was sharded
+        already."""
         if self.state is GatherState.SHARDED:
             return False
         self.wait_for_unshard()
+        self.swap_out()
         unit = self.unit
         self.res.pool.release(unit.gather_dtype, self.slot, unit.index, unit.gathered_numel)
         self.state, self.region = GatherState.SHARDED, None
@@ -197,6 +220,16 @@ class BlockState:
         self.res.ctx.trace("compute", f"backward block {self.unit.index}", self.backward_at)
 
     # ---- the modules' view of the weights ---------------------------------------------------
+    def begin_forward(self, hooks: BackwardHooks) -> None:
+        """A forward of the gathered block begins (not a recompute): with grad, the
+        unit follows its shards' ``requires_grad`` (the backward reduces what this
+        forward saw) and the slot's views are saved for that backward; then swap in."""
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.unit.refresh_trainable()
+        self.saved_views, self.reduced = grad, False
+        self.swap_in(hooks)
+
     def swap_in(self, hooks: BackwardHooks) -> None:
         """Point the block's linears at full views of its slot (and cast in-block
         replicated params to ``param_dtype``). With grad enabled the views come out of
@@ -204,11 +237,7 @@ class BlockState:
         unit = self.unit
         assert self._cast is None, f"block {unit.index} is already swapped in"
         assert self.region is not None and self.state is GatherState.GATHERED
-        if torch.is_grad_enabled() and unit.requires_grad:
-            views = list(UnshardBlock.apply(unit.anchor, hooks, unit, self.region))
-        else:
-            views = [v.detach() for v in unit.full_views(self.region)]
-        unit.swap_in(views)
+        swap_in_views(unit, self.region, hooks)
         # (replicated parameter, its master) while a cast copy stands in
         self._cast = cast_params_in(unit.replicated, self.res.config.param_dtype)
 

@@ -18,8 +18,8 @@ import torch
 from torch.autograd import Variable
 
 from isp_comm.context import CommContext
-from isp_comm.hooks.autograd import PreBackward, UnshardBlock
-from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState
+from isp_comm.hooks.autograd import PreBackward
+from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState, swap_in_views
 from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
 from isp_comm.units import BlockUnit, ReplicatedParam
@@ -96,7 +96,8 @@ class BlockEngine:
             self._pending.add(index)
 
     def release(self, unit: BlockUnit) -> None:
-        """Free ``unit``'s slot, then issue the prefetches that waited for one."""
+        """Reshard ``unit`` (swapped out, its slot freed), then issue the prefetches
+        that waited for a slot."""
         if not self.states[unit.index].reshard():
             return
         for i in sorted(self._pending):
@@ -150,11 +151,7 @@ class BlockEngine:
             self._root_region = region
         if torch.is_grad_enabled():
             root.refresh_trainable()
-        if torch.is_grad_enabled() and root.requires_grad:
-            views = list(UnshardBlock.apply(root.anchor, self, root, self._root_region))
-        else:
-            views = [v.detach() for v in root.full_views(self._root_region)]
-        root.swap_in(views)
+        swap_in_views(root, self._root_region, self)
 
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again (autograd keeps
@@ -192,23 +189,20 @@ class BlockEngine:
                 return orig(*args, **kwargs)
             finally:
                 st.swap_out()
-        if torch.is_grad_enabled():
-            unit.refresh_trainable()  # before this forward: its backward reduces what it saw
         self.ensure_gathered(unit)
         self.prefetch(unit.index + 1)
-        st.saved_views = torch.is_grad_enabled()
-        st.reduced = False
         self._event("compute", unit.index)
-        st.swap_in(self)
+        st.begin_forward(self)
         t0 = self.ctx.mark()
         try:
             out = orig(*args, **kwargs)
-        finally:
-            st.swap_out()
+        except BaseException:
+            st.swap_out()  # the slot stays held: a failed step is abandoned (close)
+            raise
         self.ctx.trace("compute", f"forward block {unit.index}", t0)
         if out_dtype is not None:
             out = cast_floats(out, out_dtype)
-        self.release(unit)
+        self.release(unit)  # swaps the block out, then frees its slot
         if torch.is_grad_enabled():
             out = self._mark_pre_backward(unit, out)
         return out
@@ -237,7 +231,6 @@ class BlockEngine:
         if later < len(self.units) and not self.units[later].requires_grad:
             # a block with nothing trainable has no post-backward: its backward (input
             # gradients only) is over once the block before it begins, so free its slot
-            self.states[later].swap_out()
             self.release(self.units[later])
         st = self.ensure_gathered(unit)
         self.prefetch(unit.index - 1)
@@ -262,7 +255,6 @@ class BlockEngine:
         self.reducer.drain()
         self._pending.clear()
         for unit, st in zip(self.units, self.states):  # blocks whose weights got no gradient still hold slots
-            st.swap_out()
             self.release(unit)
             st.reduced = False
         self._root_region = None
