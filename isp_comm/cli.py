@@ -11,12 +11,17 @@ import sys
 from isp_comm.backends.shm import Segment, stale_segments
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """isp-comm's subcommands and their arguments."""
     ap = argparse.ArgumentParser(prog="isp-comm", description="isp-comm maintenance commands")
     sub = ap.add_subparsers(dest="command", required=True)
     clean = sub.add_parser("cleanup", help="remove shared-memory segments whose creating process is gone")
     clean.add_argument("--dry-run", action="store_true", help="only list them")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "cleanup":
         names = stale_segments()
         for name in names:

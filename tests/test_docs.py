@@ -4,8 +4,11 @@ layout (and nothing that is not there), and every link between the pages lands."
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from isp_comm.config import ISPConfig
@@ -94,3 +97,88 @@ def test_links_between_pages_land() -> None:
                 if anchor not in {slug(h) for h in headings}:
                     bad.append(f"{page.name}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+PLACEHOLDERS = {  # the README's placeholders, and a sample value each parses with
+    "N": "2",
+    "K": "2",
+    "R": "8",
+    "FILE": "corpus.txt",
+    "DIR": "folder",
+    "RUN": "runs/isp-train",
+    "TRACE": "runs/isp-train/trace.json",
+    "PNG": "timeline.png",
+}
+GENERIC = {"[FLAGS]"}  # stands for any flags: nothing to parse
+
+
+def command_parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
+    """Each console script's parser, by the name pyproject.toml installs it under."""
+    from isp_comm import cli
+    from isp_comm.train import config, export, store, timeline
+
+    parsers = {
+        "isp-train": config.parser,
+        "isp-prepare-data": store.parser,
+        "isp-export": export.parser,
+        "isp-timeline": timeline.parser,
+        "isp-comm": cli.parser,
+    }
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(parsers) == set(scripts), "a command without its parser here, or a parser of no command"
+    return parsers
+
+
+def command_lines(page: Path) -> list[list[str]]:
+    """The command lines in the first column of every table headed ``| command |``, as
+    argument lists with placeholders replaced and optional parts (``[...]``) given. A
+    code span that does not start with a command adds to the one before it
+    (`` `isp-train --resume` / `--overwrite` ``)."""
+    lines: list[list[str]] = []
+    in_table = False
+    for row in page.read_text().splitlines():
+        if row.startswith("| command |"):
+            in_table = True
+            continue
+        if not row.startswith("|"):
+            in_table = False
+        if not in_table or row.startswith("|---"):
+            continue
+        for span in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            words = [w for w in span.split() if w not in GENERIC]
+            words = [PLACEHOLDERS.get(w.strip("[]"), w.strip("[]")) for w in words]
+            if words[0].startswith("isp-"):
+                lines.append(words)
+            else:
+                lines.append([*lines[-1][:2], *words] if lines[-1][0] == "isp-comm" else [lines[-1][0], *words])
+    return lines
+
+
+def test_every_command_line_in_the_readme_parses(capsys) -> None:
+    parsers = command_parsers()
+    lines = command_lines(ROOT / "README.md")
+    assert len(lines) >= 12 and {line[0] for line in lines} == set(parsers)
+    bad = []
+    for command, *args in lines:
+        left = [a for a in args if a.isupper() and a.isalpha()]
+        if left:
+            bad.append(f"{command} {' '.join(args)}: placeholder(s) {left} without a sample value")
+            continue
+        try:
+            parsers[command]().parse_args(args)
+        except SystemExit as exc:  # --help leaves with 0 after printing the help
+            if exc.code:
+                bad.append(f"{command} {' '.join(args)}: {capsys.readouterr().err.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_command_line_check_sees_a_line_that_does_not_parse(tmp_path, capsys) -> None:
+    page = tmp_path / "README.md"
+    page.write_text("| command | what |\n|---|---|\n| `isp-prepare-data --tokenizer DIR` | no data |\n")
+    ((command, *args),) = command_lines(page)
+    try:
+        command_parsers()[command]().parse_args(args)
+    except SystemExit:
+        assert "DATA" in capsys.readouterr().err
+    else:
+        raise AssertionError("parsed without the data")

@@ -57,6 +57,26 @@ def test_prepare_jsonl_appends_eos_and_reuses_the_store(tmp_path):
     assert store_path(str(data), str(tmp_path / "tok")) != store.path  # changed input, new store
 
 
+def test_isp_prepare_data_takes_the_data_positionally_or_as_data(tmp_path, capsys):
+    """The README's ``isp-prepare-data FILE --tokenizer DIR``, and ``--data FILE`` as
+    isp-train spells it: the same store; neither, or both, is a usage error."""
+    from isp_comm.testing import tiny_tokenizer
+    from isp_comm.train.store import main
+
+    tiny_tokenizer(str(tmp_path / "tok"), "the cat sat on the mat " * 20)
+    data = tmp_path / "corpus.txt"
+    data.write_text("the cat sat\non the mat\n")
+    folders = []
+    for args in ([str(data)], ["--data", str(data)]):
+        main([*args, "--tokenizer", str(tmp_path / "tok")])
+        folders.append(capsys.readouterr().out.splitlines()[-1])
+    assert folders[0] == folders[1] and open_store(folders[0]).n_docs >= 1
+    for args in ([], [str(data), "--data", str(data)]):
+        with pytest.raises(SystemExit):
+            main([*args, "--tokenizer", str(tmp_path / "tok")])
+        assert "DATA" in capsys.readouterr().err
+
+
 def test_prepare_folder_of_text_files_and_missing_field(tmp_path):
     from isp_comm.testing import tiny_tokenizer
 

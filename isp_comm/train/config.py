@@ -324,8 +324,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """CLI flags over an optional ``--config FILE.toml`` over the defaults."""
+def parser() -> argparse.ArgumentParser:
+    """isp-train's flags: ``--config`` and one per TrainConfig field, each unset
+    (None) unless given, so that a config file's values show through."""
     p = _Parser(
         prog="isp-train",
         description="Train the reference llama, or a transformers model (--model), with ISP. Run it under "
@@ -344,6 +345,12 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             p.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             p.add_argument(f"--{_flag(f.name)}", type=kind, default=None, help=text)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """CLI flags over an optional ``--config FILE.toml`` over the defaults."""
+    p = parser()
     args = p.parse_args(argv)
     values: dict = {}
     if args.config:

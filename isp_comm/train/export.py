@@ -216,7 +216,8 @@ def _run_config_file(checkpoint_dir: str) -> dict:
         return {}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """isp-export's arguments."""
     ap = argparse.ArgumentParser(prog="isp-export", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="a run folder, its checkpoints/ folder (the latest) or one checkpoint")
     ap.add_argument(
@@ -228,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fold LoRA adapters into the base weights (with --hf: the merged model instead of the adapters alone)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         if args.hf:
             placed = export_hf(args.checkpoint, args.hf, merge=args.merge_lora)

@@ -21,10 +21,12 @@ a dependency and a copy of the corpus in Arrow files for the same parallelism.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -266,18 +268,25 @@ def check_data(path: str) -> None:
         raise ValueError(f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``isp-prepare-data DATA --tokenizer DIR [--data-cache DIR] [--text-field F]``:
-    prepare (or find) the store of DATA and print its folder as the last line."""
-    import argparse
-    import sys
-
+def parser() -> argparse.ArgumentParser:
+    """isp-prepare-data's arguments. The data is positional, or ``--data`` as isp-train
+    spells it: one of the two, required (``data`` or ``data_flag`` holds it)."""
     p = argparse.ArgumentParser(prog="isp-prepare-data", description=main.__doc__)
-    p.add_argument("data", help=".txt, .jsonl/.json, .parquet, or a folder of them")
+    what = ".txt, .jsonl/.json, .parquet, or a folder of them"
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("data", nargs="?", metavar="DATA", default="", help=what)
+    source.add_argument("--data", dest="data_flag", metavar="DATA", default="", help=f"the same: {what}")
     p.add_argument("--tokenizer", required=True, help="a local tokenizer folder (AutoTokenizer)")
     p.add_argument("--data-cache", default="", help="folder for the store (default: next to the data)")
     p.add_argument("--text-field", default="text", help="the JSON / Parquet field holding a document's text")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``isp-prepare-data DATA --tokenizer DIR [--data-cache DIR] [--text-field F]``:
+    prepare (or find) the store of DATA and print its folder as the last line."""
+    args = parser().parse_args(argv)
+    args.data = args.data or args.data_flag
     try:
         check_data(args.data)
         store = prepare_store(args.data, args.tokenizer, args.data_cache, args.text_field)

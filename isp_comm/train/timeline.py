@@ -57,11 +57,16 @@ def draw(trace_path: str, png_path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """isp-timeline's arguments."""
     ap = argparse.ArgumentParser(prog="isp-timeline", description="Draw an isp-comm trace as a PNG timeline.")
     ap.add_argument("trace", help="a trace.json written by isp-train")
     ap.add_argument("-o", "--output", default="", help="the PNG (default: timeline.png next to the trace)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.output = args.output or os.path.join(os.path.dirname(os.path.abspath(args.trace)), "timeline.png")
     try:
         draw(args.trace, args.output)
