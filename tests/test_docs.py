@@ -72,6 +72,33 @@ def test_architecture_layout_names_every_file() -> None:
     )
 
 
+def test_architecture_layers_are_the_layout_rules() -> None:
+    """The layers docs/architecture.md draws (top first) are the ones
+    tests/test_layout_rules.py checks (bottom first)."""
+    from tests.test_layout_rules import LAYERS, TOP
+
+    block = (DOCS / "architecture.md").read_text().split("## Layers", 1)[1].split("```")[1]
+    rows = [re.split(r"\s{3,}", line)[0].split() for line in block.strip().splitlines()]
+    top, *drawn = rows
+    as_module = {"isp_comm/": "isp_comm", "isp_comm/__init__.py": "isp_comm.__init__"}
+    names = [as_module.get(row[0], row[0].rstrip("/").replace("/", ".")) for row in drawn]
+    assert {name.rstrip("/") for name in top} == TOP
+    assert names[::-1] == list(LAYERS)
+
+
+def test_train_listing_is_in_import_order() -> None:
+    """docs/architecture.md lists train/'s modules so that each imports only ones
+    listed before it (the order a reader can take them in)."""
+    from tests.test_layout_rules import import_graph
+
+    block = (DOCS / "architecture.md").read_text().split("  train/ ", 1)[1].split("\nmodels/", 1)[0]
+    order = ["isp_comm.train." + m for m in re.findall(r"^    (\w+)\.py", block, flags=re.M)]
+    graph = import_graph(ROOT / "isp_comm")
+    position = {m: i for i, m in enumerate(order)}
+    late = [f"{m} -> {t}" for m in order for t in sorted(graph[m]) if position.get(t, -1) > position[m]]
+    assert len(order) > 20 and not late, f"imports of modules listed later: {late}"
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
