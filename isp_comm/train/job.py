@@ -27,6 +27,8 @@ from models.llama import LlamaConfig
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The learning rate at ``step``: linear warm-up over --warmup steps, then cosine
+    decay to lr / 10 at --steps."""
     if step <= cfg.warmup:
         return cfg.lr * step / max(cfg.warmup, 1)
     frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)

@@ -20,7 +20,7 @@ def local_ranks(cfg: TrainConfig, world: int) -> int:
 
 
 def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, device: torch.device):
-    """The forecast for this run's flags (see isp_comm/memory_forecast.py)."""
+    """The forecast for this run's flags (see isp_comm/memory_forecast/)."""
     wp = cfg.wp or world  # as ParallelGroups.create gets it
     return forecast(
         model, icfg, world, wp, cfg.sp, cfg.batch, cfg.seq, device=device.type, local_world=local_ranks(cfg, world)
