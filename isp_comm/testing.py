@@ -22,7 +22,7 @@ import torch
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple, backend: str
+    fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple, backend: str, gpu: int
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -31,7 +31,7 @@ def _entry(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         store = dist.FileStore(store_path, world)
-        kw = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        kw = {"device_id": torch.device("cuda", rank if gpu < 0 else gpu)} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
         out = fn(rank, world, *args)
         # bytes, not tensors: torch would share tensors through /dev/shm and file
@@ -61,16 +61,20 @@ def run_ranks(
     timeout_s: float = 120.0,
     may_die: frozenset[int] = frozenset(),
     backend: str = "gloo",
+    gpu: int = -1,
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results.
 
     Ranks in ``may_die`` are allowed to exit without a result (fault-injection tests);
-    their result is their exit code. ``backend="nccl"``: rank r on GPU r."""
+    their result is their exit code. ``backend="nccl"``: rank r on GPU r, or every
+    rank on GPU ``gpu`` when it is given (NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend, gpu)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}

@@ -28,11 +28,12 @@ def cuda_with(module: str) -> bool:
 def symmetric_refusal(hosts: list[str], peer_access: list[bool] | None = None) -> str | None:
     """Why a group cannot use symmetric memory, or ``None`` when it can: its ranks'
     ``hosts`` (one host only: another host's memory cannot be mapped) and, on CUDA,
-    whether each rank's GPU is its own and can access every peer's (``peer_access``)."""
+    whether each rank's GPU reaches every peer's (``peer_access``; ranks sharing a GPU
+    are refused or allowed before, see ``cuda_symm.shared_gpu_refusal``)."""
     if len(set(hosts)) > 1:
         return f"it spans hosts {sorted(set(hosts))}"
     if peer_access is not None and not all(peer_access):
-        return "its GPUs lack peer access to each other (or two ranks share one)"
+        return "its GPUs lack peer access to each other"
     return None
 
 

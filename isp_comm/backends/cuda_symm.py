@@ -22,6 +22,10 @@ meeting of the group's ranks, once per growth), and the old one is kept, not
 freed, until ``close()``: collectives already issued on the lane may still read
 it, and keeping it asks nothing of the host. Growth doubles, so a run makes a few.
 
+Ranks sharing one GPU (tests on a one-GPU machine) use symmetric memory when
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` is set, as torch's rendezvous asks;
+without it wrapping refuses them in one line (:func:`shared_gpu_refusal`).
+
 CI has no GPU: ``tests/test_cuda_contracts.py`` runs this backend on CPU tensors
 against a fake of ``_symmetric_memory`` over shared memory whose every call is
 bound to the installed torch's signature; ``tests/gpu/`` runs it on a GPU.
@@ -30,6 +34,7 @@ bound to the installed torch's signature; ``tests/gpu/`` runs it on a GPU.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -64,18 +69,45 @@ def sum_into(peers: list[torch.Tensor], out: torch.Tensor) -> None:
     out.copy_(acc)
 
 
+OVERLAP_VARIABLE = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+"""Set to 1, torch's symmetric memory lets ranks on one GPU map each other's buffers
+(its rendezvous refuses them otherwise). For tests on a shared GPU: a real job
+never shares a GPU silently."""
+
+
+def overlapping_allowed(environ=None) -> bool:
+    """Whether :data:`OVERLAP_VARIABLE` is set to 1 (read at each decision: a test
+    sets it in its ranks' environment)."""
+    return (os.environ if environ is None else environ).get(OVERLAP_VARIABLE, "").strip() == "1"
+
+
+def shared_gpu_refusal(infos: list[tuple[str, str]], allowed: bool) -> str | None:
+    """The one line that refuses a group whose ranks share a GPU, or ``None``.
+    ``infos``: each rank's (host, GPU UUID) in group order; ranks sharing a GPU are
+    those with the same pair. ``allowed``: :func:`overlapping_allowed`."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for r, info in enumerate(infos):
+        ranks.setdefault(tuple(info), []).append(r)
+    shared = [rs for rs in ranks.values() if len(rs) > 1]
+    if not shared or allowed:
+        return None
+    return (
+        f"backend 'symm': group ranks {shared} share a GPU; torch symmetric memory maps ranks on one GPU only "
+        f"with {OVERLAP_VARIABLE}=1 (for tests), and NCCL refuses them: give each rank its own GPU"
+    )
+
+
 def _gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _peer_ok(device: torch.device, uuids: list[str]) -> bool:
-    """This rank's GPU is its own among ``uuids`` (the GPUs of this host's ranks) and
-    reaches every other one."""
+    """This rank's GPU reaches every GPU of ``uuids`` (the GPUs of this host's ranks):
+    its own (ranks sharing it, with :data:`OVERLAP_VARIABLE`), or another with
+    peer access."""
     mine = _gpu_uuid(device)
     index = {_gpu_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
-    return len(set(uuids)) == len(uuids) and all(
-        u == mine or (u in index and torch.cuda.can_device_access_peer(device, index[u])) for u in uuids
-    )
+    return all(u == mine or (u in index and torch.cuda.can_device_access_peer(device, index[u])) for u in uuids)
 
 
 class CudaSymmBackend(Backend):
@@ -108,7 +140,9 @@ class CudaSymmBackend(Backend):
         """Whether ``group`` uses symmetric memory: its ranks share a host and their
         GPUs reach each other. Decided once per group, collectively, by
         :meth:`reserve` at wrap time (or at the group's first collective if it was
-        never reserved). Otherwise NCCL serves it, said in one line."""
+        never reserved). Otherwise NCCL serves it, said in one line; but ranks that
+        share a GPU are refused with a ValueError (NCCL would fail on them too)
+        unless :data:`OVERLAP_VARIABLE` is 1, and then use symmetric memory."""
         key = group.group_name
         if key not in self._local:
             uuid_of, peer_ok = self._peer_check
@@ -116,7 +150,10 @@ class CudaSymmBackend(Backend):
             flags: list = [None] * len(infos)
             with self._rt.device_context(device):  # NCCL's all_gather_object uses the current device
                 dist.all_gather_object(infos, (host_id(), uuid_of(device)), group=group)
-                here = [u for h, u in infos if h == host_id()]  # the GPUs of this host's ranks
+                shared = shared_gpu_refusal(infos, overlapping_allowed())
+                if shared is not None:  # every rank saw the same infos: every rank raises
+                    raise ValueError(shared)
+                here = sorted({u for h, u in infos if h == host_id()})  # the GPUs of this host's ranks
                 dist.all_gather_object(flags, peer_ok(device, here), group=group)
             refusal = symmetric_refusal([h for h, _ in infos], flags)
             self._local[key] = refusal is None
