@@ -133,6 +133,9 @@ class TrainConfig:
     """Print a line every N steps."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    final_save: bool = True
+    """Checkpoint at the end of the run. --no-final-save: none (a measurement whose
+    weights nobody needs; --save-every still saves)."""
     async_save: bool = False
     """Write checkpoints in the background (dcp.async_save) while training goes on;
     the next save, or the end of the run, waits for the previous one."""

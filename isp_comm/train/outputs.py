@@ -95,7 +95,7 @@ def finish(job: Job, start: int, last: dict) -> None:
     """The final checkpoint, the trace and timeline, and rank 0's closing line."""
     cfg, comm = job.cfg, job.comm
     local_spans = comm.stop_trace()
-    if start < cfg.steps:
+    if start < cfg.steps and cfg.final_save:
         job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
     job.saver.close()
     spans: list = [None] * job.world
