@@ -256,3 +256,56 @@ def test_sync_step_script_says_its_flags() -> None:
         [sys.executable, "tests/gpu/scripts/sync_step.py", "--help"], capture_output=True, text=True, cwd=ROOT
     )
     assert res.returncode == 0 and "--one-gpu" in res.stdout and "nvshmem" in res.stdout, res.stderr
+
+
+# ---- the shared-GPU tests' own logic, on CPU against the CUDA symm backend's code ----
+def _on_cpu(rank: int) -> tuple:
+    """tests/gpu/test_gpu_shared.py's workers made to run on CPU tensors: its device is
+    the CPU, torch.cuda's device calls do nothing, and every backend made is the CUDA
+    symm backend on the fake symmetric memory, each rank on a GPU of its own."""
+    import isp_comm.communicator as communicator
+    from tests.fakes import FakeSymm
+
+    shared.DEV = torch.device("cpu")
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.synchronize = lambda device=None: None
+    fakes = []
+    checks = (lambda device: f"GPU-{rank}", lambda device, uuids: True)
+
+    def factory(name, device, timeout_s):
+        fakes.append(FakeSymm())
+        return cuda_symm.CudaSymmBackend(timeout_s, symm=fakes[-1], runtime=HostRuntime(), peer_check=checks)
+
+    communicator.make_backend = factory
+    return fakes, factory
+
+
+def _gpu_test_logic_worker(rank: int, world: int, what: str, args: tuple):
+    import torch.distributed as dist
+
+    fakes, factory = _on_cpu(rank)
+    try:
+        if what == "contract":
+            backend = factory("symm", shared.DEV, 60.0)
+            got = shared._contract(backend, dist.group.WORLD, dist.new_group(backend="gloo"), rank, world)
+            backend.close()
+            return got
+        return shared._parity_worker(rank, world, "symm", *args)
+    finally:
+        for f in fakes:
+            f.close()
+
+
+@pytest.mark.timeout(200)
+def test_the_shared_gpu_contract_passes_against_a_correct_backend() -> None:
+    """The references and tolerances of the GPU contract, on the CUDA symm backend's
+    code over fakes: what fails on the GPU is then the GPU's, not the test's."""
+    assert run_ranks(_gpu_test_logic_worker, 2, "contract", (), timeout_s=180) == [32] * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, args", [(2, (2, 1, False)), (4, (2, 2, True))], ids=["wp2", "wp2-sp2-bf16"])
+def test_the_shared_gpu_parity_passes_on_cpu(world: int, args: tuple) -> None:
+    results = run_ranks(_gpu_test_logic_worker, world, "parity", args, timeout_s=280)
+    assert all(r["symmetric"] for r in results), results
+    shared._check_parity(results, bf16=args[2])

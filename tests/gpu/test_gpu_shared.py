@@ -133,7 +133,7 @@ def _contract(backend, group, gloo, rank: int, world: int) -> int:
             rs = torch.empty(n, device=DEV, dtype=dtype)
             backend.reduce_scatter(rs, big.to(DEV), group).wait(60)
             torch.testing.assert_close(rs.cpu().float(), total.chunk(world)[rank], **tol)
-            ar = big.to(DEV)
+            ar = big.to(DEV, copy=True)  # all-reduce is in place
             backend.all_reduce(ar, group).wait(60)
             torch.testing.assert_close(ar.cpu().float(), total, **tol)
             a2a = torch.empty(world * n, device=DEV, dtype=dtype)
