@@ -119,7 +119,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step("shared-nvshmem", 80, _pytest(shared, "-k", "nvshmem or nccl"), "nvshmem under MPS, NCCL at world 2"),
         Step(
             "isp-train",
-            40,
+            50,
             [
                 PY,
                 "-m",
