@@ -246,9 +246,10 @@ def _all_skipped(output: str) -> bool:
     return "skipped" in s and not any(w in s for w in ("passed", "failed", "error"))
 
 
-def run(chosen: list[Step], out: str, tmp: str, env: dict[str, str]) -> list[dict]:
-    """Every step of ``chosen`` in turn, each with its own TMPDIR under ``tmp``."""
-    records = []
+def run(chosen: list[Step], out: str, tmp: str, env: dict[str, str], after=None) -> list[dict]:
+    """Every step of ``chosen`` in turn, each with its own TMPDIR under ``tmp``;
+    ``after(records)`` once each step is done (the report so far)."""
+    records: list[dict] = []
     with open(os.path.join(out, "gpu_check.log"), "wb") as log:
         for step in chosen:
             step_tmp = os.path.join(tmp, step.name)
@@ -259,7 +260,42 @@ def run(chosen: list[Step], out: str, tmp: str, env: dict[str, str]) -> list[dic
                 rec["mps_daemons_stopped"] = left
             records.append(rec)
             print(f"{rec['name']}: {rec['status']} in {rec['seconds']:.0f} s  {rec['summary']}", flush=True)
+            if after is not None:
+                after(records)
     return records
+
+
+def write_report(out: str, head: dict, records: list[dict]) -> str:
+    """OUT/gpu_check.json and OUT/gpu_check.md from the steps run so far (rewritten
+    after each, so that a run cut short keeps what it did); ``head``: the commit and
+    the start time. Returns the table."""
+    started = head["started"]
+    report = {
+        "commit": head["commit"],
+        "started": started,
+        "budget_s": BUDGET_S,
+        "probe": machine(records),
+        "steps": records,
+    }
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = f"commit {report['commit']}, started {started}\n\n{table(records)}\n"
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def machine(records: list[dict]) -> dict | None:
+    """The probe step's JSON line (its last line that parses), or None."""
+    found = next((r for r in records if r["name"] == "probe"), None)
+    for line in reversed(found["output_tail"].splitlines() if found else []):
+        try:
+            got = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(got, dict):
+            return got
+    return None
 
 
 # ---- the probe -------------------------------------------------------------------------
@@ -380,20 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         os.makedirs(out, exist_ok=True)
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        records = run(chosen, out, tmp, env)
+        head = {"commit": commit(), "started": started}
+        records = run(chosen, out, tmp, env, after=lambda recs: write_report(out, head, recs))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    found = next((r for r in records if r["name"] == "probe"), None)
-    machine = None
-    if found and found["status"] == "passed":
-        machine = json.loads(found["output_tail"].strip().splitlines()[-1])
-    report = {"commit": commit(), "started": started, "budget_s": BUDGET_S, "probe": machine, "steps": records}
-    with open(os.path.join(out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    md = f"commit {report['commit']}, started {started}\n\n{table(records)}\n"
-    with open(os.path.join(out, "gpu_check.md"), "w") as f:
-        f.write(md)
-    print("\n" + md)
+    print("\n" + write_report(out, head, records))
     return 0 if all(r["status"] in ("passed", "skipped") for r in records) else 1
 
 

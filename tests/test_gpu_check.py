@@ -111,7 +111,7 @@ def test_a_step_past_its_timeout_is_killed_with_its_whole_group(tmp_path, ignore
 
 def test_statuses_summaries_and_the_report(tmp_path, monkeypatch) -> None:
     pytest_like = "print('SKIPPED [1] x.py:3: needs CUDA'); print('===== 3 skipped in 0.10s =====')"
-    probe = "import json; print('a warning first'); print(json.dumps({'torch': 'x', 'mps_binary': None}))"
+    probe = "import json; print('a warning'); print(json.dumps({'torch': 'x', 'mps_binary': None})); print('another')"
     fake = [
         gc.Step("wheels", 5, ["echo", "no wheels carried"], "w"),
         gc.Step("probe", 5, _py(probe), "p"),
@@ -122,8 +122,11 @@ def test_statuses_summaries_and_the_report(tmp_path, monkeypatch) -> None:
         gc.Step("extra", 5, _py("print('not run')"), "not in the default", default=False),
     ]
     monkeypatch.setattr(gc, "steps", lambda out, work, wheels, no_wheels="": fake)
+    written, real = [], gc.write_report
+    monkeypatch.setattr(gc, "write_report", lambda out, head, recs: written.append(len(recs)) or real(out, head, recs))
     out = tmp_path / "out"
     assert gc.main(["--out", str(out)]) == 1  # a failure and a timeout
+    assert written == [1, 2, 3, 4, 5, 6, 6]  # after every step: a run cut short keeps its report
     report = json.loads((out / "gpu_check.json").read_text())
     got = {r["name"]: r for r in report["steps"]}
     assert list(got) == ["wheels", "probe", "ok", "skips", "fails", "late"], list(got)

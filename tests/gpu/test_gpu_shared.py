@@ -4,8 +4,8 @@ multi-rank CUDA paths run for real on a one-GPU machine (for correctness, not sp
 - ``symm``: torch symmetric memory maps ranks on one GPU only with
   ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, which these tests set. The default
   process group is gloo (NCCL refuses two ranks on one GPU before 2.30).
-- ``nvshmem``: under a private MPS daemon the test starts and stops
-  (``tests/gpu/mps.py``), each PE with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` 100 /
+- ``nvshmem``: under a private MPS daemon the module starts and stops
+  (``tests/gpu/mps.py``), checked once to serve a CUDA process, each PE with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` 100 /
   world, so that NVSHMEM runs the PEs in full mode (``STATUS_FULL_MPG``). Skipped,
   with the reason, when MPS is missing or NVSHMEM stays limited: its on-stream
   collectives would abort the process then. nvshmem serves world-sized groups only
@@ -23,7 +23,6 @@ it collects and that its skip reasons are right.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -273,37 +272,59 @@ def test_symm_refuses_ranks_sharing_a_gpu_without_the_variable(monkeypatch) -> N
 
 
 # ---- nvshmem under a private MPS daemon --------------------------------------------
-@contextlib.contextmanager
-def _under_mps(monkeypatch, world: int):
-    """A private MPS daemon for the ranks spawned inside, each PE with its share and
-    heap; skips (the daemon stopped) when nvshmem4py or MPS cannot run here."""
+@pytest.fixture(scope="module")
+def mps_daemon():
+    """One private MPS daemon for this module's nvshmem tests, stopped after them:
+    ``(env, reason)``, the reason (else None) why MPS cannot serve the ranks here."""
     missing = nvshmem_missing()
     if missing:
-        pytest.skip(missing)
+        yield {}, missing
+        return
+    with PrivateMps() as mps:
+        yield mps.env, mps.reason or _serves_a_client(mps.env)
+
+
+def _serves_a_client(env: dict[str, str]) -> str | None:
+    """Why a CUDA process under the daemon fails (a hang is a reason too), or None:
+    asked once, so that no test waits out its timeout on a server that never serves."""
+    code = "import torch; torch.ones(1, device='cuda').sum().item()"
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return "a CUDA process under the private MPS daemon did not finish within 60 s"
+    if res.returncode:
+        return f"a CUDA process failed under the private MPS daemon: {res.stderr.strip()[-300:]}"
+    return None
+
+
+def _under_mps(monkeypatch, mps_daemon, world: int) -> None:
+    """The ranks spawned next are the daemon's clients, each PE with its share and heap;
+    skips when MPS cannot serve them."""
+    env, reason = mps_daemon
+    if reason:
+        pytest.skip(reason)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(pe_share(world)))
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", HEAP)
-    with PrivateMps() as mps:
-        if mps.reason:
-            pytest.skip(mps.reason)
-        for name, value in mps.env.items():
-            monkeypatch.setenv(name, value)
-        yield
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
-def test_nvshmem_contract_pes_sharing_one_gpu_under_mps(monkeypatch, world: int) -> None:
-    with _under_mps(monkeypatch, world):
-        results = run_ranks(_contract_worker, world, "nvshmem", timeout_s=200)
+def test_nvshmem_contract_pes_sharing_one_gpu_under_mps(monkeypatch, mps_daemon, world: int) -> None:
+    _under_mps(monkeypatch, mps_daemon, world)
+    results = run_ranks(_contract_worker, world, "nvshmem", timeout_s=200)
     _skip_if_limited(results)
     assert all(r["checked"] == 32 for r in results), results
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world, bf16", [(2, False), (4, True)], ids=["wp2", "wp4-bf16"])
-def test_nvshmem_engine_parity_pes_sharing_one_gpu_under_mps(monkeypatch, world: int, bf16: bool) -> None:
-    with _under_mps(monkeypatch, world):
-        results = run_ranks(_parity_worker, world, "nvshmem", world, 1, bf16, timeout_s=200)
+def test_nvshmem_engine_parity_pes_sharing_one_gpu_under_mps(monkeypatch, mps_daemon, world: int, bf16: bool) -> None:
+    _under_mps(monkeypatch, mps_daemon, world)
+    results = run_ranks(_parity_worker, world, "nvshmem", world, 1, bf16, timeout_s=200)
     _skip_if_limited(results)
     _check_parity(results, bf16)
 
@@ -335,9 +356,9 @@ def test_symm_step_at_wp2_sp2_on_one_gpu_never_synchronises_the_host(monkeypatch
 
 
 @pytest.mark.timeout(240)
-def test_nvshmem_step_at_wp_world_on_one_gpu_never_synchronises_the_host(monkeypatch) -> None:
-    with _under_mps(monkeypatch, 2):
-        res = _sync_step(2, ["--backend", "nvshmem", "--wp", "2", "--sp", "1"])
+def test_nvshmem_step_at_wp_world_on_one_gpu_never_synchronises_the_host(monkeypatch, mps_daemon) -> None:
+    _under_mps(monkeypatch, mps_daemon, 2)
+    res = _sync_step(2, ["--backend", "nvshmem", "--wp", "2", "--sp", "1"])
     statuses = [line.split()[-1] for line in res.stdout.splitlines() if "NVSHMEM status" in line]
     reason = limited_reason(statuses)
     if reason is not None:
