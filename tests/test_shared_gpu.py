@@ -219,6 +219,8 @@ def test_skip_reasons_name_what_is_missing() -> None:
     assert shared.limited_reason(["STATUS_FULL_MPG", "STATUS_FULL_MPG"]) is None
     said = shared.limited_reason(["STATUS_FULL_MPG", "STATUS_LIMITED_MPG"])
     assert "STATUS_LIMITED_MPG" in said and "MPS" in said, said
+    # another status is no reason to skip: the test asserts full mode and fails
+    assert shared.limited_reason(["STATUS_IS_INITIALIZED", None]) is None
 
 
 def test_the_status_names_are_nvshmem4pys() -> None:
@@ -226,7 +228,7 @@ def test_the_status_names_are_nvshmem4pys() -> None:
     pytest.importorskip("nvshmem.core")
     import nvshmem.core
 
-    assert {"STATUS_FULL_MPG", "STATUS_LIMITED_MPG"} <= set(nvshmem.core.InitStatus.__members__)
+    assert {shared.FULL, shared.LIMITED} <= set(nvshmem.core.InitStatus.__members__)
     assert callable(nvshmem.core.init_status)
 
 

@@ -64,12 +64,17 @@ def nccl_refusal(version: tuple[int, ...] | None) -> str | None:
     return None
 
 
-def limited_reason(statuses: list[str]) -> str | None:
-    """The skip reason when NVSHMEM did not run every PE in full mode, or None."""
-    bad = sorted({s for s in statuses if s != "STATUS_FULL_MPG"})
-    if not bad:
+FULL, LIMITED = "STATUS_FULL_MPG", "STATUS_LIMITED_MPG"
+"""nvshmem4py's ``InitStatus`` names: several PEs on one GPU in full mode (under MPS),
+or limited (its on-stream collectives and team syncs abort the process)."""
+
+
+def limited_reason(statuses: list[str | None]) -> str | None:
+    """The skip reason when NVSHMEM ran a PE limited, or None (any other status than
+    full mode is then a failure, not a skip)."""
+    if LIMITED not in statuses:
         return None
-    return f"NVSHMEM ran the PEs sharing the GPU as {', '.join(bad)}, not STATUS_FULL_MPG, even under MPS"
+    return f"NVSHMEM ran the PEs sharing the GPU as {LIMITED}, not {FULL}, even under MPS"
 
 
 def _nccl_version() -> tuple[int, ...] | None:
@@ -80,8 +85,8 @@ def _nccl_version() -> tuple[int, ...] | None:
 
 
 # ---- the workers (one per rank, all on cuda:0) -------------------------------------
-def _init_status() -> str | None:
-    """NVSHMEM's init status name in this process (``None`` before init)."""
+def _init_status() -> str:
+    """NVSHMEM's init status name in this process (``STATUS_NOT_INITIALIZED`` before init)."""
     import nvshmem.core
 
     return nvshmem.core.init_status().name
@@ -100,9 +105,8 @@ def _full_or_limited(make_backend):
 
     def make(name: str, device: torch.device, timeout_s: float):
         backend = make_backend(name, device, timeout_s)
-        status = _init_status() if name == "nvshmem" else None
-        if status not in (None, "STATUS_FULL_MPG"):
-            raise _Limited(status)
+        if name == "nvshmem" and _init_status() == LIMITED:
+            raise _Limited(LIMITED)
         return backend
 
     return make
@@ -149,14 +153,14 @@ def _contract_worker(rank: int, world: int, name: str) -> dict:
 
     torch.cuda.set_device(DEV)
     gloo = dist.new_group(backend="gloo")  # the reference (the default group is NCCL in the NCCL test)
-    backend = make_backend(name, DEV, 60.0)
-    status = _init_status() if name == "nvshmem" else None
-    if status not in (None, "STATUS_FULL_MPG"):
+    backend = make_backend(name, DEV, 60.0)  # NVSHMEM starts here: NVSHMEM_SYMMETRIC_SIZE is set
+    if name == "nvshmem" and _init_status() == LIMITED:
         # limited mode: collectives and team syncs abort the process, finalize too
         # (it syncs): the rank says so and leaves without them
-        return {"status": status}
+        return {"status": LIMITED}
     try:
         checked = _contract(backend, dist.group.WORLD, gloo, rank, world)
+        status = _init_status() if name == "nvshmem" else None
         # the symm backend decides once per group: symmetric memory, never a fallback
         symmetric = all(backend._local.values()) if name == "symm" else None
     finally:
@@ -190,7 +194,6 @@ def _parity_worker(rank: int, world: int, name: str, wp: int, sp: int, bf16: boo
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp, sp_size=sp), cfg)
     except _Limited as exc:
         return {"status": exc.status}
-    status = _init_status() if name == "nvshmem" else None
     opt, losses = make_optim(case.optim, model.parameters()), []
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
     lo, hi = sp_rank * case.seq // sp, (sp_rank + 1) * case.seq // sp
@@ -206,6 +209,7 @@ def _parity_worker(rank: int, world: int, name: str, wp: int, sp: int, bf16: boo
         losses.append(total.item() / world)
     sd = comm.full_state_dict()
     symmetric = all(comm.backend._local.values()) if name == "symm" else None
+    status = _init_status() if name == "nvshmem" else None  # before close: it finalizes
     comm.close()
     ref_sd = ref.state_dict()
     return {
@@ -230,9 +234,11 @@ def _check_parity(results: list[dict], bf16: bool) -> None:
 
 
 def _skip_if_limited(results: list[dict]) -> None:
+    """Skips when NVSHMEM ran a PE limited; else every PE must have run in full mode."""
     reason = limited_reason([r["status"] for r in results])
     if reason is not None:
         pytest.skip(reason)
+    assert all(r["status"] == FULL for r in results), results
 
 
 # ---- symm: torch symmetric memory with the overlap variable ------------------------
@@ -365,3 +371,4 @@ def test_nvshmem_step_at_wp_world_on_one_gpu_never_synchronises_the_host(monkeyp
         pytest.skip(reason)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("without a host synchronisation") == 2, res.stdout
+    assert statuses == [FULL, FULL], res.stdout

@@ -9,8 +9,8 @@ vocab-parallel, bf16. The third step runs under
 ``--one-gpu``: every rank on cuda:0 over a gloo process group (what the step runs on
 is the backend: symm needs TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, nvshmem an MPS
 daemon; tests/gpu/test_gpu_shared.py sets both). With nvshmem each rank prints its
-NVSHMEM status and, when NVSHMEM runs it limited (its collectives would abort),
-leaves at once with exit code 0.
+NVSHMEM status after the steps, or, when NVSHMEM runs it limited (its collectives
+would abort), prints that status and leaves at once with exit code 0.
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def nvshmem_full(rank: int) -> bool:
+def nvshmem_status() -> str:
     import nvshmem.core
 
-    status = nvshmem.core.init_status().name
-    print(f"rank {rank}: NVSHMEM status {status}", flush=True)
-    return status == "STATUS_FULL_MPG"
+    return nvshmem.core.init_status().name
 
 
 def main() -> None:
@@ -67,8 +65,9 @@ def main() -> None:
     if args.backend == "nvshmem":  # NVSHMEM's init comes first, so that a limited PE can leave before any collective
         from isp_comm.backends import make_backend
 
-        backend = make_backend("nvshmem", dev, cfg.timeout_s)
-        if not nvshmem_full(rank):
+        backend = make_backend("nvshmem", dev, cfg.timeout_s)  # starts NVSHMEM: NVSHMEM_SYMMETRIC_SIZE is set
+        if nvshmem_status() == "STATUS_LIMITED_MPG":
+            print(f"rank {rank}: NVSHMEM status STATUS_LIMITED_MPG", flush=True)
             os._exit(0)
         import isp_comm.communicator as communicator
 
@@ -92,6 +91,8 @@ def main() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    if args.backend == "nvshmem":
+        print(f"rank {rank}: NVSHMEM status {nvshmem_status()}", flush=True)  # before close: it finalizes
     comm.close()
     print(f"rank {dist.get_rank()}: a whole step without a host synchronisation")
     dist.destroy_process_group()
