@@ -98,10 +98,10 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
     return [
         Step("wheels", 20, pip if wheels else ["echo", no_wheels], "carried nvshmem4py wheels"),
         Step("probe", 20, [PY, "bench/gpu_check.py", "--probe", "--out", out], "versions, MPS binary, free disk"),
-        Step("shared-symm", 150, _pytest(shared, "-k", "symm"), "symm on one GPU at world 2 and 4"),
+        Step("shared-symm", 130, _pytest(shared, "-k", "symm"), "symm on one GPU at world 2 and 4"),
         Step(
             "bench-gpu",
-            120,
+            150,
             [
                 PY,
                 "bench/gpu.py",
@@ -149,7 +149,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             [PY, "bench/plan_gpu.py", "--sizes", "680M", "--repeats", "1", "--steps", "6", "--out", out],
             "planner against one measured run",
         ),
-        Step("tests-gpu", 240, _pytest("tests/gpu", "--ignore", shared), "the rest of tests/gpu", default=False),
+        Step("tests-gpu", 300, _pytest("tests/gpu", "--ignore", shared), "the rest of tests/gpu", default=False),
     ]
 
 
