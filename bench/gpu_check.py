@@ -21,13 +21,15 @@ done those (see docs/gpus.md for what each proves):
 them: it runs only when named, ``--only tests-gpu``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
 
-Each step runs in a process group of its own under its own timeout: past it the
-group gets SIGINT (pytest and the MPS helper stop their daemons on the way out),
-then SIGKILL. An MPS daemon a killed step left behind in its temporary folder is
-stopped after it. Writes OUT/gpu_check.json (every step: command, status, exit code,
-seconds, the end of its output, the probe), OUT/gpu_check.md (a table) and
-OUT/gpu_check.log (every step's whole output); bench/gpu.py, the forecast and plan_gpu
-write their own JSON beside them. ``--dry-run`` needs no GPU: one line per step,
+Each step runs in a process group of its own (in the runner's session) under its own
+timeout: past it, or when the runner is interrupted, the group gets SIGINT (pytest
+and the MPS helper stop their daemons on the way out), then SIGKILL. An MPS daemon a
+killed step left behind in its temporary folder is stopped after it.
+
+Writes OUT/gpu_check.json (every step: command, status, exit code, seconds, the end
+of its output; the probe), OUT/gpu_check.md (a table), both rewritten after every
+step, and OUT/gpu_check.log (every step's whole output); bench/gpu.py, the forecast
+and plan_gpu write their own JSON beside them. ``--dry-run`` needs no GPU: one line per step,
 ``NAME timeout=SECONDS: COMMAND``, and ``total timeout=SECONDS``.
 
 OUT defaults to bench/results/local/gpu_check. On the GPU machine: carry the wheels
@@ -187,20 +189,21 @@ def run_step(step: Step, env: dict[str, str], log) -> dict:
     log.flush()
     start = log.tell()
     t0 = time.monotonic()
+    # a process group of its own in this session: killed as one, and still ended with
+    # the session if this runner is killed (the device machine's cleanup)
     proc = subprocess.Popen(
         step.argv, cwd=ROOT, env={**env, **step.env}, stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL, process_group=0,
     )  # fmt: skip
     timed_out = False
     try:
         proc.wait(timeout=step.timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _signal_group(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
+        _interrupt(proc)
+    except BaseException:  # Ctrl-C on the runner (the step's group is not the terminal's)
+        _interrupt(proc)
+        raise
     finally:
         _signal_group(proc.pid, signal.SIGKILL)  # whatever of the group is left, the step's own children too
         proc.wait()
@@ -223,6 +226,16 @@ def run_step(step: Step, env: dict[str, str], log) -> dict:
         "summary": _summary(output),
         "output_tail": output[-TAIL:],
     }
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """SIGINT to the step's group (pytest, and the MPS helper inside it, clean up on
+    the way out), and up to :data:`GRACE_S` for it to end."""
+    _signal_group(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -254,8 +267,10 @@ def run(chosen: list[Step], out: str, tmp: str, env: dict[str, str], after=None)
         for step in chosen:
             step_tmp = os.path.join(tmp, step.name)
             os.makedirs(step_tmp, exist_ok=True)
-            rec = run_step(step, {**env, "TMPDIR": step_tmp}, log)
-            left = stop_left_behind(step_tmp)
+            try:
+                rec = run_step(step, {**env, "TMPDIR": step_tmp}, log)
+            finally:  # on every way out, an interrupted runner's too
+                left = stop_left_behind(step_tmp)
             if left:
                 rec["mps_daemons_stopped"] = left
             records.append(rec)

@@ -109,6 +109,39 @@ def test_a_step_past_its_timeout_is_killed_with_its_whole_group(tmp_path, ignore
     assert not _alive(child), "the step's child outlived its timeout"
 
 
+def test_an_interrupted_runner_ends_its_step_and_its_children(tmp_path, monkeypatch) -> None:
+    """Ctrl-C reaches the runner alone (the step's group is not the terminal's): the
+    runner ends the step's group before it leaves."""
+    import signal
+    import threading
+
+    monkeypatch.setattr(gc, "GRACE_S", 0.5)
+    pid_file = str(tmp_path / "child.pid")
+    step = gc.Step("long", 60, _py(CHILD_THEN_SLEEP.format(ignore="", pid_file=pid_file)), "a fake step")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    def once_started() -> None:  # Ctrl-C once the step's child runs
+        end = time.monotonic() + 50
+        while not os.path.exists(pid_file) and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    threading.Thread(target=once_started, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt), open(tmp_path / "log", "wb") as log:
+            gc.run_step(step, dict(os.environ), log)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    child = int(open(pid_file).read())
+    end = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _alive(child), "the step's child outlived the interrupted runner"
+
+
 def test_statuses_summaries_and_the_report(tmp_path, monkeypatch) -> None:
     pytest_like = "print('SKIPPED [1] x.py:3: needs CUDA'); print('===== 3 skipped in 0.10s =====')"
     probe = "import json; print('a warning'); print(json.dumps({'torch': 'x', 'mps_binary': None})); print('another')"
