@@ -274,6 +274,8 @@ def run(chosen: list[Step], out: str, tmp: str, env: dict[str, str], after=None)
             if left:
                 rec["mps_daemons_stopped"] = left
             records.append(rec)
+            if step.name == "probe" and machine(records):
+                rec["summary"] = probe_line(machine(records))
             print(f"{rec['name']}: {rec['status']} in {rec['seconds']:.0f} s  {rec['summary']}", flush=True)
             if after is not None:
                 after(records)
@@ -344,6 +346,14 @@ def probe(folder: str) -> dict:
     for where, path in (("disk_free_gib_out", folder), ("disk_free_gib_tmp", tempfile.gettempdir())):
         item(where, lambda p=path: round(shutil.disk_usage(p).free / 2**30, 1))
     return out
+
+
+def probe_line(found: dict) -> str:
+    """The probe in one line, for the table."""
+    keys = ("device", "torch", "cuda_build", "nccl", "driver", "nvshmem4py", "nvshmem_import", "mps_binary")
+    said = [f"{k} {found[k]}" for k in keys if k in found]
+    free = found.get("disk_free_gib_out")
+    return ", ".join([*said, f"{free} GiB free" if free is not None else "disk unknown"])
 
 
 def _version(dist: str) -> str | None:

@@ -170,6 +170,7 @@ def test_statuses_summaries_and_the_report(tmp_path, monkeypatch) -> None:
     assert got["ok"]["summary"] == "2 passed, 1 skipped in 1.0s" and got["fails"]["returncode"] == 3
     assert got["fails"]["summary"] == "boom" and got["late"]["seconds"] < 1 + gc.GRACE_S + 2
     assert report["probe"] == {"torch": "x", "mps_binary": None} and report["budget_s"] == 540
+    assert got["probe"]["summary"] == "torch x, mps_binary None, disk unknown", got["probe"]
     table = (out / "gpu_check.md").read_text()
     assert "| late | timeout |" in table and "| skips | skipped |" in table, table
     log = (out / "gpu_check.log").read_text()
