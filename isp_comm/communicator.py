@@ -29,6 +29,7 @@ from isp_comm.memory_pool import (
     MemoryPlan,
     ReduceScatterBuffers,
     SlotPool,
+    copied_collectives,
     gather_landing,
     make_plan,
     shared_memory_need,
@@ -120,7 +121,8 @@ class ISPCommunicator:
         rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.full_groups]  # frozen ones may thaw
         landing = gather_landing(self.groups.wp_size, config.comm_granularity)
         k = config.max_inflight_reduce_scatter
-        plan = make_plan(gdt, rdt, config.n_slots, k, self.groups.wp_size, landing)
+        cast = [(u.gather_dtype, u.shard_numel) for u in units if u.gather_dtype != u.dtype]
+        plan = make_plan(gdt, rdt, config.n_slots, k, self.groups.wp_size, landing, cast)
         shm = self.backend.check_capacity(*self._shared_memory_need(plan, replicated))  # CPU shared memory
         if not self.backend.disabled:
             plan = dataclasses.replace(plan, shm_bytes=shm)
@@ -135,10 +137,33 @@ class ISPCommunicator:
         ):
             if size > 1:
                 self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
+        self._plan_heap(plan, replicated)  # NVSHMEM: its heap, sized before its init
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool
         return plan, SlotPool(plan, alloc, pooled=pooled), ReduceScatterBuffers(plan, alloc, pooled=pooled)
+
+    def _plan_heap(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> None:
+        """Tell the backend what its fixed device memory must hold (see
+        :meth:`~isp_comm.backends.base.Backend.plan_symmetric`): the pool's buffers, and
+        the planned collectives that do not run on them."""
+        g, pooled = self.groups, self.config.memory_pool
+
+        def unit_sizes(u: BlockUnit) -> tuple[int, list[int]]:
+            return u.shard_numel * u.gather_dtype.itemsize, [r.gathered_numel * r.dtype.itemsize for r in u.full_groups]
+
+        shards = [r.shard_numel * r.dtype.itemsize for u in self.units for r in u.full_groups]
+        copied = copied_collectives(
+            (g.wp_size, g.replica_size, g.world_size),
+            pooled,
+            [unit_sizes(u) for u in self.units],
+            unit_sizes(self.root) if self.root is not None else None,
+            shards,
+            sum(p.numel() * p.element_size() for p in replicated),
+        )
+        groups = {"wp": g.wp_group, "replica": g.replica_group, "world": g.world_group}
+        buffers = plan.pool_bytes if pooled and g.wp_size > 1 else 0
+        self.backend.plan_symmetric(g.wp_group, buffers, [(groups[w], kind, n) for w, kind, n in copied])
 
     def _install_forwards(self, n_ckpt: int) -> None:
         """The vocab-parallel head's and hidden-split embedding's forwards, every
@@ -266,6 +291,7 @@ class ISPCommunicator:
             "all_gathers": c.all_gathers,
             "direct_all_gathers": self.backend.direct_all_gathers,  # written by peers into the pool
             "direct_reduce_scatters": self.backend.direct_reduce_scatters,  # read from peers' pool
+            "staged_bytes": self.backend.staged_bytes,  # copied into or out of the backend's scratch
             "reduce_scatters": c.reduce_scatters,
             "all_reduces": c.all_reduces,
             "bytes_gathered": c.bytes_gathered,
@@ -274,6 +300,7 @@ class ISPCommunicator:
             "exposed_comm_s": c.exposed_comm_s,
             "outstanding_handles": self.engine.outstanding(),
             "pool_bytes": self._plan.pool_bytes if self.config.memory_pool else 0,
+            "device_heap_bytes": self.backend.device_heap_bytes,  # NVSHMEM's heap: max_memory_allocated misses it
             "live_gathered_bytes": self.pool.live_bytes,
             "peak_live_gathered_bytes": self.pool.peak_live_bytes,
             "slots_held": self.pool.held(),
@@ -400,6 +427,8 @@ class ISPCommunicator:
         if self._closed:
             return
         self._closed = True
+        if self.ctx.failed or self.engine.phase is Phase.BACKWARD:  # a step cut short: peers may be gone
+            self.backend.abandon()
         self.engine.close()
         self._root_handle.remove()
         self._root_post_handle.remove()

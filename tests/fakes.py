@@ -206,6 +206,47 @@ class FakeNvshmem:
         dist.all_to_all_single(out, s[: n * self.npes].clone())
         d[: n * self.npes].copy_(out)
 
+    # ---- nvshmem.bindings: the pointer-level collectives on symmetric addresses -----------
+    def _region(self, ptr: int, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
+        """The ``numel`` elements at address ``ptr``, which must lie inside one tracked
+        allocation (NVSHMEM: a symmetric address), as a view of it."""
+        nbytes = numel * _NBYTES[dtype]
+        for buf in self._tracked.values():
+            if buf.handle <= ptr and ptr + nbytes <= buf.handle + buf.size:
+                start = ptr - buf.handle
+                return buf.base.view(-1).view(torch.uint8)[start : start + nbytes].view(dtype)
+        raise NvshmemInvalid(f"{what}: {nbytes} bytes at {ptr:#x} are not inside one symmetric allocation")
+
+    def _pointer_call(self, coll: str, team, dest: int, src: int, n_src: int, n_dst: int, dtype, stream: int):
+        if self.pe is None:
+            raise NvshmemInvalid("NVSHMEM Library is not initialized")
+        if team != self.Teams.TEAM_WORLD:
+            raise NvshmemInvalid("the fake knows TEAM_WORLD only")
+        self._one_at_a_time(team, int(stream))
+        s, d = self._region(src, dtype, n_src, coll + " src"), self._region(dest, dtype, n_dst, coll + " dest")
+        self._fresh_destination(team, dest)
+        self.calls.append(coll + "@ptr")
+        return s, d
+
+    def binding_fcollect(self, dtype, team, dest, src, nelem, stream) -> int:
+        s, d = self._pointer_call("fcollect", team, dest, src, nelem, nelem * self.npes, dtype, stream)
+        self._do_fcollect(d, s, nelem)
+        return 0
+
+    def binding_sum_reducescatter(self, dtype, team, dest, src, nreduce, stream) -> int:
+        s, d = self._pointer_call("reducescatter", team, dest, src, nreduce * self.npes, nreduce, dtype, stream)
+        self._do_reducescatter(d, s, nreduce)
+        return 0
+
+    def team_sync_on_stream(self, team, stream) -> int:
+        """A sync orders what each PE issued before it: the next collective may use
+        any destination again (see ``_fresh_destination``)."""
+        self._one_at_a_time(team, int(stream))
+        self.calls.append("sync")
+        dist.barrier()
+        self._last_dst.pop(team, None)
+        return 0
+
     def fcollect(self, team, dst_array, src_array, stream=None) -> None:
         self._call("fcollect", team, dst_array, src_array, stream=stream)
 
@@ -217,6 +258,27 @@ class FakeNvshmem:
 
     def alltoall(self, team, dst_array, src_array, stream=None) -> None:
         self._call("alltoall", team, dst_array, src_array, stream=stream)
+
+
+class FakeBindings:
+    """``nvshmem.bindings`` as the backend uses it: ``<dtype>_fcollect_on_stream``,
+    ``<dtype>_sum_reducescatter_on_stream`` (dtype ``float``, ``bfloat16``, ``half``)
+    and ``team_sync_on_stream``, on addresses, served by a :class:`FakeNvshmem`."""
+
+    _DTYPES = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
+
+    def __init__(self, core: FakeNvshmem) -> None:
+        self._core = core
+
+    def __getattr__(self, name: str):
+        if name == "team_sync_on_stream":
+            return self._core.team_sync_on_stream
+        for prefix, dtype in self._DTYPES.items():
+            for op in ("fcollect", "sum_reducescatter"):
+                if name == f"{prefix}_{op}_on_stream":
+                    fn = getattr(self._core, "binding_" + op)
+                    return lambda team, dest, src, nelem, stream, _d=dtype: fn(_d, team, dest, src, nelem, stream)
+        raise AttributeError(name)
 
 
 class _SymmHandle:

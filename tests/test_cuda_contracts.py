@@ -27,6 +27,7 @@ from isp_comm.testing import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 nvshmem = pytest.importorskip("nvshmem.core", reason="the test extra installs nvshmem4py-cu13 (Linux x86-64)")
+nvshmem_bindings = pytest.importorskip("nvshmem.bindings")
 
 
 # ---- the installed packages have every name the CUDA paths use --------------------------
@@ -39,7 +40,22 @@ def test_nvshmem4py_and_cuda_core_have_what_the_backend_uses() -> None:
     assert hasattr(nvshmem, "alltoall") and hasattr(nvshmem.Teams, "TEAM_WORLD")
     assert not hasattr(nvshmem.interop.torch, "empty")  # what the backend once called
     api = nvshmem_backend.load_api()  # the backend's own imports (cuda-core 1.x has no .experimental)
-    assert api.core is nvshmem and api.Device is Device
+    assert api.core is nvshmem and api.Device is Device and api.bindings is nvshmem_bindings
+    # the pointer-level collectives on slices (see [Note: collectives without copies]):
+    # nvshmem4py 0.4.1's bindings take (team, dest, src, count, stream), addresses as ints,
+    # the count per PE (fcollect: each PE's contribution; reducescatter: each PE's result)
+    for dt in nvshmem_backend.BINDING_DTYPES.values():
+        for op, count in (("fcollect", "nelem"), ("sum_reducescatter", "nreduce")):
+            fn = getattr(nvshmem_bindings, f"{dt}_{op}_on_stream")
+            assert list(inspect.signature(fn).parameters) == ["team", "dest", "src", count, "stream"], (dt, op)
+    assert list(inspect.signature(nvshmem_bindings.team_sync_on_stream).parameters) == ["team", "stream"]
+    assert int(nvshmem.Teams.TEAM_WORLD) == 0  # what the bindings' int32 team takes
+    # core's own wrapper passes the same counts: fcollect sized by the source, the others by dest
+    src = inspect.getsource(nvshmem.collective_on_buffer)
+    assert 'if coll in ("fcollect", "alltoall"):\n        size = src_size' in src
+    assert (
+        "function_args = [team, int(dest.handle), int(src.handle), size_elem, int(stream.__cuda_stream__()[1])]" in src
+    )
     inspect.signature(nvshmem.init).bind(device=None, uid=None, rank=0, nranks=1, initializer_method="uid")
     inspect.signature(nvshmem.tensor).bind((4,), dtype=torch.float32)
     # the unique id travels as 128 raw bytes (needs no GPU: only its host library)
@@ -273,10 +289,10 @@ def test_nvshmem_binds_the_parameters_gpu_not_the_current_one(monkeypatch) -> No
 
 
 def _nvshmem_backend_on_fakes(rank: int, **fake_kw):
-    from tests.fakes import Checked, FakeNvshmem, _Device
+    from tests.fakes import Checked, FakeBindings, FakeNvshmem, _Device
 
     fake = FakeNvshmem(**fake_kw)
-    api = nvshmem_backend.NvshmemApi(Checked(fake, nvshmem), _Device)
+    api = nvshmem_backend.NvshmemApi(Checked(fake, nvshmem), _Device, Checked(FakeBindings(fake), nvshmem_bindings))
     return fake, nvshmem_backend.NvshmemBackend(torch.device("cpu"), 60.0, api=api, runtime=HostRuntime())
 
 
@@ -363,15 +379,18 @@ def _heap_worker(rank: int, world: int) -> dict:
     os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "64k"  # read at init, by NVSHMEM and by the backend
     fake, backend = _nvshmem_backend_on_fakes(rank, heap_bytes=64 << 10)
     said = {}
-    backend.reserve(dist.group.WORLD, 1024, torch.device("cpu"), "gather")  # fits: 1 KiB + 2 x 2 KiB
-    for what, call in (
-        ("plan", lambda: backend.reserve(dist.group.WORLD, 16 << 10, torch.device("cpu"), "gather")),
-        ("step", lambda: backend.all_gather(torch.empty(8192 * world), torch.ones(8192), dist.group.WORLD)),
+    world_group = dist.group.WORLD
+    for what, call in (  # 16 KiB gathered: 16 KiB in, 2 x 16 KiB x world out
+        ("plan", lambda: backend.plan_symmetric(world_group, 1024, [(world_group, "all_gather", [16 << 10])])),
+        ("step", lambda: backend.all_gather(torch.empty(8192 * world), torch.ones(8192), world_group)),
     ):
         try:
             call()
         except SymmetricHeapError as exc:
             said[what] = str(exc)
+        if what == "plan":
+            said["initialized after the refused plan"] = fake.pe is not None
+            backend.plan_symmetric(world_group, 1024, [(world_group, "all_gather", [1024])])  # fits
     backend.close()
     return said
 
@@ -382,10 +401,13 @@ def test_nvshmem_heap_overrun_is_named_at_wrap_time_and_at_allocation() -> None:
     is fixed at init (``NVSHMEM_SYMMETRIC_SIZE``, 1 GiB unset). The fake's heap fails
     an allocation past it as ``nvshmem_malloc`` does, naming nothing; the backend must
     say instead, on every rank, which variable to set and to what: at wrap time
-    (``reserve``) when the plan alone needs more, and at the allocation otherwise."""
+    (``plan_symmetric``, before NVSHMEM starts) when the plan alone needs more, and at
+    the allocation otherwise."""
     for said in run_ranks(_heap_worker, 2, timeout_s=100):
-        assert set(said) == {"plan", "step"}, said
+        assert set(said) == {"plan", "step", "initialized after the refused plan"}, said
+        assert said.pop("initialized after the refused plan") is False, said
         assert all("NVSHMEM_SYMMETRIC_SIZE=64k" in m and "at least" in m for m in said.values()), said
+        assert f"needs {1024 + (16 << 10) + 2 * (32 << 10)} bytes" in said["plan"], said  # 2 ranks: 16 KiB + 2 x 32 KiB
 
 
 def _symm_worker(rank: int, world: int) -> dict:
@@ -506,7 +528,7 @@ def _engine_worker(rank: int, world: int) -> dict:
     """ISP training through each CUDA backend (on the fakes) against single-process
     training, with sequence parallelism: the engine's whole use of the backend."""
     import isp_comm.communicator as communicator
-    from tests.fakes import FakeNvshmem, FakeSymm, _Device
+    from tests.fakes import FakeBindings, FakeNvshmem, FakeSymm, _Device
     from tests.test_sequence_parallel import _sp_worker
 
     class Recording(cuda_symm.CudaSymmBackend):
@@ -537,7 +559,8 @@ def _engine_worker(rank: int, world: int) -> dict:
         return made[-1]
 
     def nvshmem_backend_(name, device, timeout_s):
-        api = nvshmem_backend.NvshmemApi(FakeNvshmem(), _Device)
+        fake = FakeNvshmem()
+        api = nvshmem_backend.NvshmemApi(fake, _Device, FakeBindings(fake))
         made.append(nvshmem_backend.NvshmemBackend(device, timeout_s, api=api, runtime=HostRuntime()))
         return made[-1]
 

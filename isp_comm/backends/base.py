@@ -117,6 +117,13 @@ class Backend:
     (none unless a backend serves symmetric buffers)."""
     direct_reduce_scatters: int = 0
     """Reduce-scatters read straight from the peers' symmetric buffers (likewise)."""
+    staged_bytes: int = 0
+    """Bytes the backend copied into or out of its own scratch around collectives,
+    since it was made (``comm.stats()["staged_bytes"]``). 0 unless a backend stages:
+    ``torch.distributed`` runs on the caller's tensors."""
+    device_heap_bytes: int = 0
+    """Device memory the backend reserved outside torch's caching allocator (NVSHMEM's
+    symmetric heap), which ``torch.cuda.max_memory_allocated`` does not see. Default: none."""
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """``out`` (numel = group size x inp.numel()) receives every rank's ``inp``, rank-major."""
@@ -164,4 +171,20 @@ class Backend:
         :data:`~isp_comm.backends.streams.LANES`, see [Note: lanes]) for collectives of
         up to ``nbytes`` per rank (0: decide only), so that no step has to grow it.
         Called for every group of more than one rank. Default: nothing to reserve."""
+        return None
+
+    def plan_symmetric(
+        self, group: ProcessGroup, buffer_bytes: int, collectives: list[tuple[ProcessGroup, str, list[int]]]
+    ) -> None:
+        """At set-up, once, after :meth:`reserve` and before the pool is allocated,
+        collectively over the world when overridden: ``buffer_bytes`` of buffers will
+        be asked of :meth:`empty` with ``group``, and ``collectives`` lists (group,
+        kind, per-rank input bytes of each planned size) of the other collectives, so
+        that a backend whose device memory is fixed at its start (NVSHMEM's heap) can
+        size it. Default: nothing to size."""
+        return None
+
+    def abandon(self) -> None:
+        """A step failed (a peer may be dead): :meth:`close` must not wait for the
+        peers. Default: nothing waits for them."""
         return None

@@ -188,6 +188,7 @@ class CudaSymmBackend(Backend):
         peers' buffers, a barrier: on the lane's side stream."""
         device = inp.device
         buf, hdl = self._buffer(group, lane, inp.numel() * inp.element_size(), device)
+        self.staged_bytes += inp.nbytes + (inp if out is None else out).nbytes  # into its buffer, out of the peers'
 
         def on_stream(_stream) -> None:
             if inp.numel():

@@ -3,9 +3,12 @@
 Selected with ``ISPConfig(backend="nvshmem")`` when ``nvshmem.core`` imports and the
 parameters are on CUDA. NVSHMEM is bootstrapped from a unique id that rank 0 creates
 and broadcasts over torch.distributed, bound to the parameters' GPU (not the
-current one). A collective copies its input into an NVSHMEM scratch tensor, runs
-``fcollect`` / ``reducescatter`` / ``reduce`` / ``alltoall`` on the backend's one
-side stream (see [Note: one stream for a team]), and copies the result out. NVSHMEM
+current one), once the memory plan has sized its heap (see [Note: the symmetric
+heap]). A gather or reduce-scatter between pool buffers in the heap runs on them
+directly (see [Note: collectives without copies]); any other collective copies its
+input into an NVSHMEM scratch tensor, runs ``fcollect`` / ``reducescatter`` /
+``reduce`` / ``alltoall`` on the backend's one side stream (see [Note: one stream
+for a team]), and copies the result out. NVSHMEM
 teams here cover the whole world only: a group smaller than the world uses
 ``TorchBackend`` (NCCL) instead, as a group across hosts does for the CPU backend.
 NVSHMEM collectives have no deadline of their own: a dead peer hangs them (see
@@ -39,14 +42,75 @@ order, so every rank allocates alike; the sizes of a step repeat, so after the
 first step nothing is allocated.
 
 [Note: the symmetric heap]
-Every scratch comes from NVSHMEM's symmetric heap, whose size NVSHMEM reads once, at
-init, from ``NVSHMEM_SYMMETRIC_SIZE`` (bytes, or with a suffix k/m/g/t; unset: 1 GiB).
-The backend is made, and NVSHMEM initialised, before the communicator plans its
-memory, so isp-comm cannot size the heap from the plan; set the variable before the
-job starts. What the backend does instead: it reads the same variable at init
-(:func:`heap_bytes`) and counts what it allocates. At wrap time
-:meth:`NvshmemBackend.reserve` adds up the scratch of each lane's largest
-collective (a source and two destinations, see [Note: two destinations per size]);
+NVSHMEM reads its heap's size once, at init, from ``NVSHMEM_SYMMETRIC_SIZE`` (bytes,
+or with a suffix k/m/g/t; unset: 1 GiB), and maps it in chunks of 512 MiB
+(``NVSHMEM_CUMEM_GRANULARITY``). So NVSHMEM is initialised only once the memory plan
+is known: :meth:`NvshmemBackend.plan_symmetric` (the communicator calls it at wrap
+time, after the plan) adds up the pool buffers that will live in the heap and the
+scratch of every planned collective that still copies ([Note: scratch per collective
+size]), then sets ``NVSHMEM_SYMMETRIC_SIZE`` to that plus a margin, rounded up to
+512 MiB, when it is unset (and unsets it again at ``close``), or raises one
+:class:`SymmetricHeapError` naming the bytes when a value that is set is smaller; only
+then does it initialise NVSHMEM. Without a plan (the backend used directly) NVSHMEM
+is initialised at the first collective or symmetric allocation with whatever the
+variable says. The plan is a lower bound: collectives whose sizes depend on the batch
+(sequence parallelism, the vocab-parallel loss) or that come later (full state dicts)
+get scratch at their first use, and an allocation that would pass the heap raises the
+same error, on every rank alike (they allocate alike), instead of a failed
+``nvshmem_malloc``. The heap is device memory that ``torch.cuda.max_memory_allocated``
+does not see: :attr:`NvshmemBackend.device_heap_bytes` says how much, and
+``comm.stats()``, the memory forecast and the planner count it.
+
+[Note: scratch per collective size]
+A collective that copies (its buffers are not in the heap) gets exact-size scratch
+([Note: nvshmem sizes a collective by its allocation]): per (lane, dtype, element
+count) one source and two destinations ([Note: two destinations per size]), kept
+until ``close``. Each distinct size costs its own three: the sizes of a lane add up,
+never just the largest; an all-reduce's destination is as large as its source (a
+reduce-scatter's is a world-th of it, a gather's world times it). See
+:func:`scratch_need`.
+
+[Note: collectives without copies]
+The pool's buffers (slots, the landing buffer, the cast send buffers, the
+reduce-scatter pairs) are asked of :meth:`NvshmemBackend.empty` with the WP group;
+when that group is the world they are allocated in the heap (``nvshmem.core.tensor``,
+in the same order on every rank, so each lies at the same offset of every PE's heap:
+a symmetric address). A gather or reduce-scatter whose source and destination both
+lie in such buffers calls the pointer-level binding on the slices themselves
+(``nvshmem.bindings.<dtype>_fcollect_on_stream`` / ``<dtype>_sum_reducescatter_on_stream``,
+dtype ``float``, ``bfloat16`` or ``half``): the gather lands where the pool wants it
+and the reduce-scatter reads its bucket, with no copy into or out of scratch
+(:attr:`Backend.staged_bytes` stays 0 for them). What is not in the heap (full state
+dicts, sequence parallelism, the vocab-parallel loss, the outer parameters' unit, a
+pool whose WP group is not the world) takes the copying path above.
+
+[Note: what orders a push into a pool buffer]
+``fcollect`` pushes into the peers' ``dest`` as soon as the pushing PE runs it, with
+no leading barrier, and a pool buffer is reused: the landing buffer by the next
+block's gather while this PE may still copy the last one out, a slot by the next
+block while this PE's compute may still read the block it held (a prefetch gather is
+issued before the compute that reads the other slot, so having entered collective k
+says nothing of this PE's compute). Two destinations per size cannot help here: the
+pool decides the buffers. So every collective without copies begins with a team sync
+on the team's one stream (``team_sync_on_stream``), which that stream reaches only
+after the caller's stream's work issued before the collective (``wait_stream``): no
+PE leaves the sync, and so no PE pushes, before every PE has finished everything it
+issued before, the reads of the buffer's last contents included. Sources need no
+more: NVSHMEM lets a PE reuse its source once the collective completed on it. The
+cost is one team-wide meeting per collective (per parameter at
+``comm_granularity="module"``). ``tests/test_nvshmem_zero_copy.py`` checks this on
+CPU with processes as PEs whose pushes land in each other's heaps after random
+delays, and shows that the same run without the sync reads a peer's next block.
+
+[Note: close after a dead peer]
+Frees (``nvshmem_free``) and ``finalize`` are collective: they wait for every PE. At
+``close`` after a failed step (``abandon``: a wait failed, or the backward was cut
+short) a peer may be dead or stuck in another collective, so they would hang. Then
+``close`` frees nothing and does not finalize: the heap (every allocation in it) and
+NVSHMEM's state stay until the process exits, which after a dead peer it must
+anyway (NVSHMEM cannot be re-initialised without its peers).
+
+[Note: two destinations per size]);
 a plan that alone needs more than the heap raises :class:`SymmetricHeapError` then,
 naming the bytes to set. That sum is a lower bound: scratch is exact-size per
 collective size ([Note: nvshmem sizes a collective by its allocation]), made at the
@@ -79,6 +143,7 @@ is bound to the installed package's signature; ``tests/gpu/`` runs it on a GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -94,6 +159,8 @@ from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import SymmetricHeapError
 
+log = logging.getLogger("isp_comm")
+
 TEAM_STREAM = "nvshmem:TEAM_WORLD"
 """The key of the one side stream of a backend's collectives ([Note: one stream for a team])."""
 
@@ -101,11 +168,40 @@ TEAM_STREAM = "nvshmem:TEAM_WORLD"
 DEFAULT_HEAP_BYTES = 1 << 30
 """NVSHMEM's symmetric heap when ``NVSHMEM_SYMMETRIC_SIZE`` is unset (1 GiB)."""
 
+HEAP_VAR = "NVSHMEM_SYMMETRIC_SIZE"
+HEAP_GRANULARITY = 512 << 20
+"""NVSHMEM maps its heap in chunks of ``NVSHMEM_CUMEM_GRANULARITY`` (512 MiB by default)."""
+HEAP_MARGIN = 64 << 20
+"""Left over the plan for NVSHMEM's own use of the heap (teams, psync arrays)."""
+
+BINDING_DTYPES = {torch.float32: "float", torch.bfloat16: "bfloat16", torch.float16: "half"}
+"""The dtypes whose pointer-level collectives the backend calls, by nvshmem4py's name."""
+
+
+def heap_size_for(need: int) -> int:
+    """The ``NVSHMEM_SYMMETRIC_SIZE`` set when it is unset: ``need`` bytes plus
+    :data:`HEAP_MARGIN`, rounded up to :data:`HEAP_GRANULARITY`."""
+    return -(-(need + HEAP_MARGIN) // HEAP_GRANULARITY) * HEAP_GRANULARITY
+
+
+def scratch_need(kind: str, sizes: list[int], world: int) -> int:
+    """Heap bytes of the scratch that collectives of ``kind`` (``all_gather``,
+    ``reduce_scatter``, ``all_reduce``, ``all_to_all``) with these per-rank input
+    ``sizes`` take on the copying path: per distinct size a source and two
+    destinations (see [Note: scratch per collective size])."""
+    out = {
+        "all_gather": lambda n: n * world,
+        "reduce_scatter": lambda n: -(-n // world),
+        "all_reduce": lambda n: n,
+        "all_to_all": lambda n: n,
+    }[kind]
+    return sum(n + 2 * out(n) for n in set(sizes) if n)
+
 
 def heap_bytes(environ=None) -> int:
     """The symmetric heap NVSHMEM makes at init: ``NVSHMEM_SYMMETRIC_SIZE`` as NVSHMEM
     reads it (a number with an optional k/m/g/t suffix, powers of 1024), else 1 GiB."""
-    raw = (os.environ if environ is None else environ).get("NVSHMEM_SYMMETRIC_SIZE", "").strip()
+    raw = (os.environ if environ is None else environ).get(HEAP_VAR, "").strip()
     if not raw:
         return DEFAULT_HEAP_BYTES
     m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgtKMGT]?)[bB]?", raw)
@@ -139,13 +235,17 @@ class NvshmemApi:
     """``nvshmem.core``."""
     Device: Any
     """``cuda.core.Device`` (cuda-core 1.x: the top-level namespace; ``.experimental`` is gone)."""
+    bindings: Any = None
+    """``nvshmem.bindings``: the pointer-level collectives (see [Note: collectives
+    without copies]); ``None``: every collective copies."""
 
 
 def load_api() -> NvshmemApi:
+    import nvshmem.bindings
     import nvshmem.core
     from cuda.core import Device
 
-    return NvshmemApi(nvshmem.core, Device)
+    return NvshmemApi(nvshmem.core, Device, nvshmem.bindings)
 
 
 def device_index(device: torch.device) -> int:
@@ -174,9 +274,52 @@ class NvshmemBackend(Backend):
         self._world = dist.get_world_size()
         self._scratch: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
         self._turns: dict[tuple[str, torch.dtype, int], int] = {}  # see [Note: two destinations per size]
-        self._heap, self._heap_used = heap_bytes(), 0  # see [Note: the symmetric heap]
-        self._planned: dict[str, int] = {}  # lane -> heap bytes of its largest planned collective
+        self._allocations: list[torch.Tensor] = []  # every heap tensor, in allocation order (freed in it)
+        self._symmetric: list[tuple[int, int]] = []  # (address, bytes) of the pool's buffers in the heap
+        self._heap, self._heap_used = 0, 0  # see [Note: the symmetric heap]
+        self._planned = 0  # heap bytes of the memory plan (plan_symmetric)
+        self._set_heap_var = False  # this backend set NVSHMEM_SYMMETRIC_SIZE (and unsets it at close)
+        self._initialized = self._abandoned = self._closed = False
+        self.staged_bytes = 0
+        self.direct_all_gathers = self.direct_reduce_scatters = 0
+
+    # ---- NVSHMEM's init and its heap ----------------------------------------------------
+    @property
+    def device_heap_bytes(self) -> int:
+        """The symmetric heap NVSHMEM reserved on the device (0 before its init)."""
+        return self._heap
+
+    def plan_symmetric(
+        self, group: ProcessGroup, buffer_bytes: int, collectives: list[tuple[ProcessGroup, str, list[int]]]
+    ) -> None:
+        """At wrap time, collectively over the world: size the heap from the plan and
+        initialise NVSHMEM (see [Note: the symmetric heap]). ``buffer_bytes``: the pool
+        buffers asked of :meth:`empty` with ``group``; ``collectives``: (group, kind,
+        per-rank input bytes) of the collectives that copy. Groups NCCL serves count
+        nothing."""
+        if self._initialized:
+            return
+        need = buffer_bytes if self._world_group(group) and self._world > 1 else 0
+        for g, kind, sizes in collectives:
+            if self._world_group(g) and self._world > 1:
+                need += scratch_need(kind, sizes, self._world)
+        self._planned = need
+        self._ensure_init()
+
+    def _ensure_init(self) -> None:
+        """Size the heap (set the variable or check it) and initialise NVSHMEM, once."""
+        if self._initialized:
+            return
+        if not os.environ.get(HEAP_VAR, "").strip():
+            os.environ[HEAP_VAR] = str(heap_size_for(self._planned))
+            self._set_heap_var = True
+        self._heap = heap_bytes()
+        if self._planned > self._heap:
+            raise self._heap_error(
+                "the memory plan (pool buffers and the scratch of planned collectives)", self._planned
+            )
         self._init_nvshmem()
+        self._initialized = True
 
     def _init_nvshmem(self) -> None:
         """Bind NVSHMEM to the parameters' GPU and meet the other ranks through a
@@ -195,47 +338,46 @@ class NvshmemBackend(Backend):
     def _world_group(self, group: ProcessGroup) -> bool:
         return dist.get_world_size(group) == self._world
 
+    def _heap_tensor(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A tensor in the symmetric heap (collective: every rank allocates alike)."""
+        self._ensure_init()
+        nbytes = numel * dtype.itemsize
+        if self._heap_used + nbytes > self._heap:
+            raise self._heap_error(
+                f"{what} of {nbytes} bytes (with the {self._heap_used} already allocated)", self._heap_used + nbytes
+            )
+        t = self._api.core.tensor((numel,), dtype=dtype)
+        self._heap_used += nbytes
+        self._allocations.append(t)
+        return t
+
     def _exact(self, lane: str, dtype: torch.dtype, numel: int, turn: int = 0) -> torch.Tensor:
         """A scratch tensor of exactly ``numel`` elements (see [Note: nvshmem sizes a
         collective by its allocation]), the ``turn``-th of its size (0 or 1)."""
         key = (lane, dtype, numel, turn)
         t = self._scratch.get(key)
         if t is None:
-            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            if self._heap_used + nbytes > self._heap:
-                raise self._heap_error(
-                    f"a {lane} scratch of {nbytes} bytes (with the {self._heap_used} already allocated)",
-                    self._heap_used + nbytes,
-                )
-            t = self._scratch[key] = self._api.core.tensor((numel,), dtype=dtype)
-            self._heap_used += nbytes
+            t = self._scratch[key] = self._heap_tensor(numel, dtype, f"a {lane} scratch")
         return t
 
     def _heap_error(self, what: str, need: int) -> SymmetricHeapError:
-        had = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
-        size = f"NVSHMEM_SYMMETRIC_SIZE={had}" if had else "NVSHMEM_SYMMETRIC_SIZE unset (1 GiB)"
+        had = os.environ.get(HEAP_VAR)
+        size = f"{HEAP_VAR}={had}" if had else f"{HEAP_VAR} unset (1 GiB)"
         return SymmetricHeapError(
             f"isp-comm nvshmem backend: {what} needs {need} bytes of NVSHMEM's symmetric heap, "
-            f"which holds {self._heap} ({size}); set NVSHMEM_SYMMETRIC_SIZE to at least {need} bytes "
-            "plus margin before the job starts (NVSHMEM reads it at init), or use another backend"
+            f"which holds {self._heap or heap_bytes()} ({size}); set {HEAP_VAR} to at least {need} bytes "
+            "plus margin before NVSHMEM starts (it reads it at init), or leave it unset for isp-comm to size, "
+            "or use another backend"
         )
 
     def reserve(self, group: ProcessGroup, nbytes: int, device: torch.device, lane: str) -> None:
-        """At wrap time: check that the heap holds the scratch of each lane's largest
-        planned collective, ``nbytes`` of input per rank (see [Note: the symmetric
-        heap]); nothing is allocated (a scratch is exact-size per collective, and the
-        plan gives bytes, not dtypes and element counts). Groups NCCL serves: nothing."""
-        if not self._world_group(group) or not nbytes:
-            return
-        # a source and two destinations: gathers put world x the input, reduce-scatters
-        # world-th of it (an all-reduce, in = out, needs more: this is a lower bound)
-        out = nbytes * self._world if lane == "gather" else -(-nbytes // self._world)
-        self._planned[lane] = max(self._planned.get(lane, 0), nbytes + 2 * out)
-        need = sum(self._planned.values())
-        if need > self._heap:
-            lanes = ", ".join(f"{k} {v}" for k, v in sorted(self._planned.items()))
-            raise self._heap_error(f"the memory plan (per lane, bytes: {lanes})", need)
+        """Nothing to decide or size: world-sized groups are NVSHMEM's, the others
+        NCCL's, and the heap is sized from the whole plan by :meth:`plan_symmetric`
+        (which knows each collective's kind and every distinct size, see [Note:
+        scratch per collective size])."""
+        return None
 
+    # ---- the copying path -----------------------------------------------------------------
     def _destination(self, lane: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The destination scratch of this size whose turn it is (see [Note: two
         destinations per size])."""
@@ -251,6 +393,7 @@ class NvshmemBackend(Backend):
             return CompletedHandle()
         src = self._exact(lane + ":in", inp.dtype, n_in)
         dst = self._destination(lane, inp.dtype, n_out)
+        self.staged_bytes += (n_in + n_out) * inp.element_size()
 
         def body(stream) -> None:
             src.copy_(inp.reshape(-1))
@@ -261,23 +404,63 @@ class NvshmemBackend(Backend):
         what = f"nvshmem {lane} collective"
         return self._lanes.run(TEAM_STREAM, "team", self._device, (inp, out), body, what, group)
 
+    # ---- the path without copies ----------------------------------------------------------
+    def _in_heap(self, *tensors: torch.Tensor) -> bool:
+        """Every tensor lies in one of the pool's heap buffers (symmetric addresses)."""
+        for t in tensors:
+            if not t.is_contiguous():
+                return False
+            ptr, n = t.data_ptr(), t.numel() * t.element_size()
+            if not any(base <= ptr and ptr + n <= base + size for base, size in self._symmetric):
+                return False
+        return True
+
+    def _direct(self, lane: str, group, tensors, op: str, dest: torch.Tensor, src: torch.Tensor, nelem: int):
+        """``<dtype>_<op>_on_stream(team, dest, src, nelem, stream)`` on the slices
+        themselves, after a team sync (see [Note: what orders a push into a pool buffer])."""
+        b, team = self._api.bindings, int(self._api.core.Teams.TEAM_WORLD)
+        fn = getattr(b, f"{BINDING_DTYPES[src.dtype]}_{op}_on_stream")
+
+        def body(stream) -> None:
+            s = int(stream.__cuda_stream__()[1])
+            if b.team_sync_on_stream(team, s):
+                raise RuntimeError(f"nvshmem team sync before a {lane} collective failed")
+            if fn(team, dest.data_ptr(), src.data_ptr(), nelem, s):
+                raise RuntimeError(f"nvshmem {op} on team {team} failed")
+
+        what = f"nvshmem {lane} collective (no copies)"
+        return self._lanes.run(TEAM_STREAM, "team", self._device, tensors, body, what, group)
+
+    def _zero_copy(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
+        return self._api.bindings is not None and inp.dtype in BINDING_DTYPES and self._in_heap(inp, out)
+
+    # ---- collectives ----------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_gather(out, inp, group)
+        self._ensure_init()
         nv, n = self._api.core, inp.numel()
+        if n and out.numel() == n * self._world and self._zero_copy(out, inp):
+            self.direct_all_gathers += 1
+            return self._direct("gather", group, (inp, out), "fcollect", out, inp, n)
         call = lambda dst, src, s: nv.fcollect(nv.Teams.TEAM_WORLD, dst, src, stream=s)
         return self._collective("gather", group, inp, out, n, n * self._world, call)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.reduce_scatter(out, inp, group)
-        nv = self._api.core
+        self._ensure_init()
+        nv, n = self._api.core, out.numel()
+        if n and inp.numel() == n * self._world and self._zero_copy(out, inp):
+            self.direct_reduce_scatters += 1
+            return self._direct("reduce", group, (inp, out), "sum_reducescatter", out, inp, n)
         call = lambda dst, src, s: nv.reducescatter(nv.Teams.TEAM_WORLD, dst, src, "sum", stream=s)
-        return self._collective("reduce", group, inp, out, inp.numel(), out.numel(), call)
+        return self._collective("reduce", group, inp, out, inp.numel(), n, call)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_reduce(tensor, group)
+        self._ensure_init()
         nv, n = self._api.core, tensor.numel()
         call = lambda dst, src, s: nv.reduce(nv.Teams.TEAM_WORLD, dst, src, "sum", stream=s)
         return self._collective("reduce", group, tensor, tensor, n, n, call)
@@ -285,6 +468,7 @@ class NvshmemBackend(Backend):
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         if not self._world_group(group):
             return self._fallback.all_to_all(out, inp, group)
+        self._ensure_init()
         nv, n = self._api.core, inp.numel()
         call = lambda dst, src, s: nv.alltoall(nv.Teams.TEAM_WORLD, dst, src, stream=s)
         return self._collective("all_to_all", group, inp, out, n, n, call)
@@ -295,12 +479,41 @@ class NvshmemBackend(Backend):
     def empty(
         self, numel: int, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None
     ) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=device)
+        """With a world-sized ``group`` (collective over the world), a buffer in the
+        symmetric heap that gathers and reduce-scatters use without copies (see [Note:
+        collectives without copies]); else an ordinary one."""
+        if group is None or self._closed or not numel or self._world == 1 or not self._world_group(group):
+            return torch.empty(numel, dtype=dtype, device=device)
+        t = self._heap_tensor(numel, dtype, "a pool buffer")
+        self._symmetric.append((t.data_ptr(), numel * dtype.itemsize))
+        return t
+
+    def abandon(self) -> None:
+        """A step failed: ``close`` must not wait for the peers (see [Note: close after a dead peer])."""
+        self._abandoned = True
 
     def close(self) -> None:
-        self._lanes.synchronize()
-        for t in self._scratch.values():
-            self._api.core.free_tensor(t)
+        """Free every heap tensor in allocation order (the same on every rank), then
+        finalize; after :meth:`abandon`, neither (see [Note: close after a dead peer])."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._initialized and not self._abandoned:
+            self._lanes.synchronize()
+            for t in self._allocations:
+                self._api.core.free_tensor(t)
+            self._api.core.finalize()
+        elif self._initialized:
+            log.warning(
+                "isp-comm nvshmem backend: closed after a failed step; %d heap allocations (%d bytes) are not "
+                "freed and NVSHMEM is not finalized (both wait for every peer): they last until the process exits",
+                len(self._allocations),
+                self._heap_used,
+            )
+        self._allocations.clear()
         self._scratch.clear()
+        self._symmetric.clear()
         self._heap_used = 0
-        self._api.core.finalize()
+        if self._set_heap_var:
+            os.environ.pop(HEAP_VAR, None)
+            self._set_heap_var = False

@@ -153,6 +153,7 @@ class SymmCpuBackend(Backend):
         self._closed = False
         self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
         self.direct_reduce_scatters = 0  # reduce-scatters read straight from symmetric buffers
+        self.staged_bytes = 0  # copied into and out of the scratch (0 for the direct ones)
 
     def check_capacity(self, buffer_bytes: int, largest_collectives: list[int]) -> int:
         """Collective over the world, at set-up: can every host's ``/dev/shm`` hold, for
@@ -300,6 +301,8 @@ class SymmCpuBackend(Backend):
             if where is not None:
                 kind, extra = "reduce_scatter_direct", (where,)
                 self.direct_reduce_scatters += 1
+        if not extra and kind != "barrier":  # through the scratch: in, then out (see Backend.staged_bytes)
+            self.staged_bytes += nbytes + (out.numel() * out.element_size() if out is not None else nbytes)
         g.epoch += 1
         h = SymmHandle(f"{kind.replace('_', '-')} (symm) over ranks {list(g.ranks)}")
         self._queue.put((kind, g, g.epoch, out, inp, h, extra))

@@ -127,8 +127,11 @@ class BlockState:
             send = unit.flat_shard
             if dt != unit.dtype:  # cast to param_dtype (and, for mixed dtypes, re-laid out)
                 buf = res.send.get(dt)
-                if buf is None or buf.numel() < unit.shard_numel:
-                    buf = res.send[dt] = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+                if buf is None or buf.numel() < unit.shard_numel:  # the pool's (symmetric), else its own
+                    buf = res.pool.send(dt, unit.shard_numel)
+                    if buf is None:
+                        buf = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+                    res.send[dt] = buf
                 send = buf[: unit.shard_numel]
                 unit.fill_send(send)
             res.ctx.delay()

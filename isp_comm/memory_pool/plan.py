@@ -25,11 +25,14 @@ class MemoryPlan:
     rs_buffers: int
     """Reduce-scatter buffers (= max in-flight reduce-scatters)."""
     wp_size: int
+    send_numel: dict[torch.dtype, int] = field(default_factory=dict)
+    """Elements of the cast send buffer, per gather dtype: the largest shard of the
+    blocks gathered in another dtype than their own (empty at wp 1: no send buffer)."""
     shm_bytes: int = 0
     """Shared memory (``/dev/shm``) this host needs for the symmetric-memory backend,
     about: every local rank's pool buffers and collective scratch (0: not used)."""
     pool_bytes: int = field(init=False)
-    """Slots plus staging plus reduce-scatter buffers, in bytes."""
+    """Slots plus staging plus cast send buffers plus reduce-scatter buffers, in bytes."""
     rs_bytes: int = field(init=False)
     """The reduce-scatter buffers alone (inputs and outputs), in bytes."""
 
@@ -40,7 +43,8 @@ class MemoryPlan:
         rs_out = sum(-(-n // self.wp_size) * dt.itemsize for dt, n in self.rs_numel.items())
         rs = self.rs_buffers * (nbytes(self.rs_numel) + rs_out)
         object.__setattr__(self, "rs_bytes", rs)
-        object.__setattr__(self, "pool_bytes", self.n_slots * nbytes(self.slot_numel) + nbytes(self.staging_numel) + rs)
+        gather = self.n_slots * nbytes(self.slot_numel) + nbytes(self.staging_numel) + nbytes(self.send_numel)
+        object.__setattr__(self, "pool_bytes", gather + rs)
 
     def describe(self) -> str:
         parts = [
@@ -76,9 +80,12 @@ def make_plan(
     rs_buffers: int,
     wp_size: int,
     landing: Landing = "staging",
+    cast: list[tuple[torch.dtype, int]] = (),
 ) -> MemoryPlan:
     """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel;
-    ``landing``: from :func:`gather_landing` (a landing buffer only for ``"staging"``)."""
+    ``landing``: from :func:`gather_landing` (a landing buffer only for ``"staging"``);
+    ``cast``: per block gathered in another dtype than its own, that dtype and its
+    shard's numel (the cast send buffer; none at wp 1, where the cast is into the slot)."""
     slot: dict[torch.dtype, int] = {}
     set_by: dict[torch.dtype, int] = {}
     for i, (dt, n) in enumerate(gathered):
@@ -88,6 +95,9 @@ def make_plan(
     for dt, n in reduce:
         rs[dt] = max(rs.get(dt, 0), n)
     staging = {dt: (n if landing == "staging" else 0) for dt, n in slot.items()}
+    send: dict[torch.dtype, int] = {}
+    for dt, n in cast if landing != "slot" else ():
+        send[dt] = max(send.get(dt, 0), n)
     return MemoryPlan(
         n_slots=n_slots,
         slot_numel=slot,
@@ -96,6 +106,7 @@ def make_plan(
         rs_numel=rs,
         rs_buffers=rs_buffers,
         wp_size=wp_size,
+        send_numel=send,
     )
 
 
@@ -123,3 +134,42 @@ def shared_memory_need(
     if world > 1 and replicated_bytes:
         largest.append(replicated_bytes)
     return buffers, largest
+
+
+Copied = tuple[str, str, list[int]]
+"""A planned collective that does not run on the pool's buffers: (its group, ``"wp"``,
+``"replica"`` or ``"world"``; its kind; the per-rank input bytes of each size)."""
+
+
+def copied_collectives(
+    sizes: tuple[int, int, int],
+    pooled: bool,
+    blocks: list[tuple[int, list[int]]],
+    outer: tuple[int, list[int]] | None,
+    shard_groups: list[int],
+    replicated_bytes: int,
+) -> list[Copied]:
+    """The collectives known at wrap time that a backend serves from scratch of its
+    own (on NVSHMEM: exact-size scratch in the symmetric heap, so its heap is sized by
+    them). ``sizes``: (wp, replica, world); ``pooled``: the blocks' gathers and
+    reduce-scatters run on the pool's buffers; ``blocks`` / ``outer``: per block and
+    for the outer parameters' unit, its shard's bytes in the gather dtype and each
+    reduce group's gathered bytes; ``shard_groups``: every reduce group's shard bytes
+    (the replica all-reduces); ``replicated_bytes``: the replicated parameters (the
+    world all-reduce of their gradients, in buckets whose sizes add up to it: one size
+    of that sum bounds their scratch). Batch-dependent collectives (sequence
+    parallelism, the vocab-parallel loss) and full state dicts are not known here."""
+    wp, replica, world = sizes
+    out: list[Copied] = []
+    if wp > 1:
+        gathers = [] if pooled else [g for g, _ in blocks]
+        reduces = [] if pooled else [r for _, rs in blocks for r in rs]
+        if outer is not None:
+            gathers.append(outer[0])
+            reduces += outer[1]
+        out += [("wp", "all_gather", gathers), ("wp", "reduce_scatter", reduces)]
+    if replica > 1:
+        out.append(("replica", "all_reduce", shard_groups))
+    if world > 1 and replicated_bytes:
+        out.append(("world", "all_reduce", [replicated_bytes]))
+    return [c for c in out if c[2]]

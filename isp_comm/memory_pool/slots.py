@@ -37,6 +37,7 @@ class SlotPool:
             self._owner[dt] = [None] * plan.n_slots
             sn = plan.staging_numel[dt]
             self._staging[dt] = alloc(sn, dt) if pooled and sn else None
+        self._send = {dt: alloc(n, dt) for dt, n in plan.send_numel.items() if pooled and n}
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.fallbacks = 0
@@ -98,12 +99,19 @@ class SlotPool:
             return self._alloc(numel, dtype)
         return buf[:numel]
 
+    def send(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """The pool's cast send buffer of ``dtype`` when it holds ``numel`` elements
+        (a symmetric one on a backend that serves them), else ``None``."""
+        buf = self._send.get(dtype)
+        return buf if buf is not None and buf.numel() >= numel else None
+
     def held(self) -> int:
         return sum(o is not None for owners in self._owner.values() for o in owners)
 
     def close(self) -> None:
         self._slots.clear()
         self._staging.clear()
+        self._send.clear()
 
 
 class ReduceScatterBuffers:
