@@ -137,16 +137,28 @@ class ISPCommunicator:
         ):
             if size > 1:
                 self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
-        self._plan_heap(plan, replicated)  # NVSHMEM: its heap, sized before its init
+        moved = self._shards_to_move(plan)
+        self._plan_heap(plan, replicated, sum(u.flat_shard.nbytes for u in moved))  # NVSHMEM: sized before init
+        for u in moved:
+            u.move_shard(alloc(u.flat_shard.numel(), u.dtype))
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool
         return plan, SlotPool(plan, alloc, pooled=pooled), ReduceScatterBuffers(plan, alloc, pooled=pooled)
 
-    def _plan_heap(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> None:
+    def _shards_to_move(self, plan: MemoryPlan) -> list[BlockUnit]:
+        """The blocks whose gathers read their flat shard itself (no cast), when the
+        backend reads gather sources only from symmetric buffers (see
+        :attr:`~isp_comm.backends.base.Backend.symmetric_sources`) and the pool has them."""
+        if not (self.backend.symmetric_sources and self.config.memory_pool and self.groups.wp_size > 1):
+            return []
+        return [u for u in self.units if u.gather_dtype == u.dtype and u.flat_shard.numel()]
+
+    def _plan_heap(self, plan: MemoryPlan, replicated: list[nn.Parameter], shard_bytes: int) -> None:
         """Tell the backend what its fixed device memory must hold (see
-        :meth:`~isp_comm.backends.base.Backend.plan_symmetric`): the pool's buffers, and
-        the planned collectives that do not run on them."""
+        :meth:`~isp_comm.backends.base.Backend.plan_symmetric`): the pool's buffers and
+        the shards moved beside them (``shard_bytes``), and the planned collectives that
+        do not run on them."""
         g, pooled = self.groups, self.config.memory_pool
 
         def unit_sizes(u: BlockUnit) -> tuple[int, list[int]]:
@@ -162,7 +174,7 @@ class ISPCommunicator:
             sum(p.numel() * p.element_size() for p in replicated),
         )
         groups = {"wp": g.wp_group, "replica": g.replica_group, "world": g.world_group}
-        buffers = plan.pool_bytes if pooled and g.wp_size > 1 else 0
+        buffers = plan.pool_bytes + shard_bytes if pooled and g.wp_size > 1 else 0
         self.backend.plan_symmetric(g.wp_group, buffers, [(groups[w], kind, n) for w, kind, n in copied])
 
     def _install_forwards(self, n_ckpt: int) -> None:

@@ -151,6 +151,16 @@ class BlockUnit(BlockLayout):
         for module, name, i, _ in self.aliases:
             module._parameters[name] = shards[i]
 
+    def move_shard(self, buffer: torch.Tensor) -> None:
+        """Keep the flat shard in ``buffer`` (its numel and dtype; e.g. a symmetric one
+        that a gather reads without a copy): the same shard parameters, now views of
+        it. Before the optimizer is made (it keeps the parameters, not their storage)."""
+        with torch.no_grad():
+            buffer.copy_(self.flat_shard)
+        for sp, shard in zip(self.params, self.shards):
+            shard.data = self.shard_view(buffer, sp)
+        self.flat_shard = buffer
+
     def fill_send(self, send: torch.Tensor) -> None:
         """This rank's shard, in the gather dtype and layout (when it is not the flat
         shard itself); padding rows stay zero."""

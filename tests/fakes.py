@@ -33,7 +33,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import queue
+import random
 import secrets
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from isp_comm.backends.shm import Segment, segment_name
+from isp_comm.backends.shm import Flags, Segment, segment_name
 
 
 class NvshmemInvalid(Exception):
@@ -279,6 +283,149 @@ class FakeBindings:
                     fn = getattr(self._core, "binding_" + op)
                     return lambda team, dest, src, nelem, stream, _d=dtype: fn(_d, team, dest, src, nelem, stream)
         raise AttributeError(name)
+
+
+class PushingNvshmem(FakeNvshmem):
+    """``nvshmem.core`` and the bindings the backend calls, with PEs as processes whose
+    symmetric heaps are POSIX shared memory every PE maps, and whose pointer-level
+    collectives move bytes as a GPU's do, not in lock step:
+
+    - allocations lie at the same offset of every PE's heap (every PE allocates alike),
+      so an address translates to a peer's by its offset, as NVSHMEM's symmetric ones;
+    - ``fcollect`` puts this PE's source into every PE's ``dest`` from a pusher thread,
+      each put after a random delay of up to ``max_delay_s``, with no leading barrier:
+      a PE ahead of its peers writes into their ``dest`` while they may still read it.
+      The PE's collective completes once every PE's put for it has reached it (a flag
+      each pusher sets after its bytes); its own puts may still be on their way;
+    - ``sum_reducescatter`` waits until every PE entered, sums its chunk of every PE's
+      source (in fp32, in PE order), and leaves once every PE has read (so a source may
+      be reused on return, as NVSHMEM allows);
+    - ``team_sync_on_stream`` returns once every PE has called it as often.
+
+    The core API's collectives (the copying path) stay :class:`FakeNvshmem`'s, over gloo.
+    Every segment is unlinked once every PE mapped it; ``finalize`` stops the pusher."""
+
+    def __init__(self, heap_bytes: int = 1 << 20, max_delay_s: float = 0.003, seed: int = 0) -> None:
+        super().__init__(heap_bytes)
+        self._rng, self._max_delay = random.Random(seed), max_delay_s
+        self._used = 0
+        self._counts = {"fcollect": 0, "reduce": 0, "sync": 0}
+        self._heaps: list[Segment] = []
+        self._flags: list[Flags] = []
+        self._segments: list[Segment] = []
+        self._pushes: queue.SimpleQueue = queue.SimpleQueue()
+        self._pusher: threading.Thread | None = None
+
+    def init(self, device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializer_method: str = "") -> None:
+        super().init(device, uid, rank, nranks, mpi_comm, initializer_method)
+        token = secrets.token_hex(4)
+        names: list = [None] * nranks
+        dist.all_gather_object(names, (os.getpid(), token))
+        nflags = nranks + 3  # puts from each PE, syncs, reduce-scatters entered, left
+        mine = [Segment(segment_name(os.getpid(), token, k), n, create=True) for k, n in self._sizes(nflags)]
+        dist.barrier()
+        for pe, (pid, tok) in enumerate(names):
+            segs = (
+                mine
+                if pe == rank
+                else [Segment(segment_name(pid, tok, k), n, create=False) for k, n in self._sizes(nflags)]
+            )
+            self._segments += segs if pe != rank else []
+            self._heaps.append(segs[0])
+            self._flags.append(Flags(segs[1], nflags))
+        dist.barrier()  # every PE mapped every segment
+        for seg in mine:
+            Segment.unlink(seg.name)
+        self._segments += mine
+        self._pusher = threading.Thread(target=self._push_loop, daemon=True)
+        self._pusher.start()
+
+    def _sizes(self, nflags: int) -> list[tuple[str, int]]:
+        return [("heap", self.heap_bytes), ("flags", nflags * Flags.STRIDE * 8)]
+
+    def tensor(self, shape, dtype=torch.float32, release=False, morder="C", except_on_del=True) -> torch.Tensor:
+        if self.pe is None:
+            raise NvshmemInvalid("NVSHMEM Library is not initialized")
+        numel = int(np.prod(shape))
+        start = -(-self._used // 256) * 256
+        if start + numel * _NBYTES[dtype] > self.heap_bytes:
+            raise NvshmemInvalid("nvshmem_malloc failed")
+        self._used = start + numel * _NBYTES[dtype]
+        t = self._heaps[self.pe].bytes[start : self._used].view(dtype).view(shape)
+        self._tracked[t.data_ptr()] = _Buffer(t)
+        return t
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._pushes.put(None)
+        self._pusher.join(timeout=30)
+        for seg in self._segments:
+            seg.close()
+
+    def _offset(self, ptr: int) -> int:
+        return ptr - self._heaps[self.pe].bytes.data_ptr()
+
+    def _peer(self, pe: int, offset: int, nbytes: int) -> torch.Tensor:
+        return self._heaps[pe].bytes[offset : offset + nbytes]
+
+    def _push_loop(self) -> None:
+        while (item := self._pushes.get()) is not None:
+            pe, offset, data, count = item
+            time.sleep(self._rng.uniform(0, self._max_delay))
+            self._peer(pe, offset, data.numel()).copy_(data)
+            self._flags[pe].store(self.pe, count)
+
+    def _wait(self, index: int, count: int, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while any(f.load(index) < count for f in self._flags):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PE {self.pe}: {what} {count} did not complete")
+            time.sleep(1e-4)
+
+    def binding_fcollect(self, dtype, team, dest, src, nelem, stream) -> int:
+        self._one_at_a_time(team, int(stream))
+        nbytes = nelem * _NBYTES[dtype]
+        data = self._region(src, dtype, nelem, "fcollect src").view(torch.uint8).clone()
+        self._region(dest, dtype, nelem * self.npes, "fcollect dest")
+        self._counts["fcollect"] += 1
+        count, at = self._counts["fcollect"], self._offset(dest) + self.pe * nbytes
+        self.calls.append("fcollect@ptr")
+        for pe in self._rng.sample(range(self.npes), self.npes):
+            self._pushes.put((pe, at, data, count))
+        mine = self._flags[self.pe]
+        deadline = time.monotonic() + 30
+        while any(mine.load(pe) < count for pe in range(self.npes)):  # every PE's put reached me
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PE {self.pe}: fcollect {count} did not complete")
+            time.sleep(1e-4)
+        return 0
+
+    def binding_sum_reducescatter(self, dtype, team, dest, src, nreduce, stream) -> int:
+        self._one_at_a_time(team, int(stream))
+        self._region(src, dtype, nreduce * self.npes, "reducescatter src")
+        out = self._region(dest, dtype, nreduce, "reducescatter dest")
+        self._counts["reduce"] += 1
+        count, n = self._counts["reduce"], self.npes
+        self.calls.append("reducescatter@ptr")
+        self._flags[self.pe].store(n + 1, count)
+        self._wait(n + 1, count, "reducescatter (entered)")
+        nbytes = nreduce * _NBYTES[dtype]
+        at = self._offset(src) + self.pe * nbytes
+        acc = torch.zeros(nreduce, dtype=torch.float32)
+        for pe in range(n):
+            acc += self._peer(pe, at, nbytes).view(dtype).float()
+        out.copy_(acc)
+        self._flags[self.pe].store(n + 2, count)
+        self._wait(n + 2, count, "reducescatter (read)")
+        return 0
+
+    def team_sync_on_stream(self, team, stream) -> int:
+        self._one_at_a_time(team, int(stream))
+        self._counts["sync"] += 1
+        self.calls.append("sync")
+        self._flags[self.pe].store(self.npes, self._counts["sync"])
+        self._wait(self.npes, self._counts["sync"], "sync")
+        return 0
 
 
 class _SymmHandle:

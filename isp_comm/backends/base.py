@@ -121,6 +121,11 @@ class Backend:
     """Bytes the backend copied into or out of its own scratch around collectives,
     since it was made (``comm.stats()["staged_bytes"]``). 0 unless a backend stages:
     ``torch.distributed`` runs on the caller's tensors."""
+    symmetric_sources: bool = False
+    """Whether a gather runs without copies only when its source is a symmetric buffer
+    too (NVSHMEM: source and destination must be symmetric addresses), so that the
+    communicator keeps the blocks' shards in buffers from :meth:`empty` with the WP
+    group. Default: no (a gather reads its source where it is)."""
     device_heap_bytes: int = 0
     """Device memory the backend reserved outside torch's caching allocator (NVSHMEM's
     symmetric heap), which ``torch.cuda.max_memory_allocated`` does not see. Default: none."""

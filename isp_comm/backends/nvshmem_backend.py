@@ -72,7 +72,9 @@ reduce-scatter's is a world-th of it, a gather's world times it). See
 
 [Note: collectives without copies]
 The pool's buffers (slots, the landing buffer, the cast send buffers, the
-reduce-scatter pairs) are asked of :meth:`NvshmemBackend.empty` with the WP group;
+reduce-scatter pairs) and, as :attr:`NvshmemBackend.symmetric_sources` asks, the
+blocks' flat shards that are gathered uncast are asked of
+:meth:`NvshmemBackend.empty` with the WP group;
 when that group is the world they are allocated in the heap (``nvshmem.core.tensor``,
 in the same order on every rank, so each lies at the same offset of every PE's heap:
 a symmetric address). A gather or reduce-scatter whose source and destination both
@@ -258,6 +260,7 @@ def device_index(device: torch.device) -> int:
 
 class NvshmemBackend(Backend):
     name = "nvshmem"
+    symmetric_sources = True  # see [Note: collectives without copies]
 
     def __init__(
         self,
