@@ -137,7 +137,7 @@ class ISPCommunicator:
         ):
             if size > 1:
                 self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
-        moved = self._shards_to_move(plan)
+        moved = self._moved = self._shards_to_move(plan)
         self._plan_heap(plan, replicated, sum(u.flat_shard.nbytes for u in moved))  # NVSHMEM: sized before init
         for u in moved:
             u.move_shard(alloc(u.flat_shard.numel(), u.dtype))
@@ -439,7 +439,8 @@ class ISPCommunicator:
         if self._closed:
             return
         self._closed = True
-        if self.ctx.failed or self.engine.phase is Phase.BACKWARD:  # a step cut short: peers may be gone
+        cut_short = self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
+        if cut_short:
             self.backend.abandon()
         self.engine.close()
         self._root_handle.remove()
@@ -463,4 +464,7 @@ class ISPCommunicator:
             block.__dict__.pop("compile", None)  # BlockCompute's, see [Note: compiled blocks]
         self.pool.close()
         self.rs_buffers.close()
+        if not cut_short:  # the shards leave the backend's memory before it is freed (kept after a failure)
+            for unit in self._moved:
+                unit.move_shard(torch.empty_like(unit.flat_shard))
         self.backend.close()

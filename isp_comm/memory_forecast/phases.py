@@ -13,7 +13,7 @@ from torch import nn
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
-from isp_comm.memory_forecast.pool import host_shared_memory, pool_plan
+from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
 from isp_comm.memory_forecast.weights import Weights, cpu_runtime, flat_bytes, unit_layouts, weights
 
@@ -84,11 +84,13 @@ def forecast(
         memo[tkey] = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward, memo)
     traced = memo[tkey]
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
+    heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
+    pool_in_heap = bool(in_heap)  # the allocator sees neither the pool nor the moved shards then
     persistent = {
-        "master shards": w.master,
+        "master shards": w.master - (in_heap - plan.pool_bytes if pool_in_heap else 0),
         "replicated params": w.replicated,
-        "pool slots and landing": plan.pool_bytes - plan.rs_bytes,
-        "reduce-scatter buffers": plan.rs_bytes,
+        "pool slots and landing": 0 if pool_in_heap else plan.pool_bytes - plan.rs_bytes,
+        "reduce-scatter buffers": 0 if pool_in_heap else plan.rs_bytes,
     }
     # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps)
     allreduce = sum(w.replicated_trainable) + w.wp_summed if world > 1 else 0
@@ -111,6 +113,7 @@ def forecast(
         shm_bytes=shm,
         host_staging=staging if device == "cuda" else {},
         activations_by_block=acts,
+        device_heap_bytes=heap,
     )
 
 

@@ -1,13 +1,14 @@
-"""The pool: gathered slots, landing and reduce-scatter buffers, sized by
-:func:`~isp_comm.memory_pool.make_plan` exactly as wrapping does, and the host's
-shared memory for the CPU symmetric-memory backend."""
+"""The pool: gathered slots, landing, cast send and reduce-scatter buffers, sized by
+:func:`~isp_comm.memory_pool.make_plan` exactly as wrapping does, the host's shared
+memory for the CPU symmetric-memory backend, and NVSHMEM's symmetric heap."""
 
 from __future__ import annotations
 
+from isp_comm.backends.nvshmem_backend import heap_size_for, scratch_need
 from isp_comm.backends.symm_cpu import scratch_bytes
 from isp_comm.config import ISPConfig
 from isp_comm.memory_forecast.weights import UnitLayout, flat_bytes
-from isp_comm.memory_pool import MemoryPlan, gather_landing, make_plan, shared_memory_need
+from isp_comm.memory_pool import MemoryPlan, copied_collectives, gather_landing, make_plan, shared_memory_need
 
 
 def pool_plan(layouts: list[UnitLayout], config: ISPConfig, wp: int) -> MemoryPlan:
@@ -20,6 +21,7 @@ def pool_plan(layouts: list[UnitLayout], config: ISPConfig, wp: int) -> MemoryPl
         config.max_inflight_reduce_scatter,
         wp,
         gather_landing(wp, config.comm_granularity),
+        [(lay.gather_dtype, lay.shard_numel) for lay, _ in block_layouts if lay.gather_dtype != lay.dtype],
     )
 
 
@@ -47,3 +49,43 @@ def host_shared_memory(
         replicated_bytes,
     )
     return (buffers + sum(scratch_bytes(n) for n in largest)) * (local_world or world)
+
+
+def nvshmem_heap(
+    plan: MemoryPlan,
+    layouts: list[UnitLayout],
+    config: ISPConfig,
+    device: str,
+    sizes: tuple[int, int],
+    replicated_bytes: int,
+) -> tuple[int, int]:
+    """NVSHMEM's symmetric heap as the nvshmem backend sizes it when the variable is
+    unset (see [Note: the symmetric heap] in ``nvshmem_backend.py``), and how much of
+    the pool and of the master shards it holds (bytes the allocator no longer sees):
+    ``(0, 0)`` off the nvshmem backend. ``sizes``: (world, wp)."""
+    world, wp = sizes
+    if not (device == "cuda" and config.backend == "nvshmem" and world > 1):
+        return 0, 0
+    blocks = [lay for i, lay, _ in layouts if i >= 0]
+    outer = [lay for i, lay, _ in layouts if i == -1]
+
+    def unit_sizes(lay) -> tuple[int, list[int]]:
+        return lay.shard_numel * lay.gather_dtype.itemsize, [
+            g.gathered_numel * g.dtype.itemsize for g in lay.full_groups
+        ]
+
+    pooled = config.memory_pool and wp > 1
+    in_heap = 0
+    if pooled and wp == world:  # the WP group is NVSHMEM's: the pool and the uncast shards live in the heap
+        in_heap = plan.pool_bytes + sum(flat_bytes(lay) for lay in blocks if lay.gather_dtype == lay.dtype)
+    copied = copied_collectives(
+        (wp, world // wp, world),
+        pooled,
+        [unit_sizes(lay) for lay in blocks],
+        unit_sizes(outer[0]) if outer else None,
+        [g.shard_numel * g.dtype.itemsize for lay in blocks for g in lay.full_groups],
+        replicated_bytes,
+    )
+    world_sized = {"wp": wp == world, "replica": world // wp == world, "world": True}
+    scratch = sum(scratch_need(kind, n, world) for g, kind, n in copied if world_sized[g])
+    return heap_size_for(in_heap + scratch), in_heap

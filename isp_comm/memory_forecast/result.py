@@ -25,6 +25,11 @@ class MemoryForecast:
     in, per phase (save, async_save, load); on CPU that is the device's, in ``phases``."""
     activations_by_block: list[int]
     """Bytes each block keeps for backward (a checkpointed one: its input only)."""
+    device_heap_bytes: int = 0
+    """On CUDA with the nvshmem backend: NVSHMEM's symmetric heap as isp-comm sizes it
+    (the pool, the shards gathered from it and the planned scratch, plus margin, in
+    512 MiB granules), which ``max_memory_allocated`` does not see: what lives in it is
+    not in ``phases`` (0: no heap)."""
 
     def peak(self, phase: str) -> int:
         return sum(self.phases[phase].values())

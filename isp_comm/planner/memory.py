@@ -12,8 +12,9 @@ what must fit, holds more:
 * on CUDA, the reported figures are ``max_memory_allocated`` (the forecast, with
   cuBLAS's workspace, which the caching allocator serves) and
   ``max_memory_reserved`` (allocated plus the allocator's rounding and
-  fragmentation); the device also holds the CUDA context and NCCL's buffers, which
-  the allocator never sees.
+  fragmentation); the device also holds the CUDA context, NCCL's buffers and, with
+  the nvshmem backend, NVSHMEM's symmetric heap (the forecast's, as isp-comm sizes
+  it), which the allocator never sees.
 
 Modelled, not measured (no GPU has been available): the rounding and fragmentation
 (5% of the allocated peak), the context (600 MiB) and NCCL's buffers (128 MiB per
@@ -109,5 +110,7 @@ def device_memory(
         "CUDA context": prof.cuda.get("context", 0),
         "NCCL buffers": prof.cuda.get("nccl_per_communicator", 0) * communicators(world, wp, sp),
     }
+    if fc.device_heap_bytes:  # the nvshmem backend's heap, outside the allocator
+        outside["NVSHMEM symmetric heap"] = fc.device_heap_bytes
     reserved = allocated + outside["allocator rounding and fragmentation (modelled, 5%)"]
     return DeviceMemory(fc, 0, reserved, allocated + sum(outside.values()), outside, capacity)
