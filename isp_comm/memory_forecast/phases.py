@@ -16,6 +16,7 @@ from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
 from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
 from isp_comm.memory_forecast.weights import Weights, cpu_runtime, flat_bytes, unit_layouts, weights
+from isp_comm.memory_pool import MemoryPlan
 
 
 def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str, memo: dict) -> None:
@@ -85,13 +86,7 @@ def forecast(
     traced = memo[tkey]
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
-    pool_in_heap = bool(in_heap)  # the allocator sees neither the pool nor the moved shards then
-    persistent = {
-        "master shards": w.master - (in_heap - plan.pool_bytes if pool_in_heap else 0),
-        "replicated params": w.replicated,
-        "pool slots and landing": 0 if pool_in_heap else plan.pool_bytes - plan.rs_bytes,
-        "reduce-scatter buffers": 0 if pool_in_heap else plan.rs_bytes,
-    }
+    persistent = _persistent(plan, w, in_heap)
     # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps)
     allreduce = sum(w.replicated_trainable) + w.wp_summed if world > 1 else 0
     steady = {
@@ -115,6 +110,18 @@ def forecast(
         activations_by_block=acts,
         device_heap_bytes=heap,
     )
+
+
+def _persistent(plan: MemoryPlan, w: Weights, in_heap: int) -> dict[str, int]:
+    """What every phase holds; ``in_heap``: the bytes of the pool and of the master
+    shards that NVSHMEM's heap holds, which the allocator does not see (0: none)."""
+    moved = in_heap - plan.pool_bytes if in_heap else 0
+    return {
+        "master shards": w.master - moved,
+        "replicated params": w.replicated,
+        "pool slots and landing": 0 if in_heap else plan.pool_bytes - plan.rs_bytes,
+        "reduce-scatter buffers": 0 if in_heap else plan.rs_bytes,
+    }
 
 
 def _wrap(persistent: dict[str, int], w: Weights, device: str) -> dict[str, int]:
