@@ -222,6 +222,7 @@ def _train_worker(rank: int, world: int, backend: str, granularity: str, dtype: 
     from models.llama import LlamaConfig, build
     from tests.fakes import FakeNvshmem
 
+    os.environ.pop("NVSHMEM_SYMMETRIC_SIZE", None)  # isp-comm sizes the heap
     fakes = []
 
     def make(name, device, timeout_s):

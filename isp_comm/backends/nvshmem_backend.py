@@ -44,18 +44,20 @@ first step nothing is allocated.
 [Note: the symmetric heap]
 NVSHMEM reads its heap's size once, at init, from ``NVSHMEM_SYMMETRIC_SIZE`` (bytes,
 or with a suffix k/m/g/t; unset: 1 GiB), and maps it in chunks of 512 MiB
-(``NVSHMEM_CUMEM_GRANULARITY``). So NVSHMEM is initialised only once the memory plan
-is known: :meth:`NvshmemBackend.plan_symmetric` (the communicator calls it at wrap
-time, after the plan) adds up the pool buffers that will live in the heap and the
-scratch of every planned collective that still copies ([Note: scratch per collective
-size]), then sets ``NVSHMEM_SYMMETRIC_SIZE`` to that plus a margin, rounded up to
-512 MiB, when it is unset (and unsets it again at ``close``), or raises one
-:class:`SymmetricHeapError` naming the bytes when a value that is set is smaller; only
-then does it initialise NVSHMEM. Without a plan (the backend used directly) NVSHMEM
-is initialised at the first collective or symmetric allocation with whatever the
-variable says. The plan is a lower bound: collectives whose sizes depend on the batch
-(sequence parallelism, the vocab-parallel loss) or that come later (full state dicts)
-get scratch at their first use, and an allocation that would pass the heap raises the
+(``NVSHMEM_CUMEM_GRANULARITY``). So when the variable is unset, NVSHMEM is
+initialised only once the memory plan is known: :meth:`NvshmemBackend.plan_symmetric`
+(the communicator calls it at wrap time, after the plan) adds up the pool buffers that
+will live in the heap and the scratch of every planned collective that still copies
+([Note: scratch per collective size]), sets the variable to that plus a margin,
+rounded up to 512 MiB (and unsets it again at ``close``), and only then initialises
+NVSHMEM. A value that is set is the user's (several PEs sharing a GPU must fit their
+heaps together): NVSHMEM starts with it when the backend is made, and
+``plan_symmetric`` raises one :class:`SymmetricHeapError` naming the bytes when the
+plan needs more. Without a plan (the backend used directly, the variable unset)
+NVSHMEM is initialised at the first collective or symmetric allocation. The plan is
+a lower bound: collectives whose sizes depend on the batch (sequence parallelism, the
+vocab-parallel loss) or that come later (full state dicts) get scratch at their
+first use, and an allocation that would pass the heap raises the
 same error, on every rank alike (they allocate alike), instead of a failed
 ``nvshmem_malloc``. The heap is device memory that ``torch.cuda.max_memory_allocated``
 does not see: :attr:`NvshmemBackend.device_heap_bytes` says how much, and
@@ -261,6 +263,7 @@ def device_index(device: torch.device) -> int:
 class NvshmemBackend(Backend):
     name = "nvshmem"
     symmetric_sources = True  # see [Note: collectives without copies]
+    _PLAN = "the memory plan (pool buffers and the scratch of planned collectives)"
 
     def __init__(
         self,
@@ -285,6 +288,8 @@ class NvshmemBackend(Backend):
         self._initialized = self._abandoned = self._closed = False
         self.staged_bytes = 0
         self.direct_all_gathers = self.direct_reduce_scatters = 0
+        if os.environ.get(HEAP_VAR, "").strip():  # the heap's size is the user's: nothing to wait for
+            self._ensure_init()
 
     # ---- NVSHMEM's init and its heap ----------------------------------------------------
     @property
@@ -300,13 +305,13 @@ class NvshmemBackend(Backend):
         buffers asked of :meth:`empty` with ``group``; ``collectives``: (group, kind,
         per-rank input bytes) of the collectives that copy. Groups NCCL serves count
         nothing."""
-        if self._initialized:
-            return
         need = buffer_bytes if self._world_group(group) and self._world > 1 else 0
         for g, kind, sizes in collectives:
             if self._world_group(g) and self._world > 1:
                 need += scratch_need(kind, sizes, self._world)
         self._planned = need
+        if self._initialized and need > self._heap:  # started with the variable that was set
+            raise self._heap_error(self._PLAN, need)
         self._ensure_init()
 
     def _ensure_init(self) -> None:
@@ -318,9 +323,7 @@ class NvshmemBackend(Backend):
             self._set_heap_var = True
         self._heap = heap_bytes()
         if self._planned > self._heap:
-            raise self._heap_error(
-                "the memory plan (pool buffers and the scratch of planned collectives)", self._planned
-            )
+            raise self._heap_error(self._PLAN, self._planned)
         self._init_nvshmem()
         self._initialized = True
 
