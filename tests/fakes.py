@@ -356,9 +356,9 @@ class PushingNvshmem(FakeNvshmem):
         return t
 
     def finalize(self) -> None:
-        super().finalize()
-        self._pushes.put(None)
+        self._pushes.put(None)  # after this PE's last puts: they land first
         self._pusher.join(timeout=30)
+        super().finalize()
         for seg in self._segments:
             seg.close()
 
@@ -369,11 +369,12 @@ class PushingNvshmem(FakeNvshmem):
         return self._heaps[pe].bytes[offset : offset + nbytes]
 
     def _push_loop(self) -> None:
+        me = self.pe
         while (item := self._pushes.get()) is not None:
             pe, offset, data, count = item
             time.sleep(self._rng.uniform(0, self._max_delay))
             self._peer(pe, offset, data.numel()).copy_(data)
-            self._flags[pe].store(self.pe, count)
+            self._flags[pe].store(me, count)
 
     def _wait(self, index: int, count: int, what: str) -> None:
         deadline = time.monotonic() + 30

@@ -200,16 +200,23 @@ def _ordering_worker(rank: int, world: int, landing: bool, sync: bool) -> dict:
     return {"wrong": wrong, "direct": backend.direct_all_gathers, "syncs": fake.calls.count("sync")}
 
 
+def _ordering_cases(rank: int, world: int) -> dict:
+    cases = [(landing, sync) for landing in (False, True) for sync in (True, False)]
+    return {case: _ordering_worker(rank, world, *case) for case in cases}
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("landing", [False, True], ids=["slots", "landing"])
-def test_a_push_never_lands_in_a_buffer_a_peer_still_reads(landing: bool) -> None:
+def test_a_push_never_lands_in_a_buffer_a_peer_still_reads() -> None:
     """[Note: what orders a push into a pool buffer]: with the team sync before each
-    collective no rank ever reads a peer's next block in the buffer it is reading; the
-    same run with the sync made a no-op does (the test would catch its removal)."""
-    synced = run_ranks(_ordering_worker, 2, landing, True, timeout_s=100)
-    assert all(r["wrong"] == 0 and r["direct"] == 10 and r["syncs"] == 10 for r in synced), synced
-    unsynced = run_ranks(_ordering_worker, 2, landing, False, timeout_s=100)
-    assert unsynced[0]["wrong"] > 0, unsynced  # rank 0, the slow reader, saw rank 1's next block
+    collective no rank ever reads a peer's next block in the buffer it is reading
+    (slots, and the landing buffer); the same runs with the sync made a no-op do (the
+    test would catch its removal)."""
+    ranks = run_ranks(_ordering_cases, 2, timeout_s=180)
+    for landing in (False, True):
+        synced = [r[(landing, True)] for r in ranks]
+        assert all(r["wrong"] == 0 and r["direct"] == 10 and r["syncs"] == 10 for r in synced), (landing, synced)
+        unsynced = [r[(landing, False)] for r in ranks]
+        assert unsynced[0]["wrong"] > 0, (landing, unsynced)  # rank 0, the slow reader, saw rank 1's next block
 
 
 # ---- the engine: parity, staged_bytes, close ------------------------------------------------------
