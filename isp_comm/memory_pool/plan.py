@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -80,7 +81,7 @@ def make_plan(
     rs_buffers: int,
     wp_size: int,
     landing: Landing = "staging",
-    cast: list[tuple[torch.dtype, int]] = (),
+    cast: Sequence[tuple[torch.dtype, int]] = (),
 ) -> MemoryPlan:
     """``gathered``/``reduce``: per block, its gather / reduce dtype and gathered numel;
     ``landing``: from :func:`gather_landing` (a landing buffer only for ``"staging"``);
