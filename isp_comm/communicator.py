@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isp_comm.backends import make_backend
+from isp_comm.backends import Backend, make_backend
 from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
@@ -58,7 +58,9 @@ class ISPCommunicator:
 
     Every ``nn.Linear`` weight and bias inside the blocks becomes this rank's dim-0
     shard (a parameter of the same name); everything else stays replicated. Create the
-    optimizer *after* wrapping, on ``model.parameters()``.
+    optimizer *after* wrapping, on ``model.parameters()``. ``backend``: one the
+    caller made (a virtual world's, :func:`isp_comm.virtual.virtual_backend`) in
+    place of ``config.backend``'s; the communicator closes it.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ISPCommunicator:
         *,
         blocks: Sequence[nn.Module] | None = None,
         head: nn.Module | None = None,
+        backend: Backend | None = None,
     ) -> None:
         config = config or ISPConfig()
         _check_types(model, groups, config)
@@ -80,7 +83,7 @@ class ISPCommunicator:
             broadcast_weights(model)
         else:
             check_same_weights(model, device)
-        self.backend = make_backend(config.backend, device, config.timeout_s)
+        self.backend = backend if backend is not None else make_backend(config.backend, device, config.timeout_s)
         self.ctx = CommContext(groups.rank, config.timeout_s, config.debug_delay_s, clock_for(device))
         try:  # before anything is sharded: a refused SP set-up leaves the model as it was
             self._undo_sp = self._apply_sequence_parallel() if groups.sp_size > 1 else None
@@ -310,6 +313,7 @@ class ISPCommunicator:
             "bytes_reduced": c.bytes_reduced,
             "bytes_moved": c.bytes_gathered + c.bytes_reduced,
             "exposed_comm_s": c.exposed_comm_s,
+            "comm_s": self.backend.modelled_comm_s,  # modelled time issued (a virtual backend), else 0
             "outstanding_handles": self.engine.outstanding(),
             "pool_bytes": self._plan.pool_bytes if self.config.memory_pool else 0,
             "device_heap_bytes": self.backend.device_heap_bytes,  # NVSHMEM's heap: max_memory_allocated misses it

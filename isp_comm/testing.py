@@ -185,3 +185,43 @@ def tiny_tokenizer(folder: str, text: str, vocab_size: int = 300) -> Any:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(folder)
     return fast
+
+
+def _virtual_entry(fn: Callable[..., Any], world: int, rank: int, results: Any, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from isp_comm.virtual import init_virtual_world
+
+    torch.set_num_threads(1)
+    try:
+        init_virtual_world(world, rank)
+        results.put(("ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException:  # noqa: BLE001 - the traceback is the point
+        results.put(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_virtual(fn: Callable[..., Any], world: int, rank: int, *args: Any, timeout_s: float = 120.0) -> Any:
+    """``fn(rank, world, *args)`` in one process of its own, as ``rank`` of a virtual
+    world of ``world`` ranks (:func:`isp_comm.virtual.init_virtual_world`); its result,
+    or an ``AssertionError`` with its traceback, or a ``TimeoutError`` (the process is
+    killed) past ``timeout_s``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_virtual_entry, args=(fn, world, rank, results, args))
+    proc.start()
+    try:
+        status, value = results.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"virtual rank {rank} of {world} did not finish within {timeout_s}s") from None
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise AssertionError(f"virtual rank {rank} of {world} failed:\n{value}")
+    return pickle.loads(value)

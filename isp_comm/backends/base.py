@@ -129,6 +129,10 @@ class Backend:
     device_heap_bytes: int = 0
     """Device memory the backend reserved outside torch's caching allocator (NVSHMEM's
     symmetric heap), which ``torch.cuda.max_memory_allocated`` does not see. Default: none."""
+    modelled_comm_s: float = 0.0
+    """Seconds of collective time issued so far by a backend that models it (the
+    virtual backend, ``isp_comm/backends/virtual.py``); 0 for a backend that moves the
+    bytes for real."""
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """``out`` (numel = group size x inp.numel()) receives every rank's ``inp``, rank-major."""
