@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from isp_comm.virtual import is_virtual
+
 _CHUNK = 1 << 24  # elements per step of the device-side checksum
 
 
@@ -41,7 +43,7 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
 def check_same_weights(model: nn.Module, device: torch.device) -> None:
     """``ValueError`` naming the first parameter whose values differ across ranks."""
     named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
-    if dist.get_world_size() == 1 or not named:
+    if dist.get_world_size() == 1 or not named or is_virtual():  # a virtual world: no peer to differ
         return
     mine = torch.tensor([fingerprint(p) for _, p in named], dtype=torch.int64, device=device).view(-1, 2)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -58,7 +60,10 @@ def check_same_weights(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def broadcast_weights(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers onto every rank, tensor by tensor."""
+    """Rank 0's parameters and buffers onto every rank, tensor by tensor (in a virtual
+    world, nothing: rank 0 is no process there)."""
+    if is_virtual():
+        return
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type != "meta":
             dist.broadcast(t.data, src=0)

@@ -5,17 +5,19 @@ Under a virtual world (``isp_comm.virtual``) this process is rank R of an N-rank
 whose peers do not exist. Every collective is issued here, as in the real job, and
 completes after the time a link model gives it (:class:`LinkModel`), never sooner.
 Its output is written with the memory traffic of the bytes that land on this rank,
-from this rank's own data only (the run never claims another rank's bytes):
+computed from this rank's own data as if every peer held the same (a mirror world):
+the run never claims another rank's bytes, and sums keep the job's scale (a mean
+loss, a gradient, a norm read as in the real job):
 
 - all-gather: this rank's input copied into every chunk of the output;
-- reduce-scatter: this rank's own chunk of the input (the other ranks' terms absent);
-- all-reduce: the tensor read and written in place (this rank's term only);
-- all-to-all: the input copied to the output (every chunk from this rank).
+- reduce-scatter: n times this rank's own chunk of the input;
+- all-reduce: the tensor times n, in place;
+- all-to-all: the input copied to the output (every peer sends what this rank sends).
 
-Values stay finite; they are not the job's (a loss is this rank's data's, gradients
-miss the other ranks' terms). What is real: the shards, the gathered buffers, the
-activations, the optimizer state, the hooks, the order of issues and waits, and so
-the memory and how much of the modelled time the schedule hides.
+Values stay finite; they are not the job's (the other ranks' data is never seen).
+What is real: the shards, the gathered buffers, the activations, the optimizer
+state, the hooks, the order of issues and waits, and so the memory and how much of
+the modelled time the schedule hides.
 
 Where the time is spent:
 
@@ -91,9 +93,9 @@ def _write(op: str, out: torch.Tensor | None, inp: torch.Tensor, index: int, n: 
     if op == "all_gather":
         out.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
     elif op == "reduce_scatter":
-        out.copy_(inp.view(n, -1)[index].view_as(out))
+        torch.mul(inp.view(n, -1)[index].view_as(out), n, out=out)
     elif op == "all_reduce":
-        inp.mul_(1)  # read and written in place: this rank's term
+        inp.mul_(n)
     else:
         out.copy_(inp.view_as(out))
 

@@ -26,7 +26,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from isp_comm.train import survive
+from isp_comm.train import survive, virtual
 from isp_comm.train.config import check_layout, fail, parse_config, resolve_device
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.loop import run
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
     world = (cfg.nproc_per_node * cfg.nnodes) if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    world = cfg.virtual_world or world
     try:  # before any rank starts: one line, exit 2
         check_layout(cfg, world)
     except ValueError as exc:
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     device = resolve_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.virtual_world:
+        virtual.start(cfg)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             port = str(survive.free_port())

@@ -18,6 +18,7 @@ from typing import Literal, NoReturn, get_args
 import torch
 
 from isp_comm.config import BACKENDS, BackendName
+from isp_comm.train import virtual
 
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -164,6 +165,18 @@ class TrainConfig:
     profile: str = ""
     """With --plan: a profile file (bench/calibrate.py writes one) instead of this
     machine's cached calibration."""
+    virtual_world: int = 0
+    """Train as one rank of a job of this many ranks, on this one process (torch's
+    fake process group): the layout flags apply to it, the batch per rank is the
+    job's, and every collective takes its modelled time (--virtual-gbps, or --target
+    and --nodes, or --profile). metrics.jsonl gains comm_s and exposed_comm_s. No
+    checkpoint: --save-every, --resume, --init-from and --async-save are refused
+    (docs/virtual.md)."""
+    virtual_rank: int = 0
+    """With --virtual-world: which rank of the job this process is."""
+    virtual_gbps: float = 0.0
+    """With --virtual-world: every collective at this bus bandwidth (G x 1e9 bytes/s),
+    with no latency (instead of --target's or --profile's links)."""
     search: bool = False
     """With --plan: enumerate the layouts (wp, sp, replicas, ckpt, shard-outer,
     vocab-parallel, micro-batch x grad-accum for the same global batch) and print the
@@ -202,6 +215,9 @@ class TrainConfig:
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
         self._check_plan()
+        virtual.check(self)  # one line for a flag a virtual run refuses
+        if self.virtual_world:
+            self.save_on_signal = False  # nothing to save: a signal ends a virtual run at once
         if self.device == "cuda" and not torch.cuda.is_available() and not (self.plan and self.target):
             raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
         if not self.peak_tflops >= 0:
@@ -239,8 +255,13 @@ class TrainConfig:
     def _check_plan(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
-        if (self.target or self.profile or self.search or self.nodes > 1) and not self.plan:
-            raise ValueError("--target, --nodes, --profile and --search plan a run: give them with --plan")
+        if self.search and not self.plan:
+            raise ValueError("--search plans a run: give it with --plan")
+        if (self.target or self.profile or self.nodes > 1) and not (self.plan or self.virtual_world):
+            raise ValueError(
+                "--target, --nodes and --profile plan a run or model a virtual one: give them with --plan "
+                "or --virtual-world"
+            )
         if self.target and self.profile:
             raise ValueError("--target and --profile: give one (a profile file already describes its device)")
         if self.nodes > 1 and not self.target:

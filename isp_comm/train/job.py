@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint, model_flops
 from isp_comm.discovery import find_blocks
-from isp_comm.train import checkpoint, lora, run_folder, survive
+from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
-from isp_comm.train.config import TrainConfig, check_layout
+from isp_comm.train.config import TrainConfig, check_layout, resolve_device
 from isp_comm.train.data import Slicing
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
@@ -87,11 +87,11 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
     flops_per_token = model_flops.flops_per_token(model, cfg.seq)
     icfg = isp_config(cfg, bf16)
-    if rank == 0:
+    if virtual.leads(rank):
         for line in memory_warnings(cfg, model, icfg, world, device):
             print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
-    if rank == 0:
+    if virtual.leads(rank):
         for line in start_warnings(cfg):
             print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -125,7 +125,7 @@ def wrap(
         for block in find_blocks(model):
             block.compile()
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
-    comm = ISPCommunicator(model, groups, icfg)
+    comm = ISPCommunicator(model, groups, icfg, backend=virtual.backend(cfg, resolve_device(cfg), icfg.timeout_s))
     closing.callback(comm.close)
     if cfg.model and resume_from is None and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows

@@ -10,9 +10,9 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
+from isp_comm.train import virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
 from isp_comm.train.job import Job, lr_at, setup
@@ -37,7 +37,11 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     # a bar on a terminal; in a file or CI, only the plain line every --log-every steps
     interactive = sys.stderr.isatty()
     bar = tqdm(
-        total=cfg.steps, initial=start, disable=job.rank != 0 or not interactive, unit="step", dynamic_ncols=True
+        total=cfg.steps,
+        initial=start,
+        disable=not virtual.leads(job.rank) or not interactive,
+        unit="step",
+        dynamic_ncols=True,
     )
     feed = job.data.start(start + 1, cfg.steps, pin=job.device.type == "cuda")  # batches read ahead, in a thread
     closing.callback(feed.close)
@@ -47,7 +51,7 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     for step in range(start + 1, cfg.steps + 1):
         if cfg.trace and step == max(start + 1, cfg.steps - 2):
             comm.start_trace()
-        t0, c0 = time.perf_counter(), comm.stats()["exposed_comm_s"]
+        t0, s0 = time.perf_counter(), comm.stats()
         t_data = time.perf_counter()
         batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
         data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
@@ -67,9 +71,10 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
             "tokens_per_s": rate,
             "step_s": dt,
             "data_wait_s": data_wait,
-            "exposed_comm_pct": 100 * (s["exposed_comm_s"] - c0) / dt,
+            "exposed_comm_pct": 100 * (s["exposed_comm_s"] - s0["exposed_comm_s"]) / dt,
             "pool_bytes": s["pool_bytes"],
             **job.meter.read(rate / job.world * job.flops_per_token),
+            **(virtual.row(s, s0) if cfg.virtual_world else {}),
         }
         if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
             t_eval = time.perf_counter()
@@ -111,6 +116,6 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
     # the loss and whether any rank got a signal: one all-reduce; then one host read
     # (a fill, not a host-to-device copy, so the step is issued whole before it)
     both = torch.stack([step_loss, torch.full((), float(job.signals.got), device=device)])
-    dist.all_reduce(both)
+    job.comm.all_reduce(both, what="the step's loss")
     total, flagged, grad_norm = torch.cat([both, norm.reshape(1).to(both.dtype)]).tolist()
     return total / job.world, flagged > 0, grad_norm

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import torch.distributed as dist
 from tqdm import tqdm
 
-from isp_comm.train import checkpoint, hf_model, run_folder
+from isp_comm.train import checkpoint, hf_model, run_folder, virtual
 from isp_comm.train.data import unigram_entropy
 from isp_comm.train.evaluate import eval_note
 from isp_comm.train.job import Job, lr_at
@@ -31,7 +31,7 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
     if job.resume_from is not None:
         start = checkpoint.load(job.resume_from, job.comm, job.opt, saved_order)
         job.data.resume(saved_order, start)
-        if rank == 0:
+        if virtual.leads(rank):
             print(run_folder.resume_line(job.resume_from, job.previous), flush=True)
             stretched = run_folder.stretch_line(job.previous, cfg, start, lr_at)
             if stretched:
@@ -39,7 +39,7 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
             run_folder.cut_metrics(cfg.out, start)
     job.saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda")
     closing.callback(job.saver.close)
-    if rank == 0:
+    if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
         write_run_files(job, start)
     return start
@@ -55,6 +55,8 @@ def write_run_files(job: Job, start: int) -> None:
         hf_model.save_run_files(model, job.tok_dir, cfg.out)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     groups, comm = job.comm.groups, job.comm
+    if cfg.virtual_world:
+        tqdm.write(virtual.first_line(cfg, comm.backend.link))
     tqdm.write(
         f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
         f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
@@ -79,7 +81,7 @@ def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
         pool=f"{last['pool_bytes'] / 2**20:.1f}MiB",
         **job.meter.postfix(last),
     )
-    if job.rank != 0:
+    if not virtual.leads(job.rank):
         return
     step = last["step"]
     if first_step_s is not None:
@@ -95,13 +97,15 @@ def finish(job: Job, start: int, last: dict) -> None:
     """The final checkpoint, the trace and timeline, and rank 0's closing line."""
     cfg, comm = job.cfg, job.comm
     local_spans = comm.stop_trace()
-    if start < cfg.steps and cfg.final_save:
+    if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
         job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
     job.saver.close()
     spans: list = [None] * job.world
     dist.all_gather_object(spans, local_spans)
+    if cfg.virtual_world:  # the fake group's gather copies this rank's spans: keep the one real lane
+        spans = [local_spans]
     comm.close()
-    if job.rank != 0:
+    if not virtual.leads(job.rank):
         return
     if cfg.trace and any(spans):
         write_trace(os.path.join(cfg.out, "trace.json"), spans)
@@ -112,3 +116,5 @@ def finish(job: Job, start: int, last: dict) -> None:
             f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
             f"{job.meter.summary(last)}; outputs in {cfg.out}"
         )
+        if cfg.virtual_world:
+            print(virtual.summary(cfg, last, comm.backend.link))

@@ -15,7 +15,10 @@ from isp_comm.train.metrics import proc_status_bytes
 
 
 def local_ranks(cfg: TrainConfig, world: int) -> int:
-    """Ranks on this host: torchrun's count, else what the flags launch here."""
+    """Ranks on this host: torchrun's count, else what the flags launch here (one
+    in a virtual world)."""
+    if cfg.virtual_world:
+        return 1
     return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.nproc_per_node or world
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, survive
 from isp_comm.train.config import TrainConfig, as_dict
+from isp_comm.virtual import is_virtual
 
 OWN = ("metrics.jsonl", "trace.json", "timeline.png", "run.json", "config.json", "checkpoints", "hf_model")
 """What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
@@ -43,7 +44,7 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     (``--resume auto`` without a checkpoint: a new run).
     Returns the checkpoint to resume from (``None`` for a new run)."""
     error, path = None, None
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 or is_virtual():  # a virtual run's one process, whatever its rank
         try:
             closing.callback(survive.lock_folder(cfg.out).close)
             error, path = _check(cfg)
@@ -52,6 +53,8 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     first = first_error(error)
     if first:
         raise ValueError(first)
+    if is_virtual():  # one process: no rank 0 to hear from (the fake group's broadcast would be garbage)
+        return path
     box = [path]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -1,0 +1,113 @@
+"""``isp-train --virtual-world N [--virtual-rank R]``: this process trains as rank R
+of an N-rank job whose collectives take their modelled time (see
+[Note: what a virtual collective does] in ``isp_comm/backends/virtual.py``).
+
+The flags' checks, the link model they pick, the run's first line and its closing
+line live here; the loop (``__main__``) asks :func:`leads` where it would ask for rank
+0 (the one process of a virtual world writes the run's files, whatever its rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from isp_comm.backends.virtual import FlatLink, LinkModel, VirtualBackend
+from isp_comm.virtual import init_virtual_world, is_virtual
+
+REFUSED = ("save_every", "resume", "init_from", "async_save", "nproc_per_node", "plan")
+"""Flags a virtual run refuses: one rank's shards are not a checkpoint (save, resume,
+init), and there is one process (no launch; --plan plans without running)."""
+
+
+def check(cfg) -> None:
+    """The virtual flags against the others: a ``ValueError`` of one line."""
+    if not cfg.virtual_world:
+        for name in ("virtual_rank", "virtual_gbps"):
+            if getattr(cfg, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --virtual-world N")
+        return
+    n, r = cfg.virtual_world, cfg.virtual_rank
+    if n < 1 or not 0 <= r < n:
+        raise ValueError(f"--virtual-world {n} --virtual-rank {r}: the world must be >= 1 and the rank in [0, {n})")
+    for name in REFUSED:
+        if getattr(cfg, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} with --virtual-world: a virtual run is one rank of the job (its shards are not a "
+                "checkpoint, and it launches nothing); drop the flag"
+            )
+    if cfg.virtual_gbps and (cfg.target or cfg.profile):
+        raise ValueError("--virtual-gbps and --target/--profile: give one link model")
+    if cfg.target:
+        from isp_comm.planner.targets import parse_target
+
+        cluster = parse_target(cfg.target, cfg.nodes)
+        if cluster.world != n:
+            raise ValueError(
+                f"--target {cfg.target} --nodes {cfg.nodes} is {cluster.world} ranks; --virtual-world is {n}: "
+                "give the nodes of the job"
+            )
+    if not (cfg.virtual_gbps > 0 or cfg.target or cfg.profile):
+        raise ValueError(
+            "--virtual-world needs a link model: --virtual-gbps G (one bus bandwidth), --target NAMExG "
+            "--nodes K (published figures), or --profile FILE"
+        )
+
+
+def link_model(cfg) -> LinkModel:
+    """--virtual-gbps's flat link, or the planner's links of --target/--nodes or --profile."""
+    if cfg.virtual_gbps > 0:
+        return FlatLink(cfg.virtual_gbps * 1e9)
+    from isp_comm.planner import profile as profiles
+    from isp_comm.planner.links import ProfileLink
+    from isp_comm.planner.targets import parse_target
+
+    if cfg.profile:
+        prof = profiles.load(cfg.profile)
+    else:
+        prof = profiles.from_target(parse_target(cfg.target, cfg.nodes))
+    backend = "torch" if "torch" in prof.collectives else ""  # NCCL's figures: what a GPU job runs
+    return ProfileLink(prof, backend)
+
+
+def start(cfg) -> None:
+    """The process group: torch's fake one, as rank R of N."""
+    init_virtual_world(cfg.virtual_world, cfg.virtual_rank)
+
+
+def backend(cfg, device: torch.device, timeout_s: float) -> VirtualBackend | None:
+    """The communicator's backend in a virtual run (``None`` otherwise)."""
+    if not cfg.virtual_world:
+        return None
+    return VirtualBackend(device, link_model(cfg), timeout_s)
+
+
+def leads(rank: int) -> bool:
+    """Whether this process does rank 0's duties (the run's files, the log): rank 0,
+    or the one process of a virtual world."""
+    return rank == 0 or is_virtual()
+
+
+def first_line(cfg, link: LinkModel) -> str:
+    return (
+        f"isp-train: VIRTUAL run: rank {cfg.virtual_rank} of {cfg.virtual_world}; real: this rank's shards, "
+        f"gathered blocks, activations, optimizer state, compute and schedule; modelled: every collective's "
+        f"time ({link.describe()}), its data (this rank's own bytes); no checkpoint"
+    )
+
+
+def row(stats: dict, before: dict) -> dict:
+    """A virtual step's own fields: the modelled collective time issued in the step
+    and the time the step stood waiting for collectives."""
+    return {
+        "comm_s": stats["comm_s"] - before["comm_s"],
+        "exposed_comm_s": stats["exposed_comm_s"] - before["exposed_comm_s"],
+    }
+
+
+def summary(cfg, last: dict, link: LinkModel) -> str:
+    return (
+        f"isp-train: VIRTUAL run done (rank {cfg.virtual_rank} of {cfg.virtual_world}; collectives modelled: "
+        f"{link.describe()}): last step {last.get('step_s', 0):.3f} s, modelled comm {last.get('comm_s', 0):.3f} s "
+        f"issued, {last.get('exposed_comm_s', 0):.3f} s exposed; no checkpoint saved"
+    )
