@@ -78,6 +78,31 @@ def test_each_collective_takes_its_modelled_time_and_writes_local_bytes() -> Non
     assert got["comm_s"] == pytest.approx(total, rel=1e-3)
 
 
+def _lanes(rank: int, world: int) -> dict:
+    """The CUDA path's code (a lane per backend, the bytes written on it) on the host,
+    through the runtime seam (see [Note: one runtime seam])."""
+    from isp_comm.backends.streams import HostRuntime
+    from isp_comm.backends.virtual import VirtualBackend
+
+    backend = VirtualBackend(torch.device("cpu"), FlatLink(BW), runtime=HostRuntime())
+    g = ParallelGroups.create(wp_size=4).wp_group
+    ag, rs, ar = torch.empty(12), torch.empty(2), torch.tensor([1.5, -2.0])
+    handles = [
+        backend.all_gather(ag, torch.tensor([1.0, 2.0, 3.0]), g),
+        backend.reduce_scatter(rs, torch.arange(8.0), g),
+        backend.all_reduce(ar, g),
+    ]
+    for h in handles:
+        h.wait(1.0)
+    return {"ag": ag.tolist(), "rs": rs.tolist(), "ar": ar.tolist(), "done": all(h.is_completed() for h in handles)}
+
+
+@pytest.mark.timeout(60)
+def test_the_cuda_path_writes_the_same_bytes_through_the_runtime_seam() -> None:
+    got = run_virtual(_lanes, 8, 6, timeout_s=50)  # rank 6: wp rank 2 of [4, 5, 6, 7]
+    assert got == {"ag": [1.0, 2.0, 3.0] * 4, "rs": [16.0, 20.0], "ar": [6.0, -8.0], "done": True}
+
+
 def _train(rank: int, world: int, wp: int, sp: int, gbps: float, steps: int) -> dict:
     cfg = LlamaConfig(vocab_size=40, hidden=32, ffn_hidden=48, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16)
     model = build(cfg, seed=0)
