@@ -88,6 +88,7 @@ class FlatLink:
         return f"every collective at {self.bytes_per_s / 1e9:g} GB/s bus bandwidth, no latency"
 
 
+@torch.no_grad()  # the comm thread's own grad mode is on; the buffers are no autograd's business
 def _write(op: str, out: torch.Tensor | None, inp: torch.Tensor, index: int, n: int) -> None:
     """The bytes that land on this rank (see [Note: what a virtual collective does])."""
     if op == "all_gather":
