@@ -15,6 +15,13 @@ isp-train trains the same flags ``--repeats`` times. Measured per run: the media
 The measured runs save no final checkpoint (``--no-final-save``) and each run's
 folder is removed once measured, so the disk holds none of them.
 
+``--virtual`` checks the multi-GPU predictions too: isp-train ``--virtual-world N``
+(one rank of an N-rank job on this GPU, every collective taking the planner's
+modelled time on published H100 figures, docs/virtual.md) against ``--plan --target
+h100x8 --nodes N/8`` of the same flags, for the layouts of :data:`VIRTUAL` (wp = N,
+4 sequences a rank). The two share the link model, so this checks the compute, the
+memory and the overlap of a prediction, not the network's.
+
 Prints a markdown table and writes OUT/plan_gpu.json (--out, default bench/results/local).
 """
 
@@ -50,6 +57,14 @@ MEASURED = ["--no-final-save"]
 PHASES = ("wrap", "forward", "backward", "optimizer")
 PEAK = "peak_alloc_mib"
 """The measured peak compared (``torch.cuda.max_memory_allocated``)."""
+VIRTUAL = [("680M", 8), ("1.4B", 16), ("1.4B", 64)]
+"""(model, world N): one node of 8 H100s, two, and eight."""
+
+
+def virtual_flags(world: int) -> tuple[list[str], list[str]]:
+    """The flags a virtual run of ``world`` ranks and its plan share, and the run's own."""
+    layout = ["--wp", str(world), "--batch", str(4 * world), "--target", "h100x8", "--nodes", str(world // 8)]
+    return layout, ["--virtual-world", str(world)]
 
 
 def model_flags(hidden: int, layers: int, heads: int, kv: int) -> list[str]:
@@ -78,6 +93,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--sizes", default=",".join(SIZES), help="which of the four models")
+    ap.add_argument("--virtual", action="store_true", help="also one rank of 8, 16 and 64-GPU jobs (--virtual-world)")
     add_out(ap)
     args = ap.parse_args()
     rows = []
@@ -93,6 +109,15 @@ def main() -> None:
             peak = max(pred[ph] for ph in PHASES)
             head = {"name": name, "size": SIZES[name]}
             rows.append(scored_row(head, pred["step_s"], peak, runs, PEAK))
+        for name, world in VIRTUAL if args.virtual else []:
+            layout, own = virtual_flags(world)
+            flags = [*model_flags(*SIZES[name]), "--data", data, *FLAGS, *layout]
+            pred = predict(flags)
+            runs = [measure([*flags, *own], args.steps, os.path.join(tmp, f"v{r}")) for r in range(args.repeats)]
+            peak = max(pred[ph] for ph in PHASES)
+            rows.append(
+                scored_row({"name": f"{name} N={world}", "size": SIZES[name]}, pred["step_s"], peak, runs, PEAK)
+            )
     print(error_table(rows, {"model": "name"}, PEAK, "measured peak allocated MiB", mib=".0f"))
     print(save_results("plan_gpu", args, rows))
 
