@@ -271,7 +271,7 @@ def predict(cfg: Config) -> dict:
 
 
 def _flops_per_token(cfg: Config) -> float:
-    from isp_comm.train.metrics import flops_per_token
+    from isp_comm.model_flops import flops_per_token
     from models.llama import build
 
     with torch.device("meta"):
