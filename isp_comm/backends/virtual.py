@@ -188,7 +188,8 @@ class DeviceDelay:
         return sorted(times)[2]
 
     def spin(self, seconds: float, copied_bytes: int) -> None:
-        """On the current stream: the rest of ``seconds`` after a copy of ``copied_bytes``."""
+        """On the current stream: the rest of ``seconds`` after writing ``copied_bytes``
+        (at the calibrated rate of a device-to-device copy: bytes written per second)."""
         rest = seconds - copied_bytes / self.copy_bytes_per_s
         if rest > 0:
             torch.cuda._sleep(int(rest * self.cycles_per_s))
@@ -253,7 +254,7 @@ class VirtualBackend(Backend):
         def body(_stream) -> None:
             _write(op, out, inp, index, n)
             if self._delay is not None:
-                self._delay.spin(seconds, 2 * landed)  # read and written
+                self._delay.spin(seconds, landed)  # a copy of that many bytes, as calibrated
 
         return self._lanes.run("virtual", "virtual", inp.device, (out, inp), body, f"virtual {what}", group)
 
