@@ -17,8 +17,9 @@ done those (see docs/gpus.md for what each proves):
 - ``forecast``: the CUDA memory forecast against measured peaks (bench/forecast.py, 3 points);
 - ``plan-gpu``: bench/plan_gpu.py at 680M, one run.
 
-``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) does not fit beside
-them: it runs only when named, ``--only tests-gpu``. ``--only`` runs the preamble and
+``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
+checks (``virtual-time``, ``virtual-8b``, ``virtual-70b``: docs/virtual.md) do not fit
+beside them: they run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
 
 Each step runs in a process group of its own (in the runner's session) under its own
@@ -152,6 +153,47 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             "planner against one measured run",
         ),
         Step("tests-gpu", 300, _pytest("tests/gpu", "--ignore", shared), "the rest of tests/gpu", default=False),
+        Step(
+            "virtual-time",
+            60,
+            _pytest("tests/gpu/test_gpu_virtual.py"),
+            "the virtual backend's device-side delay against CUDA events",
+            default=False,
+        ),
+        Step(
+            "virtual-8b",
+            420,
+            [
+                PY,
+                "bench/virtual.py",
+                "--config",
+                "llama3-8b",
+                "--repeats",
+                "3",
+                "--out",
+                os.path.join(out, "virtual_8b"),
+            ],
+            "one rank of Llama-3-8B at N=8: isp-comm, FSDP2, compute-only, the planner",
+            default=False,
+        ),
+        Step(
+            "virtual-70b",
+            480,
+            [
+                PY,
+                "bench/virtual.py",
+                "--config",
+                "llama3-70b",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                os.path.join(out, "virtual_70b"),
+            ],
+            "one rank of Llama-3-70B at N=64: the same, one process each",
+            default=False,
+        ),
     ]
 
 
