@@ -4,7 +4,8 @@ and body, as ``ast`` spans them); and imports that read in one direction: no cyc
 between the package's modules, and no module importing from a layer above its own.
 
 Every import counts, wherever it is written: at the top, inside a function, under
-``if TYPE_CHECKING:``, relative or absolute, and ``importlib.import_module`` of a
+``if TYPE_CHECKING:``, relative or absolute, and ``import_module`` (bare or as
+``importlib.import_module``, relative with a literal package too) or ``__import__`` of a
 literal name. ``from a.b import c`` is an edge to the module ``a.b.c`` when there is
 one, else to ``a.b`` (its ``__init__``); importing a module also runs its parents'
 ``__init__`` files, which the graph leaves out (a package's ``__init__`` that re-exports
@@ -90,16 +91,23 @@ def _imported_names(node: ast.AST, package: str) -> list[str]:
             parent = package.split(".")[: len(package.split(".")) - node.level + 1]
             base = ".".join([*parent, *([node.module] if node.module else [])])
         return [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "import_module"
-        and node.args
-        and isinstance(node.args[0], ast.Constant)
-        and isinstance(node.args[0].value, str)
-    ):
-        return [node.args[0].value]
+    if isinstance(node, ast.Call) and _callee(node.func) in ("import_module", "__import__"):
+        literals = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
+        if literals and literals[0] is not None:
+            name = literals[0]
+            if name.startswith(".") and len(literals) > 1 and literals[1]:  # import_module(".x", "a.b")
+                dots = len(name) - len(name.lstrip("."))
+                anchor = literals[1].split(".")[: len(literals[1].split(".")) - dots + 1]
+                name = ".".join([*anchor, name.lstrip(".")])
+            return [name]
     return []
+
+
+def _callee(func: ast.expr) -> str | None:
+    """The called name: ``f`` for ``f(...)`` and ``m.f(...)``."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
@@ -211,7 +219,14 @@ def test_the_import_check_sees_a_planted_cycle_and_an_upward_import(tmp_path) ->
     assert cycles(graph) == [["pkg.core", "pkg.top.app", "pkg.util"]]
     assert upward(graph, SYNTHETIC_LAYERS) == ["pkg.core -> pkg.top.app"]
 
-    upward_only = dict(CLEAN, **{"pkg/util.py": "import importlib\nimportlib.import_module('pkg.top.app')\n"})
-    graph = import_graph(_write(tmp_path / "upward", upward_only))
-    assert upward(graph, SYNTHETIC_LAYERS) == ["pkg.util -> pkg.top.app"]
-    assert cycles(graph) == [["pkg.top.app", "pkg.util"]]
+    for i, dynamic in enumerate(
+        (
+            "import importlib\nimportlib.import_module('pkg.top.app')\n",
+            "from importlib import import_module\nimport_module('pkg.top.app')\n",
+            "from importlib import import_module\nimport_module('.top.app', 'pkg')\n",
+            "__import__('pkg.top.app')\n",
+        )
+    ):
+        graph = import_graph(_write(tmp_path / f"upward{i}", dict(CLEAN, **{"pkg/util.py": dynamic})))
+        assert upward(graph, SYNTHETIC_LAYERS) == ["pkg.util -> pkg.top.app"], dynamic
+        assert cycles(graph) == [["pkg.top.app", "pkg.util"]], dynamic
