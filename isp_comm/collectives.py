@@ -29,10 +29,13 @@ class StepCollectives:
     def __init__(self, backend: Backend, ctx: CommContext, device: torch.device) -> None:
         self.backend, self.ctx, self.device = backend, ctx, device
 
+    def _record(self, handle, group: ProcessGroup, sent: torch.Tensor):
+        return self.ctx.record(handle, "all-gather", group, sent, -1, "outer")
+
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup, size: int, what: str) -> torch.Tensor:
         """Sum ``tensor`` in place over ``group`` (``size`` ranks); returns it."""
         if size > 1:
-            self.ctx.wait(self.backend.all_reduce(tensor, group), what)
+            self.ctx.wait(self.ctx.record(self.backend.all_reduce(tensor, group), "all-reduce", group, tensor), what)
         return tensor
 
     def all_max(self, tensor: torch.Tensor, group: ProcessGroup, size: int, what: str) -> torch.Tensor:
@@ -40,7 +43,8 @@ class StepCollectives:
         all-gather and a local max: backends reduce by sum only); returns it."""
         if size > 1:
             every = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-            self.ctx.wait(self.backend.all_gather(every, tensor.contiguous().view(-1), group), what)
+            mine = tensor.contiguous().view(-1)
+            self.ctx.wait(self.ctx.record(self.backend.all_gather(every, mine, group), "all-gather", group, mine), what)
             tensor.copy_(every.view(size, *tensor.shape).amax(dim=0))
         return tensor
 
@@ -53,12 +57,12 @@ class StepCollectives:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         lengths = torch.empty(size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self.ctx.wait(self.backend.all_gather(lengths, mine, group), f"{what} (lengths)")
+        self.ctx.wait(self._record(self.backend.all_gather(lengths, mine, group), group, mine), f"{what} (lengths)")
         sizes = lengths.tolist()
         longest = max(sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[: payload.numel()] = payload.to(self.device)
         every = torch.empty(size * longest, dtype=torch.uint8, device=self.device)
-        self.ctx.wait(self.backend.all_gather(every, padded, group), what)
+        self.ctx.wait(self._record(self.backend.all_gather(every, padded, group), group, padded), what)
         rows = every.view(size, longest).cpu()
         return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(size)]

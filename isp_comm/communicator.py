@@ -20,6 +20,7 @@ from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
 from isp_comm.discovery import build_units, find_blocks, outer_replicated, target_device, validate
 from isp_comm.embedding import HiddenSplitEmbedding
+from isp_comm.flight.diagnosis import attach
 from isp_comm.full_state import FullState
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.compiled import BlockCompute
@@ -101,6 +102,7 @@ class ISPCommunicator:
         self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
         self._install_forwards(round(config.activation_checkpointing * len(block_list)))
         self._closed = False
+        self._flight = attach(self.ctx, groups.world_size, config.diagnosis_dir)  # see isp_comm/flight
 
     def _index_shards(self, device: torch.device) -> list[nn.Parameter]:
         """Every sharded parameter's FQN (tied aliases included) mapped to its unit, the
@@ -344,6 +346,12 @@ class ISPCommunicator:
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self._sharded
 
+    def set_step(self, step: int | None) -> None:
+        """The training loop's step number, stamped on every collective of the flight
+        record from now on, so that a hang's diagnosis says at which step each rank was."""
+        self.ctx.flight.step = step
+        self._flight.heartbeat.wake.set()  # the new step's position, published by its thread
+
     # ---- collectives outside the block schedule (see isp_comm/collectives.py) ---------------
     def all_reduce(self, tensor: torch.Tensor, *, what: str = "an all-reduce") -> torch.Tensor:
         """Sum ``tensor`` in place over the world, through the communicator's backend and
@@ -443,6 +451,7 @@ class ISPCommunicator:
         if self._closed:
             return
         self._closed = True
+        self._flight.close(failed=self.ctx.failed)
         cut_short = self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
         if cut_short:
             self.backend.abandon()

@@ -105,6 +105,12 @@ class ISPConfig:
     timeout_s: float = 300.0
     """Deadline for every wait on communication."""
 
+    diagnosis_dir: str | None = None
+    """Folder where, when a wait passes its deadline, the lowest surviving rank writes
+    the hang's diagnosis (``hang.json``, ``hang.txt``: every rank's last collectives
+    and Python stacks) and where ``isp-comm doctor --live`` asks a running job where
+    each rank is. ``None``: the diagnosis is printed only (see docs/reliability.md)."""
+
     debug_delay_s: float = 0.0
     """Test-only: before issuing a collective, sleep a random time in
     ``[0, debug_delay_s)`` drawn from a per-rank generator, to show that timing

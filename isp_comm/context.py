@@ -14,10 +14,15 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from isp_comm.backends.base import Handle
+from isp_comm.errors import ISPCommTimeout
+from isp_comm.flight.record import FlightRecord
 from isp_comm.trace import Clock, HostClock, Tracer
 
 
@@ -36,7 +41,8 @@ class CommCounters:
 
 
 class CommContext:
-    """Deadline, failure flag, counters, clock, tracer and event log of one communicator."""
+    """Deadline, failure flag, counters, clock, tracer, event log and flight record of
+    one communicator."""
 
     def __init__(self, rank: int, timeout_s: float, debug_delay_s: float = 0.0, clock: Clock | None = None) -> None:
         self.rank = rank
@@ -52,6 +58,26 @@ class CommContext:
         self._debug_delay_s = debug_delay_s
         self._delay_rng = random.Random(rank) if debug_delay_s > 0 else None
         self._unresolved: deque[tuple[Any, Any]] = deque()  # CUDA waits whose events have not completed
+        self.flight = FlightRecord(rank)
+        """The last collectives issued, always on (see :mod:`isp_comm.flight`)."""
+        self.phase = "outer"
+        """Where the training loop is: "forward" or "backward" (the engine sets it), "outer" between."""
+        self.diagnose: Callable[[str, float], str | None] | None = None
+        """Run at the first wait that passes its deadline: the hang's diagnosis, for the
+        error's message (:class:`~isp_comm.flight.diagnosis.Diagnoser`)."""
+
+    def record(
+        self, handle: Handle, kind: str, group: Any, tensor: torch.Tensor, block: int = -1, phase: str | None = None
+    ) -> Handle:
+        """A collective was just issued on ``group`` (``tensor``: what it sends): into the
+        flight record; returns ``handle``. ``phase`` defaults to backward inside autograd's
+        backward, else :attr:`phase`. Called at every issue site, whatever the backend."""
+        if phase is None:
+            phase = "backward" if torch._C._current_autograd_node() is not None else self.phase
+        e = self.flight.issue(handle, kind, group, tensor, block, phase)
+        if self.clock.cuda:  # see [Note: the watchdog's events]
+            self.flight.watch(e, self.clock.completion(handle))
+        return handle
 
     def wait(self, handle: Handle, what: str, span: tuple[str, str, Any] | None = None) -> None:
         """Wait for ``handle`` within the deadline.
@@ -61,11 +87,19 @@ class CommContext:
         :meth:`issued` records the collective's span in the tracer; the wait itself
         is recorded too."""
         t0 = self.clock.now()
+        self.flight.begin_wait(handle)
         try:
             handle.wait(self.timeout_s)
         except Exception as exc:
-            self.failed = True
-            raise type(exc)(f"{what} (rank {self.rank}): {exc}") from exc
+            first, self.failed = not self.failed, True
+            found = None
+            if first and isinstance(exc, ISPCommTimeout) and self.diagnose is not None:
+                found = self.diagnose(what, self.timeout_s)  # see [Note: the diagnosis without the stuck collective]
+            err = type(exc)(f"{what} (rank {self.rank}): {exc}" + (f"\n{found}" if found else ""))
+            if found:
+                err.diagnosis, err.told = found, bool(getattr(self.diagnose, "told", False))
+            raise err from exc
+        self.flight.complete(handle)
         t1 = self.clock.now()
         if self.clock.cuda:  # events resolve later (see settle_waits)
             self._unresolved.append((t0, t1))

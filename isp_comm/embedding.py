@@ -54,10 +54,11 @@ class _HiddenSplitLookup(torch.autograd.Function):
         if cols < chunk:
             mine = F.pad(mine, (0, chunk - cols))
         got = torch.empty_like(mine)  # [wp (column owner), *ids, chunk]
-        comm.wait(
-            comm.backend.all_to_all(got.view(-1), mine.contiguous().view(-1), comm.group),
-            "all-to-all of the hidden-split embedding",
+        sent = mine.contiguous().view(-1)
+        handle = comm.ctx.record(
+            comm.backend.all_to_all(got.view(-1), sent, comm.group), "all-to-all", comm.group, sent
         )
+        comm.wait(handle, "all-to-all of the hidden-split embedding")
         ctx.save_for_backward(every)
         ctx.meta = (hidden, chunk, cols, padding_idx, comm, shard.shape[0], shard.dtype)
         out = got.movedim(0, -2).flatten(-2)  # [*ids, wp * chunk]
@@ -71,10 +72,10 @@ class _HiddenSplitLookup(torch.autograd.Function):
         g = F.pad(grad, (0, wp * chunk - hidden)) if wp * chunk > hidden else grad
         g = g.unflatten(-1, (wp, chunk)).movedim(-2, 0).contiguous()  # [wp (column owner), *ids, chunk]
         back = torch.empty_like(g)  # [wp (token owner), *ids, chunk]: my columns' gradient
-        comm.wait(
-            comm.backend.all_to_all(back.view(-1), g.view(-1), comm.group),
-            "all-to-all of the hidden-split embedding's gradient",
+        handle = comm.ctx.record(
+            comm.backend.all_to_all(back.view(-1), g.view(-1), comm.group), "all-to-all", comm.group, g
         )
+        comm.wait(handle, "all-to-all of the hidden-split embedding's gradient")
         rows = every.reshape(-1)
         # accumulated in the master's dtype (fp32 under bf16 compute): a frequent token's
         # row sums many contributions, which bf16 would round at every addition

@@ -2,7 +2,16 @@
 
 
 class ISPCommTimeout(RuntimeError):
-    """A wait on communication outlived its deadline (a peer died or stalled)."""
+    """A wait on communication outlived its deadline (a peer died or stalled).
+
+    The first one a communicator raises carries the hang's diagnosis (which rank is
+    not responding, behind or out of step; see :mod:`isp_comm.flight`) after its first
+    line, and in :attr:`diagnosis`."""
+
+    diagnosis: str | None = None
+    """The diagnosis, when one was made (a store to meet in, more than one rank)."""
+    told: bool = False
+    """Whether this rank printed the diagnosis (the lowest rank that answered does)."""
 
 
 class HookOrderError(RuntimeError, ValueError):

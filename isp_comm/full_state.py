@@ -55,9 +55,9 @@ class FullState:
             for sp, off, i in zip(params, layout.offsets, members):
                 sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(shards[i])
             rank_major = torch.empty(w * layout.numel, dtype=dt, device=unit.device)
-            self.ctx.wait(
-                self.backend.all_gather(rank_major, flat, self.groups.wp_group), f"gather of block {unit.index}"
-            )
+            handle = self.backend.all_gather(rank_major, flat, self.groups.wp_group)
+            self.ctx.record(handle, "all-gather", self.groups.wp_group, flat, unit.index, "outer")
+            self.ctx.wait(handle, f"gather of block {unit.index}")
             slot = torch.empty_like(rank_major)
             to_param_major(rank_major, slot, layout, w)
             for view, i in zip(full_views(slot, params, layout, w), members):

@@ -45,7 +45,10 @@ class WPComm:
         if self.size == 1:
             return t[None]
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        self.wait(self.backend.all_gather(out.view(-1), t.view(-1), self.group), what)
+        self.wait(
+            self.ctx.record(self.backend.all_gather(out.view(-1), t.view(-1), self.group), "all-gather", self.group, t),
+            what,
+        )
         return out
 
     def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -53,13 +56,20 @@ class WPComm:
         if self.size == 1:
             return t[0]
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
-        self.wait(self.backend.reduce_scatter(out.view(-1), t.view(-1), self.group), what)
+        self.wait(
+            self.ctx.record(
+                self.backend.reduce_scatter(out.view(-1), t.view(-1), self.group), "reduce-scatter", self.group, t
+            ),
+            what,
+        )
         return out
 
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         t = t.contiguous()
         if self.size > 1:
-            self.wait(self.backend.all_reduce(t.view(-1), self.group), what)
+            self.wait(
+                self.ctx.record(self.backend.all_reduce(t.view(-1), self.group), "all-reduce", self.group, t), what
+            )
         return t
 
 

@@ -145,6 +145,7 @@ class BlockState:
                 self._staging = res.pool.staging(dt, n)
                 handle = res.backend.all_gather(self._staging, send, res.wp_group)
                 res.staging_owner = self
+            res.ctx.record(handle, "all-gather", res.wp_group, send, unit.index, "backward" if backward else "forward")
         self.state, self.slot, self.region, self.handle = GatherState.GATHERING, slot, region, handle
         res.ctx.counters.all_gathers += n_collectives
         res.ctx.counters.bytes_gathered += n * dt.itemsize

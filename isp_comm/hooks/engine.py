@@ -118,6 +118,7 @@ class BlockEngine:
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
             self.reducer.stash()
             self.phase = Phase.FORWARD
+            self.ctx.phase = "forward"
         if self.units:
             self.prefetch(0)
         if self.root is not None:
@@ -142,6 +143,7 @@ class BlockEngine:
                 rank_major = torch.empty_like(region)
                 self.ctx.delay()
                 handle = self.backend.all_gather(rank_major, send, self.groups.wp_group)
+                self.ctx.record(handle, "all-gather", self.groups.wp_group, send)
                 what = "the parameters outside the blocks"
                 span = ("all-gather", "outer parameters", self.ctx.issued(handle))
                 self.ctx.wait(handle, f"all-gather of {what}", span)
@@ -218,6 +220,7 @@ class BlockEngine:
     # ---- backward -----------------------------------------------------------------
     def _enter_backward(self) -> None:
         self.phase = Phase.BACKWARD
+        self.ctx.phase = "backward"
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -260,6 +263,7 @@ class BlockEngine:
         self._root_region = None
         self.reducer.reduce_whole()
         self.phase = Phase.IDLE
+        self.ctx.phase = "outer"
         self._callback_queued = False
 
     # ---- introspection ---------------------------------------------------------------

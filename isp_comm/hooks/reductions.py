@@ -175,6 +175,8 @@ class GradientReducer:
         else:
             handle = self.backend.reduce_scatter(out, inp, wp)
             self.ctx.counters.reduce_scatters += 1
+        if self.groups.wp_size > 1:
+            self.ctx.record(handle, "reduce-scatter", wp, inp, unit.index, "backward")
         self.ctx.counters.bytes_reduced += inp.numel() * inp.element_size()
         if pooled:
             self.ctx.event("reduce_scatter", unit.index, "backward")
@@ -196,6 +198,7 @@ class GradientReducer:
         self.ctx.delay()
         self.ctx.counters.all_reduces += 1
         r.replica = self.backend.all_reduce(r.out, self.groups.replica_group)
+        self.ctx.record(r.replica, "all-reduce", self.groups.replica_group, r.out, r.unit.index, "backward")
         r.replica_at = self.ctx.issued(r.replica)
 
     def _complete(self, r: InflightReduce) -> None:
@@ -296,6 +299,7 @@ class GradientReducer:
             if self.ctx.events is not None:  # the bucket's index: only when recording
                 self.ctx.event("all_reduce", self._buckets.index(b), "backward")
             b.handle = self.backend.all_reduce(b.flat, b.group)
+            self.ctx.record(b.handle, "all-reduce", b.group, b.flat, -1, "backward")
             b.issued_at = self.ctx.issued(b.handle)
         else:
             b.handle = CompletedHandle()

@@ -35,7 +35,9 @@ def _exchange(
             raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {sp} ranks")
         send = torch.stack(t.chunk(sp, dim=dim)).contiguous()  # [sp, ...chunk]
         recv = torch.empty_like(send)
-        pending.append((recv, backend.all_to_all(recv.view(-1), send.view(-1), group)))
+        pending.append(
+            (recv, comm.record(backend.all_to_all(recv.view(-1), send.view(-1), group), "all-to-all", group, send))
+        )
     out = []
     for (recv, handle), dim in zip(pending, gather):
         comm.wait(handle, f"all-to-all of {len(tensors)} tensors over the SP group")

@@ -100,7 +100,8 @@ class SequenceCheck:
     def _check_lengths(self, x: torch.Tensor) -> None:
         mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
         every = torch.empty(self.size, dtype=torch.int64, device=x.device)
-        self.ctx.wait(self.backend.all_gather(every, mine, self.group), "sequence chunk check")
+        handle = self.ctx.record(self.backend.all_gather(every, mine, self.group), "all-gather", self.group, mine)
+        self.ctx.wait(handle, "sequence chunk check")
         lengths = every.tolist()
         if len(set(lengths)) != 1:
             raise ValueError(

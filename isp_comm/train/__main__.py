@@ -26,8 +26,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from isp_comm.errors import ISPCommTimeout
 from isp_comm.train import survive, virtual
 from isp_comm.train.config import check_layout, fail, parse_config, resolve_device
+from isp_comm.train.hang import hang_exit
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.loop import run
 from isp_comm.train.plan import plan
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except ValueError as exc:
         dist.destroy_process_group()
         fail(str(exc))
+    except ISPCommTimeout as exc:
+        hang_exit(exc, cfg.out)
     except Interrupted as exc:
         if dist.get_rank() == 0:
             print(f"isp-train: {exc}", file=sys.stderr, flush=True)

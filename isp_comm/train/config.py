@@ -87,6 +87,10 @@ class TrainConfig:
     """Sequence-parallel size."""
     backend: BackendName = "auto"
     """Collective backend: auto, torch, symm or nvshmem (see ISPConfig.backend)."""
+    comm_timeout: float = 300.0
+    """Seconds any rank waits for a collective before the run stops with the hang's
+    diagnosis (which rank is not responding or out of step), printed and written to
+    hang.txt and hang.json in --out (ISPConfig.timeout_s)."""
     overlap: bool = True
     """Prefetch gathers and reduce-scatter asynchronously."""
     memory_pool: bool = True
@@ -212,6 +216,8 @@ class TrainConfig:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.comm_timeout > 0:
+            raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.comm_timeout}")
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
         self._check_plan()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from isp_comm.train.batching import EvalSet
@@ -72,7 +71,7 @@ def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, 
                 total[1] += (m.targets != IGNORE).sum()
     finally:
         model.train(was_training)
-    dist.all_reduce(total)
+    comm.all_reduce(total, what="the validation total")
     loss = float(total[0] / total[1].clamp(min=1))
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 

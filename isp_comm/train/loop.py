@@ -15,6 +15,7 @@ from tqdm import tqdm
 from isp_comm.train import virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
+from isp_comm.train.hang import inject_fault
 from isp_comm.train.job import Job, lr_at, setup
 from isp_comm.train.outputs import finish, open_outputs, report
 from isp_comm.train.signals import Interrupted
@@ -99,6 +100,8 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
     for g in job.opt.param_groups:
         g["lr"] = lr_at(cfg, step)
     step_loss = torch.zeros((), device=device)
+    job.comm.set_step(step)
+    inject_fault(job.rank, step, lambda: logits_of(job.model, batch.micros[0].to(device), bool(cfg.model)))
     for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
         micro = micro.to(device)
         hook.before_forward()

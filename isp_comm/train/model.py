@@ -54,4 +54,6 @@ def isp_config(cfg: TrainConfig, bf16: bool) -> ISPConfig:
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
         init_seed=cfg.seed,  # the same initial weights on every WP size
+        timeout_s=cfg.comm_timeout,
+        diagnosis_dir=cfg.out,  # hang.json, hang.txt; isp-comm doctor --live
     )

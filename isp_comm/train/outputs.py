@@ -9,7 +9,6 @@ import json
 import os
 from dataclasses import asdict
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from isp_comm.train import checkpoint, hf_model, run_folder, virtual
@@ -100,10 +99,10 @@ def finish(job: Job, start: int, last: dict) -> None:
     if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
         job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
     job.saver.close()
-    spans: list = [None] * job.world
-    dist.all_gather_object(spans, local_spans)
-    if cfg.virtual_world:  # the fake group's gather copies this rank's spans: keep the one real lane
+    if cfg.virtual_world:  # one real rank: keep its lane (a virtual group's gather would only model it)
         spans = [local_spans]
+    else:
+        spans = comm.all_gather_object(local_spans, what="the trace's spans")
     comm.close()
     if not virtual.leads(job.rank):
         return

@@ -1,0 +1,59 @@
+"""isp-train's side of a hang (see :mod:`isp_comm.flight`): how a run that timed out
+ends, and the test-only fault that makes one.
+
+[Note: ending a hung job]
+The waiting ranks leave at their deadline plus the diagnosis's few seconds, with one
+line (the rank that printed the diagnosis) and exit code 1, without a traceback. The
+launcher (torchrun, or isp-train's own) then sends SIGTERM to the ranks still there
+and SIGKILL 30 s later: a stopped rank ignores SIGTERM but not SIGKILL, so the job
+ends within the deadline plus about a minute. A rank that would survive its launcher
+dies with it (``survive.die_with_parent``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+
+from isp_comm.errors import ISPCommTimeout
+from isp_comm.flight.diagnosis import HANG_TXT
+
+FAULT_ENV = "ISP_TEST_HANG"
+"""Test-only: ``stop:RANK:STEP`` makes rank RANK stop itself (SIGSTOP) before step STEP;
+``extra:RANK:STEP`` makes it run one extra forward at that step (its collectives then
+differ from the others'). Used by tests/test_flight.py; never set it in a real run."""
+
+
+def inject_fault(rank: int, step: int, forward: Callable[[], object]) -> None:
+    """Test-only (:data:`FAULT_ENV`): the fault it asks for, at its rank and step."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, at_rank, at_step = spec.split(":")
+    if rank != int(at_rank) or step != int(at_step):
+        return
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "extra":
+        with torch.no_grad():
+            forward()
+    else:
+        raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (stop or extra)")
+
+
+def hang_exit(exc: ISPCommTimeout, out: str) -> NoReturn:
+    """One line on the rank that printed the diagnosis (every rank when none could be
+    made), then exit 1: see [Note: ending a hung job]."""
+    first = str(exc).splitlines()[0]
+    if exc.told:
+        print(f"isp-train: stopped: {first}; the diagnosis above is in {os.path.join(out, HANG_TXT)}", file=sys.stderr)
+    elif exc.diagnosis is None:
+        print(f"isp-train: stopped: {first}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)  # not sys.exit: the process group's teardown would wait on the stuck collective
