@@ -58,6 +58,7 @@ class CommContext:
         self._debug_delay_s = debug_delay_s
         self._delay_rng = random.Random(rank) if debug_delay_s > 0 else None
         self._unresolved: deque[tuple[Any, Any]] = deque()  # CUDA waits whose events have not completed
+        self._cuda = self.clock.cuda
         self.flight = FlightRecord(rank)
         """The last collectives issued, always on (see :mod:`isp_comm.flight`)."""
         self.phase = "outer"
@@ -75,7 +76,7 @@ class CommContext:
         if phase is None:
             phase = "backward" if torch._C._current_autograd_node() is not None else self.phase
         e = self.flight.issue(handle, kind, group, tensor, block, phase)
-        if self.clock.cuda:  # see [Note: the watchdog's events]
+        if self._cuda:  # see [Note: the watchdog's events]
             self.flight.watch(e, self.clock.completion(handle))
         return handle
 

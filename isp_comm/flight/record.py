@@ -89,6 +89,7 @@ class FlightRecord:
         self.current: Entry | None = None
         """The collective the rank's main thread waits for now (``None`` between waits)."""
         self._labels: dict[Any, str] = {}
+        self._max_pending = 4 * capacity
 
     def label(self, group: Any) -> str:
         """The group's name on every rank alike: its global ranks."""
@@ -102,14 +103,13 @@ class FlightRecord:
         """Record a collective just issued on ``group`` (``tensor``: what it sends or
         reduces, for its bytes and dtype)."""
         name = self._labels.get(group) or self.label(group)
-        seq = self.seqs.get(name, 0) + 1
-        self.seqs[name] = seq
-        nbytes = tensor.numel() * tensor.element_size()
-        e = Entry(seq, name, kind, nbytes, tensor.dtype, block, phase, self.step, time.time(), handle)
+        seqs, pending = self.seqs, self.pending
+        seq = seqs[name] = seqs.get(name, 0) + 1
+        e = Entry(seq, name, kind, tensor.nbytes, tensor.dtype, block, phase, self.step, time.time(), handle)
         self.entries.append(e)
-        self.pending[id(handle)] = e
-        if len(self.pending) > 4 * self.entries.maxlen:  # handles never waited (a failed step): forget the oldest
-            del self.pending[next(iter(self.pending))]
+        pending[id(handle)] = e
+        if len(pending) > self._max_pending:  # handles never waited (a failed step): forget the oldest
+            del pending[next(iter(pending))]
         return e
 
     def begin_wait(self, handle: Any) -> None:
