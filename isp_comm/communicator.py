@@ -346,6 +346,11 @@ class ISPCommunicator:
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self._sharded
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
     def set_step(self, step: int | None) -> None:
         """The training loop's step number, stamped on every collective of the flight
         record from now on, so that a hang's diagnosis says at which step each rank was."""

@@ -171,6 +171,9 @@ class Checkpointer:
         options = StagingOptions(pinned, False, False, False)
         self._stager = DefaultStager(options) if async_save else None
         self._pending: tuple[Future, str] | None = None
+        self._comm: ISPCommunicator | None = None
+        """The communicator of the last save: the commit's checksum gather goes through it
+        (recorded, under its deadline) while it is open."""
         error = None
         if dist.get_rank() == 0:
             try:
@@ -188,6 +191,7 @@ class Checkpointer:
         """Write step ``step`` (and the data order's state, when given); with
         ``async_save`` return once the state is staged."""
         self.wait()  # the previous save first: one in flight at a time
+        self._comm = comm
         path = _step_dir(self.out, step) + PARTIAL
         state = _state(comm, opt, step, data_order=data_order)
         if self.async_save:
@@ -245,8 +249,12 @@ class Checkpointer:
         except OSError as exc:
             mine, error = {}, f"{failed}: {_cause(exc)}"
         _agree(error, remove=path)
-        every: list[dict[str, int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        comm = self._comm
+        if comm is not None and not comm.closed:
+            every = comm.all_gather_object(mine, what=f"the checksums of {final}")
+        else:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
         if rank == 0:
             try:
                 sums = {k: v for d in every for k, v in (d or {}).items()}
