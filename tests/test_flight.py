@@ -334,6 +334,8 @@ def test_isp_train_ends_a_hang_with_one_line_and_the_diagnosis(tmp_path, fault: 
     _expect(err, fault)
     said = [line for line in err.splitlines() if line.startswith("isp-train: stopped: ")]
     assert len(said) == 1 and f"{out}/hang.txt" in said[0], err[-3000:]
+    diagnosis = [line for line in err.splitlines() if line.startswith(("isp-comm: hang diagnosis", "  "))]
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 + len(diagnosis), err[-3000:]
     res = subprocess.run([sys.executable, "-m", "isp_comm.cli", "doctor", out], capture_output=True, text=True)
     assert res.returncode == 0
     _expect(res.stdout, fault)

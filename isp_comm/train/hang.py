@@ -12,6 +12,7 @@ dies with it (``survive.die_with_parent``).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -44,6 +45,13 @@ def inject_fault(rank: int, step: int, forward: Callable[[], object]) -> None:
             forward()
     else:
         raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (stop or extra)")
+
+
+def quiet_after_hang() -> None:
+    """After a hang, the communicator's close would warn that buffers a collective may
+    still use are kept (a note for a program that goes on); the run ends instead, so
+    isp-train's output stays one line plus the diagnosis."""
+    logging.getLogger("isp_comm").setLevel(logging.ERROR)
 
 
 def hang_exit(exc: ISPCommTimeout, out: str) -> NoReturn:

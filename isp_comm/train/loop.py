@@ -12,10 +12,11 @@ import time
 import torch
 from tqdm import tqdm
 
+from isp_comm.errors import ISPCommTimeout
 from isp_comm.train import virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
-from isp_comm.train.hang import inject_fault
+from isp_comm.train.hang import inject_fault, quiet_after_hang
 from isp_comm.train.job import Job, lr_at, setup
 from isp_comm.train.outputs import finish, open_outputs, report
 from isp_comm.train.signals import Interrupted
@@ -27,7 +28,11 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     after an error."""
     job = setup(cfg, device, closing)
     start = open_outputs(job, closing)
-    last = train(job, start, closing)
+    try:
+        last = train(job, start, closing)
+    except ISPCommTimeout:
+        quiet_after_hang()  # before ``closing`` closes the communicator
+        raise
     finish(job, start, last)
 
 
