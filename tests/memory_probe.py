@@ -115,6 +115,7 @@ def forecast_point(pt: Point, device: str = "cpu"):
         seq=pt.seq,
         optimizer=pt.optimizer,  # type: ignore[arg-type]
         device=device,  # type: ignore[arg-type]
+        evaluate=True,
     )
 
 
@@ -183,7 +184,15 @@ def _measure(rank: int, world: int, pt: Point, folder: str, device: str) -> dict
         opt.step()
         out["optimizer"] = peak() - base
         opt.zero_grad()
-    del dp
+    reset()  # a validation pass after the step, as isp-train's --eval-every runs it
+    with torch.no_grad():
+        if pt.model == "qwen2":
+            logits = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
+        else:
+            logits = model(ids, position_ids=positions)
+        comm.cross_entropy(logits.float(), labels)
+    out["evaluate"] = peak() - base
+    del logits, dp
     state = {"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}
     reset()
     dcp.save(state, checkpoint_id=os.path.join(folder, "sync"))

@@ -13,7 +13,7 @@ from torch import nn
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
-from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan
+from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan, shared_pages
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
 from isp_comm.memory_forecast.weights import Weights, cpu_runtime, flat_bytes, unit_layouts, weights
 from isp_comm.memory_pool import MemoryPlan
@@ -49,6 +49,7 @@ def forecast(
     head: nn.Module | None = None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     memo: dict | None = None,
+    evaluate: bool = False,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
 
@@ -62,7 +63,9 @@ def forecast(
     shared memory; default all); ``forward(model, input_ids) -> logits``: how to call
     the model (default: transformers models with ``use_cache=False``, else
     ``model(input_ids)``); ``memo``: a dict kept across calls on the same model, which
-    reuses its layouts and traces (the planner's search forecasts many layouts)."""
+    reuses its layouts and traces (the planner's search forecasts many layouts);
+    ``evaluate``: the run validates (isp-train's ``--eval-every``), which adds the
+    ``evaluate`` phase."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -94,12 +97,15 @@ def forecast(
         "optimizer state": w.opt_state,
         "all-reduce buffers": allreduce,
         **cpu_runtime(device, world, config.param_dtype),
+        **shared_pages(plan, layouts, config, device, (world, wp), sum(w.replicated_trainable)),
     }
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: flat_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
     phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0)))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
+    if evaluate:
+        phases["evaluate"] = _evaluate(steady, w, traced)
     staging = {"save": w.largest_item, "async_save": w.master + w.replicated + w.opt_state, "load": 2 * w.largest_item}
     for ph, nbytes in staging.items():  # on CUDA, DCP stages in host memory (pinned for async saves)
         phases[ph] = {**steady, **({} if device == "cuda" else {"checkpoint staging": nbytes})}
@@ -180,6 +186,26 @@ def _step(
             }
         )
     return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}
+
+
+def _evaluate(steady: dict[str, int], w: Weights, traced: Traced) -> dict[str, int]:
+    """A validation pass (isp_comm/train/evaluate.py): after a step's ``zero_grad``
+    (no gradient shard left), under ``no_grad``, over held-out micro-batches of the
+    training micro-batch's shape on each rank. Autograd keeps nothing, so a block's
+    intermediates live only while it runs: its largest moment is bounded by what that
+    block would save for backward, plus its input and output hidden states. Then the
+    logits, their fp32 copy and log-softmax, as in a training forward (after the
+    blocks: the larger of the two moments counts). The optimizer
+    state, the pool (the gathered weights) and the casts stay."""
+    loss_fwd, _, _ = loss_bytes(traced)
+    one_block = max(traced.saved, default=0) + 2 * max(traced.inputs, default=0)
+    moments = [{"no_grad activations (one block)": one_block}, {"logits and loss": loss_fwd}]  # not at once
+    return {
+        **steady,
+        "cast copies": w.casts,
+        "outer gather": w.outer_gather,
+        **max(moments, key=lambda m: sum(m.values())),
+    }
 
 
 def _optimizer(steady: dict[str, int], w: Weights, optimizer: str, device: str) -> dict[str, int]:

@@ -51,6 +51,51 @@ def host_shared_memory(
     return (buffers + sum(scratch_bytes(n) for n in largest)) * (local_world or world)
 
 
+def _nbytes(numel: dict) -> int:
+    return sum(n * dt.itemsize for dt, n in numel.items())
+
+
+def shared_pages(
+    plan: MemoryPlan,
+    layouts: list[UnitLayout],
+    config: ISPConfig,
+    device: str,
+    sizes: tuple[int, int],
+    all_reduced: int,
+) -> dict[str, int]:
+    """Pages of shared memory a rank's RSS holds beyond its own pool, under the CPU
+    symmetric-memory backend (empty off it). Every page a process touches in a mapping
+    counts in its RSS, its peers' segments too (see [Note: peers' pages]).
+    ``sizes``: (world, wp); ``all_reduced``: the bytes of the gradients all-reduced
+    whole over the world (one flat buffer).
+
+    [Note: peers' pages]
+    A direct all-gather writes this rank's chunk (1/wp) into every peer's landing
+    buffer (or, landing per parameter, its slots), and a direct reduce-scatter reads
+    this rank's chunk of every peer's reduce-scatter inputs: (wp-1)/wp of one peer's
+    buffers, over its wp-1 peers. A collective through the scratch copies the input
+    into this rank's scratch and reads every peer's: its group's size times its bytes,
+    the largest of the group's (the segment is reused). Measured with
+    /proc/PID/smaps per segment (docs/forecast.md): at 2 ranks, 3 layers of width 448,
+    the peers' pool buffers held 12.5 MiB and the world's scratch 1.8 MiB, as here."""
+    world, wp = sizes
+    if not (device == "cpu" and config.backend in ("auto", "symm") and world > 1):
+        return {}
+    pooled = config.memory_pool and wp > 1
+    peers = 0
+    if pooled:
+        target = plan.staging_numel if _nbytes(plan.staging_numel) else plan.slot_numel
+        landing = _nbytes(target) * (1 if _nbytes(plan.staging_numel) else plan.n_slots)
+        peers = (wp - 1) * (landing + plan.rs_buffers * _nbytes(plan.rs_numel)) // wp
+    wp_gathers = [lay.gathered_numel * lay.gather_dtype.itemsize for i, lay, _ in layouts if i == -1 or not pooled]
+    groups = {
+        "wp": wp * max([g // wp for g in wp_gathers], default=0) if wp > 1 else 0,
+        "replica": (world // wp) * max(flat_bytes(lay) for _, lay, _ in layouts) if world > wp else 0,
+        "world": world * all_reduced,
+    }
+    return {"shared memory: peers' pool pages": peers, "shared memory: collective scratch": sum(groups.values())}
+
+
 def nvshmem_heap(
     plan: MemoryPlan,
     layouts: list[UnitLayout],

@@ -7,7 +7,9 @@ import json
 from typing import Literal
 
 Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
-PHASES = ("wrap", "forward", "backward", "optimizer", "save", "async_save", "load")
+PHASES = ("wrap", "forward", "backward", "optimizer", "save", "async_save", "load", "evaluate")
+"""Every phase a forecast may hold, in a step's order; ``evaluate`` only when the run
+validates (``forecast(..., evaluate=True)``)."""
 MIB = 2**20
 
 
@@ -31,6 +33,10 @@ class MemoryForecast:
     512 MiB granules), which ``max_memory_allocated`` does not see: what lives in it is
     not in ``phases`` (0: no heap)."""
 
+    def names(self) -> list[str]:
+        """The phases this forecast holds, in :data:`PHASES`'s order."""
+        return [ph for ph in PHASES if ph in self.phases]
+
     def peak(self, phase: str) -> int:
         return sum(self.phases[phase].values())
 
@@ -40,25 +46,25 @@ class MemoryForecast:
 
     def worst(self) -> str:
         """The phase with the highest peak."""
-        return max(PHASES, key=self.peak)
+        return max(self.names(), key=self.peak)
 
     def as_mib(self, baseline_bytes: int = 0) -> dict[str, float]:
         """phase -> MiB, absolute (``baseline_bytes`` added): comparable with a run's
         logged peak (``peak_rss_mib`` on CPU, ``peak_alloc_mib`` on CUDA)."""
-        return {ph: round((self.peak(ph) + baseline_bytes) / MIB, 1) for ph in PHASES}
+        return {ph: round((self.peak(ph) + baseline_bytes) / MIB, 1) for ph in self.names()}
 
     def table(self, baseline_bytes: int = 0) -> str:
         """A markdown table: parts down, phases across, MiB; then the peaks."""
-        parts: list[str] = []
-        for ph in PHASES:
+        names, parts = self.names(), []
+        for ph in names:
             parts += [p for p in self.phases[ph] if p not in parts]
-        head = "| part | " + " | ".join(PHASES) + " |"
-        rows = [head, "|---|" + "---:|" * len(PHASES)]
+        head = "| part | " + " | ".join(names) + " |"
+        rows = [head, "|---|" + "---:|" * len(names)]
         for part in parts:
-            cells = [self.phases[ph].get(part) for ph in PHASES]
+            cells = [self.phases[ph].get(part) for ph in names]
             rows.append(f"| {part} | " + " | ".join("" if c is None else f"{c / MIB:.1f}" for c in cells) + " |")
         if baseline_bytes:
-            rows.append("| process baseline | " + " | ".join(f"{baseline_bytes / MIB:.1f}" for _ in PHASES) + " |")
+            rows.append("| process baseline | " + " | ".join(f"{baseline_bytes / MIB:.1f}" for _ in names) + " |")
         rows.append("| **peak** | " + " | ".join(f"**{v:.1f}**" for v in self.as_mib(baseline_bytes).values()) + " |")
         return "\n".join(rows)
 
@@ -77,5 +83,6 @@ KNOBS = {
     "reduce-scatter buffers": "ISPConfig.max_inflight_reduce_scatter",
     "block gradients (unsharded)": "a larger --wp, or smaller blocks",
     "checkpoint staging": "a synchronous save (no --async-save)",
+    "no_grad activations (one block)": "a smaller --batch",
 }
 """The knob that shrinks each part (isp-train's flags)."""

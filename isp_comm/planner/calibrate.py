@@ -340,10 +340,13 @@ def _transient_mib(lines: list[str]) -> float:
     """The step's transient tensors (:func:`~isp_comm.planner.memory.transient`) of the
     plan's table: its rows are parts, its columns :data:`PHASES`, in MiB."""
     phases: dict[str, dict[str, float]] = {ph: {} for ph in PHASES}
+    names: list[str] = []  # the table's columns (``evaluate`` only when the run validates)
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == len(PHASES) + 1 and not cells[0].startswith(("part", "-", "*")):
-            for ph, cell in zip(PHASES, cells[1:]):
+        if line.startswith("| part |"):
+            names = cells[1:]
+        elif line.startswith("| ") and names and len(cells) == len(names) + 1 and not cells[0].startswith(("-", "*")):
+            for ph, cell in zip(names, cells[1:]):
                 if cell:
                     phases[ph][cells[0]] = float(cell)
     return transient(phases)

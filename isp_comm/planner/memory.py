@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from isp_comm.memory_forecast import PHASES, MemoryForecast
+from isp_comm.memory_forecast import MemoryForecast
 from isp_comm.planner.profile import Profile
 
 MARGIN = 0.05
@@ -59,7 +59,7 @@ class DeviceMemory:
     @property
     def peak(self) -> int:
         """The reported figure's forecast peak (absolute)."""
-        return max(self.forecast.peak(ph) for ph in PHASES) + self.baseline
+        return max(self.forecast.peak(ph) for ph in self.forecast.names()) + self.baseline
 
 
 TRANSIENT = ("activations", "logits and loss", "activation gradients")
@@ -98,13 +98,13 @@ def device_memory(
         extra = {k: v for k, v in extra.items() if v}
         phases = {ph: ({**parts, **extra} if ph != "wrap" else parts) for ph, parts in fc.phases.items()}
         fc = dataclasses.replace(fc, phases=phases)
-        peak = max(fc.peak(ph) for ph in PHASES) + baseline
+        peak = max(fc.peak(ph) for ph in fc.names()) + baseline
         return DeviceMemory(fc, baseline, peak, peak + fc.shm_bytes // max(prof.per_node, 1), {}, capacity)
     workspace = prof.cuda.get("workspace", 0)
     ws = {"cuBLAS workspace": workspace}
     phases = {ph: (parts if ph == "wrap" else {**parts, **ws}) for ph, parts in fc.phases.items()}
     fc = dataclasses.replace(fc, phases=phases)
-    allocated = max(fc.peak(ph) for ph in PHASES)
+    allocated = max(fc.peak(ph) for ph in fc.names())
     outside = {
         "allocator rounding and fragmentation (modelled, 5%)": int(FRAGMENTATION * allocated),
         "CUDA context": prof.cuda.get("context", 0),

@@ -96,7 +96,7 @@ class _Planner:
         blocks = self.memo.setdefault("blocks", list(find_blocks(self.model)))
         fc = forecast(
             self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
-            local_world=prof.per_node, blocks=blocks, memo=self.memo,
+            local_world=prof.per_node, blocks=blocks, memo=self.memo, evaluate=bool(c.eval_every),
         )  # fmt: skip
         return planner_memory.device_memory(
             fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes

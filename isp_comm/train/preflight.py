@@ -26,7 +26,16 @@ def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, w
     """The forecast for this run's flags (see isp_comm/memory_forecast/)."""
     wp = cfg.wp or world  # as ParallelGroups.create gets it
     return forecast(
-        model, icfg, world, wp, cfg.sp, cfg.batch, cfg.seq, device=device.type, local_world=local_ranks(cfg, world)
+        model,
+        icfg,
+        world,
+        wp,
+        cfg.sp,
+        cfg.batch,
+        cfg.seq,
+        device=device.type,
+        local_world=local_ranks(cfg, world),
+        evaluate=bool(cfg.eval_every),
     )
 
 
