@@ -64,8 +64,7 @@ def forecast(
     the model (default: transformers models with ``use_cache=False``, else
     ``model(input_ids)``); ``memo``: a dict kept across calls on the same model, which
     reuses its layouts and traces (the planner's search forecasts many layouts);
-    ``evaluate``: the run validates (isp-train's ``--eval-every``), which adds the
-    ``evaluate`` phase."""
+    ``evaluate``: the run validates (``--eval-every``): an ``evaluate`` phase."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -104,11 +103,8 @@ def forecast(
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
     phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0)))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
-    if evaluate:
-        phases["evaluate"] = _evaluate(steady, w, traced)
-    staging = {"save": w.largest_item, "async_save": w.master + w.replicated + w.opt_state, "load": 2 * w.largest_item}
-    for ph, nbytes in staging.items():  # on CUDA, DCP stages in host memory (pinned for async saves)
-        phases[ph] = {**steady, **({} if device == "cuda" else {"checkpoint staging": nbytes})}
+    phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
+    staging = _checkpoints(phases, steady, w, device)
     return MemoryForecast(
         phases={ph: {k: v for k, v in parts.items() if v} for ph, parts in phases.items()},
         shm_bytes=shm,
@@ -116,6 +112,15 @@ def forecast(
         activations_by_block=acts,
         device_heap_bytes=heap,
     )
+
+
+def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) -> dict[str, int]:
+    """The save, async save and load phases (into ``phases``), and DCP's staging per
+    phase: on CUDA it is host memory (pinned for async saves), not the device's."""
+    staging = {"save": w.largest_item, "async_save": w.master + w.replicated + w.opt_state, "load": 2 * w.largest_item}
+    for ph, nbytes in staging.items():
+        phases[ph] = {**steady, **({} if device == "cuda" else {"checkpoint staging": nbytes})}
+    return staging
 
 
 def _persistent(plan: MemoryPlan, w: Weights, in_heap: int) -> dict[str, int]:
