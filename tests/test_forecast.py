@@ -4,6 +4,7 @@ through isp-train (--plan, and the warning before a run that will not fit)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -114,3 +115,55 @@ def test_warning_names_the_biggest_part(monkeypatch) -> None:
     assert part in line and "try " in line and fc.worst() in line, line
     monkeypatch.setattr(preflight, "free_memory_per_rank", lambda device, local: 2**40)
     assert preflight.memory_warnings(cfg, model, icfg, 2, torch.device("cpu")) == []
+
+
+HELD_OUT = 0.05
+"""The issue's goal for a run's peak RSS. The forecast's measured constants were read
+elsewhere: gloo's and the bf16 kernels' runtime on bench/forecast.py's grid (width 256,
+4 layers, vocabulary 4096), the planner's runtime and allocator share on the
+calibration model (width 64, vocabulary 256); these shapes are neither. Run to run, the
+peak RSS of one shape moved by under 2% (docs/forecast.md), which the 5% leaves room
+for."""
+
+
+@pytest.fixture(scope="module")
+def calibrated_env(tmp_path_factory) -> dict[str, str]:
+    """isp-train's environment with this machine calibrated into a folder of the test's
+    (the first --plan calibrates: under a minute)."""
+    env = dict(os.environ, ISP_COMM_CACHE_DIR=str(tmp_path_factory.mktemp("profiles")))
+    env.pop("ISP_COMM_PLAN_CALIBRATE", None)
+    return env
+
+
+@pytest.mark.slow  # a calibration (under a minute) and two runs of about 15 s each
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ["--nproc-per-node", "2", "--layers", "3", "--hidden", "320", "--heads", "5", "--kv-heads", "1"]
+        + ["--seq", "128", "--batch", "4", "--ckpt", "0.5"],
+        ["--nproc-per-node", "4", "--wp", "2", "--layers", "2", "--hidden", "384", "--heads", "6"]
+        + ["--kv-heads", "2", "--seq", "64", "--batch", "8"],
+    ],
+    ids=["w2-ckpt0.5", "w4-wp2"],
+)
+def test_plan_within_5pct_of_a_validating_runs_peak_rss(shape, calibrated_env, tmp_path) -> None:
+    """--plan's highest phase of a step (evaluation included) against the peak RSS
+    isp-train logs, on the default (shared-memory) backend, at shapes held out from
+    every fit."""
+    flags = [*shape, "--eval-every", "3", "--eval-split", "0.05"]
+    base = [sys.executable, "-m", "isp_comm.train", *flags]
+    plan = subprocess.run([*base, "--plan"], capture_output=True, text=True, env=calibrated_env, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    planned = json.loads(plan.stdout.strip().splitlines()[-1])
+    assert "evaluate" in planned
+    predicted = max(planned[ph] for ph in ("forward", "backward", "optimizer", "evaluate"))  # the save comes after
+    out = tmp_path / "run"
+    run = subprocess.run(
+        [*base, "--steps", "6", "--no-trace", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert any("eval_loss" in r for r in rows)  # the validation ran (steps 3 and 6)
+    measured = rows[-1]["peak_rss_mib"]
+    assert abs(predicted - measured) <= HELD_OUT * measured, (predicted, measured)
