@@ -29,7 +29,14 @@ shards, replicated parameters, pool):
 * ``optimizer``: gradients of everything plus the optimizer's temporaries;
 * ``save`` / ``async_save`` / ``load``: DCP's per-item copies; the async save's
   staging holds a whole copy of the model and optimizer shards (on CUDA these are
-  host memory, ``host_staging``, not the GPU's).
+  host memory, ``host_staging``, not the GPU's);
+* ``evaluate`` (only with ``evaluate=True``: isp-train's ``--eval-every``): a
+  validation pass under ``no_grad`` after the step's ``zero_grad``: the larger of one
+  block's intermediates and the logits and loss, with no gradient shard.
+
+On the CPU shared-memory backend a rank's RSS also counts the shared pages it touches
+beyond its own pool: its chunk of every peer's landing and reduce-scatter buffers, and
+the scratch of collectives that do not run on the pool (:func:`.pool.shared_pages`).
 
 Modelled, not traced: the loss (logits held by the loop, their fp32 copy and
 log-softmax, and two fp32 logits-sized tensors in its backward), the activation
