@@ -14,7 +14,7 @@ From one's own training loop::
     comm.stats()["comm_s"], comm.stats()["exposed_comm_s"]
 
 The planner's link model (a target's published NVLink and InfiniBand figures, or a
-profile file) is :func:`isp_comm.planner.links.profile_link`. What is real and what
+profile file) is :class:`isp_comm.planner.links.ProfileLink`. What is real and what
 is modelled: [Note: what a virtual collective does] in
 ``isp_comm/backends/virtual.py``, and docs/virtual.md.
 """
