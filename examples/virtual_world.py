@@ -16,7 +16,7 @@ model = build(LlamaConfig(n_layers=4), seed=0)
 comm = ISPCommunicator(model, groups, ISPConfig(), backend=virtual_backend(torch.device("cpu"), link))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 tokens = torch.randint(0, 256, (2, 65))  # this rank's share of the job's batch
-for step in range(3):
+for _ in range(3):
     logits = model(tokens[:, :-1])
     loss = comm.cross_entropy(logits, tokens[:, 1:])
     loss.backward()
