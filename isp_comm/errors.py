@@ -11,7 +11,7 @@ class ISPCommTimeout(RuntimeError):
     diagnosis: str | None = None
     """The diagnosis, when one was made (a store to meet in, more than one rank)."""
     told: bool = False
-    """Whether this rank printed the diagnosis (the lowest rank that answered does)."""
+    """Whether this rank printed the diagnosis (the first rank whose deadline passed does)."""
 
 
 class HookOrderError(RuntimeError, ValueError):

@@ -177,6 +177,30 @@ def test_a_timed_out_wait_carries_the_diagnosis_printed_once_with_the_files(tmp_
     assert again.value.diagnosis is None
 
 
+def test_a_slow_lowest_rank_does_not_silence_the_diagnosis(tmp_path, capsys) -> None:
+    """Rank 0 is alive and answers from its heartbeat but never timed out (slow, not
+    stopped); rank 1's wait passes its deadline: rank 1, the first to time out, says
+    it and writes the files (a review found the lowest answering rank chosen, which
+    never printed)."""
+    store = DictStore()
+    records = {r: _record(r, STEP * 2, 3) for r in range(3)}
+    hb0 = Heartbeat(records[0], store, StoreKeys(8))
+    hb0.start()
+    ctx = CommContext(1, timeout_s=0.5)
+    ctx.flight = records[1]
+    ctx.diagnose = Diagnoser(Heartbeat(ctx.flight, store, StoreKeys(8), str(tmp_path)), 3, str(tmp_path), window_s=1.0)
+    h = Pending()
+    ctx.flight.issue(h, "all-gather", None, torch.empty(4), 0, "forward")
+    try:
+        with pytest.raises(ISPCommTimeout) as info:
+            ctx.wait(h, "all-gather of block 0")
+    finally:
+        hb0.close()
+    assert info.value.told
+    assert capsys.readouterr().err.count("isp-comm: hang diagnosis (3 ranks, deadline 0.5 s, from rank 1)") == 1
+    assert (tmp_path / HANG_TXT).is_file() and json.loads((tmp_path / HANG_JSON).read_text())["not_responding"] == [2]
+
+
 def test_doctor_live_asks_through_the_trigger_file(tmp_path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"world": 2}))
     beats = [Heartbeat(_record(r, STEP * 2, 4 + 2 * r), None, StoreKeys(0), str(tmp_path)) for r in range(2)]

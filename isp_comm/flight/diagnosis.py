@@ -13,9 +13,10 @@ own (see [Note: why a thread answers for the rank]). After a short window:
   majority's at the same number is **out of step** (it issued something else);
 - a rank that answered but has not yet issued what the others wait for is **behind**.
 
-The lowest rank that answered prints the diagnosis once and writes ``hang.json`` and
-``hang.txt`` (every rank's record and Python stacks) to the diagnosis folder; every
-rank that timed out puts it in its :class:`~isp_comm.errors.ISPCommTimeout`.
+The first rank whose wait passed its deadline (an atomic count in the store) prints the
+diagnosis once and writes ``hang.json`` and ``hang.txt`` (every rank's record and Python
+stacks) to the diagnosis folder; every rank that timed out puts it in its
+:class:`~isp_comm.errors.ISPCommTimeout`.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def write_files(folder: str, header: str, d: Diagnosis, records: dict, beats: di
 
 class Diagnoser:
     """Runs the diagnosis on a rank whose wait passed its deadline (once per
-    communicator); ``folder``: where the lowest answering rank writes the files."""
+    communicator); ``folder``: where the first rank to time out writes the files."""
 
     def __init__(self, heartbeat: Heartbeat, world: int, folder: str | None, window_s: float | None = None) -> None:
         self.hb, self.world, self.folder, self.window_s = heartbeat, world, folder, window_s
@@ -236,6 +237,7 @@ class Diagnoser:
         if hb.store is None:  # no store: this rank's own position only
             return None
         hb.set(hb.keys.record(rank), hb.full(f"timed out waiting in {what}"))
+        tells = hb.first_to(hb.keys.teller)  # the first rank whose deadline passed says it, once
         hb.request()
         records: dict[int, dict[str, Any]] = {}
         gone: set[int] = set()
@@ -253,10 +255,9 @@ class Diagnoser:
         records[rank] = hb.full(f"timed out waiting in {what}")  # its own, as of now
         beats = {r: hb.get(hb.keys.beat(r)) for r in range(self.world)}
         d = classify(records, beats, self.world, time.time())
-        teller = min(r for r, rec in records.items() if not rec.get("closed"))  # the lowest rank that answered
-        header = f"isp-comm: hang diagnosis ({self.world} ranks, deadline {deadline_s:.1f} s, by rank {teller})"
+        header = f"isp-comm: hang diagnosis ({self.world} ranks, deadline {deadline_s:.1f} s, from rank {rank})"
         self.result = d.text(header)
-        if rank == teller:  # says it once
+        if tells:  # said once: a rank that answers but never timed out (slow, not stopped) does not
             self.told = True
             print(self.result, file=sys.stderr, flush=True)
             if self.folder is not None:
@@ -302,7 +303,7 @@ def attach(ctx: Any, world: int, folder: str | None) -> Flight:
     store = default_store() if world > 1 else None
     hb = Heartbeat(ctx.flight, store, StoreKeys(next(_instances)), folder)
     ctx.diagnose = Diagnoser(hb, world, folder)
-    watchdog = Watchdog(ctx.flight, ctx.timeout_s, ctx.diagnose) if ctx.clock.cuda else None
+    watchdog = Watchdog(ctx.flight, ctx.timeout_s, ctx.diagnose, device=ctx.clock.device) if ctx.clock.cuda else None
     hb.start()
     if watchdog is not None:
         watchdog.start()

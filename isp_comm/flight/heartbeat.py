@@ -61,6 +61,11 @@ class StoreKeys:
     def record(self, rank: int) -> str:
         return f"{self.prefix}record/{rank}"
 
+    @property
+    def teller(self) -> str:
+        """Counts the ranks that began a diagnosis: the first one prints it."""
+        return self.prefix + "teller"
+
 
 class Heartbeat:
     """Publishes ``record``'s position to ``store`` every :data:`BEAT_S` seconds; see the
@@ -148,6 +153,18 @@ class Heartbeat:
         except Exception:  # noqa: BLE001
             self.failures += 1
             return None
+
+    def first_to(self, key: str) -> bool:
+        """Whether this rank is the first to add to ``key`` (atomic in the store; a
+        store that is gone answers yes, so that someone still says it)."""
+        if self.store is None:
+            return True
+        try:
+            with self.lock:
+                return int(self.store.add(key, 1)) == 1
+        except Exception:  # noqa: BLE001
+            self.failures += 1
+            return True
 
     def requested(self) -> bool:
         if self.store is None:
