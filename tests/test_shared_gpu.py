@@ -232,6 +232,19 @@ def test_the_status_names_are_nvshmem4pys() -> None:
     assert callable(nvshmem.core.init_status)
 
 
+def test_the_status_is_read_by_name_from_the_int_init_status_returns(monkeypatch) -> None:
+    """``init_status()`` returns the binding's plain int (it needs libnvshmem, so a fake
+    returns one here): the tests' name for it comes through ``InitStatus``."""
+    pytest.importorskip("nvshmem.core")
+    import nvshmem.core
+
+    from tests.gpu.mps import nvshmem_status
+
+    full = int(nvshmem.core.InitStatus.STATUS_FULL_MPG)
+    monkeypatch.setattr(nvshmem.core, "init_status", lambda: full)
+    assert nvshmem_status() == shared.FULL
+
+
 @pytest.mark.timeout(300)
 def test_tests_gpu_collect_and_skip_for_want_of_cuda() -> None:
     if torch.cuda.is_available():

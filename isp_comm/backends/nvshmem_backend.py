@@ -506,6 +506,7 @@ class NvshmemBackend(Backend):
         self._closed = True
         if self._initialized and not self._abandoned:
             self._lanes.synchronize()
+            self._lanes.runtime.synchronize(self._device)  # the compute stream may still read pool buffers
             for t in self._allocations:
                 self._api.core.free_tensor(t)
             self._api.core.finalize()

@@ -166,9 +166,15 @@ class DeviceDelay:
     spins ``cycles`` clock cycles (``torch.cuda._sleep``), with the cycles per second
     and the copy rate calibrated against CUDA events at set-up."""
 
+    CALIBRATION_CYCLES = 20_000_000
+    """About 10 ms a spin at 2 GHz: the clocks ramp up during the warm-up spin, and a
+    launch's microseconds are well under 1% of each timed one."""
+
     def __init__(self, device: torch.device) -> None:
         with torch.cuda.device(device):
-            self.cycles_per_s = 4_000_000 / self._measure(lambda: torch.cuda._sleep(4_000_000))
+            n = self.CALIBRATION_CYCLES
+            torch.cuda._sleep(5 * n)  # warm-up: about 50 ms at full clocks
+            self.cycles_per_s = n / self._measure(lambda: torch.cuda._sleep(n))
             a = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
             b = torch.empty_like(a)
             self.copy_bytes_per_s = a.numel() / self._measure(lambda: b.copy_(a))

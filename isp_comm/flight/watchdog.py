@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from isp_comm.flight.record import Entry, FlightRecord, describe
 
 POLL_S = 1.0
@@ -39,7 +41,9 @@ def exit_after_hang(text: str | None) -> None:
 class Watchdog:
     """Polls ``record.inflight`` every ``poll_s``; ``diagnose(what, deadline_s)`` gives the
     text passed to ``on_hang`` (default: :func:`exit_after_hang`). ``clock``: seconds,
-    comparable with the entries' ``issued`` (tests pass a fake)."""
+    comparable with the entries' ``issued`` (tests pass a fake). ``device``: the rank's
+    GPU, made the thread's own before it queries an event: a thread starts on device 0,
+    and the runtime would give every rank of a node a context there."""
 
     def __init__(
         self,
@@ -49,9 +53,10 @@ class Watchdog:
         on_hang: Callable[[str | None], None] = exit_after_hang,
         poll_s: float = POLL_S,
         clock: Callable[[], float] = time.time,
+        device: torch.device | None = None,
     ) -> None:
         self.record, self.deadline_s, self.diagnose, self.on_hang = record, deadline_s, diagnose, on_hang
-        self.poll_s, self.clock = poll_s, clock
+        self.poll_s, self.clock, self.device = poll_s, clock, device
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"isp-watchdog-{record.rank}", daemon=True)
         self.fired: Entry | None = None
@@ -78,6 +83,8 @@ class Watchdog:
         return True
 
     def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         while not self._stop.wait(self.poll_s):
             if self.poll():
                 return

@@ -149,3 +149,13 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def nvshmem_status() -> str:
+    """NVSHMEM's init status in this process by name (``STATUS_NOT_INITIALIZED`` before
+    init, ``STATUS_FULL_MPG`` or ``STATUS_LIMITED_MPG`` for several PEs on one GPU).
+    ``nvshmem.core.init_status()`` returns the binding's plain int (``cpdef int`` in
+    nvshmem4py 0.4.1), so the name comes from its ``InitStatus`` enum."""
+    import nvshmem.core
+
+    return nvshmem.core.InitStatus(nvshmem.core.init_status()).name

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from isp_comm.backends.cuda_symm import OVERLAP_VARIABLE
 from isp_comm.testing import free_port, run_ranks
-from tests.gpu.mps import PrivateMps, pe_share
+from tests.gpu.mps import PrivateMps, nvshmem_status, pe_share
 from tests.parity import Case, batches, loss_fn, make_optim
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -85,11 +85,6 @@ def _nccl_version() -> tuple[int, ...] | None:
 
 
 # ---- the workers (one per rank, all on cuda:0) -------------------------------------
-def _init_status() -> str:
-    """NVSHMEM's init status name in this process (``STATUS_NOT_INITIALIZED`` before init)."""
-    import nvshmem.core
-
-    return nvshmem.core.init_status().name
 
 
 class _Limited(Exception):
@@ -105,7 +100,7 @@ def _full_or_limited(make_backend):
 
     def make(name: str, device: torch.device, timeout_s: float):
         backend = make_backend(name, device, timeout_s)
-        if name == "nvshmem" and _init_status() == LIMITED:
+        if name == "nvshmem" and nvshmem_status() == LIMITED:
             raise _Limited(LIMITED)
         return backend
 
@@ -154,13 +149,13 @@ def _contract_worker(rank: int, world: int, name: str) -> dict:
     torch.cuda.set_device(DEV)
     gloo = dist.new_group(backend="gloo")  # the reference (the default group is NCCL in the NCCL test)
     backend = make_backend(name, DEV, 60.0)  # NVSHMEM starts here: NVSHMEM_SYMMETRIC_SIZE is set
-    if name == "nvshmem" and _init_status() == LIMITED:
+    if name == "nvshmem" and nvshmem_status() == LIMITED:
         # limited mode: collectives and team syncs abort the process, finalize too
         # (it syncs): the rank says so and leaves without them
         return {"status": LIMITED}
     try:
         checked = _contract(backend, dist.group.WORLD, gloo, rank, world)
-        status = _init_status() if name == "nvshmem" else None
+        status = nvshmem_status() if name == "nvshmem" else None
         # the symm backend decides once per group: symmetric memory, never a fallback
         symmetric = all(backend._local.values()) if name == "symm" else None
     finally:
@@ -209,7 +204,7 @@ def _parity_worker(rank: int, world: int, name: str, wp: int, sp: int, bf16: boo
         losses.append(total.item() / world)
     sd = comm.full_state_dict()
     symmetric = all(comm.backend._local.values()) if name == "symm" else None
-    status = _init_status() if name == "nvshmem" else None  # before close: it finalizes
+    status = nvshmem_status() if name == "nvshmem" else None  # before close: it finalizes
     comm.close()
     ref_sd = ref.state_dict()
     return {

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
 from models.llama import LlamaConfig, build  # noqa: E402
+from tests.gpu.mps import nvshmem_status  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -35,12 +36,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--one-gpu", action="store_true", help="every rank on cuda:0, over gloo")
     return ap.parse_args()
-
-
-def nvshmem_status() -> str:
-    import nvshmem.core
-
-    return nvshmem.core.init_status().name
 
 
 def main() -> None:
