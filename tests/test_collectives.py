@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, backend: str) -> tuple:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("symm", marks=pytest.mark.slow)])
 def test_all_reduce_and_object_gather(backend: str) -> None:
     world = 3
     for total, objs, _ in run_ranks(_worker, world, backend, timeout_s=100):
@@ -54,7 +54,7 @@ def _stalled(rank: int, world: int, backend: str) -> tuple[str, float] | None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "symm"])
 def test_a_stalled_peer_ends_the_all_reduce_at_the_deadline(backend: str) -> None:
     """The loss all-reduce waits under ``ISPConfig.timeout_s`` (3 s here), not the
     process group's 30 minutes, and its message names what and which rank."""

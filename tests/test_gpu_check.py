@@ -208,6 +208,7 @@ def test_a_daemon_left_by_a_killed_step_is_stopped(tmp_path, fake_mps, monkeypat
 
 
 # ---- bench/plan_gpu.py at a tiny size on the CPU ---------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plan_gpu_measures_without_a_final_checkpoint(tmp_path, monkeypatch) -> None:
     from bench import plan_gpu

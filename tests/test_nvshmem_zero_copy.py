@@ -138,7 +138,7 @@ def _direct_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pool_collectives_run_on_heap_slices_without_copies(world: int) -> None:
     for r in run_ranks(_direct_worker, world, timeout_s=180):
         assert r["checked"] == 18 and r["direct"] == (9, 9), r
