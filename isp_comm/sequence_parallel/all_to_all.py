@@ -15,8 +15,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend
+from isp_comm.backends.base import Backend, Handle
 from isp_comm.context import CommContext
+
+
+@torch.compiler.disable
+def _issue(recv: torch.Tensor, send: torch.Tensor, group: ProcessGroup, backend: Backend, comm: CommContext) -> Handle:
+    """Issue one all-to-all and record it. Run eagerly inside a compiled block: the
+    flight record reads the bytes sent, which a traced tensor of symbolic shape cannot
+    give (``nbytes`` raises there)."""
+    return comm.record(backend.all_to_all(recv.view(-1), send.view(-1), group), "all-to-all", group, send)
 
 
 def _exchange(
@@ -35,9 +43,7 @@ def _exchange(
             raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over {sp} ranks")
         send = torch.stack(t.chunk(sp, dim=dim)).contiguous()  # [sp, ...chunk]
         recv = torch.empty_like(send)
-        pending.append(
-            (recv, comm.record(backend.all_to_all(recv.view(-1), send.view(-1), group), "all-to-all", group, send))
-        )
+        pending.append((recv, _issue(recv, send, group, backend, comm)))
     out = []
     for (recv, handle), dim in zip(pending, gather):
         comm.wait(handle, f"all-to-all of {len(tensors)} tensors over the SP group")
