@@ -130,6 +130,7 @@ PLACEHOLDERS = {  # the README's placeholders, and a sample value each parses wi
     "N": "2",
     "K": "2",
     "R": "8",
+    "S": "60",
     "FILE": "corpus.txt",
     "DIR": "folder",
     "RUN": "runs/isp-train",
