@@ -131,7 +131,8 @@ class CommContext:
         if self.tracer is None:
             return None
         start = self.clock.now()
-        done = self.clock.completion(handle)
+        recorded = self.flight.pending.get(id(handle))  # on CUDA, :meth:`record` made its event
+        done = recorded.event if recorded is not None and recorded.event is not None else self.clock.completion(handle)
         return start if done is None else (start, done)
 
     def mark(self) -> Any:

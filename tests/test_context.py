@@ -3,6 +3,8 @@ from events on the streams and are resolved only once the events have completed.
 
 from __future__ import annotations
 
+import torch
+
 from isp_comm.context import CommContext
 from isp_comm.trace import CudaClock, HostClock, Tracer
 
@@ -81,3 +83,18 @@ def test_host_clock_counts_waits_at_once() -> None:
     (lane, _, t0, t1), *_ = ctx.tracer.spans()
     assert lane == "reduce-scatter" and 0.0 <= t0 <= t1
     assert ctx.counters.exposed_comm_s >= 0.0 and not ctx._unresolved
+
+
+def test_a_recorded_collective_gives_its_span_the_flight_records_event() -> None:
+    """On CUDA the flight record takes an event at every collective's end; a trace of
+    the same collective uses that event, not a second one on the observer stream."""
+    clock = FakeCudaClock()
+    asked = []
+    real = clock.completion
+    clock.completion = lambda handle: asked.append(handle) or real(handle)
+    ctx = CommContext(0, 10.0, clock=clock)
+    ctx.tracer = Tracer(clock)
+    handle = Collective(FakeEvent())
+    ctx.record(handle, "all-gather", None, torch.empty(4), 1, "forward")
+    _, done = ctx.issued(handle)
+    assert asked == [handle] and done is handle.done  # one event, shared
