@@ -194,7 +194,8 @@ class Heartbeat:
             rec = self.record
             last = rec.entries[-1] if rec.entries else None
             at = (id(last), last.done if last is not None else None, id(rec.current))
-            if now - last_beat >= BEAT_S or at != last_at:
+            since = now - last_beat  # moving: one beat per POLL_S at most, however short the steps
+            if since >= BEAT_S or (at != last_at and since >= POLL_S):
                 self.set(self.keys.beat(rec.rank), self.position())
                 last_beat, last_at = now, at
             if self.requested():
