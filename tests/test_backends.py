@@ -71,7 +71,9 @@ def _contract_worker(rank: int, world: int, name: str) -> None:
         # reduce-scatter
         big = _data(rank, world * n, dtype, salt + 500)
         rs, rs_ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        sent = big.clone()
         backend.reduce_scatter(rs, big, group).wait(TIMEOUT)
+        assert torch.equal(big, sent), (dtype, n)  # the input is left as it was
         dist.reduce_scatter_tensor(rs_ref, big, group=group)
         exact = sum(_data(r, world * n, dtype, salt + 500).double() for r in range(world))
         _check_reduce(rs, exact[rank * n : (rank + 1) * n], dtype, rs_ref, name)

@@ -95,14 +95,15 @@ def test_a_virtual_rank_writes_metrics_and_says_it_is_virtual(tmp_path) -> None:
 @pytest.mark.timeout(600)
 def test_virtual_memory_against_real_runs_and_across_worlds(tmp_path) -> None:
     """Peak RSS per rank, 3 steps, 2 sequences a rank. (1) Virtual N=2 within 12% of
-    a real 2-rank run on CPU shared memory (--backend symm: collectives in place, as
-    NCCL's), and below one over gloo (--backend torch), not within 12% of it: gloo's
-    CPU reduce-scatter and all-gather hold several times a collective's bytes in
-    temporaries (12 MB collectives raised a rank's peak by 45-57 MiB here; this
-    model's run over gloo peaked 250 MiB, 26%, above the virtual one), which the job
-    on GPUs (NCCL) does not have. (2) Virtual N=8 lower than N=2 by the sharded
-    state's share, 16 bytes x the block parameters x (1/2 - 1/8) = 151 MB, within
-    25% (RSS keeps what the allocator does not return; runs differ by a few MiB)."""
+    a real 2-rank run over gloo (--backend torch), as issue 48 asks, and of one on CPU
+    shared memory (--backend symm: collectives in place, as NCCL's). Gloo's own
+    all-gather and reduce-scatter held several times their bytes in temporaries (this
+    model's gloo run peaked 953 MiB against the virtual run's 719, +33%); the torch
+    backend runs them as broadcasts and reduces on CPU (see [Note: gloo's gather and
+    reduce-scatter on CPU]): 766 MiB (757-780, 3 runs; symm 760, virtual 719-729).
+    (2) Virtual N=8 lower than N=2 by the sharded state's share, 16 bytes x the block
+    parameters x (1/2 - 1/8) = 151 MB, within 25% (RSS keeps what the allocator does
+    not return; runs differ by a few MiB)."""
     common = [*BIG, "--steps", "3"]
     real = {}
     for backend in ("symm", "torch"):
@@ -116,8 +117,8 @@ def test_virtual_memory_against_real_runs_and_across_worlds(tmp_path) -> None:
         res = virtual(*common, "--batch", str(2 * n), "--virtual-world", str(n), "--virtual-gbps", "5", "--out", out)
         assert res.returncode == 0, res.stderr[-3000:]
         v[n] = peak_mib(out)
-    assert abs(v[2] - real["symm"]) <= 0.12 * real["symm"], (v, real)
-    assert v[2] <= real["torch"], (v, real)
+    for backend in ("torch", "symm"):
+        assert abs(v[2] - real[backend]) <= 0.12 * real[backend], (backend, v, real)
     share = 16 * BIG_BLOCK_PARAMS * (1 / 2 - 1 / 8) / 2**20
     assert abs((v[2] - v[8]) - share) <= 0.25 * share, (v, share)
 
