@@ -266,6 +266,11 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
         s = comm.stats()
         trace.append({"rss": _rss(), "shm": _shm(), **{k: s[k] for k in KEYS}})
         if exact and len(trace) >= WARMUP:
+            # Collected first: each step leaves reference cycles for the cyclic collector
+            # (torch 2.13's ``tree_flatten`` makes a recursive closure per call, whose
+            # cells hold what it flattened), which keep tensors and isp_comm's small
+            # objects alive until a collection comes, at the collector's own times.
+            gc.collect()
             trace[-1]["tensors"] = _live_tensors()
             trace[-1]["objects"] = _isp_objects()
             if len(trace) in (WARMUP, steps):
