@@ -363,6 +363,76 @@ def test_nvshmem_same_size_collectives_alternate_their_destination_scratch() -> 
         assert len(set(d[:5])) == 2 and len(set(d[5:])) == 2, r  # two scratches per size, not one per collective
 
 
+def _alloc_beside_worker(rank: int, world: int) -> dict:
+    """A gather waited, then a gather and a reduce-scatter of new sizes issued while an
+    earlier collective is still on the team stream: each new size makes heap buffers."""
+    from isp_comm.backends import streams
+    from tests.fakes import Checked, FakeBindings, FakeNvshmem, _Device
+
+    class InFlight(FakeNvshmem):
+        """Counts a collective in flight from its issue until the team stream is
+        synchronised, and refuses ``nvshmem_malloc`` (collective, with a barrier on a
+        stream of NVSHMEM's own) while one is."""
+
+        in_flight = False
+
+        def _call(self, *args, **kwargs):
+            self.in_flight = True
+            return super()._call(*args, **kwargs)
+
+        def binding_fcollect(self, *args):
+            self.in_flight = True
+            return super().binding_fcollect(*args)
+
+        def binding_sum_reducescatter(self, *args):
+            self.in_flight = True
+            return super().binding_sum_reducescatter(*args)
+
+        def tensor(self, *args, **kwargs):
+            if self.in_flight:
+                raise AssertionError("nvshmem_malloc while a collective of TEAM_WORLD may still run")
+            return super().tensor(*args, **kwargs)
+
+    fake = InFlight()
+
+    class Stream(streams._HostStream):
+        def synchronize(self) -> None:
+            fake.in_flight = False
+
+    class Runtime(HostRuntime):
+        def stream(self, _device: torch.device) -> Stream:
+            self.streams.append(Stream(len(self.streams) + 1))
+            return self.streams[-1]
+
+    api = nvshmem_backend.NvshmemApi(Checked(fake, nvshmem), _Device, Checked(FakeBindings(fake), nvshmem_bindings))
+    backend = nvshmem_backend.NvshmemBackend(torch.device("cpu"), 60.0, api=api, runtime=Runtime())
+    first = torch.empty(3 * world)
+    backend.all_gather(first, torch.full((3,), float(rank)), dist.group.WORLD).wait(60)
+    second, rs = torch.empty(5 * world), torch.empty(7)
+    handles = [
+        backend.all_gather(second, torch.full((5,), float(rank)), dist.group.WORLD),
+        backend.reduce_scatter(rs, torch.ones(7 * world), dist.group.WORLD),
+    ]
+    for h in handles:
+        h.wait(60)
+    backend.close()
+    ok = second.tolist() == [float(r) for r in range(world) for _ in range(5)] and rs.tolist() == [float(world)] * 7
+    return {"ok": ok}
+
+
+@pytest.mark.timeout(120)
+def test_nvshmem_allocates_heap_buffers_only_with_no_collective_in_flight() -> None:
+    """Finding (a review against NVSHMEM's malloc): a heap buffer is made when a
+    collective of a new size is issued, while earlier ones may still run on the team
+    stream; ``nvshmem_malloc`` ends with a barrier on a stream of NVSHMEM's own, two
+    collectives of one team at once. The fake refuses an allocation between a
+    collective's issue and the team stream's next synchronisation, which this test
+    meets unless the backend drains the stream first ([Note: no allocation beside a
+    collective])."""
+    for r in run_ranks(_alloc_beside_worker, 2, timeout_s=100):
+        assert r["ok"], r
+
+
 def test_nvshmem_heap_size_is_read_as_nvshmem_reads_it() -> None:
     """``NVSHMEM_SYMMETRIC_SIZE``: bytes or a k/m/g/t suffix (powers of 1024); unset, 1 GiB."""
     assert nvshmem_backend.heap_bytes({}) == 1 << 30

@@ -345,14 +345,26 @@ class NvshmemBackend(Backend):
         return dist.get_world_size(group) == self._world
 
     def _heap_tensor(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A tensor in the symmetric heap (collective: every rank allocates alike)."""
+        """A tensor in the symmetric heap (collective: every rank allocates alike).
+
+        [Note: no allocation beside a collective]
+        ``nvshmem_malloc`` is collective: it ends with a barrier over every PE, which
+        NVSHMEM runs on a stream of its own. A collective of ``TEAM_WORLD`` still in
+        flight on the team stream ([Note: one stream for a team]) would then run beside
+        another collective of the same team, which NVSHMEM forbids (they share its psync
+        slots). So the team stream is drained first: a host wait, but only when a
+        buffer is made, at a scratch size's first or second use (the first steps), never
+        once every size has its buffers."""
         self._ensure_init()
         nbytes = numel * dtype.itemsize
         if self._heap_used + nbytes > self._heap:
             raise self._heap_error(
                 f"{what} of {nbytes} bytes (with the {self._heap_used} already allocated)", self._heap_used + nbytes
             )
-        t = self._api.core.tensor((numel,), dtype=dtype)
+        self._lanes.synchronize()
+        # close() frees every buffer in order; after a dead peer it frees none (frees are
+        # collective), and then nvshmem4py's "freed implicitly" at exit would only be noise
+        t = self._api.core.tensor((numel,), dtype=dtype, except_on_del=False)
         self._heap_used += nbytes
         self._allocations.append(t)
         return t
