@@ -310,6 +310,7 @@ def _under_mps(monkeypatch, mps_daemon, world: int) -> None:
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(pe_share(world)))
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", HEAP)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NCCL", "1")  # NVSHMEM turns NCCL off under MPS anyway, with a warning
 
 
 @pytest.mark.timeout(240)
