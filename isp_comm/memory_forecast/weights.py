@@ -104,8 +104,12 @@ def weights(
     )
 
 
-GLOO_RUNTIME = 6 * MIB
-"""Memory that gloo's collectives keep outside tensors once a step has run (world > 1)."""
+GLOO_RUNTIME = int(4.5 * MIB)
+"""Memory that gloo's collectives keep outside tensors once a step has run (world > 1).
+Fitted on bench/forecast.py's grid: 6 MiB while the torch backend ran gloo's own
+all-gather and reduce-scatter; 4.5 MiB, the grid's smallest largest error, once it
+ran them as broadcasts and reduces (see [Note: gloo's gather and reduce-scatter on
+CPU] in ``isp_comm/backends/torch_backend.py``)."""
 CPU_LOW_PRECISION_RUNTIME = {"AVX2": 0, "default": int(7.5 * MIB)}
 """Memory the CPU kernels of bf16/fp16 compute keep outside tensors (code and buffers),
 by torch's CPU capability: 7.5 MiB on the machine the forecast was first fitted on
