@@ -233,11 +233,21 @@ def run_step(step: Step, env: dict[str, str], log) -> dict:
     start = log.tell()
     t0 = time.monotonic()
     # a process group of its own in this session: killed as one, and still ended with
-    # the session if this runner is killed (the device machine's cleanup)
-    proc = subprocess.Popen(
-        step.argv, cwd=ROOT, env={**env, **step.env}, stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, process_group=0,
-    )  # fmt: skip
+    # the session if this runner is killed (the device machine's cleanup). A runner
+    # started with SIGINT ignored (in the background of a non-interactive shell) would
+    # pass that on through exec, and the step could not clean up on SIGINT: SIGINT is
+    # handled here while the step starts, and a handled signal is SIG_DFL after exec.
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            step.argv, cwd=ROOT, env={**env, **step.env}, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, process_group=0,
+        )  # fmt: skip
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     timed_out = False
     try:
         proc.wait(timeout=step.timeout_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,14 +91,25 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("ignore_sigint", [False, True])
-def test_a_step_past_its_timeout_is_killed_with_its_whole_group(tmp_path, ignore_sigint: bool) -> None:
+@pytest.mark.parametrize(
+    "ignore_sigint, runner_ignores", [(False, False), (True, False), (False, True)], ids=["int", "step-ignores", "bg"]
+)
+def test_a_step_past_its_timeout_is_killed_with_its_whole_group(
+    tmp_path, ignore_sigint: bool, runner_ignores: bool
+) -> None:
+    """``runner_ignores``: the runner was started with SIGINT ignored (in the background
+    of a non-interactive shell, as a CI run here once was): the step must still end at
+    SIGINT, not at the grace's SIGKILL."""
     pid_file = str(tmp_path / "child.pid")
     ignore = "signal.signal(signal.SIGINT, signal.SIG_IGN)" if ignore_sigint else ""
     step = gc.Step("slow", 2, _py(CHILD_THEN_SLEEP.format(ignore=ignore, pid_file=pid_file)), "a fake step")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if runner_ignores else signal.default_int_handler)
     t0 = time.monotonic()
-    with open(tmp_path / "log", "wb") as log:
-        rec = gc.run_step(step, dict(os.environ), log)
+    try:
+        with open(tmp_path / "log", "wb") as log:
+            rec = gc.run_step(step, dict(os.environ), log)
+    finally:
+        signal.signal(signal.SIGINT, before)
     took = time.monotonic() - t0
     assert rec["status"] == "timeout" and "started" in rec["output_tail"], rec
     # SIGINT ends the step at once; one that ignores it is killed after the grace
