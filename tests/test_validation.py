@@ -69,6 +69,10 @@ def _bad_groups(rank: int, world: int) -> list[str]:
             msgs.append(str(exc))
     g = ParallelGroups.create(wp_size=2, sp_size=1)
     assert (g.wp_size, g.sp_size, g.replica_size, g.wp_rank) == (2, 1, 1, rank)
+    # gloo's new_group ends on each rank once its own side of the mesh is up: a rank that
+    # left here at once could close its sockets while its peer still connects (seen once:
+    # "connectFullMesh failed ... Connection closed by peer")
+    dist.barrier(group=g.wp_group)
     return msgs
 
 
