@@ -159,12 +159,10 @@ class TorchBackend(Backend):
             world, me = dist.get_world_size(group), dist.get_rank(group)
             chunks = inp.view(world, -1)
             out.view(-1).copy_(chunks[me])
-            others = torch.cat([chunks[:me], chunks[me + 1 :]])  # gloo's reduce overwrites a non-root's tensor
-            mine = iter(others)
-            works = [
-                dist.reduce(out.view(-1) if i == me else next(mine), group=group, async_op=True, group_dst=i)
-                for i in range(world)
-            ]
+            # what goes to the other ranks, copied (gloo's reduce writes into a non-root's tensor)
+            sent = list(torch.cat([chunks[:me], chunks[me + 1 :]]).unbind())
+            sent.insert(me, out.view(-1))
+            works = [dist.reduce(t, group=group, async_op=True, group_dst=i) for i, t in enumerate(sent)]
             return HandleGroup([self._handle(w, "reduce-scatter (reduces)", group, inp.device) for w in works])
         work = _reduce_scatter_single(out, inp, group=group, async_op=True)
         return self._handle(work, "reduce-scatter", group, inp.device)
