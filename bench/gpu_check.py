@@ -104,7 +104,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step("shared-symm", 130, _pytest(shared, "-k", "symm"), "symm on one GPU at world 2 and 4"),
         Step(
             "bench-gpu",
-            140,
+            90,
             [
                 PY,
                 "bench/gpu.py",
@@ -143,13 +143,13 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         ),
         Step(
             "forecast",
-            40,
+            70,
             [PY, "bench/forecast.py", "--device", "cuda", "--only", "0", "1", "4", "--out", out],
             "memory forecast against torch.cuda peaks",
         ),
         Step(
             "plan-gpu",
-            40,
+            60,
             [PY, "bench/plan_gpu.py", "--sizes", "680M", "--repeats", "1", "--steps", "6", "--out", out],
             "planner against one measured run",
         ),
