@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 
 from isp_comm.backends import Backend, make_backend
@@ -25,6 +26,7 @@ from isp_comm.full_state import FullState
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
+from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.memory_pool import (
     MemoryPlan,
@@ -96,20 +98,31 @@ class ISPCommunicator:
         self.units, self.vocab_unit, self.embed_unit, self.root = built.blocks, built.vocab, built.embed, built.root
         replicated_all = self._index_shards(device)
         self._plan, self.pool, self.rs_buffers = self._plan_memory(replicated_all)
-        self.engine = BlockEngine(
-            self.ctx, self.units, groups, self.backend, config, self.pool, self.rs_buffers, replicated_all, self.root
-        )
+        self.engine = self._make_engine(replicated_all)
         self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
         self._install_forwards(round(config.activation_checkpointing * len(block_list)))
         self._closed = False
         self._flight = attach(self.ctx, groups.world_size, config.diagnosis_dir)  # see isp_comm/flight
 
+    def _make_engine(self, replicated: list[nn.Parameter]) -> BlockEngine:
+        """The engine; with pieces (``state_sharding="world"`` and replicas), the
+        refresh of the WP shards it drives and the optimizer hook that marks them stale."""
+        g, units = self.groups, self.sharded_units
+        pieces = any(u.replicas > 1 for u in units)
+        refresh = WeightRefresh(self.ctx, self.backend, g.replica_group, units) if pieces else None
+        self._step_hook = register_optimizer_step_post_hook(self._after_step) if pieces else None
+        self._piece_ids = {id(s) for u in units for s in u.shards} if pieces else set()
+        return BlockEngine(
+            self.ctx, self.units, g, self.backend, self.config, self.pool, self.rs_buffers, replicated, self.root,
+            refresh,
+        )  # fmt: skip
+
     def _index_shards(self, device: torch.device) -> list[nn.Parameter]:
         """Every sharded parameter's FQN (tied aliases included) mapped to its unit, the
         state-dict faces built on that map; returns the parameters left replicated."""
-        self._sharded = {sp.fqn: (unit, sp) for unit in self.sharded_units for sp in unit.params}
+        self._sharded = {pc.fqn: (unit, pc) for unit in self.sharded_units for pc in unit.pieces}
         for unit in self.sharded_units:  # tied weights: every owner's key maps to the one shard
-            self._sharded.update({fqn: (unit, unit.params[i]) for _, _, i, fqn in unit.aliases})
+            self._sharded.update({fqn: (unit, unit.pieces[i]) for _, _, i, fqn in unit.aliases})
         self.collectives = StepCollectives(self.backend, self.ctx, device)
         self._state = ShardedState(self.model, self.groups, self._sharded, self.sharded_units, device, self.collectives)
         self._full = FullState(self.model, self.groups, self._sharded, self.sharded_units, self.backend, self.ctx)
@@ -124,6 +137,7 @@ class ISPCommunicator:
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(u.gather_dtype, u.gathered_numel) for u in units]
         rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.full_groups]  # frozen ones may thaw
+        rdt += [(g.dtype, g.replicas * g.piece_bound) for u in units for g in u.full_groups if g.replicas > 1]
         landing = gather_landing(self.groups.wp_size, config.comm_granularity)
         k = config.max_inflight_reduce_scatter
         cast = [(u.gather_dtype, u.shard_numel) for u in units if u.gather_dtype != u.dtype]
@@ -133,14 +147,16 @@ class ISPCommunicator:
             plan = dataclasses.replace(plan, shm_bytes=shm)
         g = self.groups
         gathered, shard, repl = self._largest_collectives(replicated)
+        pieces_in, scattered = self._largest_piece_collectives()
         for group, size, nbytes, lane in (  # a collective's input bytes per rank, per lane
             (g.wp_group, g.wp_size, shard, "gather"),
             (g.wp_group, g.wp_size, gathered, "reduce"),
-            (g.replica_group, g.replica_size, shard, "reduce"),
+            (g.replica_group, g.replica_size, scattered or shard, "reduce"),
+            (g.replica_group, g.replica_size, pieces_in, "gather"),  # with pieces: gathered back
             (g.world_group, g.world_size, repl, "reduce"),
             (g.sp_group, g.sp_size, 0, "all_to_all"),  # decided here, sized by the batch at first use
         ):
-            if size > 1:
+            if size > 1 and (nbytes or lane != "gather" or group is not g.replica_group):
                 self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
         moved = self._moved = self._shards_to_move(plan)
         self._plan_heap(plan, replicated, sum(u.flat_shard.nbytes for u in moved))  # NVSHMEM: sized before init
@@ -169,13 +185,23 @@ class ISPCommunicator:
         def unit_sizes(u: BlockUnit) -> tuple[int, list[int]]:
             return u.shard_numel * u.gather_dtype.itemsize, [r.gathered_numel * r.dtype.itemsize for r in u.full_groups]
 
-        shards = [r.shard_numel * r.dtype.itemsize for u in self.units for r in u.full_groups]
+        units = self.sharded_units
+        if any(u.replicas > 1 for u in units):  # the replicas reduce-scatter into pieces and gather them back
+            replica = [
+                (
+                    "reduce_scatter",
+                    [r.replicas * r.piece_bound * r.dtype.itemsize for u in units for r in u.full_groups],
+                ),
+                ("all_gather", [u.piece_bound * u.gather_dtype.itemsize for u in units]),
+            ]
+        else:
+            replica = [("all_reduce", [r.shard_numel * r.dtype.itemsize for u in self.units for r in u.full_groups])]
         copied = copied_collectives(
             (g.wp_size, g.replica_size, g.world_size),
             pooled,
             [unit_sizes(u) for u in self.units],
             unit_sizes(self.root) if self.root is not None else None,
-            shards,
+            replica,
             sum(p.numel() * p.element_size() for p in replicated),
         )
         groups = {"wp": g.wp_group, "replica": g.replica_group, "world": g.world_group}
@@ -191,13 +217,13 @@ class ISPCommunicator:
         wp_comm = WPComm(g.wp_group, g.wp_size, g.wp_rank, self.backend, self.ctx)
         if self.vocab_unit is not None:
             vu = self.vocab_unit
-            self.engine.reducer.wp_summed += list(vu.shards)
+            self._add_summed(vu)
             self._vocab = (wp_comm, g.wp_rank * vu.params[0].chunk_rows)
             self._head_forward = vu.block.__dict__.get("forward")
             vu.block.forward = VocabParallelHead(vu.block, self._vocab[1], wp_comm)
         if self.embed_unit is not None:
             eu = self.embed_unit
-            self.engine.reducer.wp_summed += list(eu.shards)
+            self._add_summed(eu)
             self._embed_forward = eu.block.__dict__.get("forward")
             eu.block.forward = HiddenSplitEmbedding(
                 eu.block, eu.params[0].shape[1], eu.params[0].chunk_rows, wp_comm, self.config.param_dtype
@@ -212,6 +238,15 @@ class ISPCommunicator:
             check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, boundaries_key(model))
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
+    def _add_summed(self, unit: BlockUnit) -> None:
+        """A unit whose backward sums its shard's gradient over WP itself: averaged over
+        the replicas in the whole-gradient buckets, or, with pieces, reduce-scattered
+        into them by the engine."""
+        if unit.replicas > 1:
+            self.engine.summed.append(unit)
+        else:
+            self.engine.reducer.wp_summed += list(unit.shards)
+
     def _shared_memory_need(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> tuple[int, list[int]]:
         """See :func:`~isp_comm.memory_pool.shared_memory_need` (what is ever gathered:
         the blocks and the outer parameters' unit)."""
@@ -222,13 +257,26 @@ class ISPCommunicator:
 
     def _largest_collectives(self, replicated: list[nn.Parameter]) -> tuple[int, int, int]:
         """Bytes per rank of the largest collective of each group: a gathered unit
-        (WP), a flat shard (replica all-reduce), every replicated parameter (world)."""
+        (WP), a flat shard or, with pieces, every replica's pieces (the replica
+        collectives), every replicated parameter (world)."""
         units = [u for u in (*self.units, self.root) if u is not None]
+        _, scattered = self._largest_piece_collectives()
         return (
             max(u.gathered_numel * u.flat_shard.element_size() for u in units),
-            max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units),
+            scattered or max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units),
             sum(p.numel() * p.element_size() for p in replicated),
         )
+
+    def _largest_piece_collectives(self) -> tuple[int, int]:
+        """With pieces, bytes per rank of the largest replica all-gather's input (one
+        rank's pieces) and of the largest replica collective's every-replica buffer
+        (a reduce-scatter's input, an all-gather's output); (0, 0) without them."""
+        units = [u for u in self.sharded_units if u.replicas > 1]
+        if not units:
+            return 0, 0
+        sent = [u.piece_bound * u.gather_dtype.itemsize for u in units]
+        every = [r.replicas * r.piece_bound * r.dtype.itemsize for u in units for r in u.full_groups]
+        return max(sent), max(every + [u.replicas * n for u, n in zip(units, sent)])
 
     @property
     def sharded_units(self) -> list[BlockUnit]:
@@ -276,6 +324,21 @@ class ISPCommunicator:
         forward._isp_comm_wrapped = True  # type: ignore[attr-defined]
         self._orig_forwards.append((block, block.__dict__.get("forward")))
         block.forward = forward
+
+    # ---- pieces (state_sharding="world"; see [Note: refreshing the WP shards]) --------------
+    def _after_step(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        """Any optimizer's step post-hook: a step over the pieces makes every WP shard stale."""
+        if any(id(p) in self._piece_ids for g in opt.param_groups for p in g["params"]):
+            self.engine.refresh.mark_stale()
+
+    def params_updated(self) -> None:
+        """Say that the parameters were written outside what the communicator sees
+        (optimizer steps, the ``load_*`` calls, in-place writes that bump a version
+        counter): with ``state_sharding="world"``, the WP shards that gathers read are
+        rebuilt from them before the next forward. Call it on every rank. Nothing to
+        do otherwise (the parameters are the WP shards)."""
+        if self.engine.refresh is not None:
+            self.engine.refresh.mark_stale()
 
     # ---- public API ---------------------------------------------------------------------
     def scheduler_hook(self) -> SchedulerHook:
@@ -389,6 +452,7 @@ class ISPCommunicator:
         """Load full (unsharded) weights, e.g. pretrained ones, into the shards."""
         self._check_idle("load_full_state_dict()")
         self._full.load_full_state_dict(state_dict)
+        self.params_updated()
 
     # ---- sharded state (see isp_comm/state.py) ---------------------------------------------
     def clip_grad_norm_(
@@ -405,8 +469,12 @@ class ISPCommunicator:
         """The sharded model state dict: original FQNs; every sharded parameter a DTensor
         of its global shape whose local tensor is this rank's live shard; replicated
         parameters and persistent buffers plain tensors. Nothing is gathered: pass it
-        to ``torch.distributed.checkpoint.save`` / ``load``."""
+        to ``torch.distributed.checkpoint.save`` / ``load``. With
+        ``state_sharding="world"`` a sharded parameter's local tensor is this rank's
+        piece (see docs/sharding.md), and the WP shards are refreshed before the next
+        forward, in case ``dcp.load`` writes into it."""
         self._check_idle("state_dict()")
+        self.params_updated()
         return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -415,6 +483,7 @@ class ISPCommunicator:
         Missing or unexpected keys and shape mismatches are a ``ValueError``."""
         self._check_idle("load_state_dict()")
         self._state.load_state_dict(state_dict)
+        self.params_updated()
 
     def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """``opt``'s state keyed by parameter FQN, for any ``torch.optim`` optimizer:
@@ -439,6 +508,7 @@ class ISPCommunicator:
         from isp_comm import hf_checkpoint  # DCP's import, only where it is used
 
         hf_checkpoint.load_hf_checkpoint(self.model, self._state.state_dict(), path)
+        self.params_updated()
 
     def save_hf_checkpoint(self, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write the model to the folder ``path`` as transformers' ``save_pretrained``
@@ -456,6 +526,8 @@ class ISPCommunicator:
         if self._closed:
             return
         self._closed = True
+        if self._step_hook is not None:
+            self._step_hook.remove()
         self._flight.close(failed=self.ctx.failed)
         cut_short = self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
         if cut_short:

@@ -9,6 +9,7 @@ import torch
 
 BackendName = Literal["auto", "torch", "symm", "nvshmem"]
 CommGranularity = Literal["block", "module"]
+StateSharding = Literal["wp", "world"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 """Every backend name, the one list (``make_backend`` and isp-train read it too)."""
 
@@ -57,6 +58,18 @@ class ISPConfig:
     for every token of the WP group, and :meth:`ISPCommunicator.cross_entropy` gives
     each rank's loss from them (see :mod:`isp_comm.vocab_parallel`). For large
     vocabularies; the head must be an ``nn.Linear`` without bias, not tied."""
+
+    state_sharding: StateSharding = "wp"
+    """Over which ranks the sharded parameters' gradients and optimizer state are
+    split (the weights are gathered over WP either way). ``"wp"``: over the WP group;
+    ranks holding the same WP shard (the replica group) all-reduce its gradient and
+    each keeps the whole shard's master and optimizer state. ``"world"``: over the
+    whole job (InternEvo's independent sharding): the WP shard's gradient is
+    reduce-scattered over the replica group, each rank keeps and steps 1/world of
+    every parameter (``model.parameters()`` are those pieces), and the updated pieces
+    are all-gathered over the replicas, in the gather dtype, into the WP shard
+    before its next gather (see docs/sharding.md). Parameters no unit shards (norms,
+    and the outer ones without ``shard_outer_params``) stay replicated either way."""
 
     comm_granularity: CommGranularity = "block"
     """``"block"``: one all-gather and one reduce-scatter per block (flat, through a
@@ -130,6 +143,8 @@ class ISPConfig:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        if self.state_sharding not in get_args(StateSharding):
+            raise ValueError(f"state_sharding must be 'wp' or 'world', got {self.state_sharding!r}")
         if self.comm_granularity not in get_args(CommGranularity):
             raise ValueError(f"comm_granularity must be 'block' or 'module', got {self.comm_granularity!r}")
         if self.backend not in BACKENDS:

@@ -193,11 +193,13 @@ def build_units(
         materialize_module, device=device, seed=config.init_seed, init=model_initializer(model)
     )
     built = Units([])
+    world = config.state_sharding == "world"  # a replica group of one: the same as "wp"
+    replicas = (groups.replica_size, groups.replica_rank) if world else (1, 0)
     for s in unit_specs(model, block_list, config, head):
         mp = dict(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype) if s.cast else {}
         unit = BlockUnit(
             s.index, s.block, s.owners, s.replicated, groups.wp_size, groups.wp_rank, device, materialize,
-            names=s.names, dim1=s.dim1, **mp,
+            names=s.names, dim1=s.dim1, replicas=replicas, **mp,
         )  # fmt: skip
         if s.index >= 0:
             built.blocks.append(unit)

@@ -17,7 +17,7 @@ from torch import nn
 from isp_comm.backends import Backend
 from isp_comm.context import CommContext
 from isp_comm.groups import ParallelGroups
-from isp_comm.layout import Layout, ShardedParam, full_views, to_param_major
+from isp_comm.layout import Layout, ShardedParam, full_views, to_param_major, unpack_replicas
 from isp_comm.units import BlockUnit
 
 
@@ -42,11 +42,12 @@ class FullState:
     def gather_full(self, unit: BlockUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors from per-parameter shard-shaped tensors of ``unit`` (e.g. the
         shards themselves, or optimizer states shaped like them). Collective over WP:
-        one all-gather per dtype among ``shards``."""
+        one all-gather per dtype among ``shards``; when they are pieces, one over the
+        replicas first (see [Note: pieces] in ``isp_comm/layout.py``)."""
+        if unit.replicas > 1:
+            shards = self._gather_replicas(unit, shards)
         fulls: list[torch.Tensor | None] = [None] * len(shards)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(shards):
-            by_dtype.setdefault(t.dtype, []).append(i)
+        by_dtype = _by_dtype(shards)
         w = unit.wp_size
         for dt, members in by_dtype.items():
             params = tuple(unit.params[i] for i in members)
@@ -64,10 +65,35 @@ class FullState:
                 fulls[i] = view.contiguous()
         return fulls  # type: ignore[return-value]
 
+    def _gather_replicas(self, unit: BlockUnit, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's WP rows of each parameter from every replica's piece-shaped
+        tensors: one all-gather over the replica group per dtype among ``pieces``."""
+        rows: list[torch.Tensor | None] = [None] * len(pieces)
+        r = unit.replicas
+        for dt, members in _by_dtype(pieces).items():
+            mine = [unit.pieces[i] for i in members]
+            wp_rows = [unit.params[i] for i in members]
+            src = Layout.packed(mine, raw=False)
+            flat = torch.zeros(src.numel, dtype=dt, device=unit.device)
+            for pc, off, i in zip(mine, src.offsets, members):
+                pc.user(flat[off : off + pc.valid_rows * pc.inner].view(pc.shard_shape)).copy_(pieces[i])
+            landing = torch.empty(r * src.numel, dtype=dt, device=unit.device)
+            handle = self.backend.all_gather(landing, flat, self.groups.replica_group)
+            self.ctx.record(handle, "all-gather", self.groups.replica_group, flat, unit.index, "outer")
+            self.ctx.wait(handle, f"replica gather of block {unit.index}")
+            dst = Layout.packed(wp_rows, raw=False)
+            out = torch.zeros(dst.numel, dtype=dt, device=unit.device)
+            sizes = [(pc.chunk_rows, sp.valid_rows) for pc, sp in zip(mine, wp_rows)]
+            unpack_replicas(landing, src, out, dst.offsets, sizes, r)
+            for sp, off, i in zip(wp_rows, dst.offsets, members):
+                rows[i] = sp.user(out[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape))
+        return rows  # type: ignore[return-value]
+
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a full tensor shaped like sharded parameter ``fqn``."""
-        unit, sp = self.sharded[fqn]
-        return sp.rows_of(full, unit.wp_rank)
+        """This rank's part (its shard, or its piece) of a full tensor shaped like
+        sharded parameter ``fqn``."""
+        _, sp = self.sharded[fqn]
+        return sp.rows(full)
 
     @torch.no_grad()
     def full_state_dict(self, cpu: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -104,8 +130,16 @@ class FullState:
                 unit, sp = sharded[key]
                 if tuple(src.shape) != tuple(sp.shape):
                     raise ValueError(f"{key}: expected shape {tuple(sp.shape)}, got {tuple(src.shape)}")
-                unit.shard_view(unit.flat_shard, sp).copy_(self.shard_of(key, src))
+                unit.shard_view(unit.master, sp).copy_(self.shard_of(key, src))
             else:
                 if src.shape != target.shape:
                     raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(src.shape)}")
                 target.copy_(src)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """Indices of ``tensors`` by dtype, in order."""
+    out: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.dtype, []).append(i)
+    return out

@@ -78,6 +78,10 @@ class ParallelGroups:
     def replica_size(self) -> int:
         return len(self.replica_ranks)
 
+    @property
+    def replica_rank(self) -> int:
+        return self.replica_ranks.index(self.rank)
+
     @classmethod
     def create(cls, wp_size: int, sp_size: int = 1) -> ParallelGroups:
         """Build the groups; must be called on every rank after ``init_process_group``."""

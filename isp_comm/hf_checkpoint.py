@@ -11,7 +11,7 @@ sharded parameter a DTensor whose local tensor is this rank's live shard).
   beyond its rows.
 * Saving: the output files are laid out first (headers and sizes), then every rank
   of the first replica writes its own rows of each sharded tensor at their offsets
-  in the final files (see [Note: writing in place]). No tensor is ever assembled
+  in the final files (see [Note: writing in place]); with pieces, every rank writes its own. No tensor is ever assembled
   whole, on any rank. DCP's ``HuggingFaceStorageWriter`` does not fit this promise:
   it writes each rank's pieces, then consolidates them, one output file per rank,
   assembling each tensor whole in memory (an embedding of a large vocabulary is
@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from isp_comm.groups import first_error
 
@@ -241,7 +242,8 @@ def save_hf_checkpoint(
     ``path`` as transformers does: ``model.safetensors``, or several files and
     ``model.safetensors.index.json``; plus ``config.json`` (its ``dtype`` set to the
     saved one) when ``model`` has a transformers config. Collective over the world:
-    every rank of the first replica writes its own rows of each sharded tensor into
+    every rank holding rows no other rank holds (the first replica; with pieces,
+    every rank) writes its own rows of each sharded tensor into
     the final files (see [Note: writing in place]), replicated tensors are shared
     out among the ranks."""
     aliases = tied_aliases(model)
@@ -254,12 +256,9 @@ def save_hf_checkpoint(
         try:
             for i, (key, value) in enumerate(tensors.items()):
                 if isinstance(value, DTensor):
-                    replica, wp_rank = value.device_mesh.get_coordinate()
-                    if replica != 0:
-                        continue
-                    (dim,) = [p.dim for p in value.placements if p.is_shard()]
-                    chunk = -(-value.shape[dim] // value.device_mesh.size(1))
-                    files.write(key, value.to_local(), dim, wp_rank * chunk)
+                    rows = _own_rows(value)
+                    if rows is not None:
+                        files.write(key, value.to_local(), *rows)
                 elif i % world == rank:
                     files.write(key, value)
         finally:
@@ -271,6 +270,18 @@ def save_hf_checkpoint(
         if config is not None and hasattr(config, "save_pretrained"):
             write_config(config, {t.dtype for t in tensors.values()}, path)
     dist.barrier()
+
+
+def _own_rows(value: DTensor) -> tuple[int, int] | None:
+    """(split dim, first row) of the rows ``value``'s local tensor holds in the full
+    tensor, or ``None`` when another rank writes them: a copy on a mesh dim the
+    tensor is replicated over is written by coordinate 0 of that dim only."""
+    coordinate = value.device_mesh.get_coordinate()
+    if any(p.is_replicate() and c != 0 for p, c in zip(value.placements, coordinate)):
+        return None
+    (dim,) = {p.dim for p in value.placements if p.is_shard()}
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return dim, offset[dim]
 
 
 def _agreed(fn: Any, what: str) -> None:

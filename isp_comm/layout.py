@@ -23,10 +23,25 @@ then in bytes for storage and gathering, in elements within each reduce group.
   ``[wp * off_p, wp * (off_p + n_p))`` as its padded full tensor, so the module's
   weight is a plain contiguous view of the slot. Rank-major to param-major is one
   ``split_with_sizes_copy``; gradients go the other way with one ``_chunk_cat``.
+
+[Note: pieces]
+With ``state_sharding="world"`` the optimizer's parameters are smaller than a WP
+shard: each rank's WP rows of ``p`` are split again over its replica group (the ranks
+holding the same WP shard), as DTensor splits a tensor ``Shard``-ed on two mesh dims,
+WP first: with ``v`` valid rows in the WP shard, replica ``r`` holds rows
+``[r * c, min((r + 1) * c, v))`` of it, ``c = ceil(v / replicas)`` (``torch.chunk``'s
+sizes, so the piece is exactly the local tensor DCP writes for that DTensor). Every
+rank of a replica group has the same ``v``, so its pieces share one padded size ``c``
+per parameter and a replica collective moves equal chunks: *replica-major*
+``[replica 0's pieces | replica 1's | ...]``, each rank's pieces packed like a flat
+shard (``c`` rows per parameter, padding last). Packing a WP shard's rows into that
+order is one ``_chunk_cat``; the way back is a copy per parameter
+(:func:`unpack_replicas`). Without replicas, a piece is the WP shard itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -47,6 +62,7 @@ class ShardedParam:
     offset: int  # start in the flat shard (in bytes when the shard is raw bytes)
     dim: int = 0  # the dim split over ranks (0, or 1 for a 2-D parameter)
     dtype: torch.dtype = torch.float32
+    start: int = 0  # the first row this rank holds, in the full parameter's rows
 
     @property
     def rows_shape(self) -> torch.Size:
@@ -74,11 +90,18 @@ class ShardedParam:
         """This rank's piece, laid out as ``rows_shape``."""
         return torch.Size((self.valid_rows, *self.rows_shape[1:]))
 
-    def rows_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """``rank``'s piece of a full tensor, in the parameter's own shape."""
-        size = self.shape[self.dim]
-        lo = min(rank * self.chunk_rows, size)
-        return full.narrow(self.dim, lo, min(self.chunk_rows, size - lo))
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor shaped like the parameter, in its own shape."""
+        return full.narrow(self.dim, self.start, self.valid_rows)
+
+    def piece(self, replicas: int, replica_rank: int) -> ShardedParam:
+        """The part of these rows that replica ``replica_rank`` of ``replicas`` holds
+        (see [Note: pieces]); its offset is left for the caller's layout to set."""
+        c = -(-self.valid_rows // replicas)
+        lo = min(replica_rank * c, self.valid_rows)
+        return dataclasses.replace(
+            self, chunk_rows=c, valid_rows=min(c, self.valid_rows - lo), offset=0, start=self.start + lo
+        )
 
 
 @dataclass(frozen=True)
@@ -100,12 +123,19 @@ class Layout:
 
 @dataclass(frozen=True)
 class ReduceGroup:
-    """Parameters whose gradients are reduce-scattered together, in ``dtype``."""
+    """Parameters whose gradients are reduce-scattered together, in ``dtype``: over
+    WP into ``layout`` (the members' WP rows), then, with replicas, over the replica
+    group into ``piece`` (the members' pieces, see [Note: pieces])."""
 
     dtype: torch.dtype
     members: tuple[int, ...]  # indices into the unit's params
     layout: Layout  # elements of ``dtype``, over the members only
     wp_size: int
+    piece: Layout  # elements of ``dtype``, the members' pieces (``layout`` without replicas)
+    replicas: int = 1
+    piece_bound: int = 0
+    """Elements of the largest ``piece`` any rank has (``ceil(chunk_rows / replicas)``
+    rows per member): what buffers sized alike on every rank are sized by."""
 
     @property
     def shard_numel(self) -> int:
@@ -114,6 +144,11 @@ class ReduceGroup:
     @property
     def gathered_numel(self) -> int:
         return self.wp_size * self.layout.numel
+
+    @property
+    def scattered_numel(self) -> int:
+        """The replica reduce-scatter's input: every replica's pieces, replica-major."""
+        return self.replicas * self.piece.numel
 
 
 def to_param_major(rank_major: torch.Tensor, slot: torch.Tensor, layout: Layout, wp: int) -> None:
@@ -136,6 +171,44 @@ def full_views(slot: torch.Tensor, params: tuple[ShardedParam, ...], layout: Lay
     return views
 
 
+def pack_replicas(rows: list[torch.Tensor], out: torch.Tensor, replicas: int) -> None:
+    """Each parameter's WP rows (2-D ``[v, width]`` tensors, in the members' order) ->
+    replica-major pieces in ``out`` (see [Note: pieces]; padding rows zero): one
+    ``_chunk_cat``, which splits every tensor as ``torch.chunk`` does."""
+    rows = [t for t in rows if t.shape[0] > 0]  # an empty member has empty pieces
+    if rows:
+        torch._chunk_cat(rows, dim=0, num_chunks=replicas, out=out.view(replicas, -1))
+    else:
+        out.zero_()
+
+
+def unpack_replicas(
+    landing: torch.Tensor,
+    src: Layout,
+    dst: torch.Tensor,
+    dst_offsets: tuple[int, ...],
+    rows: list[tuple[int, int]],
+    replicas: int,
+) -> None:
+    """Replica-major pieces in ``landing`` (one replica's laid out as ``src``) -> each
+    parameter's WP rows in ``dst``, starting at ``dst_offsets``; ``rows``: per
+    parameter, its pieces' padded rows ``c`` and its WP rows ``v``. Replica ``r``'s
+    piece is rows ``[r * c, (r + 1) * c)`` of the WP rows, so the pieces in replica
+    order *are* the rows, padding last: one copy for the whole pieces, one for the
+    last, short one."""
+    by_replica = landing[: replicas * src.numel].view(replicas, src.numel)
+    for (c, v), off, size, at in zip(rows, src.offsets, src.sizes, dst_offsets):
+        if v == 0:
+            continue
+        width = size // c
+        pieces = by_replica[:, off : off + size].view(replicas, c, width)
+        out = dst[at : at + v * width].view(v, width)
+        whole = v // c
+        out[: whole * c].view(whole, c, width).copy_(pieces[:whole])
+        if v > whole * c:
+            out[whole * c :].copy_(pieces[whole, : v - whole * c])
+
+
 class BlockLayout:
     """The flat-shard, gather and reduce layouts of one unit's parameters.
 
@@ -149,24 +222,34 @@ class BlockLayout:
         wp_rank: int,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        replicas: int = 1,
+        replica_rank: int = 0,
     ) -> None:
-        self.wp_size, self.wp_rank = wp_size, wp_rank
+        self.wp_size, self.wp_rank, self.replicas = wp_size, wp_rank, replicas
         dtypes = {sp.dtype for sp in found}
         self.mixed = len(dtypes) > 1
         # mixed: widest elements first, so every typed view of the raw bytes is aligned
         self.order = sorted(range(len(found)), key=lambda i: -found[i].dtype.itemsize) if self.mixed else None
         if self.order is not None:
             found = [found[i] for i in self.order]
-        store = Layout.packed(found, raw=self.mixed)
-        self.params = tuple(
-            ShardedParam(sp.module, sp.name, sp.fqn, sp.shape, sp.chunk_rows, sp.valid_rows, off, sp.dim, sp.dtype)
-            for sp, off in zip(found, store.offsets)
-        )
-        self.store = store
-        self.dtype = torch.uint8 if self.mixed else dtypes.pop()  # of the flat shard
-        self.gather_dtype = param_dtype or self.dtype
-        self.gather = store if self.gather_dtype == self.dtype else Layout.packed(list(self.params), raw=False)
+        own = Layout.packed(found, raw=self.mixed)  # the parameters' own bytes
+        params = tuple(dataclasses.replace(sp, offset=off) for sp, off in zip(found, own.offsets))
+        own_dtype = torch.uint8 if self.mixed else dtypes.pop()
+        self.gather_dtype = param_dtype or own_dtype
+        self.gather = own if self.gather_dtype == own_dtype else Layout.packed(list(params), raw=False)
         self.shard_numel = self.gather.numel  # what one rank sends in an all-gather
+        self.master_dtype = own_dtype
+        if replicas == 1:  # the flat shard is the masters' memory
+            self.params = self.pieces = params
+            self.store, self.master_store, self.dtype = own, own, own_dtype
+        else:  # see [Note: pieces]: the flat shard in the gather dtype, the masters apart
+            self.params = tuple(dataclasses.replace(sp, offset=o) for sp, o in zip(params, self.gather.offsets))
+            self.store, self.dtype = self.gather, self.gather_dtype
+            pieces = [sp.piece(replicas, replica_rank) for sp in params]
+            self.master_store = Layout.packed(pieces, raw=self.mixed)
+            self.pieces = tuple(dataclasses.replace(pc, offset=o) for pc, o in zip(pieces, self.master_store.offsets))
+        self.piece_gather = Layout.packed(list(self.pieces), raw=self.gather.raw)
+        """One rank's pieces in the gather dtype: what a replica all-gather sends."""
         self._reduce_dtype = reduce_dtype or param_dtype
         self.full_groups = self._reduce_groups(None)  # every parameter: what buffers are sized for
 
@@ -177,10 +260,52 @@ class BlockLayout:
         for i, sp in enumerate(self.params):
             if trainable is None or trainable[i]:
                 by.setdefault(self._reduce_dtype or sp.dtype, []).append(i)
-        return tuple(
-            ReduceGroup(dt, tuple(ix), Layout.packed([self.params[i] for i in ix], raw=False), self.wp_size)
-            for dt, ix in by.items()
-        )
+        groups = []
+        for dt, ix in by.items():
+            layout = Layout.packed([self.params[i] for i in ix], raw=False)
+            piece = Layout.packed([self.pieces[i] for i in ix], raw=False)
+            bound = self._piece_rows_bound([self.params[i] for i in ix], raw=False)
+            groups.append(ReduceGroup(dt, tuple(ix), layout, self.wp_size, piece, self.replicas, bound))
+        return tuple(groups)
+
+    def _piece_rows_bound(self, params: list[ShardedParam], raw: bool) -> int:
+        """Elements (bytes when ``raw``) of the largest pieces of ``params`` on any rank:
+        ``ceil(chunk_rows / replicas)`` rows each, the same on every rank."""
+        r = self.replicas
+        return sum(-(-sp.chunk_rows // r) * sp.inner * (sp.dtype.itemsize if raw else 1) for sp in params)
+
+    @property
+    def piece_bound(self) -> int:
+        """Elements of the gather dtype (bytes when raw) of the largest ``piece_gather``
+        any rank of the unit has: what a replica all-gather's buffers are sized by."""
+        return self._piece_rows_bound(list(self.params), self.gather.raw)
+
+    # ---- replicas (see [Note: pieces]) -------------------------------------------------
+    def pack_pieces(self, shard: torch.Tensor, group: ReduceGroup, out: torch.Tensor) -> None:
+        """``group``'s reduced WP rows (laid out as ``group.layout`` in ``shard``) ->
+        the replica reduce-scatter's input in ``out`` (replica-major)."""
+        params = [self.params[i] for i in group.members]
+        rows = [
+            shard[off : off + sp.valid_rows * sp.inner].view(sp.valid_rows, sp.inner)
+            for sp, off in zip(params, group.layout.offsets)
+        ]
+        pack_replicas(rows, out[: group.scattered_numel], self.replicas)
+
+    def pack_piece_grads(self, grads: tuple[torch.Tensor | None, ...], group: ReduceGroup, out: torch.Tensor) -> None:
+        """Gradients of ``group``'s WP rows (in the parameters' own shapes, e.g. what
+        autograd gives a shard computed on directly) -> replica-major pieces in ``out``."""
+        rows = []
+        for i in group.members:
+            sp, g = self.params[i], grads[i]
+            g = torch.zeros(sp.shard_shape, dtype=out.dtype, device=out.device) if g is None else sp.user(g)
+            rows.append(g.reshape(sp.valid_rows, sp.inner).to(out.dtype))
+        pack_replicas(rows, out[: group.scattered_numel], self.replicas)
+
+    def unpack_shard(self, landing: torch.Tensor, flat_shard: torch.Tensor) -> None:
+        """A replica all-gather's output (every replica's ``piece_gather``) -> the WP
+        rows of ``flat_shard`` (laid out as ``store``; padding rows left as they are)."""
+        rows = [(pc.chunk_rows, sp.valid_rows) for pc, sp in zip(self.pieces, self.params)]
+        unpack_replicas(landing, self.piece_gather, flat_shard, self.store.offsets, rows, self.replicas)
 
     @staticmethod
     def shard_view(flat: torch.Tensor, sp: ShardedParam) -> torch.Tensor:

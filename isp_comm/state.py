@@ -14,6 +14,10 @@ sharded parameter is ``[Replicate(), Shard(d)]`` with ``d`` its split dim (0, or
 an embedding split along its hidden dim). The engine's chunks (``ceil(n / wp)`` rows
 per rank, the last ones short or empty) are exactly DTensor's uneven ``Shard``
 chunks, so the local tensor is the shard itself: no copy, no padding rows.
+With ``state_sharding="world"`` a parameter is its rank's piece (see [Note: pieces]
+in ``isp_comm/layout.py``): ``[Shard(d), Shard(d)]`` on the same groups laid out
+``("wp", "replica")`` (the transpose), so that DTensor splits over WP first and then
+each WP shard over its replicas, exactly as the pieces are cut.
 
 [Note: aliasing]
 ``state_dict()`` and ``optimizer_state_dict()`` hand out DTensors whose local tensors
@@ -85,6 +89,9 @@ class ShardedState:
         self.model, self.groups, self.sharded, self.units = model, groups, sharded, units
         self.device, self.collectives = device, collectives
         self._mesh: DeviceMesh | None = None
+        self._piece_mesh: DeviceMesh | None = None
+        self.pieces = any(u.replicas > 1 for u in units)
+        """Whether the parameters are pieces (``state_sharding="world"`` with replicas)."""
 
     # ---- DTensor views -----------------------------------------------------------------
     @property
@@ -100,37 +107,55 @@ class ShardedState:
             )
         return self._mesh
 
+    @property
+    def piece_mesh(self) -> DeviceMesh:
+        """The ``("wp", "replica")`` mesh of the note above, made on first use."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._piece_mesh is None:
+            g = self.groups
+            layout = torch.arange(g.world_size).view(g.replica_size, g.wp_size).t().contiguous()
+            self._piece_mesh = DeviceMesh.from_group(
+                [g.wp_group, g.replica_group], self.device.type, mesh=layout, mesh_dim_names=("wp", "replica")
+            )
+        return self._piece_mesh
+
+    def placement(self, fqn: str) -> tuple[DeviceMesh, tuple]:
+        """The mesh and placements of sharded parameter ``fqn``'s DTensors."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        unit, sp = self.sharded[fqn]
+        if unit.replicas > 1:
+            return self.piece_mesh, (Shard(sp.dim), Shard(sp.dim))
+        return self.mesh, (Replicate(), Shard(sp.dim))
+
     def as_dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows of sharded parameter ``fqn``, or a tensor shaped
         like them) as a DTensor of the parameter's global shape, sharing memory."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
 
         _, sp = self.sharded[fqn]
+        mesh, placements = self.placement(fqn)
         return DTensor.from_local(
-            local,
-            self.mesh,
-            [Replicate(), Shard(sp.dim)],
-            run_check=False,
-            shape=sp.shape,
-            stride=_contiguous_stride(sp.shape),
+            local, mesh, list(placements), run_check=False, shape=sp.shape, stride=_contiguous_stride(sp.shape)
         )
 
     def local_of(self, fqn: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``value`` for sharded ``fqn``: the local tensor of a
         DTensor laid out like ours, else the rows of a full tensor (a DTensor laid out
         otherwise is made full first: one parameter at a time)."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
 
-        unit, sp = self.sharded[fqn]
+        _, sp = self.sharded[fqn]
         if isinstance(value, DTensor):
             if tuple(value.shape) != tuple(sp.shape):
                 raise ValueError(f"{fqn}: expected global shape {tuple(sp.shape)}, got {tuple(value.shape)}")
-            mine = value.device_mesh == self.mesh and tuple(value.placements) == (Replicate(), Shard(sp.dim))
+            mine = (value.device_mesh, tuple(value.placements)) == self.placement(fqn)
             if mine and value.to_local().shape == like.shape:
                 return value.to_local()
             value = value.full_tensor()
         if tuple(value.shape) == tuple(sp.shape):
-            return sp.rows_of(value, unit.wp_rank)
+            return sp.rows(value)
         raise ValueError(f"{fqn}: expected shape {tuple(sp.shape)} (or its shard), got {tuple(value.shape)}")
 
     # ---- model state ---------------------------------------------------------------------
@@ -283,8 +308,9 @@ class ShardedState:
         the norm before clipping, the same on every rank.
 
         Sharded gradients differ across a WP group and are equal across replicas, so
-        their contribution is reduced over the WP group only; replicated gradients are
-        equal on every rank (already averaged) and counted once, locally."""
+        their contribution is reduced over the WP group only (over the world when they
+        are pieces, each rank's its own); replicated gradients are equal on every rank
+        (already averaged) and counted once, locally."""
         norm_type = float(norm_type)
         sharded, replicated = self._grads()
         inf = math.isinf(norm_type)
@@ -295,7 +321,8 @@ class ShardedState:
                 stacked = torch.stack(norms)
                 part[i] = stacked.max() if inf else stacked.pow(norm_type).sum()
         g, reduce = self.groups, self.collectives.all_max if inf else self.collectives.all_reduce
-        reduce(part[:1], g.wp_group, g.wp_size, "the clip's norm all-reduce")  # the sharded part, in place
+        group, size = (g.world_group, g.world_size) if self.pieces else (g.wp_group, g.wp_size)
+        reduce(part[:1], group, size, "the clip's norm all-reduce")  # the sharded part, in place
         total = part.max() if inf else part.sum().pow(1.0 / norm_type)
         total = total.float()
         if error_if_nonfinite and not torch.isfinite(total):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from isp_comm.layout import BlockLayout, ReduceGroup, ShardedParam
+from isp_comm.layout import BlockLayout, Layout, ReduceGroup, ShardedParam
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,20 @@ def find_sharded(
             assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
             out = p.shape[dim]
             chunk = -(-out // wp_size)
-            valid = max(0, min(chunk, out - wp_rank * chunk))
+            start = min(wp_rank * chunk, out)
             seen[id(p)] = len(found)
-            found.append(ShardedParam(module, name, fqn, p.shape, chunk, valid, 0, dim, p.dtype))
+            found.append(
+                ShardedParam(module, name, fqn, p.shape, chunk, min(chunk, out - start), 0, dim, p.dtype, start)
+            )
     return found, alias_of
 
 
 class BlockUnit(BlockLayout):
-    """One transformer block's sharded parameters: the unit of gather and reduce-scatter."""
+    """One transformer block's sharded parameters: the unit of gather and reduce-scatter.
+
+    ``flat_shard`` is the WP shard every gather reads; ``master`` what the shard
+    parameters (``shards``) are views of: the flat shard, or, with pieces, a buffer
+    of this rank's pieces apart from it (see [Note: pieces])."""
 
     def __init__(
         self,
@@ -75,25 +81,24 @@ class BlockUnit(BlockLayout):
         dim1: frozenset[int] = frozenset(),
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        replicas: tuple[int, int] = (1, 0),
     ) -> None:
         """``owners``: (fqn prefix, module) whose direct parameters called ``names``
         (all of them when ``None``) are sharded. ``materialize(module, fqn)`` turns a
         module still on the meta device into a real, initialised one. A parameter
         owned by several modules (tied weights) is sharded once and appears in every
         owner. Parameters whose ``id`` is in ``dim1`` are split along dim 1, the rest
-        along dim 0.
-        ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of gradient
-        reduction (``None``: the parameters' own)."""
+        along dim 0. ``param_dtype`` / ``reduce_dtype``: the dtypes of gathering and of
+        gradient reduction (``None``: the parameters' own). ``replicas``: (size, rank)
+        of the replica group the parameters are split over again (see [Note: pieces])."""
         self.index, self.block, self.replicated = index, block, replicated
         found, alias_of = find_sharded(owners, names, dim1, wp_size, wp_rank)
-        super().__init__(found, wp_size, wp_rank, param_dtype, reduce_dtype)
+        super().__init__(found, wp_size, wp_rank, param_dtype, reduce_dtype, *replicas)
         if self.order is not None:
             position = {old: new for new, old in enumerate(self.order)}
             alias_of = [(m, n, position[i], f) for m, n, i, f in alias_of]
         self.aliases = alias_of
         self.device = device
-        self.flat_shard = torch.zeros(self.store.numel, dtype=self.dtype, device=self.device)
-        self.shards: tuple[nn.Parameter, ...] = ()
         self._install_shards(materialize)
         self._trainable: tuple[bool, ...] = ()
         self.groups: tuple[ReduceGroup, ...] = ()
@@ -131,19 +136,27 @@ class BlockUnit(BlockLayout):
 
     # ---- construction -------------------------------------------------------------
     def _install_shards(self, materialize: Callable[[nn.Module, str], None]) -> None:
-        """Copy this rank's rows into the flat shard and register shard parameters.
+        """Copy this rank's rows into the flat shard (and its pieces into the masters)
+        and register shard parameters: views of ``master``, which is the flat shard
+        itself unless the unit has pieces (see [Note: pieces]).
 
         A module still on the meta device is materialised alone just before its rows
         are taken, so at most one full module exists at a time."""
+        self.flat_shard = torch.zeros(self.store.numel, dtype=self.dtype, device=self.device)
+        self.master = self.flat_shard
+        if self.replicas > 1:
+            self.master = torch.zeros(self.master_store.numel, dtype=self.master_dtype, device=self.device)
         shards = []
-        for sp in self.params:
+        for sp, pc in zip(self.params, self.pieces):
             p = sp.module._parameters[sp.name]  # a meta bias is real once its weight was
             if p.device.type == "meta":
                 materialize(sp.module, sp.fqn[: -len(sp.name)].rstrip("."))
                 p = sp.module._parameters[sp.name]
-            view = self.shard_view(self.flat_shard, sp)
+            view = self.shard_view(self.master, pc)
             with torch.no_grad():
-                view.copy_(sp.rows_of(p.detach(), self.wp_rank))
+                view.copy_(pc.rows(p.detach()))
+                if self.master is not self.flat_shard:  # the WP rows too, in the gather dtype
+                    self.shard_view(self.flat_shard, sp).copy_(sp.rows(p.detach()))
             shard = nn.Parameter(view, requires_grad=p.requires_grad)
             sp.module._parameters[sp.name] = shard
             shards.append(shard)
@@ -157,19 +170,31 @@ class BlockUnit(BlockLayout):
         it. Before the optimizer is made (it keeps the parameters, not their storage)."""
         with torch.no_grad():
             buffer.copy_(self.flat_shard)
-        for sp, shard in zip(self.params, self.shards):
-            shard.data = self.shard_view(buffer, sp)
+        if self.master is self.flat_shard:
+            for pc, shard in zip(self.pieces, self.shards):
+                shard.data = self.shard_view(buffer, pc)
+            self.master = buffer
         self.flat_shard = buffer
 
     def fill_send(self, send: torch.Tensor) -> None:
         """This rank's shard, in the gather dtype and layout (when it is not the flat
         shard itself); padding rows stay zero."""
-        if not self.mixed or send.dtype == self.dtype:  # one copy (a cast when dtypes differ)
-            send.copy_(self.flat_shard)
+        self._cast_into(send, self.gather, self.flat_shard, self.params)
+
+    def fill_piece_send(self, send: torch.Tensor) -> None:
+        """This rank's pieces (the masters), in the gather dtype and ``piece_gather``
+        layout: what a replica all-gather sends (see [Note: pieces])."""
+        self._cast_into(send, self.piece_gather, self.master, self.pieces)
+
+    def _cast_into(
+        self, dst: torch.Tensor, layout: Layout, src: torch.Tensor, params: tuple[ShardedParam, ...]
+    ) -> None:
+        if not self.mixed or dst.dtype == src.dtype:  # one copy (a cast when dtypes differ)
+            dst.copy_(src)
             return
-        for sp, off, size in zip(self.params, self.gather.offsets, self.gather.sizes):
+        for sp, off, size in zip(params, layout.offsets, layout.sizes):
             nbytes = sp.shard_numel * sp.dtype.itemsize
-            send[off : off + size].copy_(self.flat_shard[sp.offset : sp.offset + nbytes].view(sp.dtype))
+            dst[off : off + size].copy_(src[sp.offset : sp.offset + nbytes].view(sp.dtype))
 
     # ---- module attributes ------------------------------------------------------------
     def swap_in(self, tensors: list[torch.Tensor]) -> None:
@@ -191,7 +216,7 @@ class BlockUnit(BlockLayout):
         if self.mixed or len(groups) != 1:
             return None
         (group,) = groups
-        same = group.dtype == self.dtype and group.layout.offsets == self.store.offsets
+        same = group.dtype == self.master_dtype and group.piece.offsets == self.master_store.offsets
         return group if same and len(group.members) == len(self.params) else None
 
     def accumulate_grad(self, reduced: torch.Tensor, group: ReduceGroup) -> None:
@@ -209,15 +234,15 @@ class BlockUnit(BlockLayout):
         if group is self.whole_group:  # one kernel for the whole block
             fresh = [s for s in self.shards if s.grad is None]
             if len(fresh) == len(self.shards):
-                for sp, shard in zip(self.params, self.shards):
-                    shard.grad = self.shard_view(flat, sp)
+                for pc, shard in zip(self.pieces, self.shards):
+                    shard.grad = self.shard_view(flat, pc)
                 flat.copy_(reduced[: flat.numel()])
                 return
             if not fresh and all(s.grad._base is flat for s in self.shards):  # still our views
                 flat.add_(reduced[: flat.numel()])
                 return
-        for i, off in zip(group.members, group.layout.offsets):
-            sp, shard = self.params[i], self.shards[i]
+        for i, off in zip(group.members, group.piece.offsets):
+            sp, shard = self.pieces[i], self.shards[i]
             if not shard.requires_grad:
                 continue
             piece = sp.user(reduced[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape))
@@ -233,6 +258,6 @@ class BlockUnit(BlockLayout):
         zeroed: every piece is written before its ``.grad`` view is set)."""
         for s in self.shards:
             base = None if s.grad is None else s.grad._base
-            if base is not None and base.shape == self.flat_shard.shape and base.dtype == self.flat_shard.dtype:
+            if base is not None and base.shape == self.master.shape and base.dtype == self.master.dtype:
                 return base
-        return torch.empty_like(self.flat_shard)
+        return torch.empty_like(self.master)

@@ -36,6 +36,7 @@ class Case:
     steps: int = 3
     seq: int = 7
     batch_per_rank: int = 2
+    clip: float = 0.0  # > 0: clip the global gradient norm to it before each step
 
     model: str = "llama"  # or "hetero", or "narrow" (hidden 18: pads when split over 4)
 
@@ -110,7 +111,8 @@ def build_hetero(bias: bool) -> nn.Module:
 def make_optim(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
+    # "adamw-fused": one kernel that writes the parameters without bumping their version counters
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6, fused=name == "adamw-fused")
 
 
 def batches(case: Case, world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -141,6 +143,8 @@ def train_reference(case: Case, world: int) -> tuple[dict[str, torch.Tensor], li
             loss = loss_fn(model(x), y) / case.micro
             loss.backward()
             total += loss.item()
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -175,6 +179,8 @@ def train_isp(
             loss.backward()
             hook.after_backward()
             total += loss.detach()
+        if case.clip:
+            comm.clip_grad_norm_(case.clip)
         opt.step()
         opt.zero_grad()
         if on_step is not None:
@@ -192,6 +198,33 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     for k in a:
         assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# fp32 with identical data: the only differences are summation order (per-rank partial
+# gradients summed by the collective vs one big GEMM), a few ulps per step, so SGD
+# (where a wrong scale or a lost gradient shows at once) is held to 2e-6. AdamW
+# normalises every update to about lr (1e-2), so where a gradient element is tiny its
+# rounding-level difference is magnified: the tests use eps=1e-6 (not 1e-8) so that
+# pure-noise elements are damped, and allow 2e-5 (0.2% of one step). Adam is
+# scale-invariant: scale bugs are caught by the SGD cases.
+ATOL = {"sgd": 2e-6, "adamw": 2e-5, "adamw-fused": 2e-5}
+
+
+def parity_worker(rank: int, world: int, wp: int, cases: list[Case], config_kw: dict) -> list[tuple]:
+    """Each case trained here (ISP at ``wp``, ``config_kw``) and single-process:
+    (case, largest weight difference, largest loss difference)."""
+    out = []
+    for case in cases:
+        ref_sd, ref_losses = train_reference(case, world)
+        sd, losses, _ = train_isp(case, rank, world, wp, **config_kw)
+        out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
+    return out
+
+
+def check_parity(results: list[list[tuple]]) -> None:
+    """Every rank's every case within :data:`ATOL` (weights) and 2e-6 (losses)."""
+    bad = [(case, d, ld) for per_rank in results for case, d, ld in per_rank if d > ATOL[case.optim] or ld > 2e-6]
+    assert not bad, f"{len(bad)} cases off: {bad[:4]}"
 
 
 def copy_case(case: Case, **kw) -> Case:

@@ -9,16 +9,7 @@ import pytest
 
 from isp_comm.backends.symm_cpu import HOST_ENV
 from isp_comm.testing import run_ranks
-from tests.parity import Case, max_diff, train_isp, train_reference
-
-# fp32 with identical data: the only differences are summation order (per-rank partial
-# gradients summed by the collective vs one big GEMM), a few ulps per step, so SGD
-# (where a wrong scale or a lost gradient shows at once) is held to 2e-6. AdamW
-# normalises every update to about lr (1e-2), so where a gradient element is tiny its
-# rounding-level difference is magnified: the tests use eps=1e-6 (not 1e-8) so that
-# pure-noise elements are damped, and allow 2e-5 (0.2% of one step). Adam is
-# scale-invariant: scale bugs are caught by the SGD cases.
-ATOL = {"sgd": 2e-6, "adamw": 2e-5}
+from tests.parity import ATOL, Case, check_parity, max_diff, parity_worker, train_isp, train_reference
 
 CASES = [
     Case(optim=o, micro=m, ckpt=c, bias=b)
@@ -26,26 +17,12 @@ CASES = [
 ]
 
 
-def _parity_worker(rank: int, world: int, wp: int, cases: list[Case], config_kw: dict) -> list[tuple]:
-    out = []
-    for case in cases:
-        ref_sd, ref_losses = train_reference(case, world)
-        sd, losses, _ = train_isp(case, rank, world, wp, **config_kw)
-        out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
-    return out
-
-
-def _check(results: list[list[tuple]]) -> None:
-    bad = [(case, d, ld) for per_rank in results for case, d, ld in per_rank if d > ATOL[case.optim] or ld > 2e-6]
-    assert not bad, f"{len(bad)} cases off: {bad[:4]}"
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [1, 2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))])  # the slow tier
 def test_parity_full_matrix(world: int) -> None:
     # Every combination of optimizer, micro-steps, checkpoint ratio and bias, wp = world.
     cases = CASES if world in (2, 4) else CASES[::3]
-    _check(run_ranks(_parity_worker, world, world, cases, {}, timeout_s=380))
+    check_parity(run_ranks(parity_worker, world, world, cases, {}, timeout_s=380))
 
 
 @pytest.mark.slow  # 12 s; the CI tier's parity matrix at world 2 keeps overlap on
@@ -53,8 +30,8 @@ def test_parity_full_matrix(world: int) -> None:
 def test_parity_replicas_and_no_overlap() -> None:
     # world 4 with wp 2: two replica groups also all-reduce the shards' gradients.
     cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
-    _check(run_ranks(_parity_worker, 4, 2, cases, {}, timeout_s=180))
-    _check(run_ranks(_parity_worker, 2, 2, cases, {"overlap": False, "memory_pool": False}, timeout_s=180))
+    check_parity(run_ranks(parity_worker, 4, 2, cases, {}, timeout_s=180))
+    check_parity(run_ranks(parity_worker, 2, 2, cases, {"overlap": False, "memory_pool": False}, timeout_s=180))
 
 
 @pytest.mark.timeout(300)
@@ -62,20 +39,20 @@ def test_parity_replicas_and_no_overlap() -> None:
 def test_parity_torch_backend(world: int) -> None:
     # The matrix above runs the default backend ("auto": shared memory on CPU). Every
     # 5th case from the 3rd covers each optimizer, micro count, checkpoint ratio and bias.
-    _check(run_ranks(_parity_worker, world, world, CASES[2::5], {"backend": "torch"}, timeout_s=280))
+    check_parity(run_ranks(parity_worker, world, world, CASES[2::5], {"backend": "torch"}, timeout_s=280))
 
 
 def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
     # ranks 0,1 on "host0" and 2,3 on "host1": the WP groups {0,1} and {2,3} use shared
     # memory, the replica groups {0,2}, {1,3} and the world fall back to gloo.
     os.environ[HOST_ENV] = f"host{rank // 2}"
-    return _parity_worker(rank, world, 2, cases, {"backend": "symm"})
+    return parity_worker(rank, world, 2, cases, {"backend": "symm"})
 
 
 @pytest.mark.timeout(200)
 def test_parity_symm_two_host_simulation() -> None:
     cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
-    _check(run_ranks(_two_host_worker, 4, cases, timeout_s=180))
+    check_parity(run_ranks(_two_host_worker, 4, cases, timeout_s=180))
 
 
 @pytest.mark.timeout(300)
@@ -89,7 +66,7 @@ def test_parity_with_outer_params_sharded(world: int, backend: str) -> None:
     kw = {"shard_outer_params": True, "backend": backend}
     # every 5th case covers each optimizer, micro count, checkpoint ratio (full too) and bias
     assert {c.ckpt for c in CASES[::5]} == {0.0, 0.5, 1.0} and {c.bias for c in CASES[::5]} == {False, True}
-    _check(run_ranks(_parity_worker, world, world, CASES[::5], kw, timeout_s=280))
+    check_parity(run_ranks(parity_worker, world, world, CASES[::5], kw, timeout_s=280))
 
 
 def _outer_dims_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
@@ -114,7 +91,7 @@ def test_embedding_split_along_hidden_with_padding() -> None:
     # looked up without gathering: every rank's columns for the WP group's tokens, one
     # all-to-all; its gradient comes back by the inverse all-to-all and index_add.
     cases = [Case(model="narrow"), Case(model="narrow", optim="adamw", micro=3, ckpt=0.5, bias=True)]
-    _check(run_ranks(_outer_dims_worker, 4, cases, timeout_s=180))
+    check_parity(run_ranks(_outer_dims_worker, 4, cases, timeout_s=180))
 
 
 def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tuple]:
@@ -147,7 +124,7 @@ def _module_granularity_worker(rank: int, world: int, backend: str) -> list[tupl
 )
 def test_parity_module_granularity(world: int, backend: str) -> None:
     # one collective per parameter, landing in the slot directly (no landing buffer)
-    _check(run_ranks(_module_granularity_worker, world, backend, timeout_s=180))
+    check_parity(run_ranks(_module_granularity_worker, world, backend, timeout_s=180))
 
 
 def _bucket_worker(rank: int, world: int, case: Case) -> tuple[float, float, list[str], int]:

@@ -45,14 +45,14 @@ def test_scratch_of_planned_collectives_adds_every_size_and_sizes_each_destinati
     assert scratch_need("all_to_all", [0], 2) == 0
     # the collectives a wrap plans: pooled blocks run on the pool (none listed), the outer
     # unit's gather and reduce-scatter, the replica all-reduce, the world's of replicated params
-    got = copied_collectives((2, 2, 4), True, [(8, [16]), (8, [16])], (4, [8, 8]), [8, 8], 40)
+    got = copied_collectives((2, 2, 4), True, [(8, [16]), (8, [16])], (4, [8, 8]), [("all_reduce", [8, 8])], 40)
     assert got == [
         ("wp", "all_gather", [4]),
         ("wp", "reduce_scatter", [8, 8]),
         ("replica", "all_reduce", [8, 8]),
         ("world", "all_reduce", [40]),
     ]
-    unpooled = copied_collectives((4, 1, 4), False, [(8, [16, 4]), (6, [12])], None, [4, 1, 3], 0)
+    unpooled = copied_collectives((4, 1, 4), False, [(8, [16, 4]), (6, [12])], None, [("all_reduce", [4, 1, 3])], 0)
     assert unpooled == [("wp", "all_gather", [8, 6]), ("wp", "reduce_scatter", [16, 4, 12])]
 
 

@@ -100,12 +100,14 @@ def _sp_worker(
     opts = dict(opts or {})
     varlen = opts.pop("varlen", False)
     vocab_parallel = opts.pop("vocab_parallel", False)
+    sharding = opts.pop("state_sharding", "wp")
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
     ref = _model(kind, tied, **opts)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     model = _model(kind, tied, **opts)
     groups = ParallelGroups.create(wp_size=wp, sp_size=sp)
-    comm = ISPCommunicator(model, groups, ISPConfig(shard_outer_params=outer, vocab_parallel=vocab_parallel))
+    config = ISPConfig(shard_outer_params=outer, vocab_parallel=vocab_parallel, state_sharding=sharding)
+    comm = ISPCommunicator(model, groups, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seq = sum(DOCS) if varlen else SEQ
     cu = torch.tensor([0, *DOCS]).cumsum(0) if varlen else None

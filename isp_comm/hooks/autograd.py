@@ -49,6 +49,27 @@ class UnshardBlock(torch.autograd.Function):
         return None, None, None, None
 
 
+class ShardViews(torch.autograd.Function):
+    """Forward: a unit's WP rows as views of its flat shard, for a unit that computes
+    on them directly (never gathered) while its parameters are pieces (see [Note:
+    pieces] in ``isp_comm/layout.py``). Backward, once every trainable view's
+    gradient exists, hands those gradients to the engine (as ``UnshardBlock`` does),
+    which reduce-scatters them into the pieces."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, hooks: BackwardHooks, unit: BlockUnit):
+        ctx.hooks, ctx.unit = hooks, unit
+        ctx.set_materialize_grads(False)
+        views = tuple(unit.shard_view(unit.flat_shard, sp) for sp in unit.params)
+        ctx.mark_non_differentiable(*(v for v, t in zip(views, unit.trainable) if not t))
+        return views
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None):
+        ctx.hooks.post_backward(ctx.unit, grads)
+        return None, None, None
+
+
 class PreBackward(torch.autograd.Function):
     """Identity on a block's outputs; its backward runs just before the block's backward."""
 

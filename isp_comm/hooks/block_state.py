@@ -43,6 +43,7 @@ from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.hooks.autograd import BackwardHooks, UnshardBlock
 from isp_comm.hooks.casting import cast_params_in, cast_params_out
+from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.memory_pool import SlotPool, gather_landing
 from isp_comm.units import BlockUnit
 
@@ -75,6 +76,8 @@ class GatherResources:
     backend: Backend
     pool: SlotPool
     wp_group: Any
+    refresh: WeightRefresh | None = None
+    """Brings a stale WP shard up to date before its gather (see [Note: refreshing the WP shards])."""
     send: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     staging_owner: BlockState | None = None
 
@@ -114,6 +117,8 @@ class BlockState:
         slot = res.pool.free_slot(dt, preferred, backward and self.saved_views)
         if slot is None:
             return False
+        if res.refresh is not None:
+            res.refresh.ensure(unit)
         if res.staging_owner is not None:  # one landing buffer: finish the gather using it
             res.staging_owner.wait_for_unshard()
         n = unit.gathered_numel

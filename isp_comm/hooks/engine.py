@@ -18,10 +18,11 @@ import torch
 from torch.autograd import Variable
 
 from isp_comm.context import CommContext
-from isp_comm.hooks.autograd import PreBackward
+from isp_comm.hooks.autograd import PreBackward, ShardViews
 from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState, swap_in_views
 from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
+from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.units import BlockUnit, ReplicatedParam
 
 log = logging.getLogger("isp_comm")
@@ -41,7 +42,9 @@ class BlockEngine:
     ``self.reducer``. The engine is the :class:`BackwardHooks` the autograd
     Functions call."""
 
-    def __init__(self, ctx: CommContext, units, groups, backend, config, pool, rs_buffers, replicated, root=None):
+    def __init__(
+        self, ctx: CommContext, units, groups, backend, config, pool, rs_buffers, replicated, root=None, refresh=None
+    ):
         self.ctx = ctx
         self.units: list[BlockUnit] = units
         self.root: BlockUnit | None = root  # parameters outside the blocks, when sharded
@@ -52,7 +55,13 @@ class BlockEngine:
         self.pool = pool
         self.reducer = GradientReducer(ctx, groups, backend, config, rs_buffers, replicated)
         self.phase = Phase.IDLE
-        self._res = GatherResources(ctx, config, backend, pool, groups.wp_group)
+        self.refresh: WeightRefresh | None = refresh
+        """The replica all-gathers that bring WP shards up to date after their pieces
+        changed (``state_sharding="world"``; see [Note: refreshing the WP shards])."""
+        self.summed: list[BlockUnit] = []
+        """Units computed on their WP rows directly whose parameters are pieces (the
+        vocab-parallel head, the hidden-split embedding, under ``"world"``)."""
+        self._res = GatherResources(ctx, config, backend, pool, groups.wp_group, refresh)
         self.states = [BlockState(u, self._res) for u in units]
         self._pending: set[int] = set()
         self._callback_queued = False
@@ -74,6 +83,8 @@ class BlockEngine:
         self._event("all_gather", st.unit.index)
         if not self.config.overlap:
             st.wait_for_unshard()
+        elif self.refresh is not None and st.unit.index + 1 < len(self.units):
+            self.refresh.prefetch(self.units[st.unit.index + 1])  # see [Note: refreshing the WP shards]
         return True
 
     def ensure_gathered(self, unit: BlockUnit) -> BlockState:
@@ -114,11 +125,19 @@ class BlockEngine:
     # gradient reaches its master in the master's dtype. The logits come out in
     # ``param_dtype``; the loss upcasts them.
     def root_pre_forward(self) -> None:
-        """Forward begins: stash replicated grads of earlier micro-steps, fetch block 0."""
+        """Forward begins: stash replicated grads of earlier micro-steps, bring the
+        outer units up to date, fetch block 0."""
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
+        if self.refresh is not None:  # see [Note: refreshing the WP shards]
+            self.refresh.check()
+            for unit in (self.root, *self.summed):
+                if unit is not None:
+                    self.refresh.ensure(unit)
+        for unit in self.summed:
+            self._swap_in_summed(unit)
         if self.units:
             self.prefetch(0)
         if self.root is not None:
@@ -155,12 +174,26 @@ class BlockEngine:
             root.refresh_trainable()
         swap_in_views(root, self._root_region, self)
 
+    def _swap_in_summed(self, unit: BlockUnit) -> None:
+        """Point a unit computed on its WP rows at views of its flat shard: out of a
+        ``ShardViews`` node when it trains (whose backward hands the gradients of
+        those rows to ``post_backward``), else detached."""
+        grad = torch.is_grad_enabled()
+        if grad:
+            unit.refresh_trainable()
+        if grad and unit.requires_grad:
+            unit.swap_in(list(ShardViews.apply(unit.anchor, self, unit)))
+        else:
+            unit.swap_in([unit.shard_view(unit.flat_shard, sp).detach() for sp in unit.params])
+
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again (autograd keeps
         the gathered views it saved); without a backward to come, free them now."""
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
+        for unit in self.summed:
+            unit.swap_out()
         if self.root is None:
             return
         self.root.swap_out()
@@ -246,6 +279,9 @@ class BlockEngine:
             self._root_region = None
             self.reducer.reduce_root(unit, grads)
             return
+        if unit.index < 0:  # one of ``summed``: its rows' gradients, summed over WP already
+            self.reducer.reduce_summed(unit, grads)
+            return
         st = self.states[unit.index]
         st.post_backward()
         module = st.landing == "per-parameter"  # gradients go back the way weights came
@@ -269,7 +305,8 @@ class BlockEngine:
     # ---- introspection ---------------------------------------------------------------
     def outstanding(self) -> int:
         gathers = sum(st.state is GatherState.GATHERING for st in self.states)
-        return gathers + self.reducer.in_flight()
+        refreshing = self.refresh.in_flight() if self.refresh is not None else 0
+        return gathers + refreshing + self.reducer.in_flight()
 
     # [Note: buffers of a failed step]
     # A step cut short (a wait failed, or an error left the backward unfinished) can
@@ -296,6 +333,9 @@ class BlockEngine:
                 self.release(unit)
         self.reducer.close(abandon=cut_short)
         self.leaked += self.reducer.leaked
+        if self.refresh is not None:
+            self.refresh.close(abandon=cut_short)
+            self.leaked += self.refresh.leaked
         if self.leaked:
             n = sum(t.numel() * t.element_size() for t in self.leaked if isinstance(t, torch.Tensor))
             n += sum(t.numel() * t.element_size() for pair in self.leaked if isinstance(pair, tuple) for t in pair)
@@ -308,5 +348,6 @@ class BlockEngine:
             )
         self._res.send.clear()
         self._root_region = None
-        if self.root is not None:
-            self.root.swap_out()
+        for unit in (self.root, *self.summed):
+            if unit is not None:
+                unit.swap_out()

@@ -1,6 +1,6 @@
 """The gradient half of the engine: reduce-scatters of sharded gradients (bounded in
-flight, then all-reduced over replicas, drained into ``.grad``) and the bucketed
-averaging of gradients autograd left whole.
+flight, then all-reduced or reduce-scattered over replicas, drained into ``.grad``)
+and the bucketed averaging of gradients autograd left whole.
 
 :class:`GradientReducer` is owned by the :class:`~isp_comm.hooks.engine.BlockEngine`
 and given everything it uses: the communication context, the groups, the backend,
@@ -12,8 +12,9 @@ shared-memory backend runs every group's collectives on one FIFO worker, so a ra
 whose groups' collectives interleave differently from a peer's can deadlock with it.
 So nothing here is issued on a timing-dependent condition (never "when a handle
 happens to be done"): reduce-scatters are issued in autograd's order; a block's
-replica all-reduce when the next block's reduce-scatter has been issued, or when
-room is made or the backward drained; a bucket of whole gradients when it and every
+replica collective (all-reduce, or reduce-scatter into the pieces with
+``state_sharding="world"``) when the next block's reduce-scatter has been issued, or
+when room is made or the backward drained; a bucket of whole gradients when it and every
 bucket before it are ready, in the buckets' fixed order. Autograd runs the same
 graph in the same order on every rank, as DDP relies on too.
 """
@@ -54,9 +55,10 @@ def divide_factors(world: int) -> tuple[float, float]:
 
 @dataclass(eq=False)
 class InflightReduce:
-    """One reduce group of one block, from its reduce-scatter's issue until its shard
+    """One reduce group of one block, from its reduce-scatter's issue until its part
     of the gradient is in ``.grad``: reduce-scatter over WP, then (with replicas) an
-    all-reduce of the shard over the replica group (``replica`` set once issued)."""
+    all-reduce of the shard over the replica group, or a reduce-scatter of it into
+    the pieces when the unit has them (``replica`` set once issued)."""
 
     unit: BlockUnit
     group: ReduceGroup
@@ -152,13 +154,35 @@ class GradientReducer:
             self._issue(unit, group, pair, inp, out, module, pooled=True)
 
     def reduce_root(self, root: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The outer parameters' gradients, in buffers of their own (not the pool's)."""
+        """The outer parameters' gradients, in buffers of their own (not the pool's),
+        each as long as a pooled pair would be (see ``_to_replicas``)."""
         for group in root.groups:
             self._make_room()
-            inp = torch.empty(group.gathered_numel, dtype=group.dtype, device=root.device)
-            out = torch.empty(group.shard_numel, dtype=group.dtype, device=root.device)
+            wp1 = group.wp_size == 1
+            n_in = max(group.gathered_numel, group.scattered_numel)
+            n_out = max(group.shard_numel, group.scattered_numel if wp1 else group.piece.numel)
+            pair = (
+                torch.empty(n_in, dtype=group.dtype, device=root.device),
+                torch.empty(n_out, dtype=group.dtype, device=root.device),
+            )
+            inp, out = pair[0][: group.gathered_numel], pair[1][: group.shard_numel]
             root.pack_grads(grads, inp, group)
-            self._issue(root, group, (inp, out), inp, out, module=False, pooled=False)
+            self._issue(root, group, pair, inp, out, module=False, pooled=False)
+
+    def reduce_summed(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Gradients of WP rows that their own backward summed over WP already (the
+        vocab-parallel head's, the hidden-split embedding's), when the unit has pieces:
+        straight to the replica reduce-scatter."""
+        for group in unit.groups:
+            self._make_room()
+            inp = torch.empty(group.scattered_numel, dtype=group.dtype, device=unit.device)
+            out = torch.empty(group.piece.numel, dtype=group.dtype, device=unit.device)
+            unit.pack_piece_grads(grads, group, inp)
+            r = InflightReduce(unit, group, (inp, out), out, CompletedHandle(), None, pooled=False)
+            self._scatter_to_replicas(r, inp)
+            self.inflight.append(r)
+            if not self.config.overlap:
+                self._complete_oldest()
 
     def _issue(self, unit, group, pair, inp: torch.Tensor, out: torch.Tensor, module: bool, pooled: bool) -> None:
         if group.dtype in LOW_PRECISION and self._pre > 1:  # see divide_factors
@@ -188,24 +212,44 @@ class GradientReducer:
             self._complete_oldest()
 
     def _to_replicas(self, r: InflightReduce) -> None:
-        """Wait for ``r``'s reduce-scatter and issue the all-reduce of its shard over
-        the replica group (asynchronous: completed by ``_complete``)."""
+        """Wait for ``r``'s reduce-scatter and issue its shard's replica collective
+        (asynchronous: completed by ``_complete``): an all-reduce, or, when the unit
+        has pieces, a reduce-scatter into them. The pair's two buffers take turns (no
+        third buffer): the one the WP stage did not leave the shard in receives the
+        replica-major input, and the other, read by then, the pieces."""
         if self.groups.replica_size == 1 or r.replica is not None:
             return
         what = f"block {r.unit.index}"
         self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         r.handle = CompletedHandle()
+        if r.unit.replicas == 1:
+            self.ctx.delay()
+            self.ctx.counters.all_reduces += 1
+            r.replica = self.backend.all_reduce(r.out, self.groups.replica_group)
+            self.ctx.record(r.replica, "all-reduce", self.groups.replica_group, r.out, r.unit.index, "backward")
+            r.replica_at = self.ctx.issued(r.replica)
+            return
+        held, spare = (r.pair[0], r.pair[1]) if r.group.wp_size == 1 else (r.pair[1], r.pair[0])
+        inp = spare[: r.group.scattered_numel]
+        r.unit.pack_pieces(r.out, r.group, inp)
+        r.out = held[: r.group.piece.numel]
+        self._scatter_to_replicas(r, inp)
+
+    def _scatter_to_replicas(self, r: InflightReduce, inp: torch.Tensor) -> None:
+        """Issue the replica reduce-scatter of ``inp`` (replica-major) into ``r.out``."""
         self.ctx.delay()
-        self.ctx.counters.all_reduces += 1
-        r.replica = self.backend.all_reduce(r.out, self.groups.replica_group)
-        self.ctx.record(r.replica, "all-reduce", self.groups.replica_group, r.out, r.unit.index, "backward")
+        self.ctx.counters.reduce_scatters += 1
+        self.ctx.counters.bytes_reduced += inp.numel() * inp.element_size()
+        r.replica = self.backend.reduce_scatter(r.out, inp, self.groups.replica_group)
+        self.ctx.record(r.replica, "reduce-scatter", self.groups.replica_group, inp, r.unit.index, "backward")
         r.replica_at = self.ctx.issued(r.replica)
 
     def _complete(self, r: InflightReduce) -> None:
         what = f"block {r.unit.index}"
         if self.groups.replica_size > 1:
             self._to_replicas(r)
-            self.ctx.wait(r.replica, f"replica all-reduce of {what}", ("all-reduce", what, r.replica_at))
+            kind = "all-reduce" if r.unit.replicas == 1 else "reduce-scatter"
+            self.ctx.wait(r.replica, f"replica {kind} of {what}", (kind, what, r.replica_at))
         else:
             self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         if self.groups.world_size > 1:

@@ -128,7 +128,7 @@ def nvshmem_heap(
         pooled,
         [unit_sizes(lay) for lay in blocks],
         unit_sizes(outer[0]) if outer else None,
-        [g.shard_numel * g.dtype.itemsize for lay in blocks for g in lay.full_groups],
+        [("all_reduce", [g.shard_numel * g.dtype.itemsize for lay in blocks for g in lay.full_groups])],
         replicated_bytes,
     )
     world_sized = {"wp": wp == world, "replica": world // wp == world, "world": True}

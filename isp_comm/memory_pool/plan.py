@@ -147,7 +147,7 @@ def copied_collectives(
     pooled: bool,
     blocks: list[tuple[int, list[int]]],
     outer: tuple[int, list[int]] | None,
-    shard_groups: list[int],
+    replica_collectives: list[tuple[str, list[int]]],
     replicated_bytes: int,
 ) -> list[Copied]:
     """The collectives known at wrap time that a backend serves from scratch of its
@@ -155,8 +155,10 @@ def copied_collectives(
     them). ``sizes``: (wp, replica, world); ``pooled``: the blocks' gathers and
     reduce-scatters run on the pool's buffers; ``blocks`` / ``outer``: per block and
     for the outer parameters' unit, its shard's bytes in the gather dtype and each
-    reduce group's gathered bytes; ``shard_groups``: every reduce group's shard bytes
-    (the replica all-reduces); ``replicated_bytes``: the replicated parameters (the
+    reduce group's gathered bytes; ``replica_collectives``: the replica group's collectives as
+    (kind, per-rank input bytes of each): the all-reduces of every reduce group's
+    shard, or, with pieces, the reduce-scatters into them and the all-gathers back;
+    ``replicated_bytes``: the replicated parameters (the
     world all-reduce of their gradients, in buckets whose sizes add up to it: one size
     of that sum bounds their scratch). Batch-dependent collectives (sequence
     parallelism, the vocab-parallel loss) and full state dicts are not known here."""
@@ -170,7 +172,7 @@ def copied_collectives(
             reduces += outer[1]
         out += [("wp", "all_gather", gathers), ("wp", "reduce_scatter", reduces)]
     if replica > 1:
-        out.append(("replica", "all_reduce", shard_groups))
+        out += [("replica", kind, n) for kind, n in replica_collectives]
     if world > 1 and replicated_bytes:
         out.append(("world", "all_reduce", [replicated_bytes]))
     return [c for c in out if c[2]]

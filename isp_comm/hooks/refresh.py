@@ -1,0 +1,147 @@
+"""Bringing WP shards up to date after their pieces changed (``state_sharding="world"``).
+
+[Note: refreshing the WP shards]
+With pieces (see [Note: pieces] in ``isp_comm/layout.py``) the optimizer writes the
+masters, 1/world of every parameter, while the gathers read each unit's flat shard:
+its WP rows in the gather dtype. After the masters change, a unit's flat shard is
+rebuilt from every replica's pieces by one all-gather over the replica group, in the
+gather dtype, before the unit's next WP gather.
+
+* **What makes a unit stale.** An optimizer step over the pieces (a step post-hook
+  the communicator registers; it sees fused optimizers too, whose writes leave
+  version counters alone); an in-place write that bumps a piece's version counter
+  (looked at when a forward begins); and the explicit points: ``load_state_dict``,
+  ``load_full_state_dict``, the Hugging Face import, ``state_dict()`` (``dcp.load``
+  writes into the tensors it hands out, which no counter sees) and
+  ``params_updated()``.
+* **When.** Lazily, at the next forward, in an order every rank shares: the outer
+  units when the root's forward begins (their gathers, or computes, come first),
+  then each block just before its WP gather is issued. Right behind a block's WP
+  gather, the next block's replica all-gather is issued: while block ``i``
+  computes, block ``i + 1``'s WP gather runs on the links inside a node and block
+  ``i + 2``'s replica gather on the links between nodes (with one replica group
+  per node-local rank, a replica group spans nodes when WP fills a node).
+* **Buffers.** One send buffer (a rank's pieces) and one landing buffer (every
+  replica's) per gather dtype, sized by the largest unit and kept. At most one
+  replica all-gather is in flight, and a new one is issued only after the last was
+  waited for and unpacked, so neither buffer is written while a collective or the
+  unpack still reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from isp_comm.backends.base import Backend, Handle
+from isp_comm.context import CommContext
+from isp_comm.units import BlockUnit
+
+
+@dataclass(eq=False)
+class _Gather:
+    """The replica all-gather in flight: whose, its handle, where it lands."""
+
+    unit: BlockUnit
+    handle: Handle
+    landing: torch.Tensor
+    issued_at: Any
+
+
+class WeightRefresh:
+    """The stale flags of the units with pieces, and the replica all-gathers that
+    clear them (see the note above). Owned by the engine; every method is called
+    in the same order on every rank."""
+
+    def __init__(self, ctx: CommContext, backend: Backend, replica_group: Any, units: list[BlockUnit]) -> None:
+        self.ctx, self.backend, self.group = ctx, backend, replica_group
+        self.units = [u for u in units if u.replicas > 1]
+        self._stale: set[int] = set()  # ids of stale units
+        self._versions = {id(u): _versions(u) for u in self.units}
+        self._inflight: _Gather | None = None
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.leaked: list[torch.Tensor] = []
+        """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
+
+    def mark_stale(self) -> None:
+        """Every unit's pieces may have changed: refresh each before its next gather."""
+        self._stale.update(id(u) for u in self.units)
+
+    def check(self) -> None:
+        """A forward begins: a unit whose pieces' version counters moved is stale."""
+        for u in self.units:
+            if id(u) not in self._stale and _versions(u) != self._versions[id(u)]:
+                self._stale.add(id(u))
+
+    def is_stale(self, unit: BlockUnit) -> bool:
+        return id(unit) in self._stale
+
+    def prefetch(self, unit: BlockUnit | None) -> None:
+        """Issue ``unit``'s replica all-gather ahead of its WP gather, when it is stale
+        and no other is in flight."""
+        if unit is not None and id(unit) in self._stale and self._inflight is None:
+            self._issue(unit)
+
+    def ensure(self, unit: BlockUnit) -> None:
+        """``unit``'s flat shard is up to date when this returns (on CUDA: on the
+        current stream)."""
+        if id(unit) not in self._stale:
+            return
+        if self._inflight is not None and self._inflight.unit is not unit:
+            self._finish()
+        if self._inflight is None:
+            self._issue(unit)
+        self._finish()
+
+    def _issue(self, unit: BlockUnit) -> None:
+        send, landing = self._buffers_for(unit)
+        n = unit.piece_gather.numel
+        send, landing = send[:n], landing[: unit.replicas * n]
+        unit.fill_piece_send(send)
+        self.ctx.delay()
+        handle = self.backend.all_gather(landing, send, self.group)
+        self.ctx.record(handle, "all-gather", self.group, send, unit.index, "forward")
+        self.ctx.counters.all_gathers += 1
+        self.ctx.counters.bytes_gathered += landing.numel() * landing.element_size()
+        self._inflight = _Gather(unit, handle, landing, self.ctx.issued(handle))
+
+    def _finish(self) -> None:
+        g, what = self._inflight, f"the pieces of block {self._inflight.unit.index}"
+        self.ctx.wait(g.handle, f"replica all-gather of {what}", ("all-gather", what, g.issued_at))
+        self._inflight = None
+        with torch.no_grad():
+            g.unit.unpack_shard(g.landing, g.unit.flat_shard)
+        self._stale.discard(id(g.unit))
+        self._versions[id(g.unit)] = _versions(g.unit)
+
+    def _buffers_for(self, unit: BlockUnit) -> tuple[torch.Tensor, torch.Tensor]:
+        """The send and landing buffers of ``unit``'s gather dtype, made at first use."""
+        dt = unit.gather_dtype
+        if dt not in self._buffers:
+            n = max(u.piece_bound for u in self.units if u.gather_dtype == dt)
+            r = unit.replicas
+            self._buffers[dt] = (
+                torch.empty(n, dtype=dt, device=unit.device),
+                torch.empty(r * n, dtype=dt, device=unit.device),
+            )
+        return self._buffers[dt]
+
+    def in_flight(self) -> int:
+        return int(self._inflight is not None)
+
+    def close(self, abandon: bool) -> None:
+        """Finish the gather in flight, or, ``abandon``: keep its buffers if it may
+        still use them (never handed back, see [Note: buffers of a failed step])."""
+        if self._inflight is not None:
+            if not abandon:
+                self._finish()
+            elif not self._inflight.handle.is_completed():
+                self.leaked += list(self._buffers.pop(self._inflight.unit.gather_dtype))
+            self._inflight = None
+        self._buffers.clear()
+
+
+def _versions(unit: BlockUnit) -> tuple[int, ...]:
+    return tuple(s._version for s in unit.shards)
