@@ -224,3 +224,29 @@ def test_the_command_line_check_sees_a_line_that_does_not_parse(tmp_path, capsys
         assert "DATA" in capsys.readouterr().err
     else:
         raise AssertionError("parsed without the data")
+
+
+DEVELOPMENT_REFERENCE = re.compile(r"\b(?:issues?|PRs?|pull requests?|tickets?)\s*#?\d+|(?<![\w&/])#\d+\b", re.I)
+"""A development issue or pull request by number ("issue 48", "issues 47 and 48",
+"PR 12", "#47"): a reader of the docs cannot look one up."""
+
+
+def development_references(text: str) -> list[str]:
+    """The references to development issues in a page's prose: code blocks (fenced,
+    also inside lists) and code spans are left out, as program output numbers its own
+    things there ("collective #19")."""
+    prose = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return [m.group(0) for m in DEVELOPMENT_REFERENCE.finditer(prose)]
+
+
+def test_docs_name_no_development_issue() -> None:
+    """The README and docs say what was measured and when, not which issue asked."""
+    found = [f"{page.name}: {ref!r}" for page in PAGES for ref in development_references(page.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_issue_check_sees_a_reference() -> None:
+    text = "Measured for issue 48 (and #47).\n\n```\ncollective #19\n```\n`#3` in code, and issues 5 and 6.\n"
+    assert development_references(text) == ["issue 48", "#47", "issues 5"]
+    assert development_references("the section's [anchor](#one-h100) and A&#38;B") == []
