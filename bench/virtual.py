@@ -31,7 +31,9 @@ exposed communication (isp-comm: its waits, ``comm.stats()``; FSDP2: its step le
 the compute-only step, derived), peak allocated and reserved memory (CUDA) or peak
 RSS (CPU). Over ``--repeats`` processes: the median, with the range. Prints a
 markdown table per configuration and writes OUT/virtual.json (--out, default
-bench/results/local).
+bench/results/local): per system, ``runs`` holds each process's figures (one entry
+per process run) and each figure's summary over them, ``{"median", "min", "max",
+"runs"}``.
 """
 
 from __future__ import annotations
@@ -278,9 +280,13 @@ def _flops_per_token(cfg: Config) -> float:
         return flops_per_token(build(cfg.model), cfg.seq)
 
 
-def _summary(runs: list[dict], key: str) -> tuple[float, float, float] | None:
+def _summary(runs: list[dict], key: str) -> dict | None:
+    """``key`` over the runs that have it: the median, the range and how many runs
+    (a dict, so that one run's figure does not read as several runs')."""
     vals = [r[key] for r in runs if r.get(key) is not None]
-    return (statistics.median(vals), min(vals), max(vals)) if vals else None
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
 def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: float) -> dict:
@@ -292,10 +298,13 @@ def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: fl
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
             runs.append(run_virtual(run_system, cfg.world, 0, cfg, system, steps, timeout_s=timeout_s))
         result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
+    fsdp = result["systems"]["fsdp2"]  # no waits to count: each run's step less the compute-only median
+    compute = result["systems"]["compute-only"]["step_s"]["median"]
+    for run in fsdp["runs"]:
+        run["exposed_comm_s"] = max(run["step_s"] - compute, 0.0)
+    fsdp["exposed_comm_s"] = _summary(fsdp["runs"], "exposed_comm_s")
+    fsdp["exposed_comm_derived"] = "step_s less compute-only's median step_s"
     result["systems"]["planner"] = predict(cfg)
-    compute = result["systems"]["compute-only"]["step_s"][0]
-    fsdp = result["systems"]["fsdp2"]
-    fsdp["exposed_comm_s"] = (max(fsdp["step_s"][0] - compute, 0.0),) * 3  # derived: its step less compute's
     result["flops_per_token"] = _flops_per_token(cfg)
     return result
 
@@ -303,10 +312,15 @@ def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: fl
 def _cell(v, fmt: str = "{:.3f}") -> str:
     if v is None:
         return "—"
-    if isinstance(v, tuple):
-        med, lo, hi = v
+    if isinstance(v, dict):  # a summary over runs
+        med, lo, hi = v["median"], v["min"], v["max"]
         return fmt.format(med) + (f" ({fmt.format(lo)}-{fmt.format(hi)})" if hi > lo else "")
     return fmt.format(v)
+
+
+def _median(v):
+    """A summary's median, or a single figure (the planner's) as it is."""
+    return v["median"] if isinstance(v, dict) else v
 
 
 def table(result: dict, peak_tflops: float) -> str:
@@ -314,10 +328,9 @@ def table(result: dict, peak_tflops: float) -> str:
     rows = []
     for system in (*SYSTEMS, "planner"):
         s = result["systems"][system]
-        step = s["step_s"][0] if isinstance(s["step_s"], tuple) else s["step_s"]
+        step = _median(s["step_s"])
         mfu = 100 * result["flops_per_token"] * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
-        exposed = s.get("exposed_comm_s")
-        exposed_v = exposed[0] if isinstance(exposed, tuple) else exposed
+        exposed_v = _median(s.get("exposed_comm_s"))
         pct = None if exposed_v is None else 100 * exposed_v / step
         mem = [s.get(k) for k in ("peak_alloc_mib", "peak_reserved_mib", "peak_rss_mib")]
         issued = s.get("comm_s")

@@ -45,19 +45,20 @@ def test_isp_config_table_is_isp_config() -> None:
 def layout_files() -> set[str]:
     """The paths under isp_comm/ that docs/architecture.md's layout block names."""
     block = (DOCS / "architecture.md").read_text().split("```")[1]
-    named, folder = set(), ""
+    named, folders = set(), ["", ""]  # the folder at indent 2, and the one inside it at indent 4
     for line in block.splitlines():
         m = re.match(r"^( *)(\S+)", line)
-        if not m or len(m.group(1)) > 4:  # continuation lines are indented further
+        if not m or len(m.group(1)) > 6:  # continuation lines are indented further
             continue
         indent, name = len(m.group(1)), m.group(2)
-        if indent == 2 and name.endswith("/"):
-            folder = name
-        elif indent == 2 and name.endswith(".py"):
-            folder = ""
-            named.add(name)
-        elif indent == 4 and name.endswith(".py"):
-            named.add(folder + name)
+        if indent not in (2, 4, 6) or not name.endswith(("/", ".py")):
+            continue
+        depth = indent // 2 - 1  # 0, 1 or 2 folders above the name
+        if name.endswith("/"):  # a folder: the ones it is in stay, any deeper one ends
+            folders[depth:] = [name, ""][: 2 - depth]
+        else:  # a file: the folders at its depth and below end
+            folders[depth:] = ["", ""][: 2 - depth]
+            named.add("".join(folders[:depth]) + name)
     return named
 
 
@@ -92,7 +93,20 @@ def test_train_listing_is_in_import_order() -> None:
     from tests.test_layout_rules import import_graph
 
     block = (DOCS / "architecture.md").read_text().split("  train/ ", 1)[1].split("\nmodels/", 1)[0]
-    order = ["isp_comm.train." + m for m in re.findall(r"^    (\w+)\.py", block, flags=re.M)]
+    order, folder, gathers = [], "", None  # a folder's __init__ (it gathers its modules) counts after them
+    for indent, name, kind in re.findall(r"^( {4}| {6})(\w+)(\.py|/)", block, flags=re.M):
+        if len(indent) == 4 and gathers:
+            order.append(gathers)
+            gathers = None
+        if len(indent) == 4:
+            folder = f"{name}." if kind == "/" else ""
+            if kind == ".py":
+                order.append(f"isp_comm.train.{name}")
+        elif name == "__init__":
+            gathers = f"isp_comm.train.{folder}__init__"
+        else:
+            order.append(f"isp_comm.train.{folder}{name}")
+    order += [gathers] if gathers else []
     graph = import_graph(ROOT / "isp_comm")
     position = {m: i for i, m in enumerate(order)}
     late = [f"{m} -> {t}" for m in order for t in sorted(graph[m]) if position.get(t, -1) > position[m]]
@@ -210,3 +224,29 @@ def test_the_command_line_check_sees_a_line_that_does_not_parse(tmp_path, capsys
         assert "DATA" in capsys.readouterr().err
     else:
         raise AssertionError("parsed without the data")
+
+
+DEVELOPMENT_REFERENCE = re.compile(r"\b(?:issues?|PRs?|pull requests?|tickets?)\s*#?\d+|(?<![\w&/])#\d+\b", re.I)
+"""A development issue or pull request by number ("issue 48", "issues 47 and 48",
+"PR 12", "#47"): a reader of the docs cannot look one up."""
+
+
+def development_references(text: str) -> list[str]:
+    """The references to development issues in a page's prose: code blocks (fenced,
+    also inside lists) and code spans are left out, as program output numbers its own
+    things there ("collective #19")."""
+    prose = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return [m.group(0) for m in DEVELOPMENT_REFERENCE.finditer(prose)]
+
+
+def test_docs_name_no_development_issue() -> None:
+    """The README and docs say what was measured and when, not which issue asked."""
+    found = [f"{page.name}: {ref!r}" for page in PAGES for ref in development_references(page.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_issue_check_sees_a_reference() -> None:
+    text = "Measured for issue 48 (and #47).\n\n```\ncollective #19\n```\n`#3` in code, and issues 5 and 6.\n"
+    assert development_references(text) == ["issue 48", "#47", "issues 5"]
+    assert development_references("the section's [anchor](#one-h100) and A&#38;B") == []

@@ -478,10 +478,10 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, mod
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _train1(*args: str) -> subprocess.CompletedProcess:
+def _train1(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """isp-train as one process (world 1), small and quick."""
     cmd = [sys.executable, "-m", "isp_comm.train", *SMALL, "--no-trace", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
 def _one_line(res: subprocess.CompletedProcess, *words: str) -> str:

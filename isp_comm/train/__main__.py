@@ -5,13 +5,14 @@ Writes ``OUT/metrics.jsonl`` (one object per optimizer step), ``OUT/trace.json``
 ``OUT/timeline.png`` (the last steps' compute and communication per rank),
 ``OUT/run.json`` (the flags and rank 0's parameter shard shapes), DCP checkpoints
 under ``OUT/checkpoints`` and, with ``--model``, ``OUT/hf_model`` (the model's
-config.json and the tokenizer, for ``isp-export --hf``); ``--resume`` continues from the latest one.
+config.json and the tokenizer, for ``isp-export --hf``), and with ``--report-to``
+``OUT/tensorboard/`` and ``OUT/wandb/``; ``--resume`` continues from the latest one.
 
 The modules, from the bottom: the data chain (data, store, packing, sources,
 batching, evaluate), the model and its ISP config (model), the warnings before the
-first step (preflight), the job and its setup (job), what a run writes (outputs), the
-loop (loop), signals (signals), and ``--plan`` (plan). This file only starts the ranks
-and ends the process.
+first step (preflight), the trackers of ``--report-to`` (reporting/), the job and its
+setup (job), what a run writes (outputs), the loop (loop), signals (signals), and
+``--plan`` (plan). This file only starts the ranks and ends the process.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 
 from isp_comm.config import BACKENDS, BackendName
 from isp_comm.train import virtual
+from isp_comm.train.reporting.names import parse_report_to
 
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -135,7 +136,14 @@ class TrainConfig:
     """Model initialisation seed: each module is seeded from it and its name, so the
     initial weights do not depend on --wp, --sp or --shard-outer."""
     log_every: int = 10
-    """Print a line every N steps."""
+    """Print a line every N steps (also the steps --report-to reports)."""
+    report_to: str = "none"
+    """Where else the metrics go, as in the Hugging Face Trainer: none, tensorboard
+    (event files in OUT/tensorboard: tensorboard --logdir OUT), wandb (Weights & Biases;
+    WANDB_MODE=offline writes OUT/wandb only), or a comma list. Each --log-every step,
+    each evaluation and the last step: the scalars of metrics.jsonl; the flags once.
+    Written by the process that writes metrics.jsonl; a resume continues the same
+    curves."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     final_save: bool = True
@@ -210,6 +218,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         self._check_eval()
+        parse_report_to(self.report_to)  # one line for an unknown tracker or a missing package
         if not 0.0 <= self.ckpt <= 1.0:
             raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
         if not self.clip >= 0:

@@ -21,6 +21,7 @@ from isp_comm.train.data import Slicing
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.preflight import memory_warnings, start_warnings
+from isp_comm.train.reporting import Reporters
 from isp_comm.train.signals import Signals
 from isp_comm.train.sources import load_data
 from models.llama import LlamaConfig
@@ -61,6 +62,7 @@ class Job:
     previous: dict
     saver: checkpoint.Checkpointer | None = None
     metrics: object = None  # rank 0's open metrics.jsonl
+    reporters: Reporters | None = None  # rank 0's --report-to trackers
 
 
 def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> Job:

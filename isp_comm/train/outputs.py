@@ -1,6 +1,7 @@
 """What a run writes: on the way in, the resumed checkpoint's step, the checkpointer,
-metrics.jsonl and the run's files; each step's row (metrics.jsonl, the bar, the log
-line); at the end, the final checkpoint, the trace and timeline, the closing line."""
+metrics.jsonl, the run's files and the --report-to trackers; each step's row
+(metrics.jsonl, the trackers, the bar, the log line); at the end, the final
+checkpoint, the trace and timeline, the trackers closed, the closing line."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
+from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, hf_model, run_folder, virtual
+from isp_comm.train.config import as_dict
 from isp_comm.train.data import unigram_entropy
 from isp_comm.train.evaluate import eval_note
 from isp_comm.train.job import Job, lr_at
+from isp_comm.train.reporting import Reporters, parse_report_to
 from isp_comm.train.timeline import draw, write_trace
 
 
@@ -41,7 +45,31 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
     if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
         write_run_files(job, start)
+    open_reporters(job, start, closing)
     return start
+
+
+def open_reporters(job: Job, start: int, closing: contextlib.ExitStack) -> None:
+    """--report-to's trackers, on the process that writes metrics.jsonl; a tracker that
+    cannot start stops every rank with its one line (no collective without the flag)."""
+    cfg = job.cfg
+    if not parse_report_to(cfg.report_to):
+        return
+    error = None
+    if virtual.leads(job.rank):
+        config = {**as_dict(cfg), "world": job.world}
+        try:
+            job.reporters = closing.enter_context(
+                Reporters(
+                    cfg.report_to, cfg.out, start=start, config=config, log_every=cfg.log_every, last_step=cfg.steps
+                )
+            )
+        except ValueError as exc:
+            error = str(exc)
+    if not cfg.virtual_world:  # one process in a virtual world: nobody to agree with
+        error = first_error(error)
+    if error:
+        raise ValueError(error)
 
 
 def write_run_files(job: Job, start: int) -> None:
@@ -71,6 +99,8 @@ def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
     if job.metrics is not None:
         job.metrics.write(json.dumps(last) + "\n")
         job.metrics.flush()
+    if job.reporters is not None:
+        job.reporters.log(last)
     bar.update(1)
     bar.set_postfix(
         loss=f"{last['loss']:.3f}",
@@ -110,6 +140,8 @@ def finish(job: Job, start: int, last: dict) -> None:
         write_trace(os.path.join(cfg.out, "trace.json"), spans)
         draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
     job.metrics.close()
+    if job.reporters is not None:
+        job.reporters.close()
     if last:
         print(
             f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "

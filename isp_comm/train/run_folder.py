@@ -20,7 +20,17 @@ from isp_comm.train import checkpoint, survive
 from isp_comm.train.config import TrainConfig, as_dict
 from isp_comm.virtual import is_virtual
 
-OWN = ("metrics.jsonl", "trace.json", "timeline.png", "run.json", "config.json", "checkpoints", "hf_model")
+OWN = (
+    "metrics.jsonl",
+    "trace.json",
+    "timeline.png",
+    "run.json",
+    "config.json",
+    "checkpoints",
+    "hf_model",
+    "tensorboard",
+    "wandb",
+)
 """What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
 
 
