@@ -28,6 +28,7 @@ from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
+from isp_comm.layout import replica_collectives, replica_largest
 from isp_comm.memory_pool import (
     MemoryPlan,
     ReduceScatterBuffers,
@@ -137,7 +138,7 @@ class ISPCommunicator:
         alloc = functools.partial(self._alloc, device=units[0].device)
         gdt = [(u.gather_dtype, u.gathered_numel) for u in units]
         rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.full_groups]  # frozen ones may thaw
-        rdt += [(g.dtype, g.replicas * g.piece_bound) for u in units for g in u.full_groups if g.replicas > 1]
+        rdt += [(g.dtype, g.scattered_bound) for u in units for g in u.full_groups if g.replicas > 1]
         landing = gather_landing(self.groups.wp_size, config.comm_granularity)
         k = config.max_inflight_reduce_scatter
         cast = [(u.gather_dtype, u.shard_numel) for u in units if u.gather_dtype != u.dtype]
@@ -146,17 +147,18 @@ class ISPCommunicator:
         if not self.backend.disabled:
             plan = dataclasses.replace(plan, shm_bytes=shm)
         g = self.groups
-        gathered, shard, repl = self._largest_collectives(replicated)
-        pieces_in, scattered = self._largest_piece_collectives()
+        gathered, _, repl = self._largest_collectives(replicated)
+        sent = max(u.flat_shard.nbytes for u in (*self.units, self.root) if u is not None)
+        replica = {kind: max(sizes, default=0) for kind, sizes in replica_collectives(self.sharded_units)}
         for group, size, nbytes, lane in (  # a collective's input bytes per rank, per lane
-            (g.wp_group, g.wp_size, shard, "gather"),
+            (g.wp_group, g.wp_size, sent, "gather"),
             (g.wp_group, g.wp_size, gathered, "reduce"),
-            (g.replica_group, g.replica_size, scattered or shard, "reduce"),
-            (g.replica_group, g.replica_size, pieces_in, "gather"),  # with pieces: gathered back
+            (g.replica_group, g.replica_size, replica.get("all_reduce", replica.get("reduce_scatter", 0)), "reduce"),
+            (g.replica_group, g.replica_size if "all_gather" in replica else 1, replica.get("all_gather", 0), "gather"),
             (g.world_group, g.world_size, repl, "reduce"),
             (g.sp_group, g.sp_size, 0, "all_to_all"),  # decided here, sized by the batch at first use
         ):
-            if size > 1 and (nbytes or lane != "gather" or group is not g.replica_group):
+            if size > 1:
                 self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
         moved = self._moved = self._shards_to_move(plan)
         self._plan_heap(plan, replicated, sum(u.flat_shard.nbytes for u in moved))  # NVSHMEM: sized before init
@@ -185,23 +187,12 @@ class ISPCommunicator:
         def unit_sizes(u: BlockUnit) -> tuple[int, list[int]]:
             return u.shard_numel * u.gather_dtype.itemsize, [r.gathered_numel * r.dtype.itemsize for r in u.full_groups]
 
-        units = self.sharded_units
-        if any(u.replicas > 1 for u in units):  # the replicas reduce-scatter into pieces and gather them back
-            replica = [
-                (
-                    "reduce_scatter",
-                    [r.replicas * r.piece_bound * r.dtype.itemsize for u in units for r in u.full_groups],
-                ),
-                ("all_gather", [u.piece_bound * u.gather_dtype.itemsize for u in units]),
-            ]
-        else:
-            replica = [("all_reduce", [r.shard_numel * r.dtype.itemsize for u in self.units for r in u.full_groups])]
         copied = copied_collectives(
             (g.wp_size, g.replica_size, g.world_size),
             pooled,
             [unit_sizes(u) for u in self.units],
             unit_sizes(self.root) if self.root is not None else None,
-            replica,
+            replica_collectives(self.sharded_units),
             sum(p.numel() * p.element_size() for p in replicated),
         )
         groups = {"wp": g.wp_group, "replica": g.replica_group, "world": g.world_group}
@@ -257,26 +248,14 @@ class ISPCommunicator:
 
     def _largest_collectives(self, replicated: list[nn.Parameter]) -> tuple[int, int, int]:
         """Bytes per rank of the largest collective of each group: a gathered unit
-        (WP), a flat shard or, with pieces, every replica's pieces (the replica
-        collectives), every replicated parameter (world)."""
+        (WP), the replica collectives' largest buffer (a flat shard's all-reduce, or
+        every replica's pieces), every replicated parameter (world)."""
         units = [u for u in (*self.units, self.root) if u is not None]
-        _, scattered = self._largest_piece_collectives()
         return (
             max(u.gathered_numel * u.flat_shard.element_size() for u in units),
-            scattered or max(u.flat_shard.numel() * u.flat_shard.element_size() for u in units),
+            replica_largest(self.sharded_units),
             sum(p.numel() * p.element_size() for p in replicated),
         )
-
-    def _largest_piece_collectives(self) -> tuple[int, int]:
-        """With pieces, bytes per rank of the largest replica all-gather's input (one
-        rank's pieces) and of the largest replica collective's every-replica buffer
-        (a reduce-scatter's input, an all-gather's output); (0, 0) without them."""
-        units = [u for u in self.sharded_units if u.replicas > 1]
-        if not units:
-            return 0, 0
-        sent = [u.piece_bound * u.gather_dtype.itemsize for u in units]
-        every = [r.replicas * r.piece_bound * r.dtype.itemsize for u in units for r in u.full_groups]
-        return max(sent), max(every + [u.replicas * n for u, n in zip(units, sent)])
 
     @property
     def sharded_units(self) -> list[BlockUnit]:

@@ -150,6 +150,11 @@ class ReduceGroup:
         """The replica reduce-scatter's input: every replica's pieces, replica-major."""
         return self.replicas * self.piece.numel
 
+    @property
+    def scattered_bound(self) -> int:
+        """``scattered_numel`` at its largest on any rank (what buffers are sized by)."""
+        return self.replicas * self.piece_bound
+
 
 def to_param_major(rank_major: torch.Tensor, slot: torch.Tensor, layout: Layout, wp: int) -> None:
     """Rank-major all-gather output -> param-major slot (see the layouts note)."""
@@ -361,3 +366,25 @@ class BlockLayout:
                 continue
             rows[:n].copy_(sp.user(g).reshape(n, -1))
             rows[n:].zero_()
+
+
+def replica_collectives(units: list[BlockLayout]) -> list[tuple[str, list[int]]]:
+    """The replica group's collectives of ``units`` as (kind, per-rank input bytes of
+    each, at their largest on any rank): every reduce group's all-reduce, or, with
+    pieces, its reduce-scatter into them and each unit's all-gather back."""
+    if not any(u.replicas > 1 for u in units):
+        return [("all_reduce", [g.shard_numel * g.dtype.itemsize for u in units for g in u.full_groups])]
+    return [
+        ("reduce_scatter", [g.scattered_bound * g.dtype.itemsize for u in units for g in u.full_groups]),
+        ("all_gather", [u.piece_bound * u.gather_dtype.itemsize for u in units]),
+    ]
+
+
+def replica_largest(units: list[BlockLayout]) -> int:
+    """Bytes per rank of the largest buffer a replica collective of ``units`` fills
+    (an all-reduce's, a reduce-scatter's input, an all-gather's output)."""
+    ways = max(u.replicas for u in units)
+    return max(
+        (n * (ways if kind == "all_gather" else 1) for kind, sizes in replica_collectives(units) for n in sizes),
+        default=0,
+    )

@@ -40,6 +40,7 @@ class Point:
     shard_outer: bool = False
     vocab_parallel: bool = False
     bf16: bool = False
+    state_sharding: str = "wp"
     optimizer: str = "adamw"
     model: str = "llama"  # or "qwen2" (transformers)
     batch: int = 4
@@ -54,6 +55,7 @@ class Point:
         knobs += ["shard-outer"] if self.shard_outer else []
         knobs += ["vocab-par"] if self.vocab_parallel else []
         knobs += ["bf16"] if self.bf16 else []
+        knobs += [f"state over {self.state_sharding}"] if self.state_sharding != "wp" else []
         return ", ".join(knobs)
 
 
@@ -97,6 +99,7 @@ def isp_config(pt: Point):
         activation_checkpointing=pt.ckpt,
         shard_outer_params=pt.shard_outer,
         vocab_parallel=pt.vocab_parallel,
+        state_sharding=pt.state_sharding,
         init_seed=0,
         **mp,
     )

@@ -15,7 +15,7 @@ from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
 from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan, shared_pages
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
-from isp_comm.memory_forecast.weights import Weights, cpu_runtime, flat_bytes, unit_layouts, weights
+from isp_comm.memory_forecast.weights import Weights, cpu_runtime, master_bytes, unit_layouts, weights
 from isp_comm.memory_pool import MemoryPlan
 
 
@@ -71,9 +71,11 @@ def forecast(
     _validate(model, world, wp, sp, batch, seq, optimizer, memo)
     memo["on meta"] = True
     block_list = list(find_blocks(model) if blocks is None else blocks)
-    key = ("layouts", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
+    replicas = world // wp if config.state_sharding == "world" else 1
+    key = ("layouts", wp, replicas, config.shard_outer_params, config.vocab_parallel, config.param_dtype)
+    key += (config.reduce_dtype,)
     if key not in memo:
-        memo[key] = unit_layouts(model, block_list, config, head, wp)
+        memo[key] = unit_layouts(model, block_list, config, head, wp, replicas)
     layouts, replicated = memo[key]
     wkey = (*key, "weights", optimizer)
     if wkey not in memo:
@@ -95,11 +97,12 @@ def forecast(
         **persistent,
         "optimizer state": w.opt_state,
         "all-reduce buffers": allreduce,
+        "replica gather buffers": w.refresh,
         **cpu_runtime(device, world, config.param_dtype),
         **shared_pages(plan, layouts, config, device, (world, wp), sum(w.replicated_trainable)),
     }
     phases = {"wrap": _wrap(persistent, w, device)}
-    grads = {i: flat_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
+    grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
     phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0)))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
@@ -129,6 +132,7 @@ def _persistent(plan: MemoryPlan, w: Weights, in_heap: int) -> dict[str, int]:
     moved = in_heap - plan.pool_bytes if in_heap else 0
     return {
         "master shards": w.master - moved,
+        "WP shards (gather dtype)": w.wp_shards,
         "replicated params": w.replicated,
         "pool slots and landing": 0 if in_heap else plan.pool_bytes - plan.rs_bytes,
         "reduce-scatter buffers": 0 if in_heap else plan.rs_bytes,

@@ -16,7 +16,8 @@ def pool_plan(layouts: list[UnitLayout], config: ISPConfig, wp: int) -> MemoryPl
     block_layouts = [(lay, tr) for i, lay, tr in layouts if i >= 0]
     return make_plan(
         [(lay.gather_dtype, lay.gathered_numel) for lay, _ in block_layouts],
-        [(g.dtype, g.gathered_numel) for lay, _ in block_layouts for g in lay.full_groups],
+        [(g.dtype, g.gathered_numel) for lay, _ in block_layouts for g in lay.full_groups]
+        + [(g.dtype, g.scattered_bound) for lay, _ in block_layouts for g in lay.full_groups if g.replicas > 1],
         config.n_slots,
         config.max_inflight_reduce_scatter,
         wp,

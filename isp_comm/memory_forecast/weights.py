@@ -26,14 +26,22 @@ which of its parameters are trainable."""
 
 
 def unit_layouts(
-    model: nn.Module, blocks: Sequence[nn.Module], config: ISPConfig, head: nn.Module | None, wp: int
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    config: ISPConfig,
+    head: nn.Module | None,
+    wp: int,
+    replicas: int = 1,
 ) -> tuple[list[UnitLayout], list[nn.Parameter]]:
-    """Every unit's layout on rank 0, and the parameters left replicated (each tied one once)."""
+    """Every unit's layout on rank 0, and the parameters left replicated (each tied
+    one once). ``replicas``: the replica group's size, which splits the pieces of
+    ``state_sharding="world"`` (1: no pieces)."""
     pd, rd = config.param_dtype, config.reduce_dtype
+    replicas = replicas if config.state_sharding == "world" else 1
     layouts: list[UnitLayout] = []
     for s in unit_specs(model, list(blocks), config, head):
         found, _ = find_sharded(s.owners, s.names, s.dim1, wp, 0)
-        layout = BlockLayout(found, wp, 0, pd if s.cast else None, rd if s.cast else None)
+        layout = BlockLayout(found, wp, 0, pd if s.cast else None, rd if s.cast else None, replicas, 0)
         trainable = [sp_.module._parameters[sp_.name].requires_grad for sp_ in layout.params]
         layouts.append((s.index, layout, trainable))
     in_units = {id(sp_.module._parameters[sp_.name]) for _, lay, _ in layouts for sp_ in lay.params}
@@ -41,20 +49,27 @@ def unit_layouts(
 
 
 def flat_bytes(lay: BlockLayout) -> int:
-    """Bytes of a unit's flat shard."""
+    """Bytes of a unit's flat shard (its WP rows, what gathers read)."""
     return lay.store.numel * lay.dtype.itemsize
 
 
+def master_bytes(lay: BlockLayout) -> int:
+    """Bytes of what a unit's parameters are views of, and of its gradient buffer: the
+    flat shard, or with pieces the pieces (see [Note: pieces] in ``isp_comm/layout.py``)."""
+    return lay.master_store.numel * lay.master_dtype.itemsize
+
+
 def trainable_bytes(layout: BlockLayout, trainable: list[bool]) -> list[int]:
-    """Bytes of each trainable shard parameter (its valid rows) of a unit on rank 0."""
-    return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.params, trainable) if t]
+    """Bytes of each trainable parameter (its valid rows, or its piece's) of a unit on rank 0."""
+    return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.pieces, trainable) if t]
 
 
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """Bytes of the parameters, their gradients and the optimizer's state on rank 0."""
 
-    master: int  # every unit's flat shard
+    master: int  # every unit's parameters: its flat shard, or its pieces
+    wp_shards: int  # with pieces, every unit's flat shard besides (in the gather dtype)
     grad_shards: int  # the flat gradient buffers of units with a trainable parameter
     trainable_shards: list[int]  # each trainable sharded parameter's rows
     replicated: int  # every replicated parameter
@@ -62,7 +77,8 @@ class Weights:
     opt_state: int  # the optimizer's state of every trainable parameter
     casts: int  # replicated parameters cast to param_dtype for a step
     outer_gather: int  # the outer parameters' unit, gathered once per step outside the pool
-    wp_summed: int  # trainable shards of the vocab head and split embedding (all-reduced whole)
+    wp_summed: int  # trainable shards of the vocab head and split embedding (all-reduced whole; none with pieces)
+    refresh: int  # with pieces: the replica all-gather's send and landing buffers (see hooks/refresh.py)
     largest_module: int  # the largest sharded module, made real whole at wrap
     largest_item: int  # the largest tensor DCP copies at once
 
@@ -89,18 +105,27 @@ def weights(
     for _, lay, _ in layouts:
         for sp_ in lay.params:
             module_bytes[id(sp_.module)] = module_bytes.get(id(sp_.module), 0) + sp_.full_numel * sp_.dtype.itemsize
+    pieces = [lay for _, lay, _ in layouts if lay.replicas > 1]
+    refresh: dict[torch.dtype, int] = {}  # one send and one landing buffer per gather dtype, the largest unit's
+    for lay in pieces:
+        nbytes = (1 + lay.replicas) * lay.piece_bound * lay.gather_dtype.itemsize
+        refresh[lay.gather_dtype] = max(refresh.get(lay.gather_dtype, 0), nbytes)
     return Weights(
-        master=sum(flat_bytes(lay) for _, lay, _ in layouts),
-        grad_shards=sum(flat_bytes(lay) for _, lay, tr in layouts if any(tr)),
+        master=sum(master_bytes(lay) for _, lay, _ in layouts),
+        wp_shards=sum(flat_bytes(lay) for lay in pieces),
+        grad_shards=sum(master_bytes(lay) for _, lay, tr in layouts if any(tr)),
         trainable_shards=trainable_shards,
         replicated=sum(p.numel() * p.element_size() for p in replicated),
         replicated_trainable=repl_trainable,
         opt_state=per_param_state * (sum(trainable_shards) + sum(repl_trainable)),
         casts=casts,
         outer_gather=root.gathered_numel * root.gather_dtype.itemsize if root is not None else 0,
-        wp_summed=sum(b for (i, lay, tr) in layouts if i in (-2, -3) for b in trainable_bytes(lay, tr)),
+        wp_summed=sum(
+            b for (i, lay, tr) in layouts if i in (-2, -3) and lay.replicas == 1 for b in trainable_bytes(lay, tr)
+        ),
+        refresh=sum(refresh.values()),
         largest_module=max(module_bytes.values(), default=0),
-        largest_item=max([flat_bytes(lay) for _, lay, _ in layouts] + trainable_shards + repl_trainable, default=0),
+        largest_item=max([master_bytes(lay) for _, lay, _ in layouts] + trainable_shards + repl_trainable, default=0),
     )
 
 

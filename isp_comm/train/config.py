@@ -17,7 +17,7 @@ from typing import Literal, NoReturn, get_args
 
 import torch
 
-from isp_comm.config import BACKENDS, BackendName
+from isp_comm.config import BACKENDS, BackendName, StateSharding
 from isp_comm.train import virtual
 from isp_comm.train.reporting.names import parse_report_to
 
@@ -98,6 +98,9 @@ class TrainConfig:
     """Gather blocks into the fixed slot pool."""
     shard_outer: bool = False
     """Also shard the embedding, final norm and head across the WP group."""
+    state_sharding: StateSharding = "wp"
+    """Over which ranks gradients and optimizer state are split: wp (the WP group) or
+    world (the whole job; see ISPConfig.state_sharding and docs/sharding.md)."""
     vocab_parallel: bool = False
     """Split the output head along the vocab and compute the loss vocab-parallel."""
     ckpt: float = 0.0
@@ -245,6 +248,8 @@ class TrainConfig:
             raise ValueError("--max-restarts needs --nproc-per-node (under torchrun, give torchrun --max-restarts)")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
+        if self.state_sharding not in get_args(StateSharding):
+            raise ValueError(f"--state-sharding must be wp or world, got {self.state_sharding!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:

@@ -49,6 +49,7 @@ def isp_config(cfg: TrainConfig, bf16: bool) -> ISPConfig:
         memory_pool=cfg.memory_pool,
         activation_checkpointing=cfg.ckpt,
         shard_outer_params=cfg.shard_outer,
+        state_sharding=cfg.state_sharding,
         vocab_parallel=cfg.vocab_parallel,
         backend=cfg.backend,
         param_dtype=torch.bfloat16 if bf16 else None,

@@ -27,7 +27,7 @@ CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
 """``0``: --plan without --target or --profile does not calibrate this machine; it
 uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute)."""
 NOT_FLAGS = {"plan", "target", "nodes", "profile", "search", "nproc_per_node", "nnodes", "rdzv_endpoint"}
-LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "batch", "grad_accum"}
+LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_sharding", "batch", "grad_accum"}
 
 
 def _gpu_target() -> str:
