@@ -339,11 +339,22 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fault", ["stop", pytest.param("extra", marks=pytest.mark.slow)])
-def test_isp_train_ends_a_hang_with_one_line_and_the_diagnosis(tmp_path, fault: str) -> None:
+@pytest.mark.parametrize(
+    "fault, world, flags",
+    [
+        ("stop", 3, []),
+        pytest.param("extra", 3, [], marks=pytest.mark.slow),
+        # pieces: the waits include the replica all-gathers that refresh the WP shards
+        ("stop", 4, ["--batch", "4", "--wp", "2", "--state-sharding", "world"]),
+    ],
+    ids=["stop", "extra", "stop-state-over-world"],
+)
+def test_isp_train_ends_a_hang_with_one_line_and_the_diagnosis(
+    tmp_path, fault: str, world: int, flags: list[str]
+) -> None:
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", "3", *SMALL, "--steps", "8"]
-    cmd += ["--no-trace", "--backend", "torch", "--comm-timeout", DEADLINE, "--out", out]
+    cmd = [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", str(world), *SMALL, "--steps", "8"]
+    cmd += ["--no-trace", "--backend", "torch", "--comm-timeout", DEADLINE, "--out", out, *flags]
     env = {**os.environ, "PYTHONPATH": ".", FAULT_ENV: f"{fault}:1:3"}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

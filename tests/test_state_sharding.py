@@ -5,6 +5,7 @@ training of the same global batch; checkpoints across layouts; what a rank holds
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_world_sharding_matches_single_process(world: int, wp: int) -> None:
     # the whole matrix at world 4; at world 8 (8 processes on the CI's cores) two
     # cases that together cover both optimizers, accumulation and clipping, the
     # whole matrix in the slow tier
-    slow = __import__("os").environ.get("ISP_SLOW") == "1"
+    slow = os.environ.get("ISP_SLOW") == "1"
     cases = CASES if world == 4 or slow else [CASES[3], CASES[4]]
     check_parity(run_ranks(parity_worker, world, wp, cases, WORLD, timeout_s=380))
 
@@ -257,3 +258,40 @@ def test_every_write_to_the_pieces_reaches_the_gathers() -> None:
         assert not r["fused_moved_versions"], r
     fused = [Case(optim="adamw-fused", micro=2, bias=True), Case(optim="adamw-fused", clip=0.5)]
     check_parity(run_ranks(parity_worker, 4, 2, fused, WORLD, timeout_s=180))
+
+
+# ---- isp-train ------------------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_isp_train_state_sharding_world_resumes_under_wp(tmp_path) -> None:
+    """isp-train --state-sharding world at world 4 (wp 2) trains like --state-sharding
+    wp, and its step-2 checkpoint resumes under wp sharding at wp 4, continuing with its
+    losses; its export loads strictly into the unwrapped model."""
+    import shutil
+
+    from tests.test_train import SMALL, export_cli, losses, torchrun
+
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    common = [*SMALL, "--steps", "4", "--save-every", "2", "--no-trace", "--wp", "2"]
+    for out, sharding in ((a, "world"), (b, "wp")):
+        res = torchrun(4, *common, "--state-sharding", sharding, "--out", out)
+        assert res.returncode == 0, res.stderr[-3000:]
+    # fp32 on CPU: the replica sums come in another order (a reduce-scatter, not an
+    # all-reduce), a few ulps per step (the resume test of test_train measures 0 to
+    # 2.4e-7 at another WP size on the same model)
+    assert max(abs(losses(a)[s] - losses(b)[s]) for s in range(1, 5)) < 2e-6, (losses(a), losses(b))
+    shutil.copytree(a, c)
+    shutil.rmtree(os.path.join(c, "checkpoints", "step_000004"))
+    with open(os.path.join(c, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002")
+    res = torchrun(4, *SMALL, "--steps", "4", "--no-trace", "--wp", "4", "--resume", "--out", c)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert max(abs(losses(a)[s] - losses(c)[s]) for s in (3, 4)) < 2e-6, (losses(a), losses(c))
+    pt = str(tmp_path / "model.pt")
+    res = export_cli(os.path.join(a, "checkpoints"), "-o", pt)
+    assert res.returncode == 0, res.stderr
+    from models.llama import LlamaConfig, llama_ffn_hidden
+
+    plain = build(
+        LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=llama_ffn_hidden(32), n_layers=2, n_heads=4, n_kv_heads=2)
+    )
+    plain.load_state_dict(torch.load(pt, weights_only=True))  # strict: every key, every shape

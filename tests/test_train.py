@@ -423,18 +423,22 @@ def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "model_type, world",
+    "model_type, world, sharding",
     [
-        pytest.param("qwen2", 1, marks=pytest.mark.slow),
-        pytest.param("llama", 4, marks=pytest.mark.slow),
-        pytest.param("qwen2", 4, marks=pytest.mark.slow),
+        pytest.param("qwen2", 1, "wp", marks=pytest.mark.slow),
+        pytest.param("llama", 4, "wp", marks=pytest.mark.slow),
+        pytest.param("qwen2", 4, "wp", marks=pytest.mark.slow),
+        pytest.param("llama", 8, "world", marks=pytest.mark.slow),
     ],
 )
-def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, model_type: str, world: int) -> None:
-    """--model DIR --lora-rank with --sp 2 (wp 2 at world 4): the adapters move, the base stays
-    bitwise the folder's weights, a resume from step 2 gives steps 3-4 bitwise, and the
-    merged export (from_pretrained) and the adapter export (PeftModel.from_pretrained on
-    the original folder) give the same logits."""
+def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(
+    tmp_path, model_type: str, world: int, sharding: str
+) -> None:
+    """--model DIR --lora-rank with --sp 2 (wp 2 at world 4; at world 8 with
+    --state-sharding world, the adapters' and frozen weights' pieces over 2 replicas):
+    the adapters move, the base stays bitwise the folder's weights, a resume from step
+    2 gives steps 3-4 bitwise, and the merged export (from_pretrained) and the adapter
+    export (PeftModel.from_pretrained on the original folder) give the same logits."""
     import peft
     import transformers
 
@@ -444,7 +448,7 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(tmp_path, mod
     _hf_folder(model_dir, text, model_type)
     args = ["--model", str(model_dir), "--data", str(data), "--seq", "32", "--batch", "4"]
     args += ["--sp", "2", "--wp", str(world // 2)] if world > 1 else []  # world 1: the CI tier, one process
-    args += ["--lora-rank", "4", "--no-trace", "--lr", "1e-2", "--save-every", "2"]
+    args += ["--lora-rank", "4", "--no-trace", "--lr", "1e-2", "--save-every", "2", "--state-sharding", sharding]
     out, again = str(tmp_path / "run"), str(tmp_path / "again")
     train = (lambda *a: torchrun(world, *a)) if world > 1 else (lambda *a: _train1(*a))
     res = train(*args, "--steps", "4", "--out", out)

@@ -71,12 +71,7 @@ def forecast(
     _validate(model, world, wp, sp, batch, seq, optimizer, memo)
     memo["on meta"] = True
     block_list = list(find_blocks(model) if blocks is None else blocks)
-    replicas = world // wp if config.state_sharding == "world" else 1
-    key = ("layouts", wp, replicas, config.shard_outer_params, config.vocab_parallel, config.param_dtype)
-    key += (config.reduce_dtype,)
-    if key not in memo:
-        memo[key] = unit_layouts(model, block_list, config, head, wp, replicas)
-    layouts, replicated = memo[key]
+    key, (layouts, replicated) = _layouts(model, block_list, config, head, world, wp, memo)
     wkey = (*key, "weights", optimizer)
     if wkey not in memo:
         memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype)
@@ -115,6 +110,16 @@ def forecast(
         activations_by_block=acts,
         device_heap_bytes=heap,
     )
+
+
+def _layouts(model: nn.Module, block_list: list[nn.Module], config: ISPConfig, head, world: int, wp: int, memo: dict):
+    """The units' layouts on rank 0 and the replicated parameters (kept in ``memo``), and their key."""
+    replicas = world // wp if config.state_sharding == "world" else 1
+    key = ("layouts", wp, replicas, config.shard_outer_params, config.vocab_parallel, config.param_dtype)
+    key += (config.reduce_dtype,)
+    if key not in memo:
+        memo[key] = unit_layouts(model, block_list, config, head, wp, replicas)
+    return key, memo[key]
 
 
 def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) -> dict[str, int]:
