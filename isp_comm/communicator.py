@@ -61,7 +61,8 @@ class ISPCommunicator:
     """Wraps a llama-class model in place for ISP weight parallelism.
 
     Every ``nn.Linear`` weight and bias inside the blocks becomes this rank's dim-0
-    shard (a parameter of the same name); everything else stays replicated. Create the
+    shard (a parameter of the same name), or with ``state_sharding="world"`` its piece
+    of that shard (docs/sharding.md); everything else stays replicated. Create the
     optimizer *after* wrapping, on ``model.parameters()``. ``backend``: one the
     caller made (a virtual world's, :func:`isp_comm.virtual.virtual_backend`) in
     place of ``config.backend``'s; the communicator closes it.
@@ -438,7 +439,8 @@ class ISPCommunicator:
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
         """Clip every gradient by the global norm over the whole model (collective over
-        the WP group); returns the norm before clipping, identical on every rank. Call
+        the WP group, or the world with ``state_sharding="world"``); returns the norm
+        before clipping, identical on every rank. Call
         it after backward, before ``optimizer.step()``. The stock
         ``torch.nn.utils.clip_grad_norm_`` would see only this rank's shards."""
         self._check_idle("clip_grad_norm_()")
