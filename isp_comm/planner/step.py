@@ -3,8 +3,10 @@
 The same inputs as the memory forecast: the unit layouts (what each block gathers and
 reduce-scatters), the configuration (checkpointing, slots, reduce-scatters in flight)
 and a meta trace at the rank's local shape (:mod:`isp_comm.planner.ops`). A
-micro-step is replayed on two clocks, the compute stream's and the communication
-stream's (collectives run one after the other, in issue order), as
+micro-step is replayed on the compute stream's clock and the links' (each tier of
+links, NVLink and InfiniBand, on a clock of its own, each group's collectives in
+issue order: [Note: tiers of links] in ``isp_comm/backends/tiers.py``; what a
+collective asks of each tier: :mod:`isp_comm.planner.links`), as
 :mod:`isp_comm.hooks.engine` issues them:
 
 * forward: block i waits for its gather, lands it in its slot (a copy, unless the
@@ -18,7 +20,10 @@ stream's (collectives run one after the other, in issue order), as
   when backward begins), issues block i-1's, recomputes its forward when it is
   checkpointed, computes its backward, packs its gradients, then issues its
   reduce-scatter after waiting for the oldest when ``max_inflight_reduce_scatter``
-  are in flight (the reduced shard is written to ``.grad`` by a copy);
+  are in flight (the reduced shard is written to ``.grad`` by a copy), and the
+  previous block's shard over the replicas (all-reduced; with
+  ``state_sharding="world"`` reduce-scattered, and all-gathered back in the next
+  step's first forward, :data:`REPLICA_GATHER_AHEAD`);
 * the end of backward waits for every reduce-scatter; the gradients autograd leaves
   whole are all-reduced (bucketed; counted after the last block, exposed).
 
