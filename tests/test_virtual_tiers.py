@@ -353,3 +353,56 @@ def test_the_cuda_path_gives_the_same_order_on_streams() -> None:
     # caller's): it ends at 14 ms; the first ended at 4 ms, hidden behind the compute
     assert got["compute_between"] == pytest.approx([10 * ms, 14 * ms], abs=1e-9)
     assert got["nvlink_and_ib_recorded"] == [] and got["recorded_by_default"] == 2  # its input and output
+
+
+# ---- the step model's schedule of the replicas' collectives, by hand ------------------------------
+def _costs(n: int, **kw):
+    """A micro-step of ``n`` blocks of 10 ms of compute each, every collective taking
+    nothing unless given (``_Costs``' fields)."""
+    from isp_comm.backends.tiers import NONE
+    from isp_comm.planner.step import _Costs
+
+    base = dict(
+        fwd=[10e-3] * n, bwd=[10e-3] * n, outer=0.0, compute={}, land=[0.0] * n, pack=[0.0] * n, outer_land=0.0,
+        outer_pack=0.0, grads=[True] * n, ag=[NONE] * n, rs=[NONE] * n, rep=[NONE] * n, rep_ag=[NONE] * n, a2a=NONE,
+        vocab_fwd={}, vocab_bwd={}, outer_ag=NONE, outer_rs=NONE, outer_rep=NONE, outer_rep_ag=NONE, repl_ar=NONE,
+        summed=NONE, summed_ag=NONE, n_ckpt=0, max_inflight=2,
+    )  # fmt: skip
+    return _Costs(**{**base, **kw})
+
+
+def test_the_replica_gathers_run_two_blocks_ahead_and_hold_the_wp_gather() -> None:
+    """state_sharding="world", the first forward: 4 blocks of 10 ms, a WP gather of 2 ms
+    on NVLink, a replica gather of 15 ms on InfiniBand (REPLICA_GATHER_AHEAD = 2). By hand:
+    replica gathers of blocks 0 and 1 at 0 ms (0-15, 15-30 on InfiniBand); WP gather 0
+    after its replica's, 15-17; block 0 computes 17-27, having issued WP gather 1 (waits
+    for replica 1: 30-32) and replica 2 (30-45); block 1 32-42 (WP 2: 45-47, replica 3:
+    45-60); block 2 47-57 (WP 3: 60-62); block 3 62-72. Waits: 17 + 5 + 5 + 5 ms."""
+    from isp_comm.planner.step import REPLICA_GATHER_AHEAD, _forward
+
+    assert REPLICA_GATHER_AHEAD == 2
+    ms = 1e-3
+    wp_ag, rep_ag = Demand(0.0, ((INTRA, 2 * ms),)), Demand(0.0, ((INTER, 15 * ms),))
+    clock = _Clock(overlap=True)
+    _forward(clock, _costs(4, ag=[wp_ag] * 4, rep_ag=[rep_ag] * 4), first=True)
+    assert clock.t == pytest.approx(72 * ms) and clock.exposed == pytest.approx(32 * ms)
+    clock = _Clock(overlap=True)  # a later micro-step: no replica gathers, WP gathers hidden but the first
+    _forward(clock, _costs(4, ag=[wp_ag] * 4, rep_ag=[rep_ag] * 4), first=False)
+    assert clock.t == pytest.approx(42 * ms) and clock.exposed == pytest.approx(2 * ms)
+
+
+def test_a_blocks_replica_reduce_scatter_follows_its_wp_reduce_scatter() -> None:
+    """Backward of 2 blocks of 10 ms: WP reduce-scatters of 2 ms on NVLink, the shard's
+    replica reduce-scatter of 15 ms on InfiniBand, issued when the next block's WP
+    reduce-scatter is (or when backward drains) and started after its own ends. By hand:
+    block 1 computes 0-10, its WP reduce-scatter 10-12; block 0 10-20, its WP
+    reduce-scatter 20-22 and then block 1's replica one 20-35; the drain waits for it
+    (35), issues block 0's (35-50) and waits (50)."""
+    from isp_comm.planner.step import _backward
+
+    ms = 1e-3
+    rs, rep = Demand(0.0, ((INTRA, 2 * ms),)), Demand(0.0, ((INTER, 15 * ms),))
+    clock = _Clock(overlap=True)
+    _backward(clock, _costs(2, rs=[rs] * 2, rep=[rep] * 2), last=0.0)
+    assert clock.t == pytest.approx(50 * ms) and clock.exposed == pytest.approx(30 * ms)
+    assert clock.links.busy == {INTRA: pytest.approx(4 * ms), INTER: pytest.approx(30 * ms)}
