@@ -4,21 +4,35 @@ collectives, the compute-only bound and the planner's prediction.
     python bench/virtual.py                 # on one GPU: Llama-3-8B at N=8, Llama-3-70B at N=64
     python bench/virtual.py --quick         # tiny configurations on CPU, under 5 minutes
     python bench/virtual.py --config llama3-8b --repeats 3 --out DIR
+    python bench/virtual.py --config llama3-8b --layout best    # the planner's fastest layout that fits
+    python bench/virtual.py --quick --layout best                # the same, tiny, on CPU
 
 Each system runs in a process of its own as rank 0 of a virtual world of N ranks
-(torch's fake process group, ``isp_comm.virtual``), with the job's batch per rank:
+(torch's fake process group, ``isp_comm.virtual``), with the job's batch per rank.
 
-- **isp-comm**: ``ISPCommunicator`` with wp = N (every block and, with
-  ``shard_outer``, the outer parameters sharded over the world; ``vocab_parallel``
-  where the config says), activation checkpointing on every block;
-- **FSDP2**: ``fully_shard`` on every block and on the root over the same world,
-  the same mixed precision (bf16 parameters, fp32 reductions on a GPU) and the same
-  checkpointing; its all-gathers and reduce-scatters go through
-  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` to the same virtual
-  backend, so they take the same modelled time on a side stream and its gathered
-  weights hold real bytes (this rank's shard in every chunk);
-- **compute-only**: isp-comm's run with every collective taking no time (its local
-  copies remain): the lower bound of a step;
+**Layouts.** ``--layout fixed`` (the default) runs each configuration as written
+(wp = N, its checkpointing, ``shard_outer`` and ``vocab_parallel``, one micro-step).
+``--layout best`` takes ``isp-train --plan --search``'s fastest layout that fits for
+the configuration's global batch (wp, sp, replicas, checkpointing, ``shard_outer``,
+``vocab_parallel``, micro-batch and accumulation), planned on the device the run is
+on (an H200 with the h200 target's figures), and runs it eager and compiled.
+
+- **isp-comm**: ``ISPCommunicator`` in the layout; ``compiled``: every block
+  compiled before wrapping, as ``isp-train --compile``;
+- **FSDP2**, as torchtitan sets it up: activation checkpointing on the same blocks,
+  then (``compiled``) every block compiled, then ``fully_shard`` on the embedding,
+  on every block, on the final norm with the head together (not resharded after
+  forward: backward starts with them), and on the root, with the same mixed
+  precision (bf16 parameters, fp32 reductions on a GPU); sharded over the world
+  (FSDP2 has no sequence parallel: each rank takes whole sequences, the same
+  tokens per rank and the same global batch, see :func:`fsdp_shape`); its
+  all-gathers and reduce-scatters go through ``set_custom_all_gather`` /
+  ``set_custom_reduce_scatter`` to the same virtual backend, so they take the same
+  time and its gathered weights hold real bytes; its buffers are waited for on the
+  streams that allocated them and recorded on no other (``record_streams=False``),
+  as FSDP2's own synchronous NCCL calls leave them;
+- **compute-only**: isp-comm's eager run with every collective taking no time (its
+  local copies remain): the lower bound of a step;
 - **planner**: ``isp-train --plan``'s step-time model and memory forecast for the
   same layout on the same link model.
 
@@ -95,61 +109,130 @@ QUICK = {  # on CPU: fp32, the nominal cpu target's links (5 GB/s in a node of N
     ),
 }
 SYSTEMS = ("isp-comm", "fsdp2", "compute-only")
+"""``--layout fixed``: eager runs."""
+BEST_SYSTEMS = ("isp-comm", "isp-comm compiled", "fsdp2", "fsdp2 compiled", "compute-only")
+"""``--layout best``: eager and compiled (per block, as isp-train and torchtitan)."""
 
 
 class NoLink:
     """Every collective takes no time (the compute-only bound)."""
 
-    def seconds(self, op: str, ranks: tuple[int, ...], nbytes: int) -> float:
-        return 0.0
+    def demand(self, op: str, ranks: tuple[int, ...], nbytes: int):
+        from isp_comm.backends.tiers import NONE
+
+        return NONE
 
     def describe(self) -> str:
         return "no communication time"
 
 
-def _profile(cfg: Config):
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What one process runs: a configuration in a layout (isp-train's flags, the
+    planner's :class:`~isp_comm.planner.search.Layout`)."""
+
+    cfg: Config
+    layout: object
+    """A ``Layout``: world, wp, sp, ckpt, shard_outer, vocab_parallel, batch (sequences
+    per micro-step over the job) and grad_accum."""
+
+
+def fixed_layout(cfg: Config):
+    """The configuration as written: wp = N, one micro-step."""
+    from isp_comm.planner.search import Layout
+
+    return Layout(
+        cfg.world, cfg.world, 1, cfg.ckpt, cfg.shard_outer, cfg.vocab_parallel, cfg.batch_per_rank * cfg.world, 1
+    )
+
+
+def _target(cfg: Config, device: torch.device) -> str:
+    """The target to plan on: the configuration's, with the GPU this runs on when it
+    is a known one (an H200 run is planned with h200 figures; the links are the
+    configuration's per-node count)."""
+    from isp_comm.planner.targets import gpu_target, parse_target
+
+    per_node = parse_target(cfg.target).per_node
+    gpu = gpu_target(torch.cuda.get_device_name(device)) if device.type == "cuda" else ""
+    return f"{gpu}x{per_node}" if gpu else cfg.target
+
+
+def _profile(cfg: Config, device: torch.device | None = None):
     from isp_comm.planner import profile as profiles
     from isp_comm.planner.targets import parse_target
 
-    per_node = parse_target(cfg.target).per_node
-    return profiles.from_target(parse_target(cfg.target, max(cfg.world // per_node, 1)))
+    target = _target(cfg, device or _device())
+    per_node = parse_target(target).per_node
+    return profiles.from_target(parse_target(target, max(cfg.world // per_node, 1)))
 
 
 def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _isp(cfg: Config, system: str, device: torch.device):
-    """The model wrapped by isp-comm on the virtual backend; (model, loss_fn, comm, clip)."""
-    from isp_comm import ISPCommunicator, ParallelGroups
-    from isp_comm.planner.links import ProfileLink
-    from isp_comm.virtual import virtual_backend
+def _meta_model(cfg: Config):
     from models.llama import build
 
     with torch.device("meta"):
-        model = build(cfg.model)  # each module made real on the device while it is sharded
-    icfg = _isp_config(cfg)
-    link = NoLink() if system == "compute-only" else ProfileLink(_profile(cfg), "torch")
-    backend = virtual_backend(device, link)
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=cfg.world), icfg, backend=backend)
-    return model, comm.cross_entropy, comm, lambda: comm.clip_grad_norm_(1.0)
+        return build(cfg.model)  # each module made real on the device while it is sharded
 
 
-def _isp_config(cfg: Config):
+def _isp_config(cfg: Config, layout):
     from isp_comm import ISPConfig
 
     return ISPConfig(
-        activation_checkpointing=cfg.ckpt,
-        shard_outer_params=cfg.shard_outer,
-        vocab_parallel=cfg.vocab_parallel,
+        activation_checkpointing=layout.ckpt,
+        shard_outer_params=layout.shard_outer,
+        vocab_parallel=layout.vocab_parallel,
         param_dtype=torch.bfloat16 if cfg.bf16 else None,
         reduce_dtype=torch.float32 if cfg.bf16 else None,
         init_seed=0,
     )
 
 
-def _fsdp2(cfg: Config, device: torch.device):
-    """FSDP2 on every block and the root, its collectives on the virtual backend."""
+def _isp(run: Run, system: str, device: torch.device):
+    """The model wrapped by isp-comm on the virtual backend; (model, comm, clip, batches)."""
+    from isp_comm import ISPCommunicator, ParallelGroups
+    from isp_comm.discovery import find_blocks
+    from isp_comm.planner.links import ProfileLink
+    from isp_comm.virtual import virtual_backend
+
+    cfg, lay = run.cfg, run.layout
+    model = _meta_model(cfg)
+    if system.endswith("compiled"):  # as isp-train --compile: every block, then wrapped
+        for block in find_blocks(model):
+            block.compile()
+    link = NoLink() if system == "compute-only" else ProfileLink(_profile(cfg, device), "torch")
+    groups = ParallelGroups.create(wp_size=lay.wp, sp_size=lay.sp)
+    comm = ISPCommunicator(model, groups, _isp_config(cfg, lay), backend=virtual_backend(device, link))
+    per, chunk = lay.batch // (lay.world // lay.sp), cfg.seq // lay.sp
+    positions = torch.arange(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk, device=device)
+    shape = (per, chunk, lay.grad_accum)
+    return model, comm, lambda: comm.clip_grad_norm_(1.0), shape, positions, comm.cross_entropy
+
+
+def fsdp_shape(run: Run) -> tuple[int, int, int]:
+    """FSDP2's (sequences per micro-step, sequence length, micro-steps) on one rank
+    for the layout's global batch and tokens per rank: whole sequences, as many a
+    micro-step as isp-comm's micro-step has tokens (at least one); shorter sequences
+    of the same tokens only where the job has fewer sequences than ranks."""
+    cfg, lay = run.cfg, run.layout
+    per_step = lay.batch * lay.grad_accum  # sequences per optimizer step, over the job
+    if per_step % lay.world:
+        if (per_step * cfg.seq) % lay.world:
+            raise ValueError(f"{per_step} sequences of {cfg.seq} tokens do not split over {lay.world} ranks")
+        return 1, per_step * cfg.seq // lay.world, 1
+    mine = per_step // lay.world
+    tokens = lay.batch // (lay.world // lay.sp) * (cfg.seq // lay.sp)  # isp-comm's per micro-step
+    micro = max(1, min(mine, tokens // cfg.seq))
+    while mine % micro:
+        micro -= 1
+    return micro, cfg.seq, mine // micro
+
+
+def _fsdp2(run: Run, system: str, device: torch.device):
+    """FSDP2 as torchtitan sets it up (see the module note), its collectives on the
+    virtual backend."""
     import torch.nn.functional as F
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -157,26 +240,27 @@ def _fsdp2(cfg: Config, device: torch.device):
     from isp_comm.integrations.fsdp2 import BackendAllGather, BackendReduceScatter
     from isp_comm.planner.links import ProfileLink
     from isp_comm.virtual import virtual_backend
-    from models.llama import build
 
-    with torch.device("meta"):
-        model = build(cfg.model)
-    n_ckpt = round(cfg.ckpt * len(model.layers))
-    for i in range(n_ckpt):
-        model.layers[i] = checkpoint_wrapper(model.layers[i])
+    cfg, lay = run.cfg, run.layout
+    model = _meta_model(cfg)
+    n_ckpt = round(lay.ckpt * len(model.layers))
+    for i in range(len(model.layers)):
+        block = checkpoint_wrapper(model.layers[i]) if i < n_ckpt else model.layers[i]
+        model.layers[i] = torch.compile(block) if system.endswith("compiled") else block
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
     kw = {"mp_policy": mp} if mp is not None else {}
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    units = [fully_shard(model.embed, **kw)]
+    units += [fully_shard(block, **kw) for block in model.layers]
+    units += fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kw)  # one unit, both modules
+    units.append(fully_shard(model, **kw))
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
-    backend = virtual_backend(device, ProfileLink(_profile(cfg), "torch"))
+    backend = virtual_backend(device, ProfileLink(_profile(cfg, device), "torch"), record_streams=False)
     ag, rs = BackendAllGather(backend, 300.0), BackendReduceScatter(backend, 300.0)
-    for m in [*model.layers, model]:
+    for m in units:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
 
@@ -186,7 +270,8 @@ def _fsdp2(cfg: Config, device: torch.device):
     def clip():
         return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
-    return model, loss_fn, backend, clip
+    per, seq, accum = fsdp_shape(run)
+    return model, backend, clip, (per, seq, accum), torch.arange(seq, device=device), loss_fn
 
 
 def _peak(device: torch.device) -> dict:
@@ -203,28 +288,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_system(rank: int, world: int, cfg: Config, system: str, steps: int) -> dict:
+def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict:
     """One process: build, two warm-up steps, ``steps`` timed ones (runs in a virtual world)."""
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if system == "fsdp2":
-        model, loss_fn, comm, clip = _fsdp2(cfg, device)
-        stats = None
-    else:
-        model, loss_fn, comm, clip = _isp(cfg, system, device)
-        stats = comm.stats
+    build = _fsdp2 if system.startswith("fsdp2") else _isp
+    model, comm, clip, (per, seq, accum), positions, loss_fn = build(run, system, device)
+    stats = getattr(comm, "stats", None)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     gen = torch.Generator().manual_seed(rank)
-    times, exposed, issued = [], [], []
+    vocab = run.cfg.model.vocab_size
+    times, exposed, issued, gathers = [], [], [], []
+
+    def gathered() -> int:  # all-gathers issued so far (FSDP2: its units' gathers on the backend)
+        return stats()["all_gathers"] if stats else comm.issued["all_gather"]
+
     for step in range(steps + 2):
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.batch_per_rank, cfg.seq + 1), generator=gen).to(device)
+        batches = [torch.randint(0, vocab, (per, seq + 1), generator=gen).to(device) for _ in range(accum)]
         _sync(device)
         s0 = stats() if stats else None
         m0 = comm.modelled_comm_s if not stats else 0.0
+        g0 = gathered()
         t0 = time.perf_counter()
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
+        for tokens in batches:
+            loss = loss_fn(model(tokens[:, :-1], position_ids=positions), tokens[:, 1:]) / accum
+            loss.backward()
         clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -232,6 +321,7 @@ def run_system(rank: int, world: int, cfg: Config, system: str, steps: int) -> d
         dt = time.perf_counter() - t0
         if step >= 2:
             times.append(dt)
+            gathers.append(gathered() - g0)
             if stats:
                 s1 = stats()
                 exposed.append(s1["exposed_comm_s"] - s0["exposed_comm_s"])
@@ -244,40 +334,85 @@ def run_system(rank: int, world: int, cfg: Config, system: str, steps: int) -> d
         "step_s": statistics.median(times),
         "comm_s": statistics.median(issued),
         "exposed_comm_s": statistics.median(exposed) if exposed else None,
+        "all_gathers": statistics.median(gathers),
         **_peak(device),
     }
     comm.close()
     return out
 
 
-def predict(cfg: Config) -> dict:
-    """The planner's step and memory for the same layout, on the same links."""
+def predict(run: Run, device: torch.device | None = None) -> dict:
+    """The planner's step and memory for the same layout, on the same links, on the
+    device the run is on."""
     from isp_comm.memory_forecast import forecast
     from isp_comm.planner.memory import device_memory
     from isp_comm.planner.step import step_time
-    from models.llama import build
 
-    prof = _profile(cfg)
-    with torch.device("meta"):
-        model = build(cfg.model)
-    icfg = _isp_config(cfg)
-    batch = cfg.batch_per_rank * cfg.world
-    st = step_time(model, icfg, prof, world=cfg.world, wp=cfg.world, sp=1, batch=batch, seq=cfg.seq)
+    cfg, lay = run.cfg, run.layout
+    prof = _profile(cfg, device)
+    model = _meta_model(cfg)
+    icfg = _isp_config(cfg, lay)
+    shape = {"world": lay.world, "wp": lay.wp, "sp": lay.sp, "batch": lay.batch, "seq": cfg.seq}
+    st = step_time(model, icfg, prof, **shape, grad_accum=lay.grad_accum)
     out = {"step_s": st.step_s, "comm_s": sum(st.comm_s.values()), "exposed_comm_s": sum(st.exposed_comm.values())}
+    out["target"] = prof.name
     if prof.device == "cuda":
-        fc = forecast(model, icfg, cfg.world, cfg.world, 1, batch, cfg.seq, device="cuda", local_world=1)
-        dm = device_memory(fc, prof, world=cfg.world, wp=cfg.world, sp=1, baseline=0, capacity=prof.memory_bytes)
+        fc = forecast(model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device="cuda", local_world=1)
+        dm = device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
         out["peak_alloc_mib"] = max(dm.forecast.peak(ph) for ph in ("wrap", "forward", "backward", "optimizer")) / 2**20
         out["peak_reserved_mib"] = dm.reserved / 2**20
     return out
 
 
+def best_layout(cfg: Config, device: torch.device | None = None) -> tuple[object, dict]:
+    """``isp-train --plan --search``'s fastest layout that fits, for the configuration's
+    global batch (``batch_per_rank x world`` sequences a step), planned on the device
+    the run is on; the layout and what the search said of it."""
+    from isp_comm.discovery import find_blocks
+    from isp_comm.memory_forecast import forecast
+    from isp_comm.planner import search
+    from isp_comm.planner.memory import device_memory
+    from isp_comm.planner.step import step_time
+
+    prof = _profile(cfg, device)
+    model = _meta_model(cfg)
+    memo: dict = {"blocks": list(find_blocks(model))}
+    heads = cfg.model.n_heads
+    candidates = search.layouts(cfg.world, cfg.batch_per_rank * cfg.world, cfg.seq, heads)
+
+    def memory(lay):
+        icfg = _isp_config(cfg, lay)
+        fc = forecast(
+            model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device=prof.device,
+            local_world=prof.per_node, blocks=memo["blocks"], memo=memo,
+        )  # fmt: skip
+        return device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
+
+    def step(lay):
+        return step_time(
+            model, _isp_config(cfg, lay), prof, world=lay.world, wp=lay.wp, sp=lay.sp, batch=lay.batch,
+            seq=cfg.seq, grad_accum=lay.grad_accum, memo=memo,
+        )  # fmt: skip
+
+    ranked = search.rank(candidates, memory, step, top=1)
+    fitting = [r for r in ranked if r.fits]
+    if not fitting:
+        raise SystemExit(f"bench/virtual.py --layout best: no layout of {cfg.world} ranks fits on {prof.name}")
+    best = fitting[0]
+    said = {
+        "target": prof.name,
+        "layouts": len(ranked),
+        "fit": len(fitting),
+        "step_s": best.step.step_s,
+        "flags": " ".join(best.layout.flags()),
+    }
+    return best.layout, said
+
+
 def _flops_per_token(cfg: Config) -> float:
     from isp_comm.model_flops import flops_per_token
-    from models.llama import build
 
-    with torch.device("meta"):
-        return flops_per_token(build(cfg.model), cfg.seq)
+    return flops_per_token(_meta_model(cfg), cfg.seq)
 
 
 def _summary(runs: list[dict], key: str) -> dict | None:
@@ -289,23 +424,30 @@ def _summary(runs: list[dict], key: str) -> dict | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
-def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: float) -> dict:
+def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: float, layout: str = "fixed") -> dict:
     """Every system, ``repeats`` processes each, and the planner's prediction."""
-    result = {"config": name, **dataclasses.asdict(cfg), "systems": {}}
-    for system in SYSTEMS:
+    device = _device()
+    lay, said = (fixed_layout(cfg), None) if layout == "fixed" else best_layout(cfg, device)
+    run = Run(cfg, lay)
+    result = {"config": name, **dataclasses.asdict(cfg), "layout": dataclasses.asdict(lay), "systems": {}}
+    if said is not None:
+        result["search"] = said
+    for system in SYSTEMS if layout == "fixed" else BEST_SYSTEMS:
         runs = []
         for r in range(repeats):
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            runs.append(run_virtual(run_system, cfg.world, 0, cfg, system, steps, timeout_s=timeout_s))
+            runs.append(run_virtual(run_system, cfg.world, 0, run, system, steps, timeout_s=timeout_s))
         result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
-    fsdp = result["systems"]["fsdp2"]  # no waits to count: each run's step less the compute-only median
+    result["systems"]["planner"] = predict(run, device)
     compute = result["systems"]["compute-only"]["step_s"]["median"]
-    for run in fsdp["runs"]:
-        run["exposed_comm_s"] = max(run["step_s"] - compute, 0.0)
-    fsdp["exposed_comm_s"] = _summary(fsdp["runs"], "exposed_comm_s")
-    fsdp["exposed_comm_derived"] = "step_s less compute-only's median step_s"
-    result["systems"]["planner"] = predict(cfg)
+    for system, s in result["systems"].items():
+        if system.startswith("fsdp2"):  # no waits to count: each run's step less the compute-only median
+            for r in s["runs"]:
+                r["exposed_comm_s"] = max(r["step_s"] - compute, 0.0)
+            s["exposed_comm_s"] = _summary(s["runs"], "exposed_comm_s")
+            s["exposed_comm_derived"] = "step_s less compute-only's median step_s"
     result["flops_per_token"] = _flops_per_token(cfg)
+    result["tokens_per_rank"] = lay.batch * lay.grad_accum * cfg.seq // lay.world
     return result
 
 
@@ -324,10 +466,9 @@ def _median(v):
 
 
 def table(result: dict, peak_tflops: float) -> str:
-    tokens = result["batch_per_rank"] * result["seq"]
+    tokens = result["tokens_per_rank"]
     rows = []
-    for system in (*SYSTEMS, "planner"):
-        s = result["systems"][system]
+    for system, s in result["systems"].items():
         step = _median(s["step_s"])
         mfu = 100 * result["flops_per_token"] * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
         exposed_v = _median(s.get("exposed_comm_s"))
@@ -342,10 +483,33 @@ def table(result: dict, peak_tflops: float) -> str:
     return markdown_table([*header, "alloc MiB", "reserved MiB", "RSS MiB"], rows, "l" + "r" * 9)
 
 
+def describe(result: dict) -> str:
+    """The layout line above a table."""
+    lay = result["layout"]
+    text = (
+        f"world {lay['world']} ({result['target']} links), seq {result['seq']}: wp {lay['wp']}, sp {lay['sp']}, "
+        f"{lay['world'] // lay['wp']} replicas, ckpt {lay['ckpt']:g}, "
+        f"shard-outer {'yes' if lay['shard_outer'] else 'no'}, "
+        f"vocab-parallel {'yes' if lay['vocab_parallel'] else 'no'}, "
+        f"micro-batch {lay['batch']} x accum {lay['grad_accum']}"
+    )
+    said = result.get("search")
+    if said:
+        text += (
+            f"; the planner's fastest that fits on {said['target']} ({said['fit']} of {said['layouts']} layouts fit, "
+            f"predicted {said['step_s']:.4g} s)"
+        )
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny configurations on CPU (under 5 minutes)")
     ap.add_argument("--config", choices=[*CONFIGS, *QUICK], action="append", help="only these (repeatable)")
+    ap.add_argument(
+        "--layout", choices=("fixed", "best"), default="fixed",
+        help="the configuration's own layout, or --plan --search's fastest that fits, eager and compiled",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=0, help="processes per system (default: 3; 1 with --quick)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after two warm-up steps")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a process may take")
@@ -362,9 +526,10 @@ def main() -> None:
     results = []
     for name in names:
         cfg = {**CONFIGS, **QUICK}[name]
-        res = bench_config(name, cfg, repeats, args.steps, args.timeout)
+        res = bench_config(name, cfg, repeats, args.steps, args.timeout, args.layout)
+        res["target"] = res["systems"]["planner"]["target"]
         results.append(res)
-        print(f"\n### {name}: world {cfg.world} ({cfg.target} links), seq {cfg.seq}, batch {cfg.batch_per_rank}/rank\n")
+        print(f"\n### {name}: {describe(res)}\n")
         print(table(res, peak))
     path = save_results("virtual", args, results)
     print(f"\nraw JSON: {path}")

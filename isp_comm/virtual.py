@@ -14,7 +14,8 @@ From one's own training loop::
     comm.stats()["comm_s"], comm.stats()["exposed_comm_s"]
 
 The planner's link model (a target's published NVLink and InfiniBand figures, or a
-profile file) is :class:`isp_comm.planner.links.ProfileLink`. What is real and what
+profile file, NVLink and InfiniBand as two tiers that run at once) is
+:class:`isp_comm.planner.links.ProfileLink`. What is real and what
 is modelled: [Note: what a virtual collective does] in
 ``isp_comm/backends/virtual.py``, and docs/virtual.md.
 """
@@ -48,13 +49,19 @@ def is_virtual() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def virtual_backend(device: torch.device, link: LinkModel, timeout_s: float = 300.0) -> VirtualBackend:
+def virtual_backend(
+    device: torch.device, link: LinkModel, timeout_s: float = 300.0, *, record_streams: bool = True
+) -> VirtualBackend:
     """The backend to hand :class:`~isp_comm.ISPCommunicator` (``backend=``) in a
-    virtual world: collectives that complete after ``link``'s time (a device-side
-    spin on CUDA, a comm thread on CPU)."""
+    virtual world: collectives that complete after ``link``'s time (device-side
+    spins on side streams on CUDA, a comm thread on CPU), each tier of links on a
+    clock of its own (see [Note: tiers of links] in ``isp_comm/backends/tiers.py``).
+    ``record_streams=False``: the caller waits for every collective on the stream
+    that allocated its tensors before freeing them, as FSDP2 does (CUDA; see
+    [Note: the virtual backend on CUDA] in ``isp_comm/backends/virtual.py``)."""
     if not is_virtual():
         raise ValueError("virtual_backend needs a virtual world: call init_virtual_world(world, rank) first")
-    return VirtualBackend(device, link, timeout_s)
+    return VirtualBackend(device, link, timeout_s, record_streams=record_streams)
 
 
 __all__ = ["FlatLink", "LinkModel", "VirtualBackend", "init_virtual_world", "is_virtual", "virtual_backend"]

@@ -68,6 +68,36 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        r.replica = CompletedHandle()  # mutation: the replicas' shards are never averaged",
         ["tests/test_engine_parity.py::test_parity_replicas_and_no_overlap"],
     ),
+    "halved traffic in the planner's link model": (
+        "isp_comm/planner/links.py",
+        "        parts.append((INTRA, twice * (n - 1) / n * nbytes, twice * (n - 1)))",
+        "        parts.append((INTRA, twice * (n - 1) / n * nbytes / 2, twice * (n - 1)))",
+        [
+            "tests/test_virtual_tiers.py::test_a_collectives_time_from_published_figures",
+            "tests/test_virtual_tiers.py::test_the_step_models_traffic_on_each_tier_by_hand",
+        ],
+    ),
+    "halved traffic on the virtual flat link": (
+        "isp_comm/backends/virtual.py",
+        "    share = (n - 1) / n * nbytes",
+        "    share = (n - 1) / n * nbytes / 2",
+        ["tests/test_virtual.py::test_each_collective_takes_its_modelled_time_and_writes_local_bytes"],
+    ),
+    "one tier for every link (CPU and planner)": (
+        "isp_comm/backends/tiers.py",
+        "        for tier, seconds in demand.tiers:\n",
+        "        for _, seconds in demand.tiers:\n            tier = 'one'\n",
+        [
+            "tests/test_virtual_tiers.py::test_tiers_run_at_once_and_a_tier_serves_one_collective_at_a_time",
+            "tests/test_virtual_tiers.py::test_the_virtual_world_runs_nvlink_and_infiniband_at_once_and_shares_each",
+        ],
+    ),
+    "one stream for every tier (CUDA)": (
+        "isp_comm/backends/virtual.py",
+        'lanes.stream("virtual tiers", tier, self.device)',
+        'lanes.stream("virtual tiers", "one", self.device)',
+        ["tests/test_virtual_tiers.py::test_the_cuda_path_gives_the_same_order_on_streams"],
+    ),
 }
 
 

@@ -43,3 +43,32 @@ def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path) -> None:
 def _summaries(system: dict) -> list[dict]:
     """A system's figures summarised over its runs (every key but ``runs``)."""
     return [v for k, v in system.items() if k != "runs" and isinstance(v, dict)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_best_layout_runs_both_systems_eager_and_compiled(tmp_path) -> None:
+    """``--layout best``: --plan --search's fastest layout that fits, isp-comm and FSDP2
+    (as torchtitan sets it up), eager and compiled per block, the planner beside them
+    (60 s on the 2-core machine, two of them compiling)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--quick", "--layout", "best"]
+    cmd += ["--config", "tiny-n4", "--steps", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {ln.split("|")[1].strip() for ln in res.stdout.splitlines() if ln.startswith("| ")}
+    systems = {"isp-comm", "isp-comm compiled", "fsdp2", "fsdp2 compiled", "compute-only", "planner"}
+    assert systems <= rows, res.stdout
+    assert "the planner's fastest that fits on cpux4" in res.stdout, res.stdout
+    with open(tmp_path / "virtual.json") as f:
+        result = json.load(f)["rows"][0]
+    lay, said = result["layout"], result["search"]
+    flags = f"--wp {lay['wp']} --sp {lay['sp']} --batch {lay['batch']} --grad-accum {lay['grad_accum']}"
+    assert said["flags"].startswith(flags), (said, lay)  # the layout run is the one the search chose
+    got = result["systems"]
+    for name in systems - {"planner", "compute-only"}:
+        assert got[name]["comm_s"]["median"] > 0 and got[name]["step_s"]["median"] > 0, name
+    # torchtitan's units: the embedding (gathered again in backward), 4 blocks (likewise),
+    # the final norm with the head (kept gathered into backward), the root (nothing left)
+    layers, accum = result["model"]["n_layers"], lay["grad_accum"]
+    for name in ("fsdp2", "fsdp2 compiled"):
+        assert got[name]["all_gathers"]["median"] == (2 * layers + 3) * accum, (name, got[name]["all_gathers"])

@@ -90,6 +90,8 @@ def test_torch_has_what_the_cuda_paths_use() -> None:
         inspect.signature(fn).bind(torch.device("cuda", 0))
     inspect.signature(torch.cuda.can_device_access_peer).bind(torch.device("cuda", 0), 1)
     assert callable(torch.cuda.stream) and callable(torch.Tensor.record_stream)
+    # the virtual backend's device-side spin (a kernel of so many clock cycles)
+    assert list(inspect.signature(torch.cuda._sleep).parameters) == ["cycles"]
     inspect.signature(torch.cuda.device).bind(torch.device("cuda", 0))  # CudaRuntime.device_context
     inspect.signature(dist.get_backend_config).bind(dist.group.WORLD)
     inspect.signature(dist.all_gather_object).bind([None], None, group=None)

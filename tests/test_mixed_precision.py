@@ -236,11 +236,18 @@ def test_whole_model_bf16_matches_fsdp2_policy(outer: bool) -> None:
         assert r["isp_dtype"] == r["fsdp_dtype"] == torch.bfloat16
         assert r["masters"] == {torch.float32}
         # The same bf16 casts and GEMMs as FSDP2, and at world 2 the same fp32 gradient
-        # sums: measured bitwise equal over 4 AdamW steps, both ways. 1e-5 leaves room
-        # for another summation order elsewhere and is far below what one step without
-        # an update of one block moves the loss (>1e-3, tests above).
+        # sums: without shard_outer, measured bitwise equal over 4 AdamW steps. 1e-5
+        # leaves room for another summation order elsewhere and is far below what one
+        # step without an update of one block moves the loss (>1e-3, tests above).
+        # With shard_outer the embedding differs by design: isp-comm looks it up
+        # hidden-split in fp32 and keeps its gradient in fp32, FSDP2 computes it from its
+        # bf16 copy; the embedding's fp32 masters differ by 4.8e-7 after the first step
+        # (every other parameter bitwise equal), and the losses stay equal until that
+        # drift crosses a bf16 rounding of the looked-up rows: at step 7 of 10 with
+        # models/llama.py before its GQA attention (6ae422e), at step 4 with it, by at
+        # most 9.2e-4 over 10 steps. 5e-4 over 4 steps, 5x the 1.8e-4 measured.
         diffs = [abs(a - b) for a, b in zip(r["isp"], r["fsdp"])]
-        assert max(diffs) < 1e-5, (diffs, r)
+        assert max(diffs) < (5e-4 if outer else 1e-5), (diffs, r)
         assert diffs[0] == 0.0, diffs  # the first forward: identical bf16 weights and math
 
 

@@ -20,7 +20,7 @@ from isp_comm.planner import profile as profiles
 from isp_comm.planner import search
 from isp_comm.planner.memory import device_memory
 from isp_comm.planner.step import collective_time, step_time
-from isp_comm.planner.targets import parse_target
+from isp_comm.planner.targets import gpu_target, parse_target
 from models.llama import LlamaConfig, build
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -118,6 +118,9 @@ def test_targets_and_profiles() -> None:
     prof = profiles.from_target(c)
     assert prof.link("torch", 8, "all_gather").bytes_per_s > prof.link("torch", 16, "all_gather").bytes_per_s
     assert profiles.interp([[1.0, 2.0], [100.0, 4.0]], 10.0) == pytest.approx(3.0)
+    # a run is planned with its own GPU's figures (an H200's 141 GB, not an H100's 80)
+    assert gpu_target("NVIDIA H200") == "h200" and gpu_target("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_target("NVIDIA GeForce RTX 4090") == "" and gpu_target("cpu") == ""
 
 
 def test_attention_is_timed_by_head_and_head_dim() -> None:

@@ -19,21 +19,44 @@ What is real: the shards, the gathered buffers, the activations, the optimizer
 state, the hooks, the order of issues and waits, and so the memory and how much of
 the modelled time the schedule hides.
 
-Where the time is spent:
+Where the time is spent (the rules of [Note: tiers of links] in
+``isp_comm/backends/tiers.py``: a demand per tier, the tiers at once, each tier in
+issue order, each group in issue order):
 
-- CPU: a comm thread runs the collectives in issue order. Each starts when the
-  previous one has ended (one queue, as the planner's one communication stream and
-  NCCL's one stream per communicator), writes its output and returns at its start
-  plus its modelled time; a handle's ``wait`` blocks on it, under the deadline.
-- CUDA: one side stream. The collective's stream waits for the caller's, writes the
-  output, then spins on the device (``torch.cuda._sleep``) for the modelled time less
-  the copy's, calibrated against CUDA events once at set-up; the caller's stream
-  waits on its event. The host never sleeps, so the step is issued as in a real run.
+- CPU: a comm thread writes each collective's output as it is issued (in issue
+  order), places it on a :class:`~isp_comm.backends.tiers.TierSchedule` at its issue
+  time, and completes its handle at the end the schedule gives (in end order: a
+  collective on another tier may end first); a handle's ``wait`` blocks on it,
+  under the deadline.
+- CUDA: see [Note: the virtual backend on CUDA] below. The host never sleeps, so
+  the step is issued as in a real run.
+
+[Note: the virtual backend on CUDA]
+Streams give the schedule's order on the device, where the host cannot know when
+each collective starts:
+
+- one stream per group (NCCL's stream per communicator): it waits for the caller's
+  stream, records the collective's start, writes the output;
+- one stream per tier, shared by every group: it waits for the start event and
+  spins (``torch.cuda._sleep``, calibrated against CUDA events at set-up) for the
+  collective's seconds on that tier, so that a tier serves its parts in issue order;
+- the group's stream then waits for each tier's end, spins the latency, and records
+  the event the caller's stream waits on.
+
+The output is written on the group's stream while the tiers spin, as NCCL's kernels
+copy while the bytes cross the link: a collective takes the longer of its copy and
+its modelled time. With ``record_streams`` (the default, as c10d does for an
+asynchronous collective) the caller's tensors are recorded on the group's stream;
+a caller that waits on the stream that allocated them, before freeing them, needs
+none (FSDP2's collectives: synchronous calls on its own streams), and then the
+caching allocator may reuse their memory as soon as that stream has moved on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -46,18 +69,22 @@ from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend, CompletedHandle, Handle
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
+from isp_comm.backends.tiers import Demand, TierSchedule
 from isp_comm.errors import ISPCommTimeout
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+BUS = "bus"
+"""The one tier of a :class:`FlatLink`."""
 
 
 class LinkModel(Protocol):
-    """Seconds a collective takes: ``op`` (one of :data:`OPS`) over the group of
-    ``ranks`` (global ranks, ascending) on a buffer of ``nbytes``: the gathered (full)
-    size for all-gather and reduce-scatter, the tensor for all-reduce, the whole
-    input for all-to-all."""
+    """What a collective asks of this rank's links: ``op`` (one of :data:`OPS`) over
+    the group of ``ranks`` (global ranks, ascending) on a buffer of ``nbytes``: the
+    gathered (full) size for all-gather and reduce-scatter, the tensor for
+    all-reduce, the whole input for all-to-all (see [Note: tiers of links] in
+    ``isp_comm/backends/tiers.py``)."""
 
-    def seconds(self, op: str, ranks: tuple[int, ...], nbytes: int) -> float: ...
+    def demand(self, op: str, ranks: tuple[int, ...], nbytes: int) -> Demand: ...
 
     def describe(self) -> str: ...
 
@@ -73,7 +100,8 @@ def ring_traffic(op: str, n: int, nbytes: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class FlatLink:
-    """One bus bandwidth for every collective and no latency (``--virtual-gbps``)."""
+    """One bus bandwidth for every collective, one tier (every collective shares
+    it), no latency (``--virtual-gbps``)."""
 
     bytes_per_s: float
 
@@ -81,11 +109,14 @@ class FlatLink:
         if not self.bytes_per_s > 0:
             raise ValueError(f"a virtual link's bandwidth must be > 0 bytes/s, got {self.bytes_per_s}")
 
+    def demand(self, op: str, ranks: tuple[int, ...], nbytes: int) -> Demand:
+        return Demand(0.0, ((BUS, ring_traffic(op, len(ranks), nbytes) / self.bytes_per_s),))
+
     def seconds(self, op: str, ranks: tuple[int, ...], nbytes: int) -> float:
-        return ring_traffic(op, len(ranks), nbytes) / self.bytes_per_s
+        return self.demand(op, ranks, nbytes).seconds
 
     def describe(self) -> str:
-        return f"every collective at {self.bytes_per_s / 1e9:g} GB/s bus bandwidth, no latency"
+        return f"every collective at {self.bytes_per_s / 1e9:g} GB/s bus bandwidth on one shared link, no latency"
 
 
 @torch.no_grad()  # the comm thread's own grad mode is on; the buffers are no autograd's business
@@ -121,40 +152,55 @@ class VirtualHandle(Handle):
         return self.done.is_set()
 
 
+_DRAIN = object()
+"""A job that ends when every collective issued before it has ended (a barrier)."""
+
+
 class _CommThread:
-    """The CPU comm queue: collectives run in issue order, each ending no sooner than
-    its start (the later of its issue and the previous one's end) plus its time."""
+    """The CPU comm thread: writes each collective's bytes in issue order, places it on
+    the tiers (:class:`TierSchedule`, host time) and completes it at its end, in end
+    order (see [Note: what a virtual collective does])."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.schedule = TierSchedule()
         self.late_s = 0.0
         """Time the copies ran past the modelled ends (the host could not keep up)."""
+        self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name="isp-virtual-comm", daemon=True)
         self._thread.start()
 
-    def submit(self, issued: float, seconds: float, body: Callable[[], None], handle: VirtualHandle) -> None:
-        self._jobs.put((issued, seconds, body, handle))
+    def submit(self, issued: float, group: str, demand: Demand | object, body: Callable[[], None], handle) -> None:
+        """``demand``: the collective's, or ``_DRAIN``."""
+        self._jobs.put((issued, group, demand, body, handle))
 
     def _run(self) -> None:
-        free_at = 0.0
+        pending: list = []  # heap of (end, issue order, handle)
         while True:
-            job = self._jobs.get()
+            now = time.perf_counter()
+            while pending and pending[0][0] <= now:
+                heapq.heappop(pending)[2].done.set()
+            try:
+                job = self._jobs.get(timeout=pending[0][0] - now) if pending else self._jobs.get()
+            except queue.Empty:
+                continue
             if job is None:
+                for _, _, handle in pending:  # closing: nothing waits for them any more
+                    handle.done.set()
                 return
-            issued, seconds, body, handle = job
-            start = max(issued, free_at)
+            issued, group, demand, body, handle = job
             try:
                 body()
             except Exception as exc:  # reported by the handle's wait
                 handle.error = exc
-            end = start + seconds
-            now = time.perf_counter()
-            if now < end:
-                time.sleep(end - now)
+            if demand is _DRAIN:
+                end = max(issued, self.schedule.horizon())
             else:
+                end = self.schedule.place(issued, group, demand)
+            now = time.perf_counter()
+            if now > end:
                 self.late_s += now - end
-            free_at = max(end, now)
-            handle.done.set()
+            heapq.heappush(pending, (end, next(self._order), handle))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -164,7 +210,7 @@ class _CommThread:
 class DeviceDelay:
     """A device-side wait of a given time on the current CUDA stream: a kernel that
     spins ``cycles`` clock cycles (``torch.cuda._sleep``), with the cycles per second
-    and the copy rate calibrated against CUDA events at set-up."""
+    calibrated against CUDA events at set-up."""
 
     CALIBRATION_CYCLES = 20_000_000
     """About 10 ms a spin at 2 GHz: the clocks ramp up during the warm-up spin, and a
@@ -175,9 +221,6 @@ class DeviceDelay:
             n = self.CALIBRATION_CYCLES
             torch.cuda._sleep(5 * n)  # warm-up: about 50 ms at full clocks
             self.cycles_per_s = n / self._measure(lambda: torch.cuda._sleep(n))
-            a = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
-            b = torch.empty_like(a)
-            self.copy_bytes_per_s = a.numel() / self._measure(lambda: b.copy_(a))
 
     @staticmethod
     def _measure(fn: Callable[[], object]) -> float:
@@ -193,19 +236,20 @@ class DeviceDelay:
             times.append(start.elapsed_time(end) / 1e3)
         return sorted(times)[2]
 
-    def spin(self, seconds: float, copied_bytes: int) -> None:
-        """On the current stream: the rest of ``seconds`` after writing ``copied_bytes``
-        (at the calibrated rate of a device-to-device copy: bytes written per second)."""
-        rest = seconds - copied_bytes / self.copy_bytes_per_s
-        if rest > 0:
-            torch.cuda._sleep(int(rest * self.cycles_per_s))
+    def spin(self, seconds: float) -> None:
+        """On the current stream: a kernel that takes ``seconds``."""
+        if seconds > 0:
+            torch.cuda._sleep(int(seconds * self.cycles_per_s))
 
 
 class VirtualBackend(Backend):
     """Collectives of rank R of a virtual world that take their modelled time (see
     [Note: what a virtual collective does]). ``link``: the time model (a
     :class:`FlatLink`, or the planner's, built by the layer above); ``runtime``: the
-    CUDA seam (tests pass :class:`~isp_comm.backends.streams.HostRuntime`)."""
+    CUDA seam (tests pass :class:`~isp_comm.backends.streams.HostRuntime`, or a
+    runtime of their own with ``delay``: an object whose ``spin(seconds)`` stands
+    for the device's spin); ``record_streams``: whether the caller's tensors are
+    recorded on the collective's stream (CUDA; see [Note: the virtual backend on CUDA])."""
 
     name = "virtual"
 
@@ -215,15 +259,21 @@ class VirtualBackend(Backend):
         link: LinkModel,
         timeout_s: float = 300.0,
         runtime: CudaRuntime | HostRuntime | None = None,
+        *,
+        record_streams: bool = True,
+        delay: object | None = None,
     ) -> None:
         self.device, self.link, self.timeout_s = device, link, timeout_s
+        self.record_streams = record_streams
         self.modelled_comm_s = 0.0
+        self.tier_s: dict[str, float] = {}
+        """Seconds of modelled traffic issued on each tier of links (their demands)."""
         self.issued: dict[str, int] = dict.fromkeys(OPS, 0)
         self._ranks: dict[str, tuple[int, ...]] = {}
         self._thread = self._lanes = self._delay = None
         if device.type == "cuda" or runtime is not None:
             self._lanes = Lanes(runtime if runtime is not None else CudaRuntime(), timeout_s)
-            self._delay = DeviceDelay(device) if runtime is None else None
+            self._delay = delay if runtime is not None else DeviceDelay(device)
         else:
             self._thread = _CommThread()
 
@@ -246,23 +296,47 @@ class VirtualBackend(Backend):
                 out.copy_(inp.view_as(out))
             return CompletedHandle()
         full = (out if op == "all_gather" else inp).numel() * inp.element_size()
-        seconds = self.link.seconds(op, ranks, full)
-        self.modelled_comm_s += seconds
+        demand = self.link.demand(op, ranks, full)
+        self.modelled_comm_s += demand.seconds
+        for tier, seconds in demand.tiers:
+            self.tier_s[tier] = self.tier_s.get(tier, 0.0) + seconds
         self.issued[op] += 1
         index = ranks.index(dist.get_rank())
         what = op.replace("_", "-")
-        landed = (out if out is not None else inp).numel() * inp.element_size()
         if self._lanes is None:
             handle = VirtualHandle(what, ranks)
-            self._thread.submit(time.perf_counter(), seconds, lambda: _write(op, out, inp, index, n), handle)
+            body = lambda: _write(op, out, inp, index, n)  # noqa: E731
+            self._thread.submit(time.perf_counter(), group.group_name, demand, body, handle)
             return handle
+        return self._on_streams(group, demand, lambda: _write(op, out, inp, index, n), (out, inp), f"virtual {what}")
 
-        def body(_stream) -> None:
-            _write(op, out, inp, index, n)
-            if self._delay is not None:
-                self._delay.spin(seconds, landed)  # a copy of that many bytes, as calibrated
+    def _on_streams(self, group: ProcessGroup, demand: Demand, write: Callable[[], None], tensors, what: str):
+        """The collective on the group's stream and the tiers' (see [Note: the virtual
+        backend on CUDA])."""
+        lanes, rt, delay = self._lanes, self._lanes.runtime, self._delay
 
-        return self._lanes.run("virtual", "virtual", inp.device, (out, inp), body, f"virtual {what}", group)
+        def body(stream) -> None:
+            start = rt.event()
+            start.record(stream)
+            write()
+            ends = []
+            for tier, seconds in demand.tiers:
+                if seconds <= 0:
+                    continue
+                tier_stream = lanes.stream("virtual tiers", tier, self.device)
+                tier_stream.wait_event(start)
+                with rt.use(tier_stream):
+                    if delay is not None:
+                        delay.spin(seconds)
+                    ends.append(rt.event())
+                    ends[-1].record(tier_stream)
+            for end in ends:
+                stream.wait_event(end)
+            if delay is not None:
+                delay.spin(demand.latency_s)
+
+        kept = tensors if self.record_streams else ()
+        return lanes.run(group.group_name, "virtual", self.device, kept, body, what, group)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         return self._issue("all_gather", out, inp, group)
@@ -280,7 +354,7 @@ class VirtualBackend(Backend):
         """No peer to meet: only this rank's collectives issued so far are waited for."""
         if self._thread is not None:
             handle = VirtualHandle("barrier", self.group_ranks(group))
-            self._thread.submit(time.perf_counter(), 0.0, lambda: None, handle)
+            self._thread.submit(time.perf_counter(), group.group_name, _DRAIN, lambda: None, handle)
             handle.wait(timeout_s)
         elif self._lanes is not None:
             self._lanes.synchronize()

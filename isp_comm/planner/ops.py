@@ -12,8 +12,9 @@ same type and parameters as an earlier one is not run again: it does what that o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from isp_comm.memory_forecast.activations import (
     _default_forward,
-    _fused_attention,
+    _flash_sdpa,
     _no_value_reads,
     _twins,
     meta_copy,
@@ -156,6 +157,26 @@ class _Recorder(TorchDispatchMode):
         elif name not in FREE:
             ops.moved.append(float(_nbytes(list(args)) + _nbytes(out)))
         return out
+
+
+def _flash_sdpa_gqa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA on meta as the fused kernel runs it. With ``enable_gqa`` the grouped KV
+    heads go in as they are: the flash kernels (CPU and CUDA) read each KV head for
+    its group of query heads, and no repeated copy is made to be timed."""
+    if not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
+        return _flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return op(q, k, v, dropout_p, is_causal or attn_mask is None, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    orig = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_sdpa_gqa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
 
 
 def trace_ops(

@@ -3,8 +3,10 @@
 The same inputs as the memory forecast: the unit layouts (what each block gathers and
 reduce-scatters), the configuration (checkpointing, slots, reduce-scatters in flight)
 and a meta trace at the rank's local shape (:mod:`isp_comm.planner.ops`). A
-micro-step is replayed on two clocks, the compute stream's and the communication
-stream's (collectives run one after the other, in issue order), as
+micro-step is replayed on the compute stream's clock and the links' (each tier of
+links, NVLink and InfiniBand, on a clock of its own, each group's collectives in
+issue order: [Note: tiers of links] in ``isp_comm/backends/tiers.py``; what a
+collective asks of each tier: :mod:`isp_comm.planner.links`), as
 :mod:`isp_comm.hooks.engine` issues them:
 
 * forward: block i waits for its gather, lands it in its slot (a copy, unless the
@@ -18,7 +20,10 @@ stream's (collectives run one after the other, in issue order), as
   when backward begins), issues block i-1's, recomputes its forward when it is
   checkpointed, computes its backward, packs its gradients, then issues its
   reduce-scatter after waiting for the oldest when ``max_inflight_reduce_scatter``
-  are in flight (the reduced shard is written to ``.grad`` by a copy);
+  are in flight (the reduced shard is written to ``.grad`` by a copy), and the
+  previous block's shard over the replicas (all-reduced; with
+  ``state_sharding="world"`` reduce-scattered, and all-gathered back in the next
+  step's first forward, :data:`REPLICA_GATHER_AHEAD`);
 * the end of backward waits for every reduce-scatter; the gradients autograd leaves
   whole are all-reduced (bucketed; counted after the last block, exposed).
 
@@ -44,11 +49,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from isp_comm.backends.tiers import NONE, Demand, TierSchedule
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.weights import unit_layouts
 from isp_comm.memory_pool.plan import gather_landing
 from isp_comm.model_flops import flops_per_token
+from isp_comm.planner.links import collective_demand, group_ranks
 from isp_comm.planner.ops import Ops, StepOps, trace_ops
 from isp_comm.planner.profile import Profile, interp
 
@@ -77,6 +84,9 @@ class StepTime:
     compute_s: dict[str, float]
     """Seconds per step of each kind of compute (:data:`COMPUTE_KINDS`), recompute
     included: with the exposed communication, they make up forward and backward."""
+    link_busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds per step each tier of links moves bytes (``intra``: NVLink, ``inter``:
+    InfiniBand; see [Note: tiers of links] in ``isp_comm/backends/tiers.py``)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,35 +130,33 @@ def compute_parts(ops: Ops, prof: Profile, slowdown: float = 1.0) -> dict[str, f
 
 def collective_time(prof: Profile, backend: str, op: str, group: int, nbytes: float, span: int = 0) -> float:
     """Seconds for one collective over ``group`` ranks of a buffer of ``nbytes`` (the
-    gathered size for all-gather and reduce-scatter): ring steps' latency, and the
-    bytes the busiest link carries over its bandwidth at this message size. ``span``:
-    the ranks the group's members are spread over (default ``group``: contiguous)."""
-    if group <= 1 or nbytes <= 0:
-        return 0.0
-    link = prof.link(backend, span or group, op)
-    steps, traffic = group - 1, (group - 1) / group
-    if op == "all_reduce":  # reduce-scatter then all-gather
-        steps, traffic = 2 * steps, 2 * traffic
-    return link.latency_s * steps + traffic * nbytes / (link.bytes_per_s * interp(link.curve, nbytes))
+    gathered size for all-gather and reduce-scatter), alone on its links: the link
+    model's (:func:`~isp_comm.planner.links.collective_demand`) latency and longest
+    tier. ``span``: the ranks the group's members are spread over evenly (default
+    ``group``: contiguous; a replica group spans the world)."""
+    return collective_demand(prof, backend, op, group_ranks(group, span), nbytes).seconds
 
 
 @dataclasses.dataclass
 class _Clock:
-    """The compute stream's time and the communication stream's; ``overlap`` off:
-    every collective is waited for at once."""
+    """The compute stream's time, and the links' (one :class:`TierSchedule`: each
+    tier of links on a clock of its own, each group in issue order); ``overlap``
+    off: every collective is waited for at once."""
 
     overlap: bool
     t: float = 0.0
-    comm: float = 0.0
     exposed: float = 0.0
+    links: TierSchedule = dataclasses.field(default_factory=TierSchedule)
 
-    def issue(self, seconds: float) -> float:
-        """Queue a collective now; returns when it completes."""
-        start = max(self.comm, self.t)
-        self.comm = start + seconds
+    def issue(self, demand: Demand, group: str, after: float = 0.0) -> float:
+        """Issue a collective of ``group`` now, not to start before ``after`` (a
+        stream wait on another collective); returns when it completes."""
+        if not demand:
+            return max(self.t, after)
+        done = self.links.place(self.t, group, demand, after)
         if not self.overlap:
-            self.wait(self.comm)
-        return self.comm
+            self.wait(done)
+        return done
 
     def wait(self, done: float) -> None:
         if done > self.t:
@@ -182,7 +190,8 @@ def _sizes(model: nn.Module, blocks: Sequence[nn.Module], config: ISPConfig, wp:
 
 @dataclasses.dataclass
 class _Costs:
-    """Seconds of each piece of a micro-step on one rank, in the engine's order."""
+    """Seconds of each compute piece of a micro-step on one rank, and what each
+    collective asks of the links (:class:`Demand`), in the engine's order."""
 
     fwd: list[float]  # per block: forward compute (with its share of the host cost)
     bwd: list[float]  # per block: backward compute
@@ -192,31 +201,60 @@ class _Costs:
     pack: list[float]  # per block: packing its gradients, and writing the reduced shard
     outer_land: float  # the same for the sharded outer unit
     outer_pack: float
-    ag: list[float]  # per block: its all-gather
-    rs: list[float]  # per block: its reduce-scatter and the replicas' all-reduce of the shard
-    a2a: float  # per block and direction: Ulysses' four all-to-alls
-    vocab_fwd: dict[str, float]  # the vocab-parallel head's collectives by kind, forward
-    vocab_bwd: dict[str, float]  # and backward (all waited for on the compute path)
-    outer_ag: float  # the sharded outer unit's gather (shard_outer)
-    outer_rs: float  # and its reduce-scatter
-    repl_ar: float  # the gradients autograd leaves whole, all-reduced
+    grads: list[bool]  # per block: whether it has gradients to reduce
+    ag: list[Demand]  # per block: its all-gather over WP
+    rs: list[Demand]  # per block: its reduce-scatter over WP
+    rep: list[Demand]  # per block: its shard over the replicas (all-reduce; "world": reduce-scatter)
+    rep_ag: list[Demand]  # "world": per block, its updated shard all-gathered over the replicas
+    a2a: Demand  # per block and direction: Ulysses' four all-to-alls
+    vocab_fwd: dict[str, list[Demand]]  # the vocab-parallel head's collectives by kind, forward
+    vocab_bwd: dict[str, list[Demand]]  # and backward (all waited for on the compute path)
+    outer_ag: Demand  # the sharded outer unit's gather (shard_outer)
+    outer_rs: Demand  # and its reduce-scatter
+    outer_rep: Demand  # its shard over the replicas (as ``rep``)
+    outer_rep_ag: Demand  # "world": its shard all-gathered over the replicas
+    repl_ar: Demand  # the gradients autograd leaves whole, all-reduced over the world
+    summed: Demand  # the shards WP-summed by their own backward, over the replicas (as ``rep``)
+    summed_ag: Demand  # "world": those shards all-gathered over the replicas
     n_ckpt: int  # blocks checkpointed (the first ones)
     max_inflight: int  # max_inflight_reduce_scatter
 
 
-def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int, int, int, int, int], memo: dict):
-    """The pieces' seconds (``sizes``: world, wp, sp, sequences and tokens per rank)."""
+STATE_SHARDINGS = ("wp", "world")
+"""How gradients and optimizer state are sharded (``ISPConfig.state_sharding``):
+over the WP group, replicas all-reducing the shard (``wp``), or over the whole
+job, replicas reduce-scattering it and all-gathering the updated pieces (``world``)."""
+
+REPLICA_GATHER_AHEAD = 2
+"""``state_sharding="world"``: blocks ahead of compute at which a block's updated
+shard is all-gathered over the replicas, in the first forward after the optimizer
+step: at the start of block i's compute (as block i+1's WP gather is issued), block
+i+2's replica gather is issued (blocks 0 and 1's at the forward's start); block
+j's WP gather waits for it on the device (a stream wait, not the host's). The WP
+gather itself is one block ahead, so the replica gather has one block's compute to
+itself before the WP gather needs it."""
+
+
+def _costs(
+    model: nn.Module,
+    config: ISPConfig,
+    prof: Profile,
+    sizes: tuple[int, int, int, int, int],
+    memo: dict,
+    world_sharded: bool,
+) -> _Costs:
+    """The pieces' costs (``sizes``: world, wp, sp, sequences and tokens per rank);
+    ``world_sharded``: ``state_sharding="world"``."""
     world, wp, sp, batch, seq = sizes
     blocks = memo["blocks"]
     tkey = ("ops", batch, seq, config.param_dtype)
     if tkey not in memo:
         memo[tkey] = trace_ops(model, blocks, batch, seq, config.param_dtype, copies=memo)
     traced: StepOps = memo[tkey]
-    backend = _backend(config, prof)
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
     if skey not in memo:
         memo[skey] = (_sizes(model, blocks, config, wp, memo), _elements_per_rank(model, config, wp, memo))
-    (gather, reduce, outer_gather, outer_reduce, repl, summed), _ = memo[skey]
+    gather, reduce, outer_gather, outer_reduce, _, _ = memo[skey][0]
     multi = "multi" if world > 1 else "single"
     host_block = prof.host_block_s.get(multi, 0.0)
     slowdown = prof.compute_scale.get(multi, 1.0)
@@ -227,13 +265,6 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
             timed[id(o)] = {**compute_parts(o.scaled_attention(sp), prof, slowdown), "engine": host_block / 2}
         return timed[id(o)]
 
-    def coll(op: str, group: int, nbytes: float, span: int = 0) -> float:
-        return collective_time(prof, backend, op, group, nbytes, span)
-
-    replicas = world // wp  # replica groups are strided: they span the world
-    # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
-    # activation's size (an upper bound for k and v under GQA)
-    a2a_bytes = batch * seq * _token_bytes(model, config.param_dtype)  # [batch, seq/sp, hidden]
     fwd, bwd = [piece(o) for o in traced.block_fwd], [piece(o) for o in traced.block_bwd]
     outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
     n_ckpt = round(config.activation_checkpointing * len(blocks))
@@ -248,8 +279,6 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
     def packed(nbytes: float) -> float:
         return copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp)
 
-    vp = wp if config.vocab_parallel else 1
-    vocab_fwd, vocab_bwd = _vocab_parallel(coll, vp, batch * seq, _token_bytes(model, config.param_dtype))
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
     pack = [packed(r) for r in reduce]
@@ -266,76 +295,150 @@ def _costs(model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int,
         pack=pack,
         outer_land=outer_land,
         outer_pack=outer_pack,
-        ag=[coll("all_gather", wp, b) for b in gather],
-        rs=[coll("reduce_scatter", wp, b) + coll("all_reduce", replicas, b / wp, world) for b in reduce],
-        a2a=4 * coll("all_to_all", sp, a2a_bytes) if sp > 1 else 0.0,
-        vocab_fwd=vocab_fwd,
-        vocab_bwd=vocab_bwd,
-        outer_ag=coll("all_gather", wp, outer_gather) if config.shard_outer_params else 0.0,
-        outer_rs=coll("reduce_scatter", wp, outer_reduce) if config.shard_outer_params else 0.0,
-        repl_ar=coll("all_reduce", world, repl) + coll("all_reduce", replicas, summed, world),
+        grads=[r > 0 for r in reduce],
+        **_demands(model, config, prof, sizes, memo[skey][0], world_sharded),
         n_ckpt=n_ckpt,
         max_inflight=config.max_inflight_reduce_scatter,
     )
 
 
-def _forward(clock: _Clock, c: _Costs, wp: int) -> float:
+def _demands(
+    model: nn.Module, config: ISPConfig, prof: Profile, sizes: tuple[int, ...], nbytes: tuple, world_sharded: bool
+) -> dict[str, object]:
+    """What each collective of a micro-step asks of the links (:class:`_Costs`' fields);
+    ``nbytes``: :func:`_sizes`' figures."""
+    world, wp, sp, batch, seq = sizes
+    gather, reduce, outer_gather, outer_reduce, repl, summed = nbytes
+    backend = _backend(config, prof)
+    replicas = world // wp  # replica groups are strided: they span the world
+    root = config.shard_outer_params
+
+    def coll(op: str, group: int, size: float, span: int = 0) -> Demand:
+        return collective_demand(prof, backend, op, group_ranks(group, span), size)
+
+    def over_replicas(size: float) -> Demand:  # a shard's gradient: all-reduced, or reduce-scattered
+        return coll("reduce_scatter" if world_sharded else "all_reduce", replicas, size, world)
+
+    def gathered_over_replicas(size: float) -> Demand:  # an updated shard, gathered back ("world")
+        return coll("all_gather", replicas, size, world) if world_sharded else NONE
+
+    # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
+    # activation's size (an upper bound for k and v under GQA)
+    a2a_bytes = batch * seq * _token_bytes(model, config.param_dtype)  # [batch, seq/sp, hidden]
+    vp = wp if config.vocab_parallel else 1
+    vocab_fwd, vocab_bwd = _vocab_parallel(coll, vp, batch * seq, _token_bytes(model, config.param_dtype))
+    low = config.param_dtype.itemsize / 4 if config.param_dtype else 1.0  # summed: fp32 bytes
+    return {
+        "ag": [coll("all_gather", wp, b) for b in gather],
+        "rs": [coll("reduce_scatter", wp, b) for b in reduce],
+        "rep": [over_replicas(b / wp) for b in reduce],
+        "rep_ag": [gathered_over_replicas(b / wp) for b in gather],
+        "a2a": coll("all_to_all", sp, a2a_bytes).times(4) if sp > 1 else NONE,
+        "vocab_fwd": vocab_fwd,
+        "vocab_bwd": vocab_bwd,
+        "outer_ag": coll("all_gather", wp, outer_gather) if root else NONE,
+        "outer_rs": coll("reduce_scatter", wp, outer_reduce) if root else NONE,
+        "outer_rep": over_replicas(outer_reduce / wp) if root else NONE,
+        "outer_rep_ag": gathered_over_replicas(outer_gather / wp) if root else NONE,
+        "repl_ar": coll("all_reduce", world, repl),
+        "summed": over_replicas(summed),
+        "summed_ag": gathered_over_replicas(summed * low),
+    }
+
+
+WP, SP, REPLICA, WORLD = "wp", "sp", "replica", "world"
+"""The groups a rank issues on (each runs its collectives in issue order)."""
+
+
+def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
     """One micro-step's forward (and the outside's backward); returns when the last
-    block's re-gather, issued as backward begins, completes."""
+    block's re-gather, issued as backward begins, completes. ``first``: the first
+    micro-step after the optimizer step (``state_sharding="world"``'s replica
+    gathers; see :data:`REPLICA_GATHER_AHEAD`)."""
     n = len(c.fwd)
-    if c.outer_ag:
-        clock.wait(clock.issue(c.outer_ag))
+    replica_done: dict[int, float] = {}
+
+    def replica_gather(j: int) -> None:
+        if first and 0 <= j < n and c.rep_ag[j]:
+            replica_done[j] = clock.issue(c.rep_ag[j], REPLICA)
+
+    outer_after = clock.issue(c.outer_rep_ag, REPLICA) if first else 0.0
+    summed_done = clock.issue(c.summed_ag, REPLICA) if first else 0.0
+    clock.wait(clock.issue(c.outer_ag, WP, outer_after))
     clock.t += c.outer_land
-    done = clock.issue(c.ag[0]) if wp > 1 and n else 0.0
+    for j in range(REPLICA_GATHER_AHEAD):
+        replica_gather(j)
+    done = clock.issue(c.ag[0], WP, replica_done.get(0, 0.0)) if n else 0.0
     for i in range(n):
         clock.wait(done)
-        if wp > 1 and i + 1 < n:
-            done = clock.issue(c.ag[i + 1])
+        if i + 1 < n:
+            done = clock.issue(c.ag[i + 1], WP, replica_done.get(i + 1, 0.0))
+        replica_gather(i + REPLICA_GATHER_AHEAD)
         clock.t += c.land[i] + c.fwd[i]
         if c.a2a:
-            clock.wait(clock.issue(c.a2a))
-    if c.vocab_fwd:
-        clock.wait(clock.issue(sum(c.vocab_fwd.values())))
-    last = clock.issue(c.ag[-1]) if wp > 1 and n else 0.0  # backward begins with the last block
+            clock.wait(clock.issue(c.a2a, SP))
+    for d in (d for ds in c.vocab_fwd.values() for d in ds):
+        clock.wait(clock.issue(d, WP))
+    clock.wait(summed_done)  # the vocab-parallel head's and split embedding's pieces ("world")
+    last = clock.issue(c.ag[-1], WP) if n else 0.0  # backward begins with the last block
     clock.t += c.outer
-    if c.vocab_bwd:
-        clock.wait(clock.issue(sum(c.vocab_bwd.values())))
+    for d in (d for ds in c.vocab_bwd.values() for d in ds):
+        clock.wait(clock.issue(d, WP))
     return last
 
 
-def _backward(clock: _Clock, c: _Costs, wp: int, last: float) -> None:
-    """One micro-step's backward through the blocks, to the last reduction."""
-    done, inflight = last, []
+def _backward(clock: _Clock, c: _Costs, last: float) -> None:
+    """One micro-step's backward through the blocks, to the last reduction: each
+    block's reduce-scatter over WP, then (issued when the next one is, or when room
+    is made, and started when it completes: a stream wait) its shard over the replicas;
+    at most ``max_inflight`` reduces in flight (see ``isp_comm/hooks/reductions.py``)."""
+    done, inflight = last, []  # inflight: [WP reduce-scatter's end, replica demand, replica's end or None]
+
+    def to_replicas(entry: list) -> None:
+        if entry[2] is None:
+            entry[2] = clock.issue(entry[1], REPLICA, entry[0])
+
+    def complete_oldest() -> None:
+        entry = inflight.pop(0)
+        clock.wait(entry[0])
+        to_replicas(entry)
+        clock.wait(entry[2])
+
     for i in reversed(range(len(c.bwd))):
         clock.wait(done)
-        if wp > 1 and i > 0:
-            done = clock.issue(c.ag[i - 1])
+        if i > 0:
+            done = clock.issue(c.ag[i - 1], WP)
         clock.t += c.land[i] + c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
         if i < c.n_ckpt and c.a2a:
-            clock.wait(clock.issue(c.a2a))
+            clock.wait(clock.issue(c.a2a, SP))
         if c.a2a:
-            clock.wait(clock.issue(c.a2a))
+            clock.wait(clock.issue(c.a2a, SP))
         clock.t += c.pack[i]
-        if c.rs[i]:
-            if len(inflight) >= c.max_inflight:
-                clock.wait(inflight.pop(0))
-            inflight.append(clock.issue(c.rs[i]))
-    for d in inflight:
-        clock.wait(d)
+        if c.grads[i]:
+            while len(inflight) >= c.max_inflight:
+                complete_oldest()
+            rs_end = clock.issue(c.rs[i], WP)
+            for entry in inflight:
+                to_replicas(entry)
+            inflight.append([rs_end, c.rep[i], None])
+            if not clock.overlap:
+                complete_oldest()
+    while inflight:
+        complete_oldest()
     clock.t += c.outer_pack
-    if c.outer_rs:
-        clock.wait(clock.issue(c.outer_rs))
-    if c.repl_ar:
-        clock.wait(clock.issue(c.repl_ar))
+    clock.wait(clock.issue(c.outer_rep, REPLICA, clock.issue(c.outer_rs, WP)))
+    whole = clock.issue(c.repl_ar, WORLD)
+    clock.wait(clock.issue(c.summed, REPLICA))
+    clock.wait(whole)
 
 
-def _optimizer(clock: _Clock, prof: Profile, n_params: int, elements: int, small_ar: float) -> None:
+def _optimizer(clock: _Clock, prof: Profile, n_params: int, elements: int, small_ar: Demand) -> None:
     """Once per optimizer step: the clip (a read of every gradient and one all-reduce),
     AdamW, and the all-reduce of the loss and the signal flag."""
     clock.t += n_params * 3 * prof.op_host_s + elements * 4 / interp(prof.elementwise, elements * 4)
-    clock.wait(clock.issue(small_ar))
+    clock.wait(clock.issue(small_ar, WORLD))
     clock.t += n_params * prof.optimizer_tensor_s + elements * ADAMW_BYTES_PER_ELEMENT / prof.optimizer_bytes_per_s
-    clock.wait(clock.issue(small_ar))
+    clock.wait(clock.issue(small_ar, WORLD))
 
 
 def step_time(
@@ -350,13 +453,19 @@ def step_time(
     seq: int,
     grad_accum: int = 1,
     memo: dict | None = None,
+    state_sharding: str | None = None,
 ) -> StepTime:
     """The predicted step (see the module note). ``batch``: sequences per micro-step over
     the whole job (each rank gets ``batch / (world / sp)`` of ``seq / sp`` tokens, as
     isp-train splits them); ``model``: built on meta; ``memo``: reused across calls on
-    the same model (traces and layouts)."""
+    the same model (traces and layouts); ``state_sharding``: one of
+    :data:`STATE_SHARDINGS` (default: the config's, else ``"wp"``)."""
     config = config or ISPConfig()
     memo = {} if memo is None else memo
+    sharding = state_sharding or getattr(config, "state_sharding", "wp")
+    if sharding not in STATE_SHARDINGS:
+        raise ValueError(f"state_sharding must be one of {', '.join(STATE_SHARDINGS)}, got {sharding!r}")
+    world_sharded = sharding == "world" and world // (wp or world // sp) > 1
     wp = wp or world // sp
     dp = world // sp
     if world % wp or world % sp or batch % dp or seq % sp:
@@ -365,40 +474,49 @@ def step_time(
         memo["blocks"] = list(find_blocks(model))
     if "n_params" not in memo:
         memo["n_params"] = sum(1 for p in model.parameters() if p.requires_grad)
-    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo)
+    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo, world_sharded)
     clock = _Clock(prof.overlap)
     exposed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "host": 0.0}
-    for _ in range(grad_accum):
+    for micro in range(grad_accum):
         for phase in ("forward", "backward"):
             t0, e0 = clock.t, clock.exposed
             if phase == "forward":
-                last = _forward(clock, c, wp)
+                last = _forward(clock, c, first=micro == 0)
             else:
-                _backward(clock, c, wp, last)
+                _backward(clock, c, last)
             phases[phase] += clock.t - t0
             exposed[phase] += clock.exposed - e0
     t0, e0 = clock.t, clock.exposed
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
-    small_ar = collective_time(prof, _backend(config, prof), "all_reduce", world, 8)
-    _optimizer(clock, prof, memo["n_params"], memo[skey][1], small_ar)
+    small_ar = collective_demand(prof, _backend(config, prof), "all_reduce", group_ranks(world), 8)
+    sharded, whole = memo[skey][1]
+    elements = (-(-sharded // (world // wp)) if world_sharded else sharded) + whole
+    _optimizer(clock, prof, memo["n_params"], elements, small_ar)
     phases["optimizer"], exposed["optimizer"] = clock.t - t0, clock.exposed - e0
     phases["host"] = prof.host_step_s.get("multi" if world > 1 else "single", 0.0)
     step = sum(phases.values())
     tokens = batch * grad_accum * seq
     per_token = memo.get(("flops", seq)) or memo.setdefault(("flops", seq), flops_per_token(model, seq))
     peak = prof.peak_flops.get("bf16" if config.param_dtype in (torch.bfloat16, torch.float16) else "fp32", 0.0)
+
+    def total(ds) -> float:
+        return sum(d.seconds for d in ds)
+
+    replica_kind = "reduce_scatter" if world_sharded else "all_reduce"
     comm = {
-        "all_gather": grad_accum * (2 * sum(c.ag) + c.outer_ag),
-        "reduce_scatter": grad_accum * (sum(c.rs) + c.outer_rs),
-        "all_to_all": grad_accum * c.a2a * (2 * len(c.fwd) + c.n_ckpt),
-        "all_reduce": grad_accum * c.repl_ar + 2 * small_ar,
+        "all_gather": grad_accum * (2 * total(c.ag) + c.outer_ag.seconds)
+        + total([*c.rep_ag, c.outer_rep_ag, c.summed_ag]),
+        "reduce_scatter": grad_accum * (total(c.rs) + c.outer_rs.seconds),
+        "all_to_all": grad_accum * c.a2a.seconds * (2 * len(c.fwd) + c.n_ckpt),
+        "all_reduce": grad_accum * c.repl_ar.seconds + 2 * small_ar.seconds,
     }
-    for kind, seconds in [*c.vocab_fwd.items(), *c.vocab_bwd.items()]:
-        comm[kind] += grad_accum * seconds
+    comm[replica_kind] += grad_accum * total([*c.rep, c.outer_rep, c.summed])
+    for kind, ds in [*c.vocab_fwd.items(), *c.vocab_bwd.items()]:
+        comm[kind] += grad_accum * total(ds)
     mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
     compute = {k: grad_accum * v for k, v in c.compute.items()}
-    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute)
+    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=dict(clock.links.busy))
 
 
 def _backend(config: ISPConfig, prof: Profile) -> str:
@@ -406,31 +524,33 @@ def _backend(config: ISPConfig, prof: Profile) -> str:
     return backend if backend in prof.collectives else prof.default_backend
 
 
-def _elements_per_rank(model: nn.Module, config: ISPConfig, wp: int, memo: dict) -> int:
-    """Trainable elements rank 0 keeps (its shards and the replicated parameters)."""
+def _elements_per_rank(model: nn.Module, config: ISPConfig, wp: int, memo: dict) -> tuple[int, int]:
+    """Trainable elements rank 0 keeps: of its shards, and of the replicated parameters."""
     key = ("layouts", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
     layouts, replicated = memo[key]
     shards = sum(sp_.valid_rows * sp_.inner for _, lay, tr in layouts for sp_, t in zip(lay.params, tr) if t)
-    return shards + sum(p.numel() for p in replicated if p.requires_grad)
+    return shards, sum(p.numel() for p in replicated if p.requires_grad)
 
 
 def _vocab_parallel(coll, wp: int, tokens: int, hidden_bytes: float) -> tuple[dict, dict]:
     """The vocab-parallel head's collectives over the WP group (:mod:`isp_comm.vocab_parallel`),
-    seconds by kind, forward and backward; none at wp 1. ``tokens``: this rank's;
+    demands by kind, forward and backward; none at wp 1. ``tokens``: this rank's;
     ``hidden_bytes``: one token's hidden state. Sizes are the gathered buffers'."""
     if wp <= 1:
         return {}, {}
     every = wp * tokens  # the WP group's tokens
     forward = {
         # hidden states, labels (int64), each rank's logit maxima for every token
-        "all_gather": coll("all_gather", wp, every * hidden_bytes)
-        + coll("all_gather", wp, every * 8)
-        + coll("all_gather", wp, wp * every * 4),
-        "all_reduce": coll("all_reduce", wp, 2 * every * 4),  # the softmax's sums and target logits
+        "all_gather": [
+            coll("all_gather", wp, every * hidden_bytes),
+            coll("all_gather", wp, every * 8),
+            coll("all_gather", wp, wp * every * 4),
+        ],
+        "all_reduce": [coll("all_reduce", wp, 2 * every * 4)],  # the softmax's sums and target logits
     }
     backward = {
-        "all_gather": coll("all_gather", wp, every * 4),  # each rank's loss gradients
-        "reduce_scatter": coll("reduce_scatter", wp, every * hidden_bytes),  # the hidden states' gradient
+        "all_gather": [coll("all_gather", wp, every * 4)],  # each rank's loss gradients
+        "reduce_scatter": [coll("reduce_scatter", wp, every * hidden_bytes)],  # the hidden states' gradient
     }
     return forward, backward
 

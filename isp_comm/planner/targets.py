@@ -188,6 +188,13 @@ class Cluster:
         return f"{self.target.name}x{self.per_node}, {self.nodes} node{'s' if self.nodes > 1 else ''}"
 
 
+def gpu_target(device_name: str) -> str:
+    """The known target a GPU is, from its name as CUDA gives it (``NVIDIA H200``:
+    ``h200``), or '' when none is: a run is planned with its own device's figures."""
+    name = device_name.lower()
+    return next((t for t in TARGETS if TARGETS[t].device == "cuda" and t in name), "")
+
+
 def parse_target(text: str, nodes: int = 1) -> Cluster:
     """``NAME`` or ``NAMExG`` (``h100x8``: 8 per node) and a node count, or a
     ``ValueError`` naming what --target takes."""

@@ -16,7 +16,7 @@ from isp_comm.planner import memory as planner_memory
 from isp_comm.planner import profile as profiles
 from isp_comm.planner import search as planner_search
 from isp_comm.planner.step import StepTime, step_time
-from isp_comm.planner.targets import TARGETS, parse_target
+from isp_comm.planner.targets import gpu_target, parse_target
 from isp_comm.train import hf_model
 from isp_comm.train.config import TrainConfig, resolve_device
 from isp_comm.train.metrics import proc_status_bytes
@@ -32,8 +32,7 @@ LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_shar
 
 def _gpu_target() -> str:
     """The known target this machine's GPU is, or ''."""
-    name = torch.cuda.get_device_name().lower()
-    return next((t for t in TARGETS if t != "cpu" and t in name), "")
+    return gpu_target(torch.cuda.get_device_name())
 
 
 def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, int]:
