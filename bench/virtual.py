@@ -19,7 +19,10 @@ on (an H200 with the h200 target's figures), and runs it eager and compiled.
 
 - **isp-comm**: ``ISPCommunicator`` in the layout; ``compiled``: every block
   compiled before wrapping, as ``isp-train --compile``;
-- **FSDP2**, as torchtitan sets it up: activation checkpointing on the same blocks,
+- **FSDP2**, as torchtitan sets it up (with ``--layout best``, in its own fastest
+  layout that fits: full sharding, or hybrid sharding over a WP group with the
+  replicas' all-reduce through ``set_all_reduce_hook`` on the same backend):
+  activation checkpointing on the same blocks,
   then (``compiled``) every block compiled, then ``fully_shard`` on the embedding,
   on every block, on the final norm with the head together (not resharded after
   forward: backward starts with them), and on the root, with the same mixed
@@ -84,6 +87,13 @@ class Config:
     shard_outer: bool = True
     vocab_parallel: bool = False
     bf16: bool = True
+    wp: int = 0
+    """The fixed layout's WP size (0: the world)."""
+    state_sharding: str = "wp"
+    """The fixed layout's ``ISPConfig.state_sharding``."""
+    memory_gib: float = 0.0
+    """``--layout best``: what a layout must fit in (0: the device's memory), e.g. 80 for
+    "fits an 80 GB GPU" on an H200."""
 
 
 def _llama(vocab, hidden, ffn, layers, heads, kv, seq) -> LlamaConfig:
@@ -101,12 +111,34 @@ CONFIGS = {
     "llama3-70b": Config(
         world=64, target="h100x8", model=_llama(128256, 8192, 28672, 80, 64, 8, 4096), seq=4096, vocab_parallel=True
     ),
+    # the scaling run: Llama-3-8B at 8 nodes and at 128, sequences of 8192, one a rank
+    "llama3-8b-n64": Config(world=64, target="h100x8", model=_llama(128256, 4096, 14336, 32, 32, 8, 8192), seq=8192),
+    "llama3-8b-n1024": Config(
+        world=1024, target="h100x8", model=_llama(128256, 4096, 14336, 32, 32, 8, 8192), seq=8192
+    ),
+    # Llama-3-70B at 8 nodes, the configuration of the independent sharding's goal: seq 8192,
+    # one a rank, every layout held to 80 GB
+    "llama3-70b-8k": Config(
+        world=64, target="h100x8", model=_llama(128256, 8192, 28672, 80, 64, 8, 8192), seq=8192, memory_gib=80.0
+    ),
 }
+SCALING = ("llama3-8b", "llama3-8b-n64", "llama3-8b-n1024")
+"""``--scaling``: these in the planner's best layout each, tokens/s/GPU against the first's."""
 QUICK = {  # on CPU: fp32, the nominal cpu target's links (5 GB/s in a node of N), under 5 minutes
     "tiny-n4": Config(world=4, target="cpux4", model=_llama(512, 128, 384, 4, 4, 2, 64), seq=64, bf16=False),
     "tiny-n8": Config(
         world=8, target="cpux8", model=_llama(512, 128, 384, 4, 4, 2, 64), seq=64, bf16=False, vocab_parallel=True
     ),
+    # independent sharding: weights over WP 2, gradients and optimizer state over all 8
+    "tiny-n8-world": Config(
+        world=8,
+        target="cpux8",
+        model=_llama(512, 128, 384, 4, 4, 2, 64),
+        seq=64,
+        bf16=False,
+        wp=2,
+        state_sharding="world",
+    ),  # fmt: skip
 }
 SYSTEMS = ("isp-comm", "fsdp2", "compute-only")
 """``--layout fixed``: eager runs."""
@@ -141,9 +173,9 @@ def fixed_layout(cfg: Config):
     """The configuration as written: wp = N, one micro-step."""
     from isp_comm.planner.search import Layout
 
-    return Layout(
-        cfg.world, cfg.world, 1, cfg.ckpt, cfg.shard_outer, cfg.vocab_parallel, cfg.batch_per_rank * cfg.world, 1
-    )
+    wp = cfg.wp or cfg.world
+    batch = cfg.batch_per_rank * cfg.world
+    return Layout(cfg.world, wp, 1, cfg.ckpt, cfg.shard_outer, cfg.vocab_parallel, batch, 1, cfg.state_sharding)
 
 
 def _target(cfg: Config, device: torch.device) -> str:
@@ -184,6 +216,7 @@ def _isp_config(cfg: Config, layout):
         activation_checkpointing=layout.ckpt,
         shard_outer_params=layout.shard_outer,
         vocab_parallel=layout.vocab_parallel,
+        state_sharding=layout.state_sharding,
         param_dtype=torch.bfloat16 if cfg.bf16 else None,
         reduce_dtype=torch.float32 if cfg.bf16 else None,
         init_seed=0,
@@ -237,7 +270,7 @@ def _fsdp2(run: Run, system: str, device: torch.device):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from isp_comm.integrations.fsdp2 import BackendAllGather, BackendReduceScatter
+    from isp_comm.integrations.fsdp2 import BackendAllGather, BackendReduceScatter, BackendReplicaAllReduce
     from isp_comm.planner.links import ProfileLink
     from isp_comm.virtual import virtual_backend
 
@@ -249,6 +282,14 @@ def _fsdp2(run: Run, system: str, device: torch.device):
         model.layers[i] = torch.compile(block) if system.endswith("compiled") else block
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
     kw = {"mp_policy": mp} if mp is not None else {}
+    groups = None
+    if lay.wp < lay.world:  # hybrid sharding: over WP's group, the replicas' all-reduce through the hook below
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from isp_comm import ParallelGroups
+
+        groups = ParallelGroups.create(wp_size=lay.wp)
+        kw["mesh"] = DeviceMesh.from_group(groups.wp_group, device.type)
     units = [fully_shard(model.embed, **kw)]
     units += [fully_shard(block, **kw) for block in model.layers]
     units += fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kw)  # one unit, both modules
@@ -260,9 +301,12 @@ def _fsdp2(run: Run, system: str, device: torch.device):
             local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
     backend = virtual_backend(device, ProfileLink(_profile(cfg, device), "torch"), record_streams=False)
     ag, rs = BackendAllGather(backend, 300.0), BackendReduceScatter(backend, 300.0)
+    replicas = BackendReplicaAllReduce(backend, groups.replica_group, 300.0) if groups is not None else None
     for m in units:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
+        if replicas is not None:
+            m.set_all_reduce_hook(replicas)
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
@@ -364,10 +408,24 @@ def predict(run: Run, device: torch.device | None = None) -> dict:
     return out
 
 
-def best_layout(cfg: Config, device: torch.device | None = None) -> tuple[object, dict]:
-    """``isp-train --plan --search``'s fastest layout that fits, for the configuration's
-    global batch (``batch_per_rank x world`` sequences a step), planned on the device
-    the run is on; the layout and what the search said of it."""
+LAYOUT_KINDS = ("any", "world", "wp", "fsdp2")
+"""Which layouts ``best_layout`` ranks: every one; those with ``state_sharding`` "world"
+(or "wp"); those FSDP2 runs (no SP, the outer parameters sharded, no vocab-parallel
+head, state sharded like the weights: full sharding when wp = N, else hybrid sharding
+with the replicas' all-reduce)."""
+
+
+def _of_kind(lay, kind: str) -> bool:
+    if kind == "fsdp2":
+        return lay.sp == 1 and lay.shard_outer and not lay.vocab_parallel and lay.state_sharding == "wp"
+    return kind == "any" or lay.state_sharding == kind
+
+
+def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "any") -> tuple[object, dict]:
+    """``isp-train --plan --search``'s fastest layout of ``kind`` (:data:`LAYOUT_KINDS`)
+    that fits (in ``cfg.memory_gib`` when set), for the configuration's global batch
+    (``batch_per_rank x world`` sequences a step), planned on the device the run is
+    on; the layout and what the search said of it."""
     from isp_comm.discovery import find_blocks
     from isp_comm.memory_forecast import forecast
     from isp_comm.planner import search
@@ -378,7 +436,10 @@ def best_layout(cfg: Config, device: torch.device | None = None) -> tuple[object
     model = _meta_model(cfg)
     memo: dict = {"blocks": list(find_blocks(model))}
     heads = cfg.model.n_heads
-    candidates = search.layouts(cfg.world, cfg.batch_per_rank * cfg.world, cfg.seq, heads)
+    candidates = [
+        lay for lay in search.layouts(cfg.world, cfg.batch_per_rank * cfg.world, cfg.seq, heads) if _of_kind(lay, kind)
+    ]
+    capacity = min(prof.memory_bytes, int(cfg.memory_gib * 2**30)) if cfg.memory_gib else prof.memory_bytes
 
     def memory(lay):
         icfg = _isp_config(cfg, lay)
@@ -386,7 +447,7 @@ def best_layout(cfg: Config, device: torch.device | None = None) -> tuple[object
             model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device=prof.device,
             local_world=prof.per_node, blocks=memo["blocks"], memo=memo,
         )  # fmt: skip
-        return device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
+        return device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=capacity)
 
     def step(lay):
         return step_time(
@@ -397,9 +458,13 @@ def best_layout(cfg: Config, device: torch.device | None = None) -> tuple[object
     ranked = search.rank(candidates, memory, step, top=1)
     fitting = [r for r in ranked if r.fits]
     if not fitting:
-        raise SystemExit(f"bench/virtual.py --layout best: no layout of {cfg.world} ranks fits on {prof.name}")
+        raise SystemExit(f"bench/virtual.py --layout best: no {kind} layout of {cfg.world} ranks fits on {prof.name}")
     best = fitting[0]
     said = {
+        "kind": kind,
+        "capacity_gib": capacity / 2**30,
+        "exposed_comm_s": sum(best.step.exposed_comm.values()),
+        "mfu_pct": best.step.mfu_pct,
         "target": prof.name,
         "layouts": len(ranked),
         "fit": len(fitting),
@@ -424,28 +489,52 @@ def _summary(runs: list[dict], key: str) -> dict | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
 
 
-def bench_config(name: str, cfg: Config, repeats: int, steps: int, timeout_s: float, layout: str = "fixed") -> dict:
-    """Every system, ``repeats`` processes each, and the planner's prediction."""
+def bench_config(
+    name: str,
+    cfg: Config,
+    repeats: int,
+    steps: int,
+    timeout_s: float,
+    layout: str = "fixed",
+    kind: str = "any",
+    systems: tuple[str, ...] | None = None,
+) -> dict:
+    """Every system (or ``systems``), ``repeats`` processes each, and the planner's
+    prediction. ``layout="best"``: isp-comm in the fastest layout of ``kind`` that
+    fits, FSDP2 in its own fastest that fits (full or hybrid sharding)."""
     device = _device()
-    lay, said = (fixed_layout(cfg), None) if layout == "fixed" else best_layout(cfg, device)
+    lay, said = (fixed_layout(cfg), None) if layout == "fixed" else best_layout(cfg, device, kind)
     run = Run(cfg, lay)
     result = {"config": name, **dataclasses.asdict(cfg), "layout": dataclasses.asdict(lay), "systems": {}}
+    fsdp_run = run
     if said is not None:
         result["search"] = said
-    for system in SYSTEMS if layout == "fixed" else BEST_SYSTEMS:
+        systems = systems or BEST_SYSTEMS
+        if any(s.startswith("fsdp2") for s in systems):
+            fsdp_lay, fsdp_said = best_layout(cfg, device, "fsdp2")
+            fsdp_run = Run(cfg, fsdp_lay)
+            result["fsdp2_layout"], result["fsdp2_search"] = dataclasses.asdict(fsdp_lay), fsdp_said
+    for system in systems or SYSTEMS:
         runs = []
+        which = fsdp_run if system.startswith("fsdp2") else run
         for r in range(repeats):
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            runs.append(run_virtual(run_system, cfg.world, 0, run, system, steps, timeout_s=timeout_s))
+            runs.append(run_virtual(run_system, cfg.world, 0, which, system, steps, timeout_s=timeout_s))
         result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
     result["systems"]["planner"] = predict(run, device)
+    if "compute-only" not in result["systems"]:
+        return _finish(result, cfg, lay)
     compute = result["systems"]["compute-only"]["step_s"]["median"]
     for system, s in result["systems"].items():
-        if system.startswith("fsdp2"):  # no waits to count: each run's step less the compute-only median
+        if system.startswith("fsdp2") and fsdp_run is run:  # each run's step less the compute-only median
             for r in s["runs"]:
                 r["exposed_comm_s"] = max(r["step_s"] - compute, 0.0)
             s["exposed_comm_s"] = _summary(s["runs"], "exposed_comm_s")
             s["exposed_comm_derived"] = "step_s less compute-only's median step_s"
+    return _finish(result, cfg, lay)
+
+
+def _finish(result: dict, cfg: Config, lay) -> dict:
     result["flops_per_token"] = _flops_per_token(cfg)
     result["tokens_per_rank"] = lay.batch * lay.grad_accum * cfg.seq // lay.world
     return result
@@ -483,23 +572,54 @@ def table(result: dict, peak_tflops: float) -> str:
     return markdown_table([*header, "alloc MiB", "reserved MiB", "RSS MiB"], rows, "l" + "r" * 9)
 
 
-def describe(result: dict) -> str:
-    """The layout line above a table."""
-    lay = result["layout"]
-    text = (
-        f"world {lay['world']} ({result['target']} links), seq {result['seq']}: wp {lay['wp']}, sp {lay['sp']}, "
-        f"{lay['world'] // lay['wp']} replicas, ckpt {lay['ckpt']:g}, "
+def _describe_layout(lay: dict) -> str:
+    return (
+        f"wp {lay['wp']}, sp {lay['sp']}, {lay['world'] // lay['wp']} replicas, state over "
+        f"{lay.get('state_sharding', 'wp')}, ckpt {lay['ckpt']:g}, "
         f"shard-outer {'yes' if lay['shard_outer'] else 'no'}, "
-        f"vocab-parallel {'yes' if lay['vocab_parallel'] else 'no'}, "
-        f"micro-batch {lay['batch']} x accum {lay['grad_accum']}"
+        f"vocab-parallel {'yes' if lay['vocab_parallel'] else 'no'}, micro-batch {lay['batch']} x accum "
+        f"{lay['grad_accum']}"
     )
-    said = result.get("search")
-    if said:
-        text += (
-            f"; the planner's fastest that fits on {said['target']} ({said['fit']} of {said['layouts']} layouts fit, "
-            f"predicted {said['step_s']:.4g} s)"
-        )
+
+
+def _describe_search(said: dict) -> str:
+    fits = f"in {said['capacity_gib']:.0f} GiB " if said.get("capacity_gib") else ""
+    kind = "" if said.get("kind", "any") == "any" else f"{said['kind']} "
+    return (
+        f"the planner's fastest {kind}layout that fits {fits}on {said['target']} ({said['fit']} of "
+        f"{said['layouts']} fit, predicted {said['step_s']:.4g} s)"
+    )
+
+
+def describe(result: dict) -> str:
+    """The layout lines above a table."""
+    lay = result["layout"]
+    text = f"world {lay['world']} ({result['target']} links), seq {result['seq']}: {_describe_layout(lay)}"
+    if result.get("search"):
+        text += f"; {_describe_search(result['search'])}"
+    if result.get("fsdp2_layout"):
+        fsdp = result["fsdp2_layout"]
+        full = "full sharding" if fsdp["wp"] == fsdp["world"] else "hybrid sharding"
+        text += f"\nFSDP2 ({full}): {_describe_layout(fsdp)}; {_describe_search(result['fsdp2_search'])}"
     return text
+
+
+def scaling_table(results: list[dict], peak_tflops: float) -> str:
+    """``--scaling``: each world's tokens/s/GPU, and its efficiency against the first's."""
+    rows, first = [], None
+    for res in results:
+        tokens = res["tokens_per_rank"]
+        for system in ("isp-comm", "planner"):
+            step = _median(res["systems"][system]["step_s"])
+            rate = tokens / step
+            first = first or {}
+            first.setdefault(system, rate)
+            mfu = 100 * res["flops_per_token"] * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
+            flags = res["search"]["flags"]
+            rows.append([res["layout"]["world"], system, flags, _cell(res["systems"][system]["step_s"]),
+                         f"{rate:,.0f}", _cell(mfu, "{:.1f}"), f"{100 * rate / first[system]:.1f}"])  # fmt: skip
+    header = ["N", "system", "layout", "step s", "tokens/s/GPU", "MFU %", "efficiency vs first N %"]
+    return markdown_table(header, rows, "rllrrrr")
 
 
 def main() -> None:
@@ -510,13 +630,24 @@ def main() -> None:
         "--layout", choices=("fixed", "best"), default="fixed",
         help="the configuration's own layout, or --plan --search's fastest that fits, eager and compiled",
     )  # fmt: skip
+    ap.add_argument(
+        "--kind", choices=LAYOUT_KINDS[:3], default="any",
+        help="--layout best: isp-comm's layouts to rank (world: state_sharding world only)",
+    )  # fmt: skip
+    ap.add_argument("--systems", default="", help="comma-separated: only these systems (default: all)")
+    ap.add_argument(
+        "--scaling", action="store_true",
+        help=f"{', '.join(SCALING)} in the planner's best layout each: tokens/s/GPU and efficiency against N=8",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=0, help="processes per system (default: 3; 1 with --quick)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after two warm-up steps")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a process may take")
     add_out(ap)
     args = ap.parse_args()
     table_of = QUICK if args.quick else CONFIGS
-    names = args.config or list(table_of)
+    names = args.config or (list(SCALING) if args.scaling else [n for n in table_of if n not in SCALING[1:]])
+    if args.scaling:
+        args.layout, args.systems = "best", args.systems or "isp-comm"
     repeats = args.repeats or (1 if args.quick else 3)
     if not args.quick and not torch.cuda.is_available():
         ap.error("the GPU configurations need CUDA: run with --quick on CPU")
@@ -526,11 +657,15 @@ def main() -> None:
     results = []
     for name in names:
         cfg = {**CONFIGS, **QUICK}[name]
-        res = bench_config(name, cfg, repeats, args.steps, args.timeout, args.layout)
+        systems = tuple(args.systems.split(",")) if args.systems else None
+        res = bench_config(name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems)
         res["target"] = res["systems"]["planner"]["target"]
         results.append(res)
         print(f"\n### {name}: {describe(res)}\n")
         print(table(res, peak))
+    if args.scaling:
+        print("\n### scaling\n")
+        print(scaling_table(results, peak))
     path = save_results("virtual", args, results)
     print(f"\nraw JSON: {path}")
 

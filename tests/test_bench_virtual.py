@@ -15,8 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path) -> None:
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--quick", "--config", "tiny-n4"]
+@pytest.mark.parametrize("config", ["tiny-n4", "tiny-n8-world"])
+def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> None:
+    # tiny-n8-world: independent sharding (weights over WP 2, state over all 8) beside FSDP2
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--quick", "--config", config]
     cmd += ["--steps", "1", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -25,6 +27,7 @@ def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path) -> None:
     with open(tmp_path / "virtual.json") as f:
         result = json.load(f)["rows"][0]
     systems = result["systems"]
+    assert result["layout"]["state_sharding"] == ("world" if config.endswith("world") else "wp"), result["layout"]
     for name in ("isp-comm", "fsdp2", "compute-only"):  # --quick runs one process per system: one run listed
         assert len(systems[name]["runs"]) == 1
         assert all(s["runs"] == 1 and s["min"] == s["median"] == s["max"] for s in _summaries(systems[name]))
@@ -58,7 +61,8 @@ def test_quick_best_layout_runs_both_systems_eager_and_compiled(tmp_path) -> Non
     rows = {ln.split("|")[1].strip() for ln in res.stdout.splitlines() if ln.startswith("| ")}
     systems = {"isp-comm", "isp-comm compiled", "fsdp2", "fsdp2 compiled", "compute-only", "planner"}
     assert systems <= rows, res.stdout
-    assert "the planner's fastest that fits on cpux4" in res.stdout, res.stdout
+    assert "the planner's fastest layout that fits in 16 GiB on cpux4" in res.stdout, res.stdout
+    assert "FSDP2 (full sharding)" in res.stdout or "FSDP2 (hybrid sharding)" in res.stdout, res.stdout
     with open(tmp_path / "virtual.json") as f:
         result = json.load(f)["rows"][0]
     lay, said = result["layout"], result["search"]
@@ -69,6 +73,8 @@ def test_quick_best_layout_runs_both_systems_eager_and_compiled(tmp_path) -> Non
         assert got[name]["comm_s"]["median"] > 0 and got[name]["step_s"]["median"] > 0, name
     # torchtitan's units: the embedding (gathered again in backward), 4 blocks (likewise),
     # the final norm with the head (kept gathered into backward), the root (nothing left)
-    layers, accum = result["model"]["n_layers"], lay["grad_accum"]
+    fsdp = result["fsdp2_layout"]  # FSDP2's own fastest layout: no SP, the outer parameters sharded
+    assert fsdp["sp"] == 1 and fsdp["shard_outer"] and fsdp["state_sharding"] == "wp", fsdp
+    layers, accum = result["model"]["n_layers"], fsdp["grad_accum"]
     for name in ("fsdp2", "fsdp2 compiled"):
         assert got[name]["all_gathers"]["median"] == (2 * layers + 3) * accum, (name, got[name]["all_gathers"])

@@ -41,6 +41,7 @@ def _evaluators(model, prof, world: int, seq: int):
             activation_checkpointing=lay.ckpt,
             shard_outer_params=lay.shard_outer,
             vocab_parallel=lay.vocab_parallel,
+            state_sharding=lay.state_sharding,
         )
 
     def memory(lay: search.Layout):

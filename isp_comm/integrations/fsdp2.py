@@ -55,6 +55,21 @@ class BackendReduceScatter(ReduceScatter):
         return None
 
 
+class BackendReplicaAllReduce:
+    """FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``) that makes a 1-D
+    FSDP over a shard group into hybrid sharding (HSDP) on an isp-comm backend: the
+    reduce-scatter's output is averaged over ``group``, the replicas (FSDP2 divides
+    it by the shard group's size only). Waits for the all-reduce on the hook's stream."""
+
+    def __init__(self, backend: Backend, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.backend, self.group, self.timeout_s = backend, group, timeout_s
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.backend.all_reduce(reduce_output, self.group).wait(self.timeout_s)
+        reduce_output.div_(self.size)
+
+
 def use_symm_collectives(modules: Iterable[FSDPModule], timeout_s: float = 300.0) -> Backend:
     """Route the all-gathers and reduce-scatters of these ``fully_shard``-ed modules
     through one symmetric-memory backend, chosen by the parameters' device: shared

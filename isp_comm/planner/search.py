@@ -2,10 +2,12 @@
 
 For a global batch (``--batch`` x ``--grad-accum``) and sequence length, the
 layouts are: ``wp`` and ``sp`` among the world's divisors (``sp`` also dividing the
-heads and the sequence), the replicas that follow, ``ckpt`` 0 / 0.5 / 1,
-``shard_outer`` off / on, ``vocab_parallel`` off / on (the reference llama, wp > 1),
-and the micro-batch: sequences per rank per micro-step, with ``--grad-accum`` making
-up the global batch. Each is forecast (memory, on the profile's device) and timed
+heads and the sequence), the replicas that follow, with replicas the state
+sharding (gradients and optimizer state over WP, or over the whole job: see
+docs/sharding.md), ``ckpt`` 0 / 0.5 / 1, ``shard_outer`` off / on,
+``vocab_parallel`` off / on (the reference llama, wp > 1), and the micro-batch:
+sequences per rank per micro-step, with ``--grad-accum`` making up the global
+batch. Each is forecast (memory, on the profile's device) and timed
 (:mod:`isp_comm.planner.step`); a layout fits when the device holds at most
 ``1 - MARGIN`` of its memory at its highest phase. Fitting layouts come first, by
 predicted step time; those that cannot fit come after, marked.
@@ -33,12 +35,15 @@ class Layout:
     batch: int
     """Sequences per micro-step over the job (isp-train's --batch)."""
     grad_accum: int
+    state_sharding: str = "wp"
+    """Over which ranks gradients and optimizer state are split (``ISPConfig.state_sharding``)."""
 
     def flags(self) -> list[str]:
         out = ["--wp", str(self.wp), "--sp", str(self.sp), "--batch", str(self.batch)]
         out += ["--grad-accum", str(self.grad_accum), "--ckpt", f"{self.ckpt:g}"]
         out += ["--shard-outer"] if self.shard_outer else []
         out += ["--vocab-parallel"] if self.vocab_parallel else []
+        out += ["--state-sharding", self.state_sharding] if self.state_sharding != "wp" else []
         return out
 
 
@@ -74,7 +79,8 @@ def layouts(
                     for outer in (False, True):
                         for vp in (False, True) if vocab_parallel and wp > 1 else (False,):
                             batch = dp * m
-                            out.append(Layout(world, wp, sp, ckpt, outer, vp, batch, global_batch // batch))
+                            for state in ("wp", "world") if wp < world else ("wp",):  # one replica: the same
+                                out.append(Layout(world, wp, sp, ckpt, outer, vp, batch, global_batch // batch, state))
     return out
 
 
@@ -104,14 +110,14 @@ def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) 
     if not shown:
         lines[0] = f"{len(ranked)} layouts, none fits; the smallest:"
         shown = ranked[:top]
-    lines.append("| # | wp | sp | replicas | ckpt | shard-outer | vocab-parallel | micro-batch x accum | step s | "
-                 "tokens/s | MFU % | device MiB | fits |")  # fmt: skip
-    lines.append("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|")
+    lines.append("| # | wp | sp | replicas | state over | ckpt | shard-outer | vocab-parallel | micro-batch x accum | "
+                 "step s | tokens/s | MFU % | device MiB | fits |")  # fmt: skip
+    lines.append("|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---|")
     for i, r in enumerate(shown, 1):
         lay, st = r.layout, r.step
         assert st is not None  # the shown ones are timed
         lines.append(
-            f"| {i} | {lay.wp} | {lay.sp} | {lay.world // lay.wp} | {lay.ckpt:g} | "
+            f"| {i} | {lay.wp} | {lay.sp} | {lay.world // lay.wp} | {lay.state_sharding} | {lay.ckpt:g} | "
             f"{'yes' if lay.shard_outer else 'no'} | "
             f"{'yes' if lay.vocab_parallel else 'no'} | {lay.batch} x {lay.grad_accum} | {st.step_s:.3f} | "
             f"{st.tokens_per_s:,.0f} | {st.mfu_pct:.1f} | {r.memory.device_total / 2**20:,.0f} | "
