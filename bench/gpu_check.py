@@ -18,8 +18,9 @@ done those (see docs/gpus.md for what each proves):
 - ``plan-gpu``: bench/plan_gpu.py at 680M, one run.
 
 ``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
-checks (``virtual-time``, ``virtual-8b``, ``virtual-70b``: docs/virtual.md) do not fit
-beside them: they run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
+checks (``virtual-time``, ``virtual-8b``, ``virtual-70b``, ``virtual-70b-world``,
+``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
+run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
 
 Each step runs in a process group of its own (in the runner's session) under its own
@@ -193,6 +194,48 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
                 os.path.join(out, "virtual_70b"),
             ],
             "one rank of Llama-3-70B at N=64: the same, one process each",
+            default=False,
+        ),
+        Step(
+            "virtual-70b-world",
+            480,
+            [
+                PY,
+                "bench/virtual.py",
+                "--config",
+                "llama3-70b-8k",
+                "--layout",
+                "best",
+                "--kind",
+                "world",
+                "--systems",
+                "isp-comm,fsdp2,compute-only",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                os.path.join(out, "virtual_70b_world"),
+            ],  # fmt: skip
+            "one rank of Llama-3-70B at N=64 in the planner's best layout with the state over the world, "
+            "FSDP2 in its own best that fits 80 GB",
+            default=False,
+        ),
+        Step(
+            "virtual-scaling",
+            420,
+            [
+                PY,
+                "bench/virtual.py",
+                "--scaling",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                os.path.join(out, "virtual_scaling"),
+            ],  # fmt: skip
+            "one rank of Llama-3-8B at N = 8, 64 and 1,024, each in the planner's best layout",
             default=False,
         ),
     ]

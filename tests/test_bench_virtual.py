@@ -78,3 +78,24 @@ def test_quick_best_layout_runs_both_systems_eager_and_compiled(tmp_path) -> Non
     layers, accum = result["model"]["n_layers"], fsdp["grad_accum"]
     for name in ("fsdp2", "fsdp2 compiled"):
         assert got[name]["all_gathers"]["median"] == (2 * layers + 3) * accum, (name, got[name]["all_gathers"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_gpu_runs_of_independent_sharding_plan_their_layouts() -> None:
+    """What ``--config llama3-70b-8k --layout best --kind world`` and ``--scaling`` will
+    run on a GPU, planned here on meta (h100x8's published figures): isp-comm's
+    fastest layout with its state over the world that fits 80 GB, FSDP2's own fastest
+    (no SP, full or hybrid sharding), and a layout for each of N = 8, 64 and 1,024."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bench.virtual import CONFIGS, SCALING, best_layout
+
+    cpu = torch.device("cpu")
+    lay, said = best_layout(CONFIGS["llama3-70b-8k"], cpu, "world")
+    assert lay.state_sharding == "world" and lay.world == 64 and said["capacity_gib"] <= 80.0, said
+    fsdp, _ = best_layout(CONFIGS["llama3-70b-8k"], cpu, "fsdp2")
+    assert fsdp.sp == 1 and fsdp.state_sharding == "wp" and not fsdp.vocab_parallel, fsdp
+    worlds = [best_layout(CONFIGS[name], cpu)[0].world for name in SCALING]
+    assert worlds == [8, 64, 1024], worlds
