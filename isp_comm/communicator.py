@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,20 @@ def _check_types(model: nn.Module, groups: ParallelGroups, config: ISPConfig) ->
         raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
     if not isinstance(config, ISPConfig):
         raise TypeError(f"config must be an ISPConfig, got {type(config).__name__}")
+
+
+def _step_hook_of(comm: ISPCommunicator) -> Callable[..., None]:
+    """An optimizer step post-hook (torch's registry of them is global) calling
+    ``comm._after_step``, holding the communicator weakly: one dropped unclosed is
+    not kept alive by it."""
+    ref = weakref.ref(comm)
+
+    def hook(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._after_step(opt)
+
+    return hook
 
 
 class ISPCommunicator:
@@ -112,7 +127,7 @@ class ISPCommunicator:
         g, units = self.groups, self.sharded_units
         pieces = any(u.replicas > 1 for u in units)
         refresh = WeightRefresh(self.ctx, self.backend, g.replica_group, units) if pieces else None
-        self._step_hook = register_optimizer_step_post_hook(self._after_step) if pieces else None
+        self._step_hook = register_optimizer_step_post_hook(_step_hook_of(self)) if pieces else None
         self._piece_ids = {id(s) for u in units for s in u.shards} if pieces else set()
         return BlockEngine(
             self.ctx, self.units, g, self.backend, self.config, self.pool, self.rs_buffers, replicated, self.root,
@@ -306,8 +321,8 @@ class ISPCommunicator:
         block.forward = forward
 
     # ---- pieces (state_sharding="world"; see [Note: refreshing the WP shards]) --------------
-    def _after_step(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        """Any optimizer's step post-hook: a step over the pieces makes every WP shard stale."""
+    def _after_step(self, opt: torch.optim.Optimizer) -> None:
+        """After any optimizer's step: a step over the pieces makes every WP shard stale."""
         if any(id(p) in self._piece_ids for g in opt.param_groups for p in g["params"]):
             self.engine.refresh.mark_stale()
 
