@@ -37,9 +37,33 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "local-norm clip": (
         "isp_comm/state.py",
-        "        if self.groups.wp_size > 1:  # the sharded part, in place",
-        "        if False:  # mutation: the sharded part stays local",
+        '        reduce(part[:1], group, size, "the clip\'s norm all-reduce")  # the sharded part, in place',
+        "        pass  # mutation: the sharded part stays local",
         ["tests/test_state.py::test_clip_grad_norm_equals_single_process"],
+    ),
+    "pieces' norm over WP only": (
+        "isp_comm/state.py",
+        "        group, size = (g.world_group, g.world_size) if self.pieces else (g.wp_group, g.wp_size)",
+        "        group, size = (g.wp_group, g.wp_size)",
+        ["tests/test_state_sharding.py::test_world_sharding_matches_single_process[4-2]"],
+    ),
+    "stale WP shards after a step": (
+        "isp_comm/hooks/refresh.py",
+        "        if id(unit) not in self._stale:\n            return\n        if self._inflight",
+        "        return\n        if self._inflight",
+        ["tests/test_state_sharding.py::test_world_sharding_matches_single_process[4-2]"],
+    ),
+    "a fused optimizer's step unseen": (
+        "isp_comm/communicator.py",
+        '        if any(id(p) in self._piece_ids for g in opt.param_groups for p in g["params"]):',
+        "        if False:  # mutation: no step marks the WP shards stale",
+        ["tests/test_state_sharding.py::test_every_write_to_the_pieces_reaches_the_gathers"],
+    ),
+    "pieces cut unlike DTensor": (
+        "isp_comm/layout.py",
+        "        c = -(-self.valid_rows // replicas)",
+        "        c = -(-self.chunk_rows // replicas)  # mutation: padded rows chunked, not DTensor's",
+        ["tests/test_state_sharding.py::test_pieces_are_the_local_tensors_dtensor_computes"],
     ),
     "no-op load_state_dict": (
         "isp_comm/state.py",

@@ -41,12 +41,13 @@ CASES = [
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "world, wp",
-    [(4, 2), (8, 2), (8, 4), pytest.param(8, 1, marks=pytest.mark.slow)],
+    [(4, 2), (8, 2), pytest.param(8, 4, marks=pytest.mark.slow), pytest.param(8, 1, marks=pytest.mark.slow)],
 )
 def test_world_sharding_matches_single_process(world: int, wp: int) -> None:
     # the whole matrix at world 4; at world 8 (8 processes on the CI's cores) two
     # cases that together cover both optimizers, accumulation and clipping, the
-    # whole matrix in the slow tier
+    # whole matrix and wp 4 x 2 in the slow tier (the CI tier's pieces at wp 4 are
+    # test_pieces_are_the_local_tensors_dtensor_computes's)
     slow = os.environ.get("ISP_SLOW") == "1"
     cases = CASES if world == 4 or slow else [CASES[3], CASES[4]]
     check_parity(run_ranks(parity_worker, world, wp, cases, WORLD, timeout_s=380))
@@ -316,3 +317,35 @@ def test_seeded_initialisation_on_meta_does_not_depend_on_the_pieces() -> None:
     ref = init_weights(build(LlamaConfig(**TINY, bias=True)), 7).state_dict()
     for full in run_ranks(_init_worker, 4, timeout_s=100):
         assert max_diff(full, ref) == 0.0
+
+
+def _offsets_worker(rank: int, world: int, wp: int) -> list[str]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model = build(LlamaConfig(**TINY, bias=True))
+    comm = ISPCommunicator(
+        model, ParallelGroups.create(wp_size=wp), ISPConfig(state_sharding="world", shard_outer_params=True)
+    )
+    full, bad = comm.full_state_dict(), []
+    for key, value in comm.state_dict().items():
+        if not isinstance(value, DTensor):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        local = value.to_local()
+        rows = full[key][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        if tuple(local.shape) != tuple(shape) or not torch.equal(local, rows):
+            bad.append(f"{key}: local {tuple(local.shape)}, DTensor's {tuple(shape)} at {tuple(offset)}")
+    comm.close()
+    return bad
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("wp", [4, pytest.param(2, marks=pytest.mark.slow)])
+def test_pieces_are_the_local_tensors_dtensor_computes(wp: int) -> None:
+    # world 8 at wp 4 (vocab 37: WP rows 10, 10, 10, 7, each split over 2 replicas: the last
+    # WP rank's 7 as 4 + 3, where padded rows would give 5 + 2) and at wp 2 (over 4 replicas):
+    # every piece is exactly the rows DTensor's [Shard, Shard] puts on its rank, so DCP
+    # writes and reads them where another layout expects them
+    for bad in run_ranks(_offsets_worker, 8, wp, timeout_s=180):
+        assert not bad, bad
