@@ -326,7 +326,12 @@ class GradientReducer:
             self._next_bucket += 1
 
     def _issue_bucket(self, b: Bucket) -> None:
-        """Pack the bucket's gradients (zeros where none came) and all-reduce them."""
+        """Pack the bucket's gradients (zeros where none came) and all-reduce them; a
+        bucket over one rank (the WP-summed shards without replicas) is left in the
+        gradients themselves, divided there by ``reduce_whole``: no flat buffer."""
+        if b.size == 1:
+            b.handle = CompletedHandle()
+            return
         dt = b.params[0].dtype
         if b.flat is None:
             b.flat = torch.empty(sum(p.numel() for p in b.params), dtype=dt, device=b.params[0].device)
@@ -337,16 +342,13 @@ class GradientReducer:
             off += p.numel()
         if dt in LOW_PRECISION and self._pre > 1:  # see divide_factors
             b.flat.div_(self._pre)
-        if b.size > 1:
-            self.ctx.delay()
-            self.ctx.counters.all_reduces += 1
-            if self.ctx.events is not None:  # the bucket's index: only when recording
-                self.ctx.event("all_reduce", self._buckets.index(b), "backward")
-            b.handle = self.backend.all_reduce(b.flat, b.group)
-            self.ctx.record(b.handle, "all-reduce", b.group, b.flat, -1, "backward")
-            b.issued_at = self.ctx.issued(b.handle)
-        else:
-            b.handle = CompletedHandle()
+        self.ctx.delay()
+        self.ctx.counters.all_reduces += 1
+        if self.ctx.events is not None:  # the bucket's index: only when recording
+            self.ctx.event("all_reduce", self._buckets.index(b), "backward")
+        b.handle = self.backend.all_reduce(b.flat, b.group)
+        self.ctx.record(b.handle, "all-reduce", b.group, b.flat, -1, "backward")
+        b.issued_at = self.ctx.issued(b.handle)
 
     def reduce_whole(self) -> None:
         """The backward is over: issue the buckets that never became ready, wait for
@@ -358,8 +360,11 @@ class GradientReducer:
                 self._issue_bucket(b)
             self._next_bucket = len(self._buckets)
             for b in self._buckets:
-                if b.size > 1:
-                    self.ctx.wait(b.handle, f"all-reduce of {b.what}", ("all-reduce", b.what, b.issued_at))
+                if b.size == 1:
+                    b.handle = None
+                    self._divide_in_place(b)
+                    continue
+                self.ctx.wait(b.handle, f"all-reduce of {b.what}", ("all-reduce", b.what, b.issued_at))
                 b.handle = None
                 b.flat.div_(self._post if b.flat.dtype in LOW_PRECISION else world)
                 off = 0
@@ -374,6 +379,17 @@ class GradientReducer:
             if p.requires_grad:
                 p.grad = old if p.grad is None else old.add_(p.grad)
         self._stash.clear()
+
+    def _divide_in_place(self, b: Bucket) -> None:
+        """A bucket over one rank: its gradients averaged where they are, as a flat
+        buffer would be (divided before and after, or once in fp32; zeros where none came)."""
+        for p in b.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.dtype in LOW_PRECISION:
+                p.grad.div_(self._pre).div_(self._post)
+            else:
+                p.grad.div_(self.groups.world_size)
 
     def in_flight(self) -> int:
         return len(self.inflight) + sum(b.handle is not None and not b.handle.is_completed() for b in self._buckets)

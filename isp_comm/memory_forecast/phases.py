@@ -86,8 +86,9 @@ def forecast(
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
     persistent = _persistent(plan, w, in_heap)
-    # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps)
-    allreduce = sum(w.replicated_trainable) + w.wp_summed if world > 1 else 0
+    # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
+    # the WP-summed shards' only with replicas: without, they are divided where they are)
+    allreduce = sum(w.replicated_trainable) + (w.wp_summed if world > wp else 0) if world > 1 else 0
     steady = {
         **persistent,
         "optimizer state": w.opt_state,
