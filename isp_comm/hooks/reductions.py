@@ -178,6 +178,8 @@ class GradientReducer:
             inp = torch.empty(group.scattered_numel, dtype=group.dtype, device=unit.device)
             out = torch.empty(group.piece.numel, dtype=group.dtype, device=unit.device)
             unit.pack_piece_grads(grads, group, inp)
+            if group.dtype in LOW_PRECISION and self._pre > 1:  # see divide_factors
+                inp.div_(self._pre)
             r = InflightReduce(unit, group, (inp, out), out, CompletedHandle(), None, pooled=False)
             self._scatter_to_replicas(r, inp)
             self.inflight.append(r)
