@@ -327,11 +327,14 @@ class ISPCommunicator:
             self.engine.refresh.mark_stale()
 
     def params_updated(self) -> None:
-        """Say that the parameters were written outside what the communicator sees
-        (optimizer steps, the ``load_*`` calls, in-place writes that bump a version
-        counter): with ``state_sharding="world"``, the WP shards that gathers read are
-        rebuilt from them before the next forward. Call it on every rank. Nothing to
-        do otherwise (the parameters are the WP shards)."""
+        """Say that the parameters were written where the communicator cannot see it
+        (through ``.data``, or into a state dict's tensors without
+        :meth:`load_state_dict`): with ``state_sharding="world"``, the WP shards that
+        gathers read are rebuilt from them before the next forward. Optimizer steps,
+        the ``load_*`` calls and in-place writes that bump a version counter are seen
+        without it. Call it on every rank, as the writes were made (the ranks must
+        agree on which shards to rebuild). Nothing to do otherwise (the parameters are
+        the WP shards)."""
         if self.engine.refresh is not None:
             self.engine.refresh.mark_stale()
 
@@ -467,10 +470,9 @@ class ISPCommunicator:
         parameters and persistent buffers plain tensors. Nothing is gathered: pass it
         to ``torch.distributed.checkpoint.save`` / ``load``. With
         ``state_sharding="world"`` a sharded parameter's local tensor is this rank's
-        piece (see docs/sharding.md), and the WP shards are refreshed before the next
-        forward, in case ``dcp.load`` writes into it."""
+        piece (see docs/sharding.md); after ``dcp.load`` into it, call
+        :meth:`load_state_dict` with it, as always, which also refreshes the WP shards."""
         self._check_idle("state_dict()")
-        self.params_updated()
         return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

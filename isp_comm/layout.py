@@ -151,6 +151,19 @@ class ReduceGroup:
         return self.replicas * self.piece.numel
 
     @property
+    def pair_numels(self) -> tuple[int, int]:
+        """Elements of a reduce-scatter buffer pair (input, output) that both stages
+        fit in: the WP stage reads ``gathered_numel`` from the input into
+        ``shard_numel`` of the output; with replicas, the pair's two buffers take
+        turns (see ``GradientReducer._to_replicas``): the one the WP stage did not
+        leave the shard in takes ``scattered_numel``, the other the piece."""
+        if self.replicas == 1:
+            return self.gathered_numel, self.shard_numel
+        if self.wp_size == 1:  # the WP stage leaves the shard in the input: the output takes the pieces' input
+            return max(self.gathered_numel, self.piece.numel), max(self.shard_numel, self.scattered_numel)
+        return max(self.gathered_numel, self.scattered_numel), max(self.shard_numel, self.piece.numel)
+
+    @property
     def scattered_bound(self) -> int:
         """``scattered_numel`` at its largest on any rank (what buffers are sized by)."""
         return self.replicas * self.piece_bound

@@ -54,14 +54,14 @@ def test_world_sharding_matches_single_process(world: int, wp: int) -> None:
 
 
 def _layouts_worker(rank: int, world: int, cases: list[tuple[Case, dict]]) -> list[tuple]:
-    return [parity_worker(rank, world, 2, [case], {**WORLD, **kw})[0] for case, kw in cases]
+    return [parity_worker(rank, world, kw.pop("wp", 2), [case], {**WORLD, **kw})[0] for case, kw in cases]
 
 
 @pytest.mark.timeout(400)
 def test_world_sharding_with_every_layout_and_backend() -> None:
     # world 4, wp 2: the outer parameters sharded (a hidden-split embedding computed on
     # its WP rows, gathered head and norm), per-parameter collectives, gloo instead of
-    # shared memory, no overlap and no pool, tied outer weights
+    # shared memory, no overlap and no pool; and no pool at wp 1
     base = Case(optim="adamw", micro=2, ckpt=0.5, bias=True, clip=0.5)
     cases = [
         (base, {"shard_outer_params": True}),
@@ -69,6 +69,9 @@ def test_world_sharding_with_every_layout_and_backend() -> None:
         (base, {"comm_granularity": "module"}),
         (base, {"backend": "torch"}),
         (Case(micro=2), {"overlap": False, "memory_pool": False}),
+        # buffers made per reduce-scatter, at wp 1: the pieces' input is longer than the
+        # gradients it is packed from (4 replicas' padded pieces)
+        (base, {"memory_pool": False, "wp": 1}),
     ]
     check_parity(run_ranks(_layouts_worker, 4, cases, timeout_s=380))
 
@@ -224,11 +227,11 @@ def test_checkpoint_moves_between_world_and_wp_sharding(tmp_path) -> None:
 
 
 # ---- paths that write the parameters ------------------------------------------------------------
-def _writes_worker(rank: int, world: int) -> dict:
+def _writes_worker(rank: int, world: int, sharding: str) -> dict:
     out = {}
     x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
     model = build(LlamaConfig(**TINY))
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(state_sharding="world"))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(state_sharding=sharding))
     ref = build(LlamaConfig(**TINY))
     # an in-place write under no_grad bumps the pieces' version counters: seen at the next forward
     with torch.no_grad():
@@ -240,6 +243,23 @@ def _writes_worker(rank: int, world: int) -> dict:
         p.data.add_(0.5), q.data.add_(0.5)
     comm.params_updated()
     out["data"] = (model(x) - ref(x)).abs().max().item()
+    # a write while a refresh is in flight: a step marks every block stale, a forward that
+    # stops after block 0 (an early-exit evaluation) leaves block 1's replica gather in
+    # flight, then the write: the next forward must not use what that gather read
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    opt.step(), ropt.step()
+    with torch.no_grad():
+        from models.llama import rope_tables
+
+        model.layers[0](model.embed(x), *rope_tables(model.cfg, torch.arange(x.shape[1])))
+        for p, q in zip(model.layers[1].parameters(), ref.layers[1].parameters()):
+            p.mul_(0.5), q.mul_(0.5)
+    out["in_flight"] = (model(x) - ref(x)).abs().max().item()
+    # state_dict() on one rank alone (to look at its keys, say) is no collective: the ranks go on alike
+    if rank == 0:
+        comm.state_dict()
+    out["one_rank_state_dict"] = (model(x) - ref(x)).abs().max().item()
     # a fused optimizer writes without bumping them (the step post-hook sees its steps:
     # the fused parity case below); checked here so that the case proves the hook
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -256,8 +276,14 @@ def test_every_write_to_the_pieces_reaches_the_gathers() -> None:
     # world 4, wp 2: the forward after each write equals the unwrapped model's with the
     # same write (fp32; the blocks' sums in the same order: 1e-5 covers the logits'
     # rounding); a stale WP shard would give the old weights' logits.
-    for r in run_ranks(_writes_worker, 4, timeout_s=100):
-        assert r["inplace"] < 1e-5 and r["data"] < 1e-5, r
+    # "wp" too: a block left gathered by a forward that stopped early must not be used
+    # after a write to its shard in either setting
+    for r in [
+        *run_ranks(_writes_worker, 4, "world", timeout_s=100),
+        *run_ranks(_writes_worker, 4, "wp", timeout_s=100),
+    ]:
+        assert r["inplace"] < 1e-5 and r["data"] < 1e-5 and r["in_flight"] < 1e-5, r
+        assert r["one_rank_state_dict"] < 1e-5, r
         assert not r["fused_moved_versions"], r
     fused = [Case(optim="adamw-fused", micro=2, bias=True), Case(optim="adamw-fused", clip=0.5)]
     check_parity(run_ranks(parity_worker, 4, 2, fused, WORLD, timeout_s=180))

@@ -64,6 +64,7 @@ class BlockEngine:
         self._res = GatherResources(ctx, config, backend, pool, groups.wp_group, refresh)
         self.states = [BlockState(u, self._res) for u in units]
         self._pending: set[int] = set()
+        self._armed = False  # root_pre_forward ran and no block has computed since
         self._callback_queued = False
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
         self.outer: list[ReplicatedParam] = []
@@ -83,7 +84,7 @@ class BlockEngine:
         self._event("all_gather", st.unit.index)
         if not self.config.overlap:
             st.wait_for_unshard()
-        elif self.refresh is not None and st.unit.index + 1 < len(self.units):
+        elif self.refresh is not None and self.phase is not Phase.BACKWARD and st.unit.index + 1 < len(self.units):
             self.refresh.prefetch(self.units[st.unit.index + 1])  # see [Note: refreshing the WP shards]
         return True
 
@@ -131,11 +132,14 @@ class BlockEngine:
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
+        if not self._armed:  # not the second call of one forward (the scheduler hook's, then the root's)
+            self._release_leftovers()
+        self._armed = True
         if self.refresh is not None:  # see [Note: refreshing the WP shards]
             self.refresh.check()
-            for unit in (self.root, *self.summed):
-                if unit is not None:
-                    self.refresh.ensure(unit)
+            order = [u for u in (self.root, *self.summed) if u is not None] + self.units[:1]
+            for unit, then in zip(order[:-1], order[1:]):  # each issued as the one before it is waited for
+                self.refresh.ensure(unit, then if self.config.overlap else None)
         for unit in self.summed:
             self._swap_in_summed(unit)
         if self.units:
@@ -174,6 +178,18 @@ class BlockEngine:
             root.refresh_trainable()
         swap_in_views(root, self._root_region, self)
 
+    def _release_leftovers(self) -> None:
+        """A forward begins: a block still gathered, or gathering, was prefetched by a
+        forward that stopped before it (an early-exit evaluation); its slot may hold
+        weights written since, so it is released and gathered again when its turn
+        comes (a whole forward and backward leave no block gathered)."""
+        if self.phase is Phase.BACKWARD:
+            return
+        self._pending.clear()
+        for unit, st in zip(self.units, self.states):
+            if st.state is not GatherState.SHARDED:
+                self.release(unit)
+
     def _swap_in_summed(self, unit: BlockUnit) -> None:
         """Point a unit computed on its WP rows at views of its flat shard: out of a
         ``ShardViews`` node when it trains (whose backward hands the gradients of
@@ -189,6 +205,7 @@ class BlockEngine:
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again (autograd keeps
         the gathered views it saved); without a backward to come, free them now."""
+        self._armed = False
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
@@ -203,6 +220,7 @@ class BlockEngine:
     def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The block's forward, wrapped. Also runs for a recompute in backward when the
         checkpoint sits outside this wrapper (ours, or one around ``Module.__call__``)."""
+        self._armed = False
         st = self.states[unit.index]
         out_dtype = None
         if self.config.param_dtype is not None:

@@ -146,7 +146,7 @@ class GradientReducer:
         runs once the last group is packed (the slot may then be freed)."""
         for i, group in enumerate(unit.groups):
             self._make_room()
-            pair = self.rs_buffers.acquire(group.dtype, group.gathered_numel)
+            pair = self.rs_buffers.acquire(group.dtype, *group.pair_numels)
             inp, out = pair[0][: group.gathered_numel], pair[1][: group.shard_numel]
             (unit.pack_grads_param_major if module else unit.pack_grads)(grads, inp, group)
             if i == len(unit.groups) - 1:
@@ -158,13 +158,7 @@ class GradientReducer:
         each as long as a pooled pair would be (see ``_to_replicas``)."""
         for group in root.groups:
             self._make_room()
-            wp1 = group.wp_size == 1
-            n_in = max(group.gathered_numel, group.scattered_numel)
-            n_out = max(group.shard_numel, group.scattered_numel if wp1 else group.piece.numel)
-            pair = (
-                torch.empty(n_in, dtype=group.dtype, device=root.device),
-                torch.empty(n_out, dtype=group.dtype, device=root.device),
-            )
+            pair = tuple(torch.empty(n, dtype=group.dtype, device=root.device) for n in group.pair_numels)
             inp, out = pair[0][: group.gathered_numel], pair[1][: group.shard_numel]
             root.pack_grads(grads, inp, group)
             self._issue(root, group, pair, inp, out, module=False, pooled=False)

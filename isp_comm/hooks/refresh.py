@@ -11,16 +11,21 @@ gather dtype, before the unit's next WP gather.
   the communicator registers; it sees fused optimizers too, whose writes leave
   version counters alone); an in-place write that bumps a piece's version counter
   (looked at when a forward begins); and the explicit points: ``load_state_dict``,
-  ``load_full_state_dict``, the Hugging Face import, ``state_dict()`` (``dcp.load``
-  writes into the tensors it hands out, which no counter sees) and
-  ``params_updated()``.
+  ``load_full_state_dict``, the Hugging Face import and ``params_updated()``. Every
+  rank must see the same ones (they decide which collectives it issues): each is a
+  step, call or write every rank makes alike. A mark or a write made while the
+  unit's gather is in flight (after the pieces were read) keeps it stale: ``_finish``
+  clears only what the gather it waits for saw, and ``ensure`` gathers again.
 * **When.** Lazily, at the next forward, in an order every rank shares: the outer
   units when the root's forward begins (their gathers, or computes, come first),
-  then each block just before its WP gather is issued. Right behind a block's WP
-  gather, the next block's replica all-gather is issued: while block ``i``
-  computes, block ``i + 1``'s WP gather runs on the links inside a node and block
-  ``i + 2``'s replica gather on the links between nodes (with one replica group
-  per node-local rank, a replica group spans nodes when WP fills a node).
+  each unit's gather issued as the one before it is waited for, block 0's last,
+  so that it runs behind the outer units' WP gather; then each block just before
+  its WP gather is issued. Right behind a block's WP gather, the next block's
+  replica all-gather is issued: while block ``i`` computes, block ``i + 1``'s WP
+  gather runs on the links inside a node and block ``i + 2``'s replica gather on the
+  links between nodes (with one replica group per node-local rank, a replica group
+  spans nodes when WP fills a node). The outer units' gathers are waited for before
+  the forward's first compute: they are exposed.
 * **Buffers.** One send buffer (a rank's pieces) and one landing buffer (every
   replica's) per gather dtype, sized by the largest unit and kept. At most one
   replica all-gather is in flight, and a new one is issued only after the last was
@@ -42,12 +47,15 @@ from isp_comm.units import BlockUnit
 
 @dataclass(eq=False)
 class _Gather:
-    """The replica all-gather in flight: whose, its handle, where it lands."""
+    """The replica all-gather in flight: whose, its handle, where it lands, and what
+    it saw of the pieces (their version counters, the marks made so far)."""
 
     unit: BlockUnit
     handle: Handle
     landing: torch.Tensor
     issued_at: Any
+    versions: tuple[int, ...]
+    marks: int
 
 
 class WeightRefresh:
@@ -59,6 +67,7 @@ class WeightRefresh:
         self.ctx, self.backend, self.group = ctx, backend, replica_group
         self.units = [u for u in units if u.replicas > 1]
         self._stale: set[int] = set()  # ids of stale units
+        self._marks = 0  # mark_stale calls so far
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -67,6 +76,7 @@ class WeightRefresh:
 
     def mark_stale(self) -> None:
         """Every unit's pieces may have changed: refresh each before its next gather."""
+        self._marks += 1
         self._stale.update(id(u) for u in self.units)
 
     def check(self) -> None:
@@ -84,16 +94,16 @@ class WeightRefresh:
         if unit is not None and id(unit) in self._stale and self._inflight is None:
             self._issue(unit)
 
-    def ensure(self, unit: BlockUnit) -> None:
+    def ensure(self, unit: BlockUnit, then: BlockUnit | None = None) -> None:
         """``unit``'s flat shard is up to date when this returns (on CUDA: on the
-        current stream)."""
-        if id(unit) not in self._stale:
-            return
-        if self._inflight is not None and self._inflight.unit is not unit:
+        current stream); ``then``'s gather, when it is stale, is issued behind."""
+        while id(unit) in self._stale:  # again when the pieces changed after its gather read them
+            if self._inflight is not None and self._inflight.unit is not unit:
+                self._finish()
+            if self._inflight is None:
+                self._issue(unit)
             self._finish()
-        if self._inflight is None:
-            self._issue(unit)
-        self._finish()
+        self.prefetch(then)
 
     def _issue(self, unit: BlockUnit) -> None:
         send, landing = self._buffers_for(unit)
@@ -101,11 +111,12 @@ class WeightRefresh:
         send, landing = send[:n], landing[: unit.replicas * n]
         unit.fill_piece_send(send)
         self.ctx.delay()
+        seen = _versions(unit), self._marks
         handle = self.backend.all_gather(landing, send, self.group)
         self.ctx.record(handle, "all-gather", self.group, send, unit.index, "forward")
         self.ctx.counters.all_gathers += 1
         self.ctx.counters.bytes_gathered += landing.numel() * landing.element_size()
-        self._inflight = _Gather(unit, handle, landing, self.ctx.issued(handle))
+        self._inflight = _Gather(unit, handle, landing, self.ctx.issued(handle), *seen)
 
     def _finish(self) -> None:
         g, what = self._inflight, f"the pieces of block {self._inflight.unit.index}"
@@ -113,8 +124,9 @@ class WeightRefresh:
         self._inflight = None
         with torch.no_grad():
             g.unit.unpack_shard(g.landing, g.unit.flat_shard)
-        self._stale.discard(id(g.unit))
-        self._versions[id(g.unit)] = _versions(g.unit)
+        if g.marks == self._marks and _versions(g.unit) == g.versions:  # nothing written since the read
+            self._stale.discard(id(g.unit))
+        self._versions[id(g.unit)] = g.versions
 
     def _buffers_for(self, unit: BlockUnit) -> tuple[torch.Tensor, torch.Tensor]:
         """The send and landing buffers of ``unit``'s gather dtype, made at first use."""

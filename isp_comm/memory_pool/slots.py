@@ -128,14 +128,15 @@ class ReduceScatterBuffers:
         self.in_use = 0
         self.peak_in_use = 0
 
-    def acquire(self, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A free (input, output) pair at least ``numel`` / ``numel // wp`` long; the
-        caller slices it and hands the same pair back to ``release``."""
-        out_n = numel // self._plan.wp_size
+    def acquire(self, dtype: torch.dtype, numel: int, out_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A free (input, output) pair at least ``numel`` / ``out_numel`` long (the
+        pooled ones are sized by the plan for every group); the caller slices it and
+        hands the same pair back to ``release``."""
         if self._pooled:
             inp, out = self._free[dtype].pop()
+            assert inp.numel() >= numel and out.numel() >= out_numel, "the plan sized the buffers for every group"
         else:
-            inp, out = self._alloc(numel, dtype), self._alloc(out_n, dtype)
+            inp, out = self._alloc(numel, dtype), self._alloc(out_numel, dtype)
         self.in_use += 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return inp, out
