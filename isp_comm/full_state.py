@@ -49,16 +49,11 @@ class FullState:
         fulls: list[torch.Tensor | None] = [None] * len(shards)
         by_dtype = _by_dtype(shards)
         w = unit.wp_size
-        for dt, members in by_dtype.items():
+        for members in by_dtype.values():
             params = tuple(unit.params[i] for i in members)
-            layout = Layout.packed(list(params), raw=False)
-            flat = torch.zeros(layout.numel, dtype=dt, device=unit.device)
-            for sp, off, i in zip(params, layout.offsets, members):
-                sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(shards[i])
-            rank_major = torch.empty(w * layout.numel, dtype=dt, device=unit.device)
-            handle = self.backend.all_gather(rank_major, flat, self.groups.wp_group)
-            self.ctx.record(handle, "all-gather", self.groups.wp_group, flat, unit.index, "outer")
-            self.ctx.wait(handle, f"gather of block {unit.index}")
+            layout, rank_major = self._gather_packed(
+                unit, params, [shards[i] for i in members], self.groups.wp_group, w
+            )
             slot = torch.empty_like(rank_major)
             to_param_major(rank_major, slot, layout, w)
             for view, i in zip(full_views(slot, params, layout, w), members):
@@ -73,14 +68,7 @@ class FullState:
         for dt, members in _by_dtype(pieces).items():
             mine = [unit.pieces[i] for i in members]
             wp_rows = [unit.params[i] for i in members]
-            src = Layout.packed(mine, raw=False)
-            flat = torch.zeros(src.numel, dtype=dt, device=unit.device)
-            for pc, off, i in zip(mine, src.offsets, members):
-                pc.user(flat[off : off + pc.valid_rows * pc.inner].view(pc.shard_shape)).copy_(pieces[i])
-            landing = torch.empty(r * src.numel, dtype=dt, device=unit.device)
-            handle = self.backend.all_gather(landing, flat, self.groups.replica_group)
-            self.ctx.record(handle, "all-gather", self.groups.replica_group, flat, unit.index, "outer")
-            self.ctx.wait(handle, f"replica gather of block {unit.index}")
+            src, landing = self._gather_packed(unit, mine, [pieces[i] for i in members], self.groups.replica_group, r)
             dst = Layout.packed(wp_rows, raw=False)
             out = torch.zeros(dst.numel, dtype=dt, device=unit.device)
             sizes = [(pc.chunk_rows, sp.valid_rows) for pc, sp in zip(mine, wp_rows)]
@@ -88,6 +76,23 @@ class FullState:
             for sp, off, i in zip(wp_rows, dst.offsets, members):
                 rows[i] = sp.user(out[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape))
         return rows  # type: ignore[return-value]
+
+    def _gather_packed(
+        self, unit: BlockUnit, params: list[ShardedParam] | tuple[ShardedParam, ...], tensors: list[torch.Tensor],
+        group, ways: int,
+    ) -> tuple[Layout, torch.Tensor]:  # fmt: skip
+        """``tensors`` (each the rows of one of ``params``, all of one dtype) packed as a
+        flat shard of ``params`` and all-gathered over ``group`` of ``ways`` ranks:
+        the packing's layout and the rank-major output."""
+        layout = Layout.packed(list(params), raw=False)
+        flat = torch.zeros(layout.numel, dtype=tensors[0].dtype, device=unit.device)
+        for sp, off, t in zip(params, layout.offsets, tensors):
+            sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(t)
+        out = torch.empty(ways * layout.numel, dtype=flat.dtype, device=unit.device)
+        handle = self.backend.all_gather(out, flat, group)
+        self.ctx.record(handle, "all-gather", group, flat, unit.index, "outer")
+        self.ctx.wait(handle, f"gather of block {unit.index}")
+        return layout, out
 
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part (its shard, or its piece) of a full tensor shaped like

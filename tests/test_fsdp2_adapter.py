@@ -12,6 +12,17 @@ from isp_comm.testing import run_ranks
 from tests.parity import Case, batches, loss_fn, max_diff, train_reference
 
 
+def _train(case: Case, model, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """SGD on the case's batches, each rank its slice; the full state dict after."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in batches(case, world):
+        for x, y in step:
+            loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
 def _fsdp_worker(rank: int, world: int, symm: bool) -> tuple[float, int]:
     case = Case(optim="sgd", micro=1, bias=True)
     model = case.build()
@@ -20,13 +31,7 @@ def _fsdp_worker(rank: int, world: int, symm: bool) -> tuple[float, int]:
         fully_shard(m)
     backend = use_symm_collectives(mods) if symm else None
     assert backend is None or isinstance(backend, SymmCpuBackend)  # chosen by the parameters' device
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in batches(case, world):
-        for x, y in step:
-            loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
-        opt.zero_grad()
-    sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    sd = _train(case, model, rank, world)
     symm_ops = 0
     if backend is not None:
         symm_ops = sum(g.epoch for g in backend._groups.values() if g is not None)
@@ -61,13 +66,7 @@ def _hsdp_worker(rank: int, world: int) -> float:
         m.set_custom_all_gather(BackendAllGather(backend, 60.0))
         m.set_custom_reduce_scatter(BackendReduceScatter(backend, 60.0))
         m.set_all_reduce_hook(BackendReplicaAllReduce(backend, groups.replica_group, 60.0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in batches(case, world):
-        for x, y in step:
-            loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
-        opt.zero_grad()
-    sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    sd = _train(case, model, rank, world)
     backend.close()
     ref, _ = train_reference(case, world)
     return max_diff(sd, ref)
