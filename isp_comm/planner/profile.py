@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Literal
 
+from isp_comm.memory_forecast.weights import cublas_workspace_bytes
 from isp_comm.planner.targets import NCCL_CURVE_IB, NCCL_CURVE_NVLINK, Cluster
 
 Curve = list[list[float]]
@@ -222,7 +223,8 @@ def from_target(cluster: Cluster) -> Profile:
     if t.device == "cuda":
         cuda = {
             "context": 600 * 2**20,  # CUDA context and torch's kernels: ~0.5-0.7 GiB on Hopper (not allocated)
-            "workspace": 32 * 2**20,  # cuBLAS workspace torch allocates per stream on sm90 (4 MiB x 8)
+            # one cuBLAS workspace, as torch sizes it for the GPU (a step holds two: the forecast's)
+            "workspace": cublas_workspace_bytes(t.compute_capability),
             # NCCL_BUFFSIZE (4 MiB) x 2 directions x 16 channels, per communicator
             "nccl_per_communicator": 128 * 2**20,
         }
