@@ -47,6 +47,9 @@ class Point:
     hidden: int = 256
     layers: int = 4
     vocab: int = 4096
+    heads: int = 8
+    kv_heads: int = 2
+    ffn: int = 0  # 0: hidden x 8 / 3
 
     def label(self) -> str:
         knobs = [f"w{self.world} wp{self.wp} sp{self.sp}", self.model, self.optimizer]
@@ -68,10 +71,10 @@ def build_model(pt: Point):
             cfg = Qwen2Config(
                 vocab_size=pt.vocab,
                 hidden_size=pt.hidden,
-                intermediate_size=pt.hidden * 8 // 3,
+                intermediate_size=pt.ffn or pt.hidden * 8 // 3,
                 num_hidden_layers=pt.layers,
-                num_attention_heads=8,
-                num_key_value_heads=2,
+                num_attention_heads=pt.heads,
+                num_key_value_heads=pt.kv_heads,
                 tie_word_embeddings=False,
                 attn_implementation="sdpa",
             )
@@ -80,8 +83,8 @@ def build_model(pt: Point):
 
         return build(
             LlamaConfig(
-                vocab_size=pt.vocab, hidden=pt.hidden, ffn_hidden=pt.hidden * 8 // 3, n_layers=pt.layers, n_heads=8,
-                n_kv_heads=2,
+                vocab_size=pt.vocab, hidden=pt.hidden, ffn_hidden=pt.ffn or pt.hidden * 8 // 3, n_layers=pt.layers,
+                n_heads=pt.heads, n_kv_heads=pt.kv_heads, max_seq_len=max(pt.seq, 2048),
             )
         )  # fmt: skip
 
