@@ -115,3 +115,15 @@ def test_the_allocators_untracked_blocks_are_named_by_their_stack_or_size() -> N
     }
     got = untracked_blocks(snapshot, {0}, 32 * mib)
     assert got == {"workspace: cuBLAS": 64 * mib, "untracked (other)": mib}
+
+
+def test_the_cuda_device_lines_are_the_allocators_figures_beyond_the_gpus_tracked_storages() -> None:
+    """On CUDA a peak's device lines read the allocator at that moment: allocated less
+    the tracked storages on the GPU (not the host's: AdamW keeps its step counts
+    there), and reserved less allocated ([Note: the device lines])."""
+    from isp_comm.memory_breakdown.result import PhasePeak
+
+    peak = PhasePeak(tracked=12, alive=[], device={"allocated": 100, "reserved": 150, "tracked": 8})
+    b = Breakdown.of({"backward": peak}, (0, {}), {"workspace: cuBLAS": 64})
+    assert b.device["backward"] == {"workspace and untracked": 92, "allocator slack": 50}
+    assert "of the untracked, at the end: workspace: cuBLAS" in b.table("backward")

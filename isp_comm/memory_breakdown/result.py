@@ -31,7 +31,7 @@ class Breakdown:
     [Note: the device lines]
     Beyond the tracked tensors a peak holds memory no tensor names. On CUDA, at the
     moment of the tracked peak: ``workspace and untracked`` is the allocated bytes less
-    the tracked ones (cuBLAS's workspaces, one per handle and stream, and any
+    the tracked storages on the GPU (cuBLAS's workspaces, one per handle and stream, and any
     allocation made outside an operator), ``allocator slack`` the reserved bytes less
     the allocated ones (the caching allocator's rounding, free blocks and fragmentation).
     On CPU, ``allocator slack and runtime`` is what the process's resident anonymous
@@ -65,8 +65,8 @@ class Breakdown:
             phases[ph] = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
             tracked[ph] = peak.tracked
             lines: dict[str, int] = {}
-            if "allocated" in peak.device:
-                lines["workspace and untracked"] = peak.device["allocated"] - peak.tracked
+            if "allocated" in peak.device:  # the GPU's tracked storages, not the host's (AdamW's step counts)
+                lines["workspace and untracked"] = peak.device["allocated"] - peak.device["tracked"]
                 lines["allocator slack"] = peak.device["reserved"] - peak.device["allocated"]
             elif "rss" in peak.device and "rss" in base_device:
                 grown = peak.device["rss"] - base_device["rss"]

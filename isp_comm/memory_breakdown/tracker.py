@@ -113,6 +113,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
         self.current = 0
+        self.current_cuda = 0  # of which on a GPU (the allocator's figures are compared with it)
         self.phase_name = "wrap"
         self._peaks: dict[str, PhasePeak] = {}
         self._live: dict[int, _Storage] = {}  # id of the weak reference -> storage
@@ -193,6 +194,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._refs[id(ref)] = ref
         self._live[id(ref)] = info
         self.current += nbytes
+        self.current_cuda += nbytes if ptr else 0
         return info
 
     def _freed(self, ref: weakref.ref) -> None:
@@ -200,6 +202,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._refs.pop(id(ref), None)
         if info is not None:
             self.current -= info.nbytes
+            self.current_cuda -= info.nbytes if info.ptr else 0
 
     def _context(self) -> str:
         """The part of a storage made now (see [Note: how a storage gets its part])."""
@@ -264,10 +267,12 @@ class MemoryBreakdown(TorchDispatchMode):
                 self._peaks[name] = PhasePeak(self.current, *alive)
 
     def _device_now(self) -> dict[str, int]:
-        """What the device holds now: CUDA's allocated and reserved bytes (when CUDA is
-        in use), else this process's resident anonymous memory (RSS less file pages)."""
+        """What the device holds now: CUDA's allocated and reserved bytes and the tracked
+        storages on the GPU (when CUDA is in use), else this process's resident anonymous
+        memory (RSS less file pages)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            return {"allocated": allocated, "reserved": reserved, "tracked": self.current_cuda}
         fields: dict[str, int] = {}
         with open("/proc/self/status") as f:
             for line in f:
