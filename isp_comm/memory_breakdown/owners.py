@@ -10,9 +10,11 @@ a pair in flight is not there, but it was when the breakdown attached, and a sto
 keeps its part); the outer unit's gathered region (``BlockEngine._root_region``) and
 the outer parameters' casts (``BlockEngine._outer_cast``); the whole-gradient buckets
 (``GradientReducer._buckets``) and the gradients stashed between micro-steps
-(``GradientReducer._stash``). These are private names of other modules: a rename there
-leaves a buffer to the breakdown's ``other`` line, which its tests bound (2% of the
-peak), so it cannot go unseen.
+(``GradientReducer._stash``); the CPU shared-memory backend's segments
+(``SymmCpuBackend._groups``: control, scratch, the peers' buffers). These are private
+names of other modules: a rename there leaves a buffer to a part named by when it was
+made, or to ``other``, which the breakdown's tests bound (2% of the peak) beside
+lines the forecast counts to the byte, so it cannot go unseen.
 """
 
 from __future__ import annotations
@@ -66,6 +68,29 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield "all-reduce buffers", bucket.flat
     for t in getattr(reducer, "_stash", {}).values():
         yield "replicated grads", t
+    yield from shared_memory_parts(comm.backend)
+
+
+SHARED = "shared memory"
+"""The parts of mapped shared-memory segments: named when an operator has touched
+them (the tracker then counts them), never counted for merely existing."""
+
+
+def shared_memory_parts(backend: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The CPU shared-memory backend's segments (``SymmCpuBackend._groups``): every
+    group's control and scratch segments, and the peers' segments of its symmetric
+    buffers (this rank's own are the pool's), as the forecast names them."""
+    for g in getattr(backend, "_groups", {}).values():
+        if g is None:
+            continue
+        for seg in [g.ctrl, *g.scratch]:
+            yield f"{SHARED}: collective scratch", seg.bytes
+        if g.acc is not None:
+            yield f"{SHARED}: collective scratch", g.acc
+        for _base, _nbytes, segments in g.buffers:
+            for r, seg in enumerate(segments):
+                if r != g.me:
+                    yield f"{SHARED}: peers' pool pages", seg.bytes
 
 
 def model_parts(model: nn.Module, sharded: set[int]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from isp_comm.memory_breakdown.cuda import allocator_now
-from isp_comm.memory_breakdown.owners import owned_parts
+from isp_comm.memory_breakdown.owners import SHARED, owned_parts
 from isp_comm.memory_breakdown.parts import OTHER
 from isp_comm.memory_breakdown.result import Breakdown, PhasePeak
 
@@ -169,7 +169,10 @@ class MemoryBreakdown(TorchDispatchMode):
         for part, t in owned_parts(self._comm, self._optimizers, self._model):
             if t.device.type == "meta":
                 continue
-            info = self._note(t, part, OWNER)
+            if part.startswith(SHARED):  # named when touched, not counted for existing
+                info = self._known.get(t.untyped_storage())
+            else:
+                info = self._note(t, part, OWNER)
             if info is not None and id(info) not in seen and info.source < OWNER:
                 info.part, info.source = part, OWNER
             if info is not None:
