@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
 from isp_comm.planner.calibrate import calibrate  # noqa: E402
+from isp_comm.planner.profile import describe_noise  # noqa: E402
 
 
 def summary(prof) -> str:
@@ -47,6 +48,10 @@ def summary(prof) -> str:
         rows.append([f"runtime memory beyond the forecast ({k})", f"{v / 2**20:.1f} MiB"])
     for k, v in prof.transient_share.items():
         rows.append([f"share of the step's transient tensors beyond the forecast ({k})", f"{100 * v:.1f}%"])
+    if prof.noise:
+        verdict = "steady" if prof.noise["steady"] else "noisy (isp-train --plan would not cache it)"
+        rows.append(["noise: speed probes, steps of a run, the large run repeated", describe_noise(prof.noise)])
+        rows.append(["noise: verdict", verdict])
     return markdown_table(["what", "measured"], rows, "lr")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -11,6 +13,13 @@ from isp_comm.backends.shm import pid_alive
 # isp-train --plan calibrates this machine on first use (a minute of timing runs): the
 # tests plan on the nominal cpu target instead (tests/test_planner.py sets its own).
 os.environ.setdefault("ISP_COMM_PLAN_CALIBRATE", "0")
+# A test that calibrates writes into a folder of the session's, never into the user's
+# cache (isp_comm/planner/profile.py: cache_dir); a test may give its own.
+CACHE_DIR = os.environ["ISP_COMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="isp-comm-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 def _segments() -> set[str]:

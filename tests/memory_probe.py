@@ -48,6 +48,9 @@ class Point:
     hidden: int = 256
     layers: int = 4
     vocab: int = 4096
+    heads: int = 8
+    kv_heads: int = 2
+    ffn: int = 0  # 0: hidden x 8 / 3
 
     def label(self) -> str:
         knobs = [f"w{self.world} wp{self.wp} sp{self.sp}", self.model, self.optimizer]
@@ -70,10 +73,10 @@ def build_model(pt: Point):
             cfg = Qwen2Config(
                 vocab_size=pt.vocab,
                 hidden_size=pt.hidden,
-                intermediate_size=pt.hidden * 8 // 3,
+                intermediate_size=pt.ffn or pt.hidden * 8 // 3,
                 num_hidden_layers=pt.layers,
-                num_attention_heads=8,
-                num_key_value_heads=2,
+                num_attention_heads=pt.heads,
+                num_key_value_heads=pt.kv_heads,
                 tie_word_embeddings=False,
                 attn_implementation="sdpa",
             )
@@ -82,8 +85,8 @@ def build_model(pt: Point):
 
         return build(
             LlamaConfig(
-                vocab_size=pt.vocab, hidden=pt.hidden, ffn_hidden=pt.hidden * 8 // 3, n_layers=pt.layers, n_heads=8,
-                n_kv_heads=2,
+                vocab_size=pt.vocab, hidden=pt.hidden, ffn_hidden=pt.ffn or pt.hidden * 8 // 3, n_layers=pt.layers,
+                n_heads=pt.heads, n_kv_heads=pt.kv_heads, max_seq_len=max(pt.seq, 2048),
             )
         )  # fmt: skip
 
@@ -233,3 +236,65 @@ def measure(pt: Point, device: str = "cpu", timeout_s: float = 600.0) -> list[di
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's glibc
     with tempfile.TemporaryDirectory(prefix="isp-forecast-") as folder:
         return run_ranks(_measure, pt.world, pt, folder, device, timeout_s=timeout_s)
+
+
+def breakdown_steps(model, comm, opt, pt: Point, rank_seed: int, steps: int = 2, device: str = "cpu"):
+    """Train ``steps`` steps of ``pt``'s batch under a :class:`MemoryBreakdown` attached
+    to ``comm`` and ``opt`` (the peaks from the second step on: the steady state the
+    forecast describes); its result. The loop holds the logits until the backward ends
+    and frees them before clipping and the step, as the forecast assumes."""
+    import torch
+
+    from isp_comm.memory_breakdown import MemoryBreakdown
+
+    tracker = MemoryBreakdown()
+    dp_rank, per = rank_seed, pt.batch // (pt.world // pt.sp)
+    g = torch.Generator().manual_seed(dp_rank)
+    sp_rank = comm.groups.sp_rank
+    lo, hi = sp_rank * pt.seq // pt.sp, (sp_rank + 1) * pt.seq // pt.sp
+    positions = torch.arange(lo, hi, device=device)
+    with tracker:
+        tracker.attach(comm, opt)
+        for step in range(steps):
+            if step == 1:
+                tracker.reset_peaks()
+            x = torch.randint(0, pt.vocab, (per, pt.seq + 1), generator=g)[:, lo : hi + 1].to(device)
+            if pt.model == "qwen2":
+                logits = model(input_ids=x[:, :-1], position_ids=positions[None], use_cache=False).logits
+            else:
+                logits = model(x[:, :-1], position_ids=positions)
+            loss = comm.cross_entropy(logits.float(), x[:, 1:])
+            loss.backward()
+            del logits, loss
+            comm.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    return tracker.result()
+
+
+def _breakdown_rank(rank: int, world: int, pt: Point) -> dict:
+    import torch
+
+    from isp_comm import ISPCommunicator, ParallelGroups
+
+    torch.set_num_threads(1)
+    groups = ParallelGroups.create(wp_size=pt.wp, sp_size=pt.sp)
+    model = build_model(pt)
+    comm = ISPCommunicator(model, groups, isp_config(pt))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if pt.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-4)
+    else:
+        opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9 if pt.optimizer == "sgd_momentum" else 0.0)
+    try:
+        return breakdown_steps(model, comm, opt, pt, groups.rank // pt.sp).as_dict()
+    finally:
+        comm.close()
+
+
+def measure_breakdown(pt: Point, timeout_s: float = 300.0) -> list:
+    """Every rank's :class:`~isp_comm.memory_breakdown.Breakdown` of ``pt`` (two steps)."""
+    from isp_comm.memory_breakdown import Breakdown
+    from isp_comm.testing import run_ranks
+
+    return [Breakdown(**d) for d in run_ranks(_breakdown_rank, pt.world, pt, timeout_s=timeout_s)]

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "isp_comm"  # this checkout's sourc
 LAYERS = (
     "isp_comm",  # the library core: every module not in a layer below
     "isp_comm.memory_forecast",
+    "isp_comm.memory_breakdown",
     "isp_comm.__init__",  # the public names: they re-export the core and the forecast
     "isp_comm.planner",
     "isp_comm.train",

@@ -222,10 +222,10 @@ def test_profile_file_round_trip(tmp_path) -> None:
         profiles.load(str(tmp_path / "bad.json"))
 
 
-def _plan(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _plan(*flags: str, env: dict | None = None, timeout: float = 100) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *flags]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ISP_COMM_PLAN_CALIBRATE": "0", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.timeout(120)
@@ -238,7 +238,7 @@ def test_plan_target_works_without_cuda() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.strip().splitlines()
     assert "world 16" in lines[0] and "h100x8, 2 nodes" in lines[0]
-    assert any(line.startswith("| cuBLAS workspace |") for line in lines)
+    assert any(line.startswith("| workspace: cuBLAS |") for line in lines)
     assert any("NCCL buffers" in line for line in lines)
     out = json.loads(lines[-1])
     assert list(out) == [*(ph for ph in PHASES if ph != "evaluate"), "step_s", "tokens_per_s"]
@@ -280,22 +280,27 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)  # up to four calibrations (two attempts each) on a busy machine
 def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:
     """The first --plan without --target calibrates (world 1 here) and caches the
-    profile; the second reads the cache. How long calibrating takes is measured by
-    bench/calibrate.py, not judged here."""
+    profile when it is steady; the second reads the cache. A noisy one (a busy
+    machine) is kept beside the cache, not in it, and the second plan measures again.
+    How long calibrating takes is measured by bench/calibrate.py, not judged here."""
     env = {"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path)}
-    res = _plan("--layers", "2", env=env)
+    res = _plan("--layers", "2", env=env, timeout=500)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "calibrating this machine once" in res.stderr
-    cached = os.listdir(tmp_path)
-    assert len(cached) == 1
-    prof = profiles.load(str(tmp_path / cached[0]))
+    (cached,) = [f for f in os.listdir(tmp_path) if not f.endswith(".lock")]
+    prof = profiles.load(str(tmp_path / cached))
     assert prof.host_step_s and prof.runtime_bytes and "single" in prof.transient_share
-    again = _plan("--layers", "2", env=env)
-    assert again.returncode == 0 and "calibrating" not in again.stderr, again.stderr[-2000:]
-    assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
+    assert cached.endswith(".noisy.json") != prof.noise["steady"]
+    again = _plan("--layers", "2", env=env, timeout=500)
+    assert again.returncode == 0, again.stderr[-2000:]
+    if prof.noise["steady"]:
+        assert "calibrating" not in again.stderr, again.stderr[-2000:]
+        assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
+    else:
+        assert "calibrating this machine once" in again.stderr and "not cached" in res.stderr
 
 
 @pytest.mark.slow

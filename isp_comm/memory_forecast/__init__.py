@@ -39,14 +39,17 @@ beyond its own pool: its chunk of every peer's landing and reduce-scatter buffer
 the scratch of collectives that do not run on the pool (:func:`.pool.shared_pages`).
 
 Modelled, not traced: the loss (logits held by the loop, their fp32 copy and
-log-softmax, and two fp32 logits-sized tensors in its backward), the activation
-gradients inside a block's backward (two hidden states and the block's largest saved
-tensor), and the optimizer's temporaries (torch's for-each AdamW on CUDA: one
-``sqrt`` of every second moment; the per-parameter one on CPU: the largest one's
-sqrt and quotient).
+log-softmax; in its backward, the backward's highest moment, three fp32
+logits-sized tensors, two for the vocab-parallel loss: [Note: the loss's backward]),
+the activation gradients inside a block's backward (two hidden states and the
+block's largest saved tensor), and the optimizer's temporaries (torch's for-each
+AdamW on CUDA: one ``sqrt`` of every second moment; the per-parameter one on CPU: the
+largest one's sqrt and quotient).
+On CUDA, the allocator also serves two cuBLAS workspaces from the first backward on,
+which no tensor holds ([Note: cuBLAS's workspaces], :func:`.weights.cuda_runtime`).
 On CPU, two parts are measured constants rather than counts: what gloo and the bf16
 kernels keep outside tensors (:func:`.weights.cpu_runtime`). ``bench/forecast.py`` measures how
-close this comes.
+close this comes; ``isp_comm.memory_breakdown`` measures each part beside its line.
 
 [Note: the package]
 One module per thing modelled, each importing only the ones above it:

@@ -114,14 +114,25 @@ def _twins(blocks: list[nn.Module]) -> dict[int, int]:
     return twin_of
 
 
-def loss_bytes(traced: Traced) -> tuple[int, int, int]:
+def loss_bytes(traced: Traced, vocab_parallel: bool = False) -> tuple[int, int, int]:
     """Modelled, not traced: the loss's bytes in forward (logits held by the loop,
-    their fp32 copy and log-softmax) and in backward (held logits, then log-softmax's
-    output and its gradient), and the logits alone."""
+    their fp32 copy and log-softmax) and in backward, and the logits alone.
+
+    [Note: the loss's backward]
+    ``cross_entropy(logits.float(), labels)`` is a log-softmax and an NLL. Its backward
+    begins with NLL's gradient, a logits-sized fp32 tensor; log-softmax's backward then
+    reads it and log-softmax's saved output to write its own: the held logits and three
+    fp32 logits-sized tensors at once, the backward's highest moment (measured by the
+    breakdown to the byte, tests/test_memory_breakdown.py; issue 55's outside review
+    read the same from the code). Nothing of the model's backward has run then: no
+    weight gradient of this step exists yet. The vocab-parallel loss
+    (``isp_comm/vocab_parallel.py``, on this rank's vocabulary shard) saves its softmax
+    and writes the gradient from it: the held logits and two fp32 shard-sized tensors
+    (measured the same way)."""
     numel, dtype = traced.logits
     logits, logits_f32 = numel * dtype.itemsize, numel * 4
     loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
-    return loss_fwd, logits + 2 * logits_f32, logits
+    return loss_fwd, logits + (2 if vocab_parallel else 3) * logits_f32, logits
 
 
 def meta_copy(

@@ -15,7 +15,7 @@ from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
 from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan, shared_pages
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
-from isp_comm.memory_forecast.weights import Weights, cpu_runtime, master_bytes, unit_layouts, weights
+from isp_comm.memory_forecast.weights import Weights, cpu_runtime, cuda_runtime, master_bytes, unit_layouts, weights
 from isp_comm.memory_pool import MemoryPlan
 
 
@@ -50,6 +50,7 @@ def forecast(
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     memo: dict | None = None,
     evaluate: bool = False,
+    cuda_workspace: int | None = None,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
 
@@ -64,18 +65,16 @@ def forecast(
     the model (default: transformers models with ``use_cache=False``, else
     ``model(input_ids)``); ``memo``: a dict kept across calls on the same model, which
     reuses its layouts and traces (the planner's search forecasts many layouts);
-    ``evaluate``: the run validates (``--eval-every``): an ``evaluate`` phase."""
+    ``evaluate``: the run validates (``--eval-every``): an ``evaluate`` phase;
+    ``cuda_workspace``: on CUDA, the bytes of one cuBLAS workspace (default: as torch
+    sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`)."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
     _validate(model, world, wp, sp, batch, seq, optimizer, memo)
     memo["on meta"] = True
     block_list = list(find_blocks(model) if blocks is None else blocks)
-    key, (layouts, replicated) = _layouts(model, block_list, config, head, world, wp, memo)
-    wkey = (*key, "weights", optimizer)
-    if wkey not in memo:
-        memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype)
-    w = memo[wkey]
+    layouts, w = _layouts_and_weights(model, block_list, config, head, world, wp, optimizer, memo)
     plan = pool_plan(layouts, config, wp)
     shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
     n_ckpt = round(config.activation_checkpointing * len(block_list))
@@ -94,13 +93,14 @@ def forecast(
         "optimizer state": w.opt_state,
         "all-reduce buffers": allreduce,
         "replica gather buffers": w.refresh,
+        **cuda_runtime(device, cuda_workspace),
         **cpu_runtime(device, world, config.param_dtype),
         **shared_pages(plan, layouts, config, device, (world, wp), sum(w.replicated_trainable)),
     }
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
-    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0)))
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
     staging = _checkpoints(phases, steady, w, device)
@@ -113,14 +113,28 @@ def forecast(
     )
 
 
-def _layouts(model: nn.Module, block_list: list[nn.Module], config: ISPConfig, head, world: int, wp: int, memo: dict):
-    """The units' layouts on rank 0 and the replicated parameters (kept in ``memo``), and their key."""
+def _layouts_and_weights(
+    model: nn.Module,
+    block_list: list,
+    config: ISPConfig,
+    head: nn.Module | None,
+    world: int,
+    wp: int,
+    optimizer: str,
+    memo: dict,
+) -> tuple[list, Weights]:
+    """Every unit's layout on rank 0 (with pieces when the state is sharded over the
+    world) and the weights' parts, kept in ``memo``."""
     replicas = world // wp if config.state_sharding == "world" else 1
     key = ("layouts", wp, replicas, config.shard_outer_params, config.vocab_parallel, config.param_dtype)
     key += (config.reduce_dtype,)
     if key not in memo:
         memo[key] = unit_layouts(model, block_list, config, head, wp, replicas)
-    return key, memo[key]
+    layouts, replicated = memo[key]
+    wkey = (*key, "weights", optimizer)
+    if wkey not in memo:
+        memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype)
+    return layouts, memo[wkey]
 
 
 def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) -> dict[str, int]:
@@ -164,15 +178,17 @@ def _step(
     n_ckpt: int,
     blocks: list[tuple[object, list[bool], int]],
     head_grad: int,
+    vocab_parallel: bool,
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
-    peak is the largest moment of the walk from the loss back to the embedding; at
-    block i it holds the gradient shards of the blocks after i (``blocks``: each
-    block's layout, trainable flags and gradient shard bytes) and of the vocab-parallel
-    head (``head_grad``), whose backward comes first."""
+    peak is the largest moment of the walk from the loss back to the embedding: the
+    loss's own backward ([Note: the loss's backward]; the vocab-parallel one with
+    ``vocab_parallel``), then at block i the gradient shards of the blocks after i
+    (``blocks``: each block's layout, trainable flags and gradient shard bytes) and of
+    the vocab-parallel head (``head_grad``), whose backward comes first."""
     step_parts = {**steady, "cast copies": w.casts, "outer gather": w.outer_gather}
-    loss_fwd, loss_bwd, logits = loss_bytes(traced)
+    loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
     act_label = f"activations ({n_ckpt}/{n} blocks checkpointed)" if n_ckpt else "activations"
     forward = {**step_parts, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
@@ -180,14 +196,7 @@ def _step(
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
-    moments = [
-        {
-            act_label: kept[-1] + traced.outer_saved,
-            "gradient shards": head_grad,
-            "logits and loss": loss_bwd,
-            "replicated grads": head_grads,
-        }
-    ]
+    moments = [{act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}]  # [Note: the loss's backward]
     for i, (lay, tr, _) in enumerate(blocks):
         moments.append(
             {

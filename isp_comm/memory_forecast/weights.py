@@ -2,13 +2,15 @@
 
 Read from the engine's own decisions: :func:`~isp_comm.discovery.unit_specs` says
 what each unit shards and :class:`~isp_comm.layout.BlockLayout` how large its flat
-shard is; what is left is replicated. Also the parts that are measured, not counted
-(memory a CPU rank's runtime keeps outside tensors).
+shard is; what is left is replicated. Also what a rank holds outside tensors: measured
+on CPU (its runtime's memory), read from torch's sources on CUDA (cuBLAS's workspaces).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Sequence
 
 import torch
@@ -159,3 +161,52 @@ def cpu_runtime(device: str, world: int, param_dtype: torch.dtype | None) -> dic
 def _trainable_bytes(layout: BlockLayout, trainable: list[bool]) -> list[int]:
     """Bytes of each trainable shard parameter (its valid rows) of a unit on rank 0."""
     return [sp.valid_rows * sp.inner * sp.dtype.itemsize for sp, t in zip(layout.params, trainable) if t]
+
+
+CUBLAS_HANDLES = 2
+"""cuBLAS workspaces a training process holds: see [Note: cuBLAS's workspaces]."""
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:
+    """Bytes of one cuBLAS workspace as torch sizes it: ``$CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KIB:COUNT`` pairs, summed) when set, else by the GPU's compute
+    capability: 32 MiB from Hopper (9.x) on, 8 MiB + 128 KiB before
+    (``parseChosenWorkspaceSize`` in ATen's ``CublasHandlePool.cpp``). ``capability``:
+    the GPU's (major, minor); ``None``: this machine's first GPU (Hopper's when none
+    is visible: the project's GPUs). A torch that reports its own size
+    (``torch.backends.cuda.cublas_workspace_size``) on a visible GPU is believed.
+
+    [Note: cuBLAS's workspaces]
+    torch gives every (cuBLAS handle, stream) pair a workspace of its own, allocated
+    through the caching allocator on the pair's first GEMM and kept for the process's
+    life (``setWorkspaceForHandle``: a map from (handle, stream) to a ``DataPtr``), so it
+    counts in ``max_memory_allocated`` but is no tensor. Handles are reserved per thread
+    (a thread-local pool window), and autograd runs a CUDA backward on a device thread
+    of its own: a training step's forward (the main thread, the current stream) and its
+    backward (autograd's thread, the same stream) hold two workspaces, 64 MiB on a
+    Hopper GPU, from the first backward on. The engine's side streams run copies and
+    collectives, no GEMM, and take none. On one H200 (torch 2.11, issue 55) the measured
+    peak stood 64.0-64.5 MiB above a forecast without them in every phase from the
+    optimizer's on, and 60-68 MiB in the forward and backward of the second step, at
+    three layouts (bench/results/gpu_h200_c960ce6/forecast_3.json); none in the wrap
+    phase, before any GEMM. Not counted: cuBLASLt's own workspace (1 MiB per pair,
+    where a GEMM goes through cuBLASLt and torch does not share cuBLAS's with it)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config and re.findall(r":(\d+):(\d+)", config):
+        return sum(int(size) * 1024 * int(count) for size, count in re.findall(r":(\d+):(\d+)", config))
+    if capability is None and torch.cuda.is_available():
+        reported = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+        if reported is not None:
+            return int(reported())
+        capability = torch.cuda.get_device_capability()
+    major = (capability or (9, 0))[0]
+    return 4096 * 8 * 1024 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def cuda_runtime(device: str, workspace: int | None) -> dict[str, int]:
+    """What a CUDA rank's allocator holds outside tensors from its first backward on:
+    :data:`CUBLAS_HANDLES` cuBLAS workspaces of ``workspace`` bytes (``None``: as torch
+    sizes them on this machine's GPU), see [Note: cuBLAS's workspaces]. Nothing on CPU."""
+    if device != "cuda":
+        return {}
+    return {"workspace: cuBLAS": CUBLAS_HANDLES * (cublas_workspace_bytes() if workspace is None else workspace)}

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from isp_comm.memory_forecast import PHASES
 from isp_comm.planner.memory import transient
-from isp_comm.planner.profile import COLLECTIVES, Link, Profile
+from isp_comm.planner.profile import COLLECTIVES, Link, Profile, describe_noise, launcher_free_env
 from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
 
@@ -104,15 +104,53 @@ def _cold(make: Callable[[], tuple], fn: Callable[..., object]) -> Callable[[], 
     return call
 
 
+PROBE_GEMM = 192
+"""The speed probe's GEMM size: 64 products of 192 x 192 in fp32 take a few ms on one
+thread of the project's CPU, over operands out of L2 (see :func:`probe`)."""
+
+
+def probe() -> float:
+    """Seconds of a fixed piece of work on one thread (GEMMs and element-wise operators
+    over 48 MiB): the machine's speed now. The best of five, so a single preemption
+    does not count; the calibration takes one between each of its stages, and a
+    machine whose probes disagree was not measured at one speed (see
+    [Note: a calibration's noise])."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        mats = [torch.randn(PROBE_GEMM, PROBE_GEMM, generator=g) for _ in range(64)]
+        big = torch.randn(4 * 2**20, generator=g)
+
+        def work() -> None:
+            for a, b in zip(mats, mats[1:]):
+                torch.mm(a, b)
+            torch.add(big, big).mul_(0.5)
+
+        work()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            work()
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _dispatch_s() -> float:
     a, b = torch.ones(1), torch.ones(1)
     return _time(lambda: torch.add(a, b), min_s=0.05)
 
 
-def _gemm(dtype: torch.dtype, op_s: float) -> list[list[float]]:
+GEMM_SIZES = [(16, 32, 32), (32, 64, 64), (64, 64, 192), (128, 128, 128), (256, 128, 352), (256, 256, 256),
+              (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]  # fmt: skip
+"""(m, k, n) of the GEMMs timed; a quick calibration times every third."""
+
+
+def _gemm(dtype: torch.dtype, op_s: float, quick: bool = False) -> list[list[float]]:
     curve = []
-    for m, k, n in [(16, 32, 32), (32, 64, 64), (64, 64, 192), (128, 128, 128), (256, 128, 352), (256, 256, 256),
-                    (512, 256, 704), (512, 512, 512), (1024, 512, 1376), (1024, 1024, 1024)]:  # fmt: skip
+    for m, k, n in GEMM_SIZES[::3] if quick else GEMM_SIZES:
         # the three layouts a linear's forward and backward use: x W^T, dy W, dy^T x
         layouts = [
             lambda m=m, k=k, n=n: (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)),
@@ -130,13 +168,14 @@ ATTENTION_HEAD_DIMS = {"fp32": (16, 32, 64, 128), "bf16": (64,)}
 its rate at other dims is taken as at 64), each at sequence lengths 32 to 1,024."""
 
 
-def _attention(name: str, dtype: torch.dtype, op_s: float) -> dict[str, list[list[float]]]:
+def _attention(name: str, dtype: torch.dtype, op_s: float, quick: bool = False) -> dict[str, list[list[float]]]:
     """Forward and backward FLOP/s by one head's FLOPs at each head dim (4 heads a call:
-    on one thread the heads run one after another, the rate is the same for 32)."""
+    on one thread the heads run one after another, the rate is the same for 32); a
+    quick calibration: head dim 64 alone, three sequence lengths."""
     curves: dict[str, list[list[float]]] = {}
-    for d in ATTENTION_HEAD_DIMS[name]:
+    for d in (64,) if quick else ATTENTION_HEAD_DIMS[name]:
         fwd, bwd = [], []
-        for s_len in (32, 64, 128, 256, 512, 1024):
+        for s_len in (32, 256, 1024) if quick else (32, 64, 128, 256, 512, 1024):
 
             def make(s_len=s_len, d=d):
                 return tuple(torch.randn(1, 4, s_len, d, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -160,9 +199,9 @@ def _attention(name: str, dtype: torch.dtype, op_s: float) -> dict[str, list[lis
     return curves
 
 
-def _elementwise(op_s: float) -> list[list[float]]:
+def _elementwise(op_s: float, quick: bool = False) -> list[list[float]]:
     curve = []
-    for k in range(10, 27, 2):  # 1 KiB .. 64 MiB per operand
+    for k in range(10, 27, 4 if quick else 2):  # 1 KiB .. 64 MiB per operand
         n = (1 << k) // 4
 
         def make(n=n):
@@ -297,21 +336,32 @@ def measure_run(flags: list[str], world: int, steps: int, out: str, timeout: flo
     (bench/plan_check.py and bench/plan_gpu.py measure their grids with it too)."""
     cmd = [sys.executable, "-m", "isp_comm.train", *flags, "--steps", str(steps), "--out", out, "--overwrite"]
     cmd += ["--nproc-per-node", str(world)] if world > 1 else []
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launcher_free_env(OMP_NUM_THREADS="1")  # see [Note: the calibration's own runs]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode:
         raise RuntimeError(f"isp-train {' '.join(flags)} failed: {res.stderr[-1500:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     peaks = {k: rows[-1][k] for k in ("peak_rss_mib", "peak_alloc_mib", "peak_reserved_mib") if k in rows[-1]}
-    return {"step_s": statistics.median(r["step_s"] for r in rows[2:]), **peaks}
+    steps = [r["step_s"] for r in rows[2:]]
+    return {"step_s": statistics.median(steps), "step_spread": spread(steps), **peaks}
+
+
+def spread(samples: Sequence[float]) -> float:
+    """How much ``samples`` disagree: their interquartile range over their median (0
+    for fewer than four). Robust to one slow step; a slow stretch of a quarter of them
+    or more shows."""
+    if len(samples) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
 
 
 def _plans(world: int, profile_path: str) -> list[dict]:
     """``isp-train --plan`` of each of :data:`RUNS` on a profile without host costs:
     the memory forecast (a fresh process each: its baseline is a run's) and the
     modelled phases. The plans run side by side: nothing in them is timed."""
-    procs, env = [], dict(os.environ, OMP_NUM_THREADS="1")
+    procs, env = [], launcher_free_env(OMP_NUM_THREADS="1")
     for run in RUNS:
         cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *_flags(world, *run), "--profile", profile_path]
         cmd += ["--nproc-per-node", str(world)]
@@ -352,7 +402,11 @@ def _transient_mib(lines: list[str]) -> float:
     return transient(phases)
 
 
-def tiny_runs(worlds: Sequence[int]) -> dict[int, list[dict]]:
+QUICK_STEPS = (10, 10, 8)
+"""Steps of each of :data:`RUNS` in a quick calibration."""
+
+
+def tiny_runs(worlds: Sequence[int], quick: bool = False) -> dict[int, list[dict]]:
     """The calibration model trained by isp-train at each world (:data:`RUNS`, for
     :data:`RUN_STEPS`). Run first, while this process is small: a child's peak RSS
     (``ru_maxrss``) starts from its parent's at the fork."""
@@ -361,9 +415,20 @@ def tiny_runs(worlds: Sequence[int]) -> dict[int, list[dict]]:
         for w in worlds:
             out[w] = [
                 measure_run(_flags(w, *r), w, steps, os.path.join(tmp, f"{w}-{i}"))
-                for i, (r, steps) in enumerate(zip(RUNS, RUN_STEPS))
+                for i, (r, steps) in enumerate(zip(RUNS, QUICK_STEPS if quick else RUN_STEPS))
             ]
         return out
+
+
+def large_again(worlds: Sequence[int]) -> dict[int, dict]:
+    """The large framework run (the last of :data:`RUNS`) again at each world, at the
+    end of a calibration: its step against the first one's says whether the machine
+    kept its speed (:func:`noise`); its RSS, inflated by this process's at the fork, is
+    not read. A quick calibration leaves it out."""
+    blocks, seq, per_rank = RUNS[-1]
+    steps = RUN_STEPS[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        return {w: measure_run(_flags(w, blocks, seq, per_rank), w, steps, os.path.join(tmp, str(w))) for w in worlds}
 
 
 def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
@@ -418,54 +483,118 @@ def framework(prof: Profile, runs: dict[int, list[dict]]) -> Profile:
     )
 
 
-def calibrate(worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = lambda _m: None) -> Profile:
-    """This machine's profile: micro-benchmarks in this process (one thread), the
-    collectives at 2 ranks when ``worlds`` holds one above 1, and the framework's
-    cost at each of ``worlds``."""
-    progress(f"framework: tiny isp-train runs at world {', '.join(map(str, worlds))}")
-    runs = tiny_runs(worlds)
+NOISE_LIMIT = 0.10
+"""The most a calibration's measurements may disagree with themselves and still be
+cached: the planner's goal for a step's median error is 10%, which a profile measured
+while the machine's speed moved by more cannot meet (see [Note: a calibration's noise])."""
+
+
+def noise(probes: Sequence[float], runs: dict[int, list[dict]], again: dict[int, dict]) -> dict:
+    """How noisy a calibration was, and whether it is steady enough to cache.
+
+    [Note: a calibration's noise]
+    A calibration is a minute of timings on a machine that other work may share: taken
+    while the machine was busy, one put every later prediction 43-77% long (issue 55).
+    Three figures say whether the machine kept one speed while it was measured, each
+    against :data:`NOISE_LIMIT`:
+
+    * ``probe_spread``: a fixed piece of work (:func:`probe`) timed between the stages
+      run in this process (after the framework runs, between the micro-benchmarks,
+      after the collectives, at the end): the slowest over the fastest, less 1;
+    * ``run_spread``: the largest interquartile range over median of the steps of any
+      framework run (:func:`spread`): a slow stretch inside a run;
+    * ``repeat_spread``: the large framework run, the one that solves how much slower
+      kernels run inside a step, run again at the end: how far its two medians lie
+      apart over the smaller one (a slow minute during one of them).
+
+    The probe cannot run before the framework runs: a child's peak RSS starts from
+    this process's at the fork, and the runs' RSS is measured (:func:`tiny_runs`).
+    What none of them sees: a machine busy for the whole calibration at one steady
+    load, which measures steadily slow."""
+    run_spread = max((r["step_spread"] for rs in runs.values() for r in rs), default=0.0)
+    repeat = [abs(a["step_s"] - runs[w][-1]["step_s"]) / min(a["step_s"], runs[w][-1]["step_s"])
+              for w, a in again.items()]  # fmt: skip
+    out = {
+        "probe_s": [round(p, 6) for p in probes],
+        "probe_spread": max(probes) / min(probes) - 1 if probes else 0.0,
+        "run_spread": run_spread,
+        "repeat_spread": max(repeat, default=0.0),
+        "limit": NOISE_LIMIT,
+    }
+    out["steady"] = max(out["probe_spread"], out["run_spread"], out["repeat_spread"]) <= NOISE_LIMIT
+    return out
+
+
+def _kernels(quick: bool, progress: Callable[[str], None], probes: list[float]) -> dict:
+    """The micro-benchmarks, one thread, a probe after each stage."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         op_s = _dispatch_s()
         progress(f"dispatch {op_s * 1e6:.1f} us per operator; GEMMs and attention")
-        gemm = {"fp32": _gemm(torch.float32, op_s), "bf16": _gemm(torch.bfloat16, op_s)}
-        attention = {**_attention("fp32", torch.float32, op_s), **_attention("bf16", torch.bfloat16, op_s)}
-        elementwise = _elementwise(op_s)
+        gemm = {"fp32": _gemm(torch.float32, op_s, quick), "bf16": _gemm(torch.bfloat16, op_s, quick)}
+        probes.append(probe())
+        attention = {
+            **_attention("fp32", torch.float32, op_s, quick),
+            **_attention("bf16", torch.bfloat16, op_s, quick),
+        }
+        probes.append(probe())
+        elementwise = _elementwise(op_s, quick)
         per_tensor, stream = _optimizer()
+        probes.append(probe())
     finally:
         torch.set_num_threads(threads)
+    return {"op_s": op_s, "gemm": gemm, "attention": attention, "elementwise": elementwise,
+            "optimizer": (per_tensor, stream)}  # fmt: skip
+
+
+def calibrate(
+    worlds: Sequence[int] = (1, 2), progress: Callable[[str], None] = lambda _m: None, *, quick: bool = False
+) -> Profile:
+    """This machine's profile: micro-benchmarks in this process (one thread), the
+    collectives at 2 ranks when ``worlds`` holds one above 1, and the framework's
+    cost at each of ``worlds``; its ``noise`` says how steady the machine was
+    (:func:`noise`). ``quick``: fewer sizes and steps (about half the time), a rougher
+    profile: for tests of what uses one, not for planning."""
+    progress(f"framework: tiny isp-train runs at world {', '.join(map(str, worlds))}")
+    runs = tiny_runs(worlds, quick)
+    probes = [probe()]  # not before the runs: see [Note: a calibration's noise]
+    k = _kernels(quick, progress, probes)
     cpu = TARGETS["cpu"]
     nominal = Link(latency_s=cpu.latency_intra_s, bytes_per_s=cpu.nvlink_bytes_per_s)
     collectives = {b: {"intra": dict.fromkeys(COLLECTIVES, nominal)} for b in ("symm", "torch")}
     if max(worlds) > 1:
         progress("collectives at 2 ranks (symm, torch)")
-        collectives = measure_collectives()
+        collectives = measure_collectives((1 << 14, 1 << 22) if quick else (1 << 14, 1 << 18, 1 << 22, 1 << 24))
+        probes.append(probe())
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     when = datetime.date.today().isoformat()
     prof = Profile(
         name="this machine",
         source=f"calibrated {when}: {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.backends.cpu.get_cpu_capability()}",
+        f"{torch.backends.cpu.get_cpu_capability()}" + (" (quick)" if quick else ""),
         device="cpu",
         per_node=1,
         nodes=1,
         memory_bytes=avail,
-        peak_flops={"fp32": max(r for _, r in gemm["fp32"]), "bf16": max(r for _, r in gemm["bf16"])},
-        gemm=gemm,
-        attention=attention,
-        elementwise=elementwise,
-        op_host_s=op_s,
+        peak_flops={"fp32": max(r for _, r in k["gemm"]["fp32"]), "bf16": max(r for _, r in k["gemm"]["bf16"])},
+        gemm=k["gemm"],
+        attention=k["attention"],
+        elementwise=k["elementwise"],
+        op_host_s=k["op_s"],
         op_device_s=0.0,
-        optimizer_bytes_per_s=stream,
-        optimizer_tensor_s=per_tensor,
+        optimizer_bytes_per_s=k["optimizer"][1],
+        optimizer_tensor_s=k["optimizer"][0],
         collectives=collectives,
         default_backend="symm",
         overlap=False,
     )
-    progress("framework: the model of the same runs")
-    return framework(prof, runs)
+    progress("framework: the model of the same runs" + ("" if quick else "; the large run again"))
+    prof = framework(prof, runs)
+    again = {} if quick else large_again(worlds)
+    probes.append(probe())
+    return dataclasses.replace(prof, noise=noise(probes, runs, again))
 
 
 def main() -> None:
@@ -476,8 +605,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="measure this machine into a planner profile")
     ap.add_argument("--profile", required=True, help="where to write the profile")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--attempts", type=int, default=ATTEMPTS, help="calibrations at most, until one is steady")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and steps: a rough profile (tests)")
     args = ap.parse_args()
-    calibrate(worlds=tuple(args.worlds)).save(args.profile)
+    steady_calibration(tuple(args.worlds), args.attempts, args.quick, print).save(args.profile)
+
+
+ATTEMPTS = 2
+"""Calibrations ``isp-train --plan`` runs at most until one is steady (:func:`noise`):
+a second costs another minute and a half; a third rarely helps where two in a row
+were noisy (the machine is busy, not unlucky)."""
+
+
+def steady_calibration(
+    worlds: Sequence[int], attempts: int, quick: bool, progress: Callable[[str], None] = lambda _m: None
+) -> Profile:
+    """Calibrate until a profile is steady, at most ``attempts`` times; the least noisy
+    one (its ``noise`` says whether it is steady, and how many attempts it took)."""
+    best: Profile | None = None
+    for attempt in range(1, max(attempts, 1) + 1):
+        prof = calibrate(worlds, progress, quick=quick)
+        prof = dataclasses.replace(prof, noise={**prof.noise, "attempt": attempt})
+        if best is None or _worst(prof) < _worst(best):
+            best = prof
+        if prof.noise["steady"]:
+            break
+        progress(f"calibration {attempt} was noisy ({describe_noise(prof.noise)})")
+    assert best is not None
+    return best
+
+
+def _worst(prof: Profile) -> float:
+    return max(prof.noise[k] for k in ("probe_spread", "run_spread", "repeat_spread"))
 
 
 if __name__ == "__main__":

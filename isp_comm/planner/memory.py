@@ -9,8 +9,8 @@ what must fit, holds more:
   calibration (code pages of the kernels run, the data, the loop's threads), and a
   calibrated share of the step's transient tensors (what the allocator keeps of
   memory freed inside the step, and temporaries the forecast does not count);
-* on CUDA, the reported figures are ``max_memory_allocated`` (the forecast, with
-  cuBLAS's workspace, which the caching allocator serves) and
+* on CUDA, the reported figures are ``max_memory_allocated`` (the forecast, whose
+  cuBLAS workspaces the caching allocator serves: the profile's size, two of them) and
   ``max_memory_reserved`` (allocated plus the allocator's rounding and
   fragmentation); the device also holds the CUDA context, NCCL's buffers and, with
   the nvshmem backend, NVSHMEM's symmetric heap (the forecast's, as isp-comm sizes
@@ -100,10 +100,6 @@ def device_memory(
         fc = dataclasses.replace(fc, phases=phases)
         peak = max(fc.peak(ph) for ph in fc.names()) + baseline
         return DeviceMemory(fc, baseline, peak, peak + fc.shm_bytes // max(prof.per_node, 1), {}, capacity)
-    workspace = prof.cuda.get("workspace", 0)
-    ws = {"cuBLAS workspace": workspace}
-    phases = {ph: (parts if ph == "wrap" else {**parts, **ws}) for ph, parts in fc.phases.items()}
-    fc = dataclasses.replace(fc, phases=phases)
     allocated = max(fc.peak(ph) for ph in fc.names())
     outside = {
         "allocator rounding and fragmentation (modelled, 5%)": int(FRAGMENTATION * allocated),

@@ -12,12 +12,17 @@ known target's published figures (:func:`from_target`), or measured on this mach
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import socket
+import time
+from collections.abc import Iterator
 from typing import Literal
 
+from isp_comm.memory_forecast.weights import cublas_workspace_bytes
 from isp_comm.planner.targets import NCCL_CURVE_IB, NCCL_CURVE_NVLINK, Cluster
 
 Curve = list[list[float]]
@@ -128,6 +133,12 @@ class Profile:
     cuda: dict[str, int] = dataclasses.field(default_factory=dict)
     """CUDA: modelled parts outside the forecast's tensors: ``context`` (the CUDA
     context), ``workspace`` (cuBLAS), ``nccl_per_communicator`` (NCCL's buffers)."""
+    noise: dict = dataclasses.field(default_factory=dict)
+    """A calibration's: how much its measurements disagreed with themselves
+    (``probe_spread``, ``run_spread``, ``repeat_spread``), the ``limit``, whether it is
+    ``steady`` (all within it; only a steady one is cached) and the ``attempt`` it took
+    (see [Note: a calibration's noise] in ``isp_comm/planner/calibrate.py``); empty
+    for a target's published figures."""
 
     @property
     def world(self) -> int:
@@ -212,7 +223,8 @@ def from_target(cluster: Cluster) -> Profile:
     if t.device == "cuda":
         cuda = {
             "context": 600 * 2**20,  # CUDA context and torch's kernels: ~0.5-0.7 GiB on Hopper (not allocated)
-            "workspace": 32 * 2**20,  # cuBLAS workspace torch allocates per stream on sm90 (4 MiB x 8)
+            # one cuBLAS workspace, as torch sizes it for the GPU (a step holds two: the forecast's)
+            "workspace": cublas_workspace_bytes(t.compute_capability),
             # NCCL_BUFFSIZE (4 MiB) x 2 directions x 16 channels, per communicator
             "nccl_per_communicator": 128 * 2**20,
         }
@@ -249,10 +261,11 @@ def cache_dir() -> str:
     return os.path.join(base, "isp-comm")
 
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """Part of a cached profile's name: a calibration that measures more, or better, gets a
 new one (2: ``transient_share``; 3: attention by head and head dim; 4: the cheap
-framework runs over 30 steps), so an older cache is not read in its place."""
+framework runs over 30 steps; 5: its ``noise``, and only steady ones cached), so an
+older cache is not read in its place."""
 
 
 def machine_key(local_world: int) -> str:
@@ -265,20 +278,158 @@ def machine_key(local_world: int) -> str:
     return f"cpu-{os.cpu_count()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}-v{PROFILE_VERSION}.json"
 
 
-def cached(local_world: int, progress=print) -> Profile:
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+"""What torchrun (torch's elastic agent) gives each rank it starts, with every
+``TORCHELASTIC_*`` variable: see [Note: the calibration's own runs]."""
+
+
+def launcher_free_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the variables a launcher gave it, plus ``extra``.
+
+    [Note: the calibration's own runs]
+    The calibration trains the calibration model with ``isp-train`` in processes of its
+    own. Started from a rank of ``torchrun --nproc-per-node 4 -m isp_comm.train
+    --plan``, those processes inherited the rank's ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE`` and ``MASTER_PORT``: each believed it was that rank of the outer
+    job (``LOCAL_RANK`` set: no launch of its own) and joined the outer job's store, or
+    refused its layout and left with status 2; the plan on a rank other than 0 then
+    left with status 2 and no message (only rank 0 prints). The calibration's runs are
+    jobs of their own: they start from an environment without the launcher's
+    variables."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env.update(extra)
+    return env
+
+
+def describe_noise(n: dict) -> str:
+    """A calibration's noise in words (its figures against the limit)."""
+    return (
+        f"speed probes {100 * n['probe_spread']:.0f}% apart, steps of a run {100 * n['run_spread']:.0f}%, "
+        f"the large run repeated {100 * n['repeat_spread']:.0f}%; the limit is {100 * n['limit']:.0f}%"
+    )
+
+
+CALIBRATION_WAIT_ENV = "ISP_COMM_CALIBRATION_WAIT_S"
+"""How long a process waits for another one calibrating this machine before it gives
+up with a message (default :data:`CALIBRATION_WAIT_S`)."""
+CALIBRATION_WAIT_S = 1500.0
+"""Longer than a calibration may take: its process is stopped after
+``CALIBRATION_TIMEOUT_S`` per attempt, two attempts at most."""
+CALIBRATION_TIMEOUT_S = 600.0
+"""The most one calibration attempt may take before it counts as failed."""
+
+
+def cached(local_world: int, progress=print, *, recalibrate: bool = False, quick: bool = False) -> Profile:
     """This machine's profile for ``local_world`` ranks: from the cache, or calibrated
-    now (under a minute) and cached."""
-    path = os.path.join(cache_dir(), machine_key(local_world))
-    if os.path.exists(path):
-        return load(path)
+    now and cached when steady; ``recalibrate``: measured again whatever the cache
+    holds; ``quick``: a rough profile (:func:`~isp_comm.planner.calibrate.calibrate`),
+    cached under a name of its own.
+
+    [Note: one process calibrates]
+    Every rank of ``torchrun --nproc-per-node 4 -m isp_comm.train --plan`` asks for
+    the profile at once. One calibration must run, not four on the same cores (each
+    would time the others' work): the first process to take the cache entry's lock
+    (``flock`` on ``NAME.lock`` beside it, let go when its holder exits, however it
+    exits) calibrates; the others wait for the lock, at most
+    ``$ISP_COMM_CALIBRATION_WAIT_S`` seconds (then a ``ValueError`` naming the holder),
+    and read what it measured: a profile written after they began to wait is theirs,
+    cached or noisy, ``recalibrate`` or not. A noisy calibration (not ``steady``, see
+    [Note: a calibration's noise]) is not cached: it is kept beside the cache as
+    ``NAME.noisy.json`` for the processes waiting on it and for ``--profile``; the next
+    ``--plan`` measures again."""
+    name = machine_key(local_world).removesuffix(".json") + ("-quick" if quick else "")
+    path = os.path.join(cache_dir(), name + ".json")
+    noisy = os.path.join(cache_dir(), name + ".noisy.json")
+    os.makedirs(cache_dir(), exist_ok=True)
+    since = time.time()
+    with _calibration_lock(path + ".lock", progress):
+        for fresh in (path, noisy):  # measured while this process waited: by and for the same job
+            if os.path.exists(fresh) and os.path.getmtime(fresh) >= since:
+                return load(fresh)
+        if os.path.exists(path) and not recalibrate:
+            return load(path)
+        return _calibrate_into(path, noisy, local_world, quick, progress)
+
+
+def _calibrate_into(path: str, noisy: str, local_world: int, quick: bool, progress) -> Profile:
+    """Calibrate in a process of its own (this one's RSS is the plan's baseline),
+    without a launcher's variables (see [Note: the calibration's own runs]); cache the
+    profile when steady, else keep it as ``noisy``."""
     import subprocess
     import sys
 
-    progress(f"isp-train --plan: calibrating this machine once (under a minute); cached in {path}")
-    # in a process of its own: this one's RSS is the plan's baseline
-    cmd = [sys.executable, "-m", "isp_comm.planner.calibrate", "--profile", path]
+    verb = "calibrating this machine again" if os.path.exists(path) else "calibrating this machine once"
+    progress(f"isp-train --plan: {verb} (a minute or two); cached in {path} if steady")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cmd = [sys.executable, "-m", "isp_comm.planner.calibrate", "--profile", tmp]
     cmd += ["--worlds", "2" if local_world > 1 else "1"]  # the runs this plan reads
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd += ["--quick"] if quick else []
+    attempts = 2
+    try:
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=attempts * CALIBRATION_TIMEOUT_S, env=launcher_free_env()
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ValueError(f"calibrating this machine took over {exc.timeout:.0f} s and was stopped") from exc
     if res.returncode:
         raise ValueError(f"calibrating this machine failed: {res.stderr.strip()[-1500:]}")
-    return load(path)
+    return keep(tmp, path, noisy, progress)
+
+
+def keep(measured: str, path: str, noisy: str, progress) -> Profile:
+    """A calibration just written to ``measured``: moved into the cache (``path``)
+    when steady, else kept as ``noisy`` beside it and not cached (see [Note: one
+    process calibrates])."""
+    prof = load(measured)
+    if prof.noise.get("steady", True):
+        os.replace(measured, path)
+        if os.path.exists(noisy):
+            os.remove(noisy)
+        return prof
+    os.replace(measured, noisy)
+    progress(
+        f"isp-train --plan: this machine's speed moved while it was measured ({describe_noise(prof.noise)}), "
+        f"in {prof.noise.get('attempt', 1)} attempt(s): not cached; this plan uses the least noisy one, kept in "
+        f"{noisy} (--profile {noisy} plans on it again); plan on a quieter machine, or give --target"
+    )
+    return prof
+
+
+@contextlib.contextmanager
+def _calibration_lock(lock_path: str, progress) -> Iterator[None]:
+    """Hold ``lock_path`` (an exclusive ``flock``), waiting at most
+    ``$ISP_COMM_CALIBRATION_WAIT_S`` for another process to let go (see [Note: one
+    process calibrates])."""
+    import fcntl
+
+    wait_s = float(os.environ.get(CALIBRATION_WAIT_ENV) or CALIBRATION_WAIT_S)
+    with open(lock_path, "a+") as f:
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                if time.monotonic() >= deadline:
+                    raise ValueError(
+                        f"--plan: {holder} has been calibrating this machine for over {wait_s:.0f} s (lock "
+                        f"{lock_path}); wait for it and plan again, or give --profile FILE or --target"
+                    ) from None
+                if not told and os.environ.get("RANK", "0") == "0":
+                    progress(f"isp-train --plan: waiting for {holder}, calibrating this machine (lock {lock_path})")
+                    told = True
+                time.sleep(0.2)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"process {os.getpid()} on {socket.gethostname()}")
+            f.flush()
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)

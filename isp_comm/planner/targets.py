@@ -82,6 +82,9 @@ class Target:
     """Host time to issue one eager operator (the CPU side of a kernel launch)."""
     op_device_s: float
     """A kernel's smallest time on the device."""
+    compute_capability: tuple[int, int] = (0, 0)
+    """CUDA's (major, minor) of the GPU: what sizes cuBLAS's workspace
+    (:func:`isp_comm.memory_forecast.weights.cublas_workspace_bytes`)."""
 
 
 _H100 = Target(
@@ -101,6 +104,7 @@ _H100 = Target(
     latency_inter_s=15e-6,
     op_host_s=8e-6,  # eager PyTorch dispatch + cudaLaunchKernel, per operator
     op_device_s=3e-6,
+    compute_capability=(9, 0),  # Hopper
 )
 TARGETS: dict[str, Target] = {
     "h100": _H100,
@@ -127,6 +131,7 @@ TARGETS: dict[str, Target] = {
         latency_inter_s=20e-6,
         op_host_s=8e-6,
         op_device_s=3e-6,
+        compute_capability=(8, 0),  # Ampere
     ),
     "b200": Target(
         name="b200",
@@ -145,6 +150,7 @@ TARGETS: dict[str, Target] = {
         latency_inter_s=15e-6,
         op_host_s=8e-6,
         op_device_s=3e-6,
+        compute_capability=(10, 0),  # Blackwell
     ),
     "cpu": Target(
         # A nominal CPU host, one rank per core and one thread each (not this machine:

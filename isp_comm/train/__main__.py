@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         try:
             plan(cfg, world)
         except ValueError as exc:
-            fail(str(exc))
+            fail(str(exc), every_rank=True)
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
     world = (cfg.nproc_per_node * cfg.nnodes) if launching else int(os.environ.get("WORLD_SIZE", "1"))

@@ -180,6 +180,10 @@ class TrainConfig:
     profile: str = ""
     """With --plan: a profile file (bench/calibrate.py writes one) instead of this
     machine's cached calibration."""
+    recalibrate: bool = False
+    """With --plan: measure this machine again (a minute or two) and replace its cached
+    calibration when the new one is steady (a calibration taken on a busy machine
+    misleads every later plan)."""
     virtual_world: int = 0
     """Train as one rank of a job of this many ranks, on this one process (torch's
     fake process group): the layout flags apply to it, the batch per rank is the
@@ -284,6 +288,10 @@ class TrainConfig:
             )
         if self.target and self.profile:
             raise ValueError("--target and --profile: give one (a profile file already describes its device)")
+        if self.recalibrate and (not self.plan or self.target or self.profile):
+            raise ValueError(
+                "--recalibrate measures this machine for --plan: give it with --plan, without --target or --profile"
+            )
         if self.nodes > 1 and not self.target:
             raise ValueError("--nodes needs --target (the nodes of that kind)")
         if self.target:
@@ -341,12 +349,17 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, every_rank: bool = False) -> NoReturn:
     """Exit 2 with one line, printed by rank 0. The other ranks leave a moment later,
-    so that torchrun, which stops the job at the first failed rank, lets rank 0 print."""
-    if os.environ.get("RANK", "0") == "0":
+    so that torchrun, which stops the job at the first failed rank, lets rank 0 print.
+    ``every_rank``: a rank other than 0 prints too, naming itself (what failed there
+    may not fail on rank 0: ``--plan``'s ranks work alone, without a process group)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"isp-train: error: {message}", file=sys.stderr, flush=True)
     else:
+        if every_rank:
+            print(f"isp-train: error: rank {rank}: {message}", file=sys.stderr, flush=True)
         time.sleep(1.0)
     raise SystemExit(2)
 

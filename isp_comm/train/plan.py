@@ -25,7 +25,9 @@ from isp_comm.train.sources import load_tokens
 
 CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
 """``0``: --plan without --target or --profile does not calibrate this machine; it
-uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute)."""
+uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute).
+``quick``: it calibrates with fewer sizes and steps, a rough profile cached under a
+name of its own (tests of the calibration's coordination)."""
 NOT_FLAGS = {"plan", "target", "nodes", "profile", "search", "nproc_per_node", "nnodes", "rdzv_endpoint"}
 LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_sharding", "batch", "grad_accum"}
 
@@ -53,7 +55,9 @@ def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, in
     elif os.environ.get(CALIBRATE_ENV) == "0":
         prof = dataclasses.replace(profiles.from_target(parse_target("cpu")), name="this machine (nominal cpu)")
     else:
-        prof = profiles.cached(local, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        quick = os.environ.get(CALIBRATE_ENV) == "quick"
+        progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        prof = profiles.cached(local, progress, recalibrate=cfg.recalibrate, quick=quick)
     if prof.device == "cpu":
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -96,6 +100,7 @@ class _Planner:
         fc = forecast(
             self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
             local_world=prof.per_node, blocks=blocks, memo=self.memo, evaluate=bool(c.eval_every),
+            cuda_workspace=prof.cuda.get("workspace"),
         )  # fmt: skip
         return planner_memory.device_memory(
             fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes
@@ -161,8 +166,12 @@ def _search(cfg: TrainConfig, planner: _Planner) -> None:
 def plan(cfg: TrainConfig, world: int) -> None:
     """``--plan``: the forecast table for these flags on the planning profile's device,
     the predicted step, with ``--search`` the fastest layouts, then one JSON line
-    (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``)."""
+    (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``). Under a
+    launcher (``torchrun --nproc-per-node N``) every rank waits for the profile (one
+    of them calibrates: [Note: one process calibrates]) and rank 0 alone prints."""
     prof, world = planning_profile(cfg, world)
+    if os.environ.get("RANK", "0") != "0":
+        return
     device = torch.device(prof.device)
     if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
         vocab, tok_dir = 0, ""

@@ -1,0 +1,130 @@
+"""Which part of the forecast each tensor that an ``ISPCommunicator``, its model and its
+optimizer own belongs to: read from the objects themselves, not guessed from sizes.
+
+[Note: what the breakdown reads of the engine]
+The engine's buffers are found where the engine keeps them: every unit's
+``flat_shard`` and its shards' ``.grad`` (one flat buffer per unit, [Note: grad
+aliasing]); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
+``_staging``, ``_send``) and the free reduce-scatter pairs (``ReduceScatterBuffers._free``:
+a pair in flight is not there, but it was when the breakdown attached, and a storage
+keeps its part); the outer unit's gathered region (``BlockEngine._root_region``) and
+the outer parameters' casts (``BlockEngine._outer_cast``); the whole-gradient buckets
+(``GradientReducer._buckets``) and the gradients stashed between micro-steps
+(``GradientReducer._stash``); the CPU shared-memory backend's segments
+(``SymmCpuBackend._groups``: control, scratch, the peers' buffers). These are private
+names of other modules: a rename there leaves a buffer to a part named by when it was
+made, or to ``other``, which the breakdown's tests bound (2% of the peak) beside
+lines the forecast counts to the byte, so it cannot go unseen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(part, tensor) of every buffer ``comm`` (an ``ISPCommunicator``) holds now (see
+    [Note: what the breakdown reads of the engine])."""
+    for unit in comm.sharded_units:
+        yield "master shards", unit.flat_shard
+        for shard in unit.shards:
+            if shard.grad is not None:
+                yield "gradient shards", shard.grad
+    pool = comm.pool
+    for part, buffers in (
+        ("pool slots and landing", getattr(pool, "_slots", {})),
+        ("pool slots and landing", getattr(pool, "_staging", {})),
+        ("pool slots and landing", getattr(pool, "_send", {})),
+        ("reduce-scatter buffers", getattr(comm.rs_buffers, "_free", {})),
+    ):
+        for t in _tensors(buffers):
+            yield part, t
+    engine = comm.engine
+    region = getattr(engine, "_root_region", None)
+    if region is not None:
+        yield "outer gather", region
+    for rp, _master in getattr(engine, "_outer_cast", None) or []:
+        cast = rp.module._parameters.get(rp.name)
+        if cast is not None:
+            yield "cast copies", cast
+    reducer = engine.reducer
+    for bucket in getattr(reducer, "_buckets", []):
+        if bucket.flat is not None:
+            yield "all-reduce buffers", bucket.flat
+    for t in getattr(reducer, "_stash", {}).values():
+        yield "replicated grads", t
+    yield from shared_memory_parts(comm.backend)
+
+
+SHARED = "shared memory"
+"""The parts of mapped shared-memory segments: named when an operator has touched
+them (the tracker then counts them), never counted for merely existing."""
+
+
+def shared_memory_parts(backend: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The CPU shared-memory backend's segments (``SymmCpuBackend._groups``): every
+    group's control and scratch segments, and the peers' segments of its symmetric
+    buffers (this rank's own are the pool's), as the forecast names them."""
+    for g in getattr(backend, "_groups", {}).values():
+        if g is None:
+            continue
+        for seg in [g.ctrl, *g.scratch]:
+            yield f"{SHARED}: collective scratch", seg.bytes
+        if g.acc is not None:
+            yield f"{SHARED}: collective scratch", g.acc
+        for _base, _nbytes, segments in g.buffers:
+            for r, seg in enumerate(segments):
+                if r != g.me:
+                    yield f"{SHARED}: peers' pool pages", seg.bytes
+
+
+def model_parts(model: nn.Module, sharded: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(part, tensor) of the model's parameters that are not shards (``sharded``: the
+    ids of the units' shard parameters) and of their gradients, and of its buffers;
+    what stands in a parameter's place during a forward (a cast, a gathered view) is
+    the communicator's."""
+    for p in model.parameters():
+        if id(p) in sharded or not p.is_leaf:  # not a leaf: a cast or a gathered view, standing in for a forward
+            continue
+        yield "replicated params", p
+        if p.grad is not None:
+            yield "replicated grads", p.grad
+    for b in model.buffers():
+        yield "replicated params", b
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(part, tensor) of the optimizer's state (AdamW's moments and steps, momenta)."""
+    for state in optimizer.state.values():
+        for t in _tensors(state):
+            yield "optimizer state", t
+
+
+def owned_parts(
+    comm: Any, optimizers: list[torch.optim.Optimizer], model: nn.Module | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every owned tensor's part: the communicator's buffers first (a shard's storage is
+    a master shard, not a replicated parameter), then the model's, then the optimizers'."""
+    sharded: set[int] = set()
+    if comm is not None:
+        sharded = {id(s) for unit in comm.sharded_units for s in unit.shards}
+        yield from communicator_parts(comm)
+    if model is not None:
+        yield from model_parts(model, sharded)
+    for opt in optimizers:
+        yield from optimizer_parts(opt)

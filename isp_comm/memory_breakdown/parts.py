@@ -1,0 +1,42 @@
+"""The breakdown's lines: the memory forecast's parts, and the categories they add up to.
+
+A measured part has the name of the forecast's part it is compared with
+(``isp_comm/memory_forecast/phases.py``), so each line of the forecast has a measured
+line beside it. The categories group them the way a reader asks where a peak went.
+"""
+
+from __future__ import annotations
+
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "parameter shards": ("master shards", "replicated params", "one module materialised"),
+    "pool slots": ("pool slots and landing", "shared memory: peers' pool pages"),
+    "reduce-scatter buffers": ("reduce-scatter buffers",),
+    "gathered outside the pool": ("outer gather", "cast copies"),
+    "gradient buffers": ("gradient shards", "replicated grads", "all-reduce buffers", "block gradients (unsharded)"),
+    "optimizer state": ("optimizer state", "optimizer temporaries"),
+    "activations and checkpoints": ("activations", "activation gradients", "no_grad activations"),
+    "logits and loss": ("logits and loss",),
+    "checkpoint staging": ("checkpoint staging",),
+    "workspace": ("workspace", "runtime", "shared memory: collective scratch"),
+    "allocator slack": ("allocator",),
+    "other": ("other",),
+}
+"""Category -> the parts it holds (a part belongs to the first category one of whose
+names it starts with: ``activations (2/4 blocks checkpointed)`` is an activation)."""
+
+OTHER = "other"
+"""Tracked tensors no owner, hook or phase accounts for (the breakdown's tests bound it)."""
+
+
+def category(part: str) -> str:
+    """The category a part (the forecast's or a measured one) belongs to."""
+    for name, prefixes in CATEGORIES.items():
+        if part.startswith(prefixes):
+            return name
+    return OTHER
+
+
+def forecast_part(part: str) -> str:
+    """A forecast part's name as a measured line is named: without the annotations the
+    forecast adds (``activations (2/4 blocks checkpointed)`` -> ``activations``)."""
+    return part.split(" (", 1)[0] if part.startswith("activations (") else part

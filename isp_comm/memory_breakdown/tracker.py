@@ -1,0 +1,361 @@
+"""The tracker: every tensor storage created while it is active, the part each belongs
+to, and each phase's peak with what was alive at that moment.
+
+[Note: how a storage gets its part]
+A ``TorchDispatchMode`` sees the outputs of every operator, so every storage made by
+one (factories, kernels, autograd's gradients, the engine's buffers) is noted once, with
+its bytes (on CUDA rounded up to the caching allocator's 512-byte blocks), and dropped
+from the running total when it is freed (a weak reference). Three sources name its
+part, the stronger replacing the weaker:
+
+1. the moment it was made (weakest): in a forward inside the model, an activation; in
+   a forward outside it, or in backward before the model's output has its gradient, the
+   loss (``logits and loss``); in backward after it, an activation gradient (a
+   checkpointed block's recomputation included, as the forecast counts it); in the
+   optimizer phase, an optimizer temporary;
+2. a hook: the model's output and its gradient are the logits; the gradient of a block's
+   gathered weight (a hook on the gathered view while the block computes), and what
+   the engine makes of it while the node that receives it runs (its casts and packing
+   for the reduce-scatter), is a block's unsharded gradient;
+3. its owner (strongest, and final): the communicator's, the model's and the
+   optimizer's tensors, read from those objects (:mod:`.owners`) when the breakdown
+   attaches, when a forward begins and ends, when a backward ends and around the
+   optimizer's step, while they are alive.
+
+A phase's peak keeps the storages alive at that moment, not their parts: a gradient
+shard made in backward is named by its owner when the backward ends, and the peak
+inside that backward counts it under that name.
+
+[Note: phases]
+They follow the step by themselves: ``forward`` from the model's forward (with
+gradients; ``evaluate`` without) until a backward begins, ``backward`` until autograd
+has finished it (the engine's closing work included), ``optimizer`` while an
+optimizer's step runs, ``idle`` between them (clipping, ``zero_grad``, what the loop
+does); the forecast's phases are the same (its optimizer phase holds the gradients
+and the step's temporaries, not the loss the loop may still hold). ``wrap`` is the phase from
+entering the tracker to :meth:`MemoryBreakdown.attach`. ``with tracker.phase(name):``
+names any other stretch (``save``, ``load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from isp_comm.memory_breakdown.cuda import allocator_now
+from isp_comm.memory_breakdown.owners import SHARED, owned_parts
+from isp_comm.memory_breakdown.parts import OTHER
+from isp_comm.memory_breakdown.result import Breakdown, PhasePeak
+
+CONTEXT, HOOK, OWNER = 0, 1, 2
+"""How sure a storage's part is (see [Note: how a storage gets its part])."""
+GATHERED_NODE = "UnshardBlock"
+"""The autograd node whose backward receives a block's unsharded weight gradients and
+packs them for their reduce-scatter (``isp_comm/hooks/autograd.py``)."""
+CUDA_BLOCK = 512
+"""The CUDA caching allocator's smallest block and rounding (c10/cuda/CUDACachingAllocator.cpp)."""
+
+
+class _Storage:
+    """One tracked storage: its bytes and its part (see [Note: how a storage gets its part])."""
+
+    __slots__ = ("nbytes", "part", "ptr", "source")
+
+    def __init__(self, nbytes: int, part: str, source: int, ptr: int = 0) -> None:
+        self.nbytes, self.part, self.source, self.ptr = nbytes, part, source, ptr
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a (possibly nested, possibly ``ModelOutput``) structure."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _flat_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _flat_tensors(v)]
+    return []
+
+
+class MemoryBreakdown(TorchDispatchMode):
+    """Where every byte of a training step's peak goes, by the memory forecast's parts.
+
+    Usable around any loop that trains an ``ISPCommunicator``-wrapped model::
+
+        tracker = MemoryBreakdown()
+        with tracker:
+            comm = ISPCommunicator(model, groups, config)   # the wrap phase
+            optim = torch.optim.AdamW(model.parameters())
+            tracker.attach(comm, optim)
+            for batch in batches:
+                loss = comm.cross_entropy(model(batch.x), batch.y)
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+        print(tracker.result().table("backward"))
+
+    Entered after wrapping, :meth:`attach` counts what exists already. Each phase's peak
+    is the highest total of the tracked storages in it over every step tracked (call
+    :meth:`reset_peaks` after a warm-up step for the steady state); with it, what the
+    device held at that moment: CUDA's allocated and reserved bytes, or the process's
+    resident anonymous memory on CPU (see :class:`~.result.PhasePeak`). It slows eager
+    PyTorch (a Python call per operator); ``torch.compile``'d code is not seen inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.current_cuda = 0  # of which on a GPU (the allocator's figures are compared with it)
+        self.phase_name = "wrap"
+        self._peaks: dict[str, PhasePeak] = {}
+        self._live: dict[int, _Storage] = {}  # id of the weak reference -> storage
+        self._comm: Any = None
+        self._model: torch.nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._depth = 0  # the model's forward calls in progress
+        self._model_grad = False  # the backward reached the model's output
+        self._handles: list[Any] = []
+        self._baseline: tuple[int, dict[str, int]] = (0, {})
+        self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._entered = False
+
+    # ---- entering and attaching ------------------------------------------------------
+    def __enter__(self) -> MemoryBreakdown:
+        self._entered = True
+        self._handles += [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._entered = False
+        return super().__exit__(*exc)
+
+    def attach(
+        self, comm: Any = None, *optimizers: torch.optim.Optimizer, model: torch.nn.Module | None = None
+    ) -> None:
+        """Name the owners: ``comm`` (an ``ISPCommunicator``; its model is ``model``'s
+        default) and the optimizers. What they hold now is counted from here; the wrap
+        phase ends."""
+        self._comm, self._optimizers = comm, list(optimizers)
+        self._model = model if model is not None else getattr(comm, "model", None)
+        if self._model is not None:
+            self._handles += [
+                self._model.register_forward_pre_hook(self._model_pre),
+                self._model.register_forward_hook(self._model_post),
+            ]
+        for unit in getattr(comm, "units", []):
+            for module in {id(sp.module): sp.module for sp in unit.params}.values():
+                self._handles.append(module.register_forward_pre_hook(self._gathered_pre))
+        self.classify()
+        self._enter_phase("idle")
+        self._baseline = (self.current, self._device_now())
+
+    def classify(self) -> None:
+        """Name the owners' tensors alive now (see [Note: how a storage gets its part])."""
+        seen: set[int] = set()
+        for part, t in owned_parts(self._comm, self._optimizers, self._model):
+            if t.device.type == "meta":
+                continue
+            if part.startswith(SHARED):  # named when touched, not counted for existing
+                info = self._known.get(t.untyped_storage())
+            else:
+                info = self._note(t, part, OWNER)
+            if info is not None and id(info) not in seen and info.source < OWNER:
+                info.part, info.source = part, OWNER
+            if info is not None:
+                seen.add(id(info))
+
+    # ---- storages ---------------------------------------------------------------------
+    def _note(self, t: torch.Tensor, part: str, source: int) -> _Storage | None:
+        """The storage of ``t``, tracked from now if it was not (with ``part``)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
+            return None
+        info = self._known.get(st)
+        if info is not None:
+            return info
+        nbytes, ptr = st.nbytes(), 0
+        if t.device.type == "cuda":
+            nbytes, ptr = -(-max(nbytes, 1) // CUDA_BLOCK) * CUDA_BLOCK, st.data_ptr()
+        info = _Storage(nbytes, part, source, ptr)
+        self._known[st] = info
+        ref = weakref.ref(st, self._freed)
+        self._refs[id(ref)] = ref
+        self._live[id(ref)] = info
+        self.current += nbytes
+        self.current_cuda += nbytes if ptr else 0
+        return info
+
+    def _freed(self, ref: weakref.ref) -> None:
+        info = self._live.pop(id(ref), None)
+        self._refs.pop(id(ref), None)
+        if info is not None:
+            self.current -= info.nbytes
+            self.current_cuda -= info.nbytes if info.ptr else 0
+
+    def _context(self) -> str:
+        """The part of a storage made now (see [Note: how a storage gets its part])."""
+        ph = self.phase_name
+        if ph == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name().startswith(GATHERED_NODE):
+                return "block gradients (unsharded)"  # packed, cast, reduced: the engine's
+            return "activation gradients" if self._model_grad else "logits and loss"
+        if ph in ("forward", "evaluate"):
+            if self._depth == 0:
+                return "logits and loss"
+            return "activations" if ph == "forward" else "no_grad activations (one block)"
+        if ph == "optimizer":
+            return "optimizer temporaries"
+        if ph == "wrap":
+            return "one module materialised"
+        return OTHER
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.phase_name != "backward" and torch._C._current_graph_task_id() != -1:
+            self._enter_backward()
+        part, grew = None, False
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                before = self.current
+                self._note(t, part or (part := self._context()), CONTEXT)
+                grew |= self.current > before
+        if grew:
+            self._bump()
+        return out
+
+    # ---- phases ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count what happens inside as phase ``name`` (see [Note: phases])."""
+        before = self.phase_name
+        self._enter_phase(name)
+        try:
+            yield
+        finally:
+            self._enter_phase(before)
+
+    def _enter_phase(self, name: str) -> None:
+        self.phase_name = name
+        self._bump()
+
+    def _bump(self) -> None:
+        """A new peak of this phase (or of its moment, ``backward/loss`` before the
+        model's output has its gradient, ``backward/model`` after): keep what is alive,
+        and the device's figures."""
+        names = [self.phase_name]
+        if self.phase_name == "backward":
+            names.append("backward/model" if self._model_grad else "backward/loss")
+        alive = None
+        for name in names:
+            peak = self._peaks.get(name)
+            if peak is None or self.current > peak.tracked:
+                if alive is None:
+                    alive = ([(info, info.nbytes) for info in self._live.values()], self._device_now())
+                self._peaks[name] = PhasePeak(self.current, *alive)
+
+    def _device_now(self) -> dict[str, int]:
+        """What the device holds now: CUDA's allocated and reserved bytes and the tracked
+        storages on the GPU (when CUDA is in use), else this process's resident anonymous
+        memory (RSS less file pages)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            return {"allocated": allocated, "reserved": reserved, "tracked": self.current_cuda}
+        fields: dict[str, int] = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "RssFile:")):
+                    fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+        return {"rss": fields.get("VmRSS", 0) - fields.get("RssFile", 0)}
+
+    def reset_peaks(self) -> None:
+        """Forget the peaks so far (after a warm-up step: the steady state's, as the
+        forecast's); the current phase's peak starts from now."""
+        self._peaks.clear()
+        self._bump()
+
+    # ---- hooks -----------------------------------------------------------------------
+    def _model_pre(self, _module: torch.nn.Module, _args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self._depth == 0:
+            self._enter_phase("forward" if torch.is_grad_enabled() else "evaluate")
+            self.classify()  # the outer parameters' casts and gathered region
+        self._depth += 1
+
+    def _model_post(self, _module: torch.nn.Module, _args: Any, out: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._depth -= 1
+        for t in _flat_tensors(out):
+            info = self._note(t, "logits and loss", HOOK)
+            if info is not None and info.source < HOOK:
+                info.part, info.source = "logits and loss", HOOK
+            if t.requires_grad:
+                t.register_hook(self._logits_grad)
+        if self._depth == 0:
+            self.classify()
+
+    def _logits_grad(self, grad: torch.Tensor) -> None:
+        self._tag(grad, "logits and loss")
+        self._model_grad = True
+
+    def _gathered_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        """A module of a block computes with its gathered weights: their gradients are
+        the block's unsharded ones."""
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad and p.grad_fn is not None and p not in self._hooked:
+                self._hooked.add(p)  # a view the engine keeps across steps takes one hook
+                p.register_hook(lambda g: self._tag(g, "block gradients (unsharded)"))
+
+    def _tag(self, t: torch.Tensor, part: str) -> None:
+        info = self._note(t, part, HOOK)
+        if info is not None and info.source < HOOK:
+            info.part, info.source = part, HOOK
+
+    def _enter_backward(self) -> None:
+        self._model_grad = False
+        self._enter_phase("backward")
+        engine = torch.autograd.Variable._execution_engine
+        # queued now, it would run before the engine's own end-of-backward callback
+        # (queued later, when the first block's backward begins): it queues the real one
+        engine.queue_callback(lambda: engine.queue_callback(self._end_backward))
+
+    def _end_backward(self) -> None:
+        self.classify()
+        self._enter_phase("idle")
+
+    def _before_step(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if opt not in self._optimizers:
+            self._optimizers.append(opt)
+        self.classify()
+        self._enter_phase("optimizer")
+
+    def _after_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self.classify()
+        self._enter_phase("idle")
+
+    # ---- the result ------------------------------------------------------------------
+    def result(self) -> Breakdown:
+        """Each phase's peak by part (parts as they are named now), with the device's
+        figures at that moment and when the breakdown attached; on CUDA, what the
+        allocator holds now beyond the tracked tensors, by kind ([Note: untracked
+        blocks]: a snapshot of the allocator, taken here)."""
+        self.classify()
+        untracked = allocator_now({info.ptr for info in self._live.values() if info.ptr})
+        return Breakdown.of(self._peaks, self._baseline, untracked)
