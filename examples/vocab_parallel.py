@@ -13,7 +13,7 @@ comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), config)
 opt = torch.optim.AdamW(model.parameters())
 x = torch.randint(0, 1024, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
 logits = model(x[:, :-1])  # vocab-sharded: [wp, batch, seq, vocab / wp], full logits nowhere
-loss = comm.cross_entropy(logits, x[:, 1:])  # this rank's mean loss (F.cross_entropy when vocab_parallel is off)
+loss = comm.cross_entropy(logits, x[:, 1:])  # this rank's mean loss (in fp32, chunked, when vocab_parallel is off)
 loss.backward()
 opt.step()
 print(f"rank {dist.get_rank()}: logits {tuple(logits.shape)}, loss {loss.item():.3f}")

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
@@ -30,6 +29,7 @@ from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.layout import replica_collectives, replica_largest
+from isp_comm.loss import cross_entropy
 from isp_comm.memory_pool import (
     MemoryPlan,
     ReduceScatterBuffers,
@@ -284,14 +284,19 @@ class ISPCommunicator:
         g = self.groups
         return apply_sequence_parallel(self.model, g.sp_group, g.sp_size, self.backend, self.ctx)
 
-    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """This rank's mean cross-entropy over its own tokens: ``F.cross_entropy`` on
-        ordinary logits, the vocab-parallel loss on the head's vocab-sharded logits
-        when ``ISPConfig(vocab_parallel=True)``."""
-        if self.vocab_unit is None:  # in fp32 whatever the logits' dtype (see ISPConfig.param_dtype)
-            return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
+    def cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """This rank's cross-entropy over its own tokens (their mean, or ``"sum"``), in
+        fp32 whatever the logits' dtype (see ISPConfig.param_dtype): on ordinary logits
+        a chunked loss that never holds them in fp32 whole (:mod:`isp_comm.loss`: pass
+        the logits as the model gave them, not ``.float()``), the vocab-parallel loss on
+        the head's vocab-sharded logits when ``ISPConfig(vocab_parallel=True)``."""
+        if self.vocab_unit is None:
+            return cross_entropy(logits, labels, ignore_index, reduction)  # type: ignore[arg-type]
         wp_comm, vocab_start = self._vocab
-        return vocab_parallel_cross_entropy(logits, labels, wp_comm, vocab_start, ignore_index)
+        loss = vocab_parallel_cross_entropy(logits.float(), labels, wp_comm, vocab_start, ignore_index)
+        return loss if reduction == "mean" else loss * (labels != ignore_index).sum()
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # a fixed pool is allocated once, collectively: symmetric buffers the WP peers

@@ -177,7 +177,7 @@ def _measure(rank: int, world: int, pt: Point, folder: str, device: str) -> dict
             logits = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
         else:
             logits = model(ids, position_ids=positions)
-        loss = comm.cross_entropy(logits.float(), labels)
+        loss = comm.cross_entropy(logits, labels)
         out["forward"] = peak() - base
         reset()
         hook.before_backward()
@@ -196,7 +196,7 @@ def _measure(rank: int, world: int, pt: Point, folder: str, device: str) -> dict
             logits = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
         else:
             logits = model(ids, position_ids=positions)
-        comm.cross_entropy(logits.float(), labels)
+        comm.cross_entropy(logits, labels)
     out["evaluate"] = peak() - base
     del logits, dp
     state = {"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}
@@ -263,7 +263,7 @@ def breakdown_steps(model, comm, opt, pt: Point, rank_seed: int, steps: int = 2,
                 logits = model(input_ids=x[:, :-1], position_ids=positions[None], use_cache=False).logits
             else:
                 logits = model(x[:, :-1], position_ids=positions)
-            loss = comm.cross_entropy(logits.float(), x[:, 1:])
+            loss = comm.cross_entropy(logits, x[:, 1:])
             loss.backward()
             del logits, loss
             comm.clip_grad_norm_(1.0)

@@ -13,6 +13,7 @@ import torch
 
 import isp_comm
 from isp_comm import ISPConfig
+from isp_comm.loss import CHUNK_BYTES
 from isp_comm.memory_forecast import PHASES, forecast
 from isp_comm.train.metrics import proc_status_bytes, reset_peak_rss
 from models.llama import LlamaConfig, build
@@ -192,9 +193,10 @@ def test_cuda_forecast_counts_two_cublas_workspaces_from_the_first_backward(monk
     assert cublas_workspace_bytes((9, 0)) == (4096 * 8 + 16 * 8) * 1024
 
 
-def test_the_backward_peaks_in_the_loss_with_three_fp32_logits() -> None:
-    """[Note: the loss's backward]: with logits of 8192 x 128256 on a rank, the loss's
-    backward holds the bf16 logits and three fp32 ones (the outside review's 11.7 GiB);
+def test_the_backward_peaks_in_the_loss_with_its_gradient_and_two_fp32_chunks() -> None:
+    """[Note: the loss's backward]: with logits of 8192 x 128256 on a rank, the chunked
+    loss's backward holds the bf16 logits, their bf16 gradient and two fp32 chunks
+    (F.cross_entropy on their fp32 copy held three fp32 logits-sized tensors, 11.7 GiB);
     no gradient of the step exists then."""
     cfg = LlamaConfig(vocab_size=128256, hidden=256, ffn_hidden=512, n_layers=2, n_heads=4, n_kv_heads=2)
     with torch.device("meta"):
@@ -202,5 +204,5 @@ def test_the_backward_peaks_in_the_loss_with_three_fp32_logits() -> None:
     config = ISPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fc = forecast(model, config, 8, 8, 1, 8, 8192, device="cuda", cuda_workspace=0)
     back = fc.phases["backward"]
-    assert back["logits and loss"] == 8192 * 128256 * (2 + 3 * 4)
+    assert back["logits and loss"] == 8192 * 128256 * (2 + 2) + 2 * CHUNK_BYTES
     assert "replicated grads" not in back and "gradient shards" not in back

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from isp_comm.loss import CHUNK_BYTES
 from isp_comm.memory_breakdown import CATEGORIES, Breakdown, MemoryBreakdown, category
 from tests.memory_probe import Point, forecast_point, measure_breakdown
 
@@ -40,8 +41,10 @@ def _check(b: Breakdown, pt: Point) -> None:
     # per rank: the vocab-parallel head computes its vocabulary shard for the WP group's tokens
     logits = pt.batch // (pt.world // pt.sp) * pt.seq // pt.sp * pt.vocab
     held = logits * (2 if pt.bf16 else 4)  # the loop holds the logits; the loss backward adds fp32 ones:
-    fp32 = 2 if pt.vocab_parallel else 3  # [Note: the loss's backward]
-    want = held + fp32 * 4 * logits  # and a few per-token scalars (the vocab-parallel loss's maxima and sums)
+    # [Note: the loss's backward] two fp32 shard-sized tensors for the vocab-parallel loss; for the
+    # chunked loss the gradient in the logits' dtype and two fp32 chunks (here the whole logits)
+    want = held + (2 * 4 * logits if pt.vocab_parallel else held + 2 * 4 * min(logits, CHUNK_BYTES // 4))
+    # and a few per-token scalars (the vocab-parallel loss's maxima and sums, the chunked one's log-sum-exp)
     assert abs(b.phases["backward/loss"]["logits and loss"] - want) <= SCALARS + 0.01 * want, b.phases
     assert "allocator slack and runtime" in b.device["forward"]
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from isp_comm.loss import CHUNK_BYTES
+
 
 @dataclasses.dataclass
 class Traced:
@@ -32,8 +34,11 @@ class Traced:
 
 def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA on meta as a fused kernel keeps it: q, k, v, the output and the log-sum-exp
-    (meta's own dispatch would take the math path and keep the seq x seq scores)."""
-    if k.shape[-3] != q.shape[-3]:
+    (meta's own dispatch would take the math path and keep the seq x seq scores). With
+    ``enable_gqa`` the grouped KV heads go in as they are: the flash kernels (CPU and
+    CUDA) read each KV head for its group of query heads and keep no repeated copy;
+    without, they are repeated as the caller would have to."""
+    if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -41,7 +46,7 @@ def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 @contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
+def fused_attention() -> Iterator[None]:
     orig = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _flash_sdpa
     try:
@@ -115,24 +120,28 @@ def _twins(blocks: list[nn.Module]) -> dict[int, int]:
 
 
 def loss_bytes(traced: Traced, vocab_parallel: bool = False) -> tuple[int, int, int]:
-    """Modelled, not traced: the loss's bytes in forward (logits held by the loop,
-    their fp32 copy and log-softmax) and in backward, and the logits alone.
+    """Modelled, not traced: the loss's bytes in forward and in backward, and the
+    logits alone.
 
     [Note: the loss's backward]
-    ``cross_entropy(logits.float(), labels)`` is a log-softmax and an NLL. Its backward
-    begins with NLL's gradient, a logits-sized fp32 tensor; log-softmax's backward then
-    reads it and log-softmax's saved output to write its own: the held logits and three
-    fp32 logits-sized tensors at once, the backward's highest moment (measured by the
-    breakdown to the byte, tests/test_memory_breakdown.py; issue 55's outside review
-    read the same from the code). Nothing of the model's backward has run then: no
-    weight gradient of this step exists yet. The vocab-parallel loss
-    (``isp_comm/vocab_parallel.py``, on this rank's vocabulary shard) saves its softmax
-    and writes the gradient from it: the held logits and two fp32 shard-sized tensors
-    (measured the same way)."""
+    ``ISPCommunicator.cross_entropy`` on ordinary logits is the chunked loss of
+    :mod:`isp_comm.loss` ([Note: the loss's memory]), given the logits in their own
+    dtype as isp-train does: its forward holds the logits and a chunk's fp32 copy and
+    log-sum-exp scratch; its backward, the held logits, their gradient in their own
+    dtype and two fp32 chunks at a time (a chunk's copy and its difference from the
+    log-sum-exp, then that and its softmax). Nothing of the model's
+    backward has run then: no weight gradient of this step exists yet. The
+    vocab-parallel loss (``isp_comm/vocab_parallel.py``, on this rank's vocabulary
+    shard, in fp32) saves its softmax and writes the gradient from it: the held
+    logits, their fp32 copy in forward, and two fp32 shard-sized tensors in backward
+    (measured by the breakdown to the byte, tests/test_memory_breakdown.py)."""
     numel, dtype = traced.logits
     logits, logits_f32 = numel * dtype.itemsize, numel * 4
-    loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
-    return loss_fwd, logits + (2 if vocab_parallel else 3) * logits_f32, logits
+    if vocab_parallel:
+        loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
+        return loss_fwd, logits + 2 * logits_f32, logits
+    chunk = min(logits_f32, CHUNK_BYTES)
+    return logits + 2 * chunk, 2 * logits + 2 * chunk, logits
 
 
 def meta_copy(
@@ -205,7 +214,7 @@ def trace(
             b.forward = same_as(i)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
-        with _fused_attention(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
+        with fused_attention(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
             logits = (forward or _default_forward)(clone, ids)
     finally:
         for h in handles:

@@ -3,6 +3,7 @@ puts the weights, the activations and the pool together (see the package note)."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -81,7 +82,7 @@ def forecast(
     tkey = ("trace", batch // (world // sp), seq // sp, config.param_dtype)
     if tkey not in memo:
         memo[tkey] = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward, memo)
-    traced = memo[tkey]
+    traced = _vocab_parallel_input(memo[tkey], config, wp)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
     persistent = _persistent(plan, w, in_heap)
@@ -111,6 +112,15 @@ def forecast(
         activations_by_block=acts,
         device_heap_bytes=heap,
     )
+
+
+def _vocab_parallel_input(traced: Traced, config: ISPConfig, wp: int) -> Traced:
+    """The vocab-parallel head's input is the WP group's hidden states, gathered, which
+    its linear saves for backward: ``wp - 1`` more of them than the traced (unsharded)
+    head's this rank's alone (a hidden state is the size of a block's input)."""
+    if not (config.vocab_parallel and wp > 1 and traced.inputs):
+        return traced
+    return dataclasses.replace(traced, outer_saved=traced.outer_saved + (wp - 1) * traced.inputs[-1])
 
 
 def _layouts_and_weights(

@@ -12,9 +12,8 @@ same type and parameters as an earlier one is not run again: it does what that o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from isp_comm.memory_forecast.activations import (
     _default_forward,
-    _flash_sdpa,
     _no_value_reads,
     _twins,
+    fused_attention,
     meta_copy,
 )
 
@@ -159,26 +158,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _flash_sdpa_gqa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA on meta as the fused kernel runs it. With ``enable_gqa`` the grouped KV
-    heads go in as they are: the flash kernels (CPU and CUDA) read each KV head for
-    its group of query heads, and no repeated copy is made to be timed."""
-    if not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
-        return _flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return op(q, k, v, dropout_p, is_causal or attn_mask is None, scale=scale)[0]
-
-
-@contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
-    orig = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _flash_sdpa_gqa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = orig
-
-
 def trace_ops(
     model: nn.Module,
     block_list: list[nn.Module],
@@ -231,7 +210,7 @@ def trace_ops(
         handles.append(b.register_full_backward_hook(lambda _m, _gi, _go: rec.current.__setitem__(0, -1)))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
-        with _fused_attention(), _no_value_reads():
+        with fused_attention(), _no_value_reads():
             with rec:
                 logits = (forward or _default_forward)(clone, ids)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids.reshape(-1))

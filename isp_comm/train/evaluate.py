@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from isp_comm.train.batching import EvalSet
 from isp_comm.train.data import Micro, Step
@@ -44,17 +43,14 @@ def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool) -> torch.Tensor
 
 def token_sum(comm, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed cross entropy of this rank's targets that count (fp32)."""
-    if comm.vocab_unit is None:
-        flat = logits.flatten(0, -2).float()
-        return F.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return comm.cross_entropy(logits.float(), targets) * (targets != IGNORE).sum()
+    return comm.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
 
 
 def micro_loss(comm, logits: torch.Tensor, micro: Micro, step: Step, world: int) -> torch.Tensor:
     """The loss to differentiate for one micro-step: its share of the step's mean."""
     if step.n_targets is not None:  # packed (a step of one-token documents only has none)
         return token_sum(comm, logits, micro.targets) * (world / max(step.n_targets, 1))
-    return comm.cross_entropy(logits.float(), micro.targets) / len(step.micros)
+    return comm.cross_entropy(logits, micro.targets, ignore_index=IGNORE) / len(step.micros)
 
 
 def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, is_hf: bool) -> dict[str, float]:
