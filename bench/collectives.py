@@ -80,7 +80,7 @@ def main() -> None:
     sizes = [int(s * MIB) for s in args.sizes_mib]
     rows = []
     for world in args.worlds:
-        rows += run_ranks(_worker, world, sizes, args.reps, timeout_s=1800)[0]
+        rows += run_ranks(_worker, world, sizes, args.reps, timeout_s=1800, start="spawn")[0]
     ms = 1e3
     header = [
         "world", "MiB", "AG gloo ms", "AG symm ms", "AG symm buf ms", "AG gloo/symm buf",

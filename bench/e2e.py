@@ -157,7 +157,7 @@ def _param_types_worker(rank: int, world: int, layers: int, repeats: int) -> dic
 def param_types(args: argparse.Namespace) -> None:
     rows = []
     for world in args.worlds:
-        res = run_ranks(_param_types_worker, world, args.layers, args.repeats, timeout_s=3600)
+        res = run_ranks(_param_types_worker, world, args.layers, args.repeats, timeout_s=3600, start="spawn")
         plain = max(r["plain_s"] for r in res)
         dt = max(r["dtensor_s"] for r in res)
         rows.append({"world": world, "plain_s": plain, "dtensor_s": dt, "per_rank": res})
@@ -185,7 +185,7 @@ def main() -> None:
     for world in args.worlds:
         for kind in ("fsdp2", "fsdp2+symm", "isp:torch", "isp:symm", "isp:symm+outer"):
             progress(f"e2e: {kind} at world {world} ...")
-            res = run_ranks(_worker, world, kind, args.layers, args.steps, timeout_s=3600)
+            res = run_ranks(_worker, world, kind, args.layers, args.steps, timeout_s=3600, start="spawn")
             rows.append({"run": kind, "world": world, **res[0], "peak_rss_mib": max(r["peak_rss_mib"] for r in res)})
     w = args.warmup
     ref = rows[0]

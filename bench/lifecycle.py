@@ -244,8 +244,8 @@ def main() -> None:
             tmp = tempfile.mkdtemp(prefix="isp-lifecycle-")
             try:
                 path = os.path.join(tmp, "ckpt")
-                saved = run_ranks(_save_worker, world, kind, path, timeout_s=3600)
-                loaded = run_ranks(_load_worker, world, kind, path, timeout_s=3600)
+                saved = run_ranks(_save_worker, world, kind, path, timeout_s=3600, start="spawn")
+                loaded = run_ranks(_load_worker, world, kind, path, timeout_s=3600, start="spawn")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             peaks = {p: max(r[p] for r in saved + loaded if p in r) for p in PHASES}
@@ -280,7 +280,7 @@ def main_hf(args: argparse.Namespace) -> None:
         for repeat in range(args.repeats):
             for kind, world in runs:
                 dst = os.path.join(tmp, f"out-{kind}")
-                peaks = run_ranks(_hf_worker, world, kind, src, dst, timeout_s=3600)
+                peaks = run_ranks(_hf_worker, world, kind, src, dst, timeout_s=3600, start="spawn")
                 shutil.rmtree(dst, ignore_errors=True)
                 worst = {p: max(r[p] for r in peaks) for p in phases}
                 raw.append({"repeat": repeat, "run": kind, "world": world, **worst})

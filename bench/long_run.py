@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     add_out(ap)
     args = ap.parse_args()
-    rows = run_ranks(long_run_worker, args.world, args.steps, args.backend, timeout_s=3600)
+    rows = run_ranks(long_run_worker, args.world, args.steps, args.backend, timeout_s=3600, start="spawn")
     print(f"{args.steps} steps, world {args.world}, backend {args.backend}; RSS growth from step {WARMUP} to the end\n")
     print(
         "| rank | RSS at warm-up MiB | RSS at end MiB | growth | counters constant | max outstanding at step end "

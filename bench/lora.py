@@ -101,7 +101,7 @@ def main() -> None:
     raw = []
     for repeat in range(args.repeats):
         for system, tuning in RUNS:
-            res = run_ranks(_worker, args.world, system, tuning, args.steps, timeout_s=3600)
+            res = run_ranks(_worker, args.world, system, tuning, args.steps, timeout_s=3600, start="spawn")
             w = args.warmup
             row = {
                 "repeat": repeat,

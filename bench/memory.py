@@ -83,7 +83,9 @@ def main() -> None:
     rows = []
     for layers in args.layers:
         for pool in (True, False):
-            res = run_ranks(_worker, args.world, layers, pool, args.steps, args.seq, args.batch, timeout_s=1800)
+            res = run_ranks(
+                _worker, args.world, layers, pool, args.steps, args.seq, args.batch, timeout_s=1800, start="spawn"
+            )
             rows.append(max(res, key=lambda r: r["peak_rss"]))
     print(f"world {args.world}, seq {args.seq}, {args.batch} sequences/rank, AdamW; MiB per rank (max over ranks)\n")
     print(

@@ -61,7 +61,7 @@ def main() -> None:
     for sp in (1, WORLD):
         seq = args.start
         while seq <= args.max_seq:
-            res = run_ranks(_worker, WORLD, sp, seq, timeout_s=1800)
+            res = run_ranks(_worker, WORLD, sp, seq, timeout_s=1800, start="spawn")
             row = {**max(res, key=lambda r: r["peak_rss"]), "step_s": max(r["step_s"] for r in res)}
             row["fits"] = row["peak_rss"] <= args.budget_mib * MIB
             rows.append(row)

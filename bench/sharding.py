@@ -71,7 +71,7 @@ def main() -> None:
     rows = []
     for sharding in ("wp", "world"):
         pt = point(args.world, args.wp, sharding)
-        held = run_ranks(_tensors, args.world, pt, timeout_s=300)[0]
+        held = run_ranks(_tensors, args.world, pt, timeout_s=300, start="spawn")[0]
         fc = forecast_point(pt)
         runs = []
         for i in range(args.repeat):

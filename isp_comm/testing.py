@@ -20,13 +20,31 @@ from typing import Any
 
 import torch
 
+START_ENV = "ISP_COMM_RANKS_START"
+"""How :func:`run_ranks` starts its processes when the caller does not say:
+``spawn`` (the default) or ``forkserver`` (the test suite's, see [Note: how ranks start])."""
+START_METHODS = ("spawn", "forkserver")
+PRELOAD = ["torch", "torch.distributed", "isp_comm"]
+"""What a forkserver imports once, before it forks the ranks."""
+
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple, backend: str, gpu: int
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    store_path: str,
+    results: Any,
+    args: tuple,
+    backend: str,
+    gpu: int,
+    env: dict[str, str] | None = None,
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    if env is not None:  # a forked rank: the caller's environment now, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
@@ -62,18 +80,39 @@ def run_ranks(
     may_die: frozenset[int] = frozenset(),
     backend: str = "gloo",
     gpu: int = -1,
+    start: str | None = None,
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results.
 
     Ranks in ``may_die`` are allowed to exit without a result (fault-injection tests);
     their result is their exit code. ``backend="nccl"``: rank r on GPU r, or every
-    rank on GPU ``gpu`` when it is given (NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1)."""
-    ctx = mp.get_context("spawn")
+    rank on GPU ``gpu`` when it is given (NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1).
+    ``start``: ``"spawn"`` or ``"forkserver"``; by default ``$ISP_COMM_RANKS_START``,
+    else spawn.
+
+    [Note: how ranks start]
+    A spawned rank is a new interpreter that imports torch: 1.5-2 s of CPU a rank, 6 s
+    for four ranks on two cores, more than most tests' work. A forkserver imports torch
+    once (:data:`PRELOAD`) and forks every rank from it: 0.1 s for four. The suite runs
+    that way (tests/conftest.py). A forked rank gets the caller's environment as it is
+    now, but what a process reads only when it starts (glibc's ``MALLOC_*``, torch's
+    import-time settings) and its memory at start are the server's: a caller that
+    measures a fresh process's memory, or sets such a variable, says ``start="spawn"``,
+    as the planner's calibration and the benchmarks do."""
+    start = start or os.environ.get(START_ENV) or "spawn"
+    if start not in START_METHODS:
+        raise ValueError(f"run_ranks: start {start!r} is not one of {START_METHODS} (from ${START_ENV}?)")
+    ctx = mp.get_context(start)
+    env = None
+    if start == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+        env = dict(os.environ)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend, gpu)) for r in range(world)
+            ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend, gpu, env))
+            for r in range(world)
         ]
         for p in procs:
             p.start()

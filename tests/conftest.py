@@ -13,6 +13,10 @@ from isp_comm.backends.shm import pid_alive
 # isp-train --plan calibrates this machine on first use (a minute of timing runs): the
 # tests plan on the nominal cpu target instead (tests/test_planner.py sets its own).
 os.environ.setdefault("ISP_COMM_PLAN_CALIBRATE", "0")
+# Ranks fork from a server that imported torch once, not each a new interpreter: 0.1 s
+# for four ranks, not 6 (isp_comm/testing.py: [Note: how ranks start]). A test that
+# measures a fresh process's memory asks run_ranks for spawn.
+os.environ.setdefault("ISP_COMM_RANKS_START", "forkserver")
 # A test that calibrates writes into a folder of the session's, never into the user's
 # cache (isp_comm/planner/profile.py: cache_dir); a test may give its own.
 CACHE_DIR = os.environ["ISP_COMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="isp-comm-test-cache-")

@@ -235,7 +235,7 @@ def measure(pt: Point, device: str = "cpu", timeout_s: float = 600.0) -> list[di
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by each spawned rank's glibc
     with tempfile.TemporaryDirectory(prefix="isp-forecast-") as folder:
-        return run_ranks(_measure, pt.world, pt, folder, device, timeout_s=timeout_s)
+        return run_ranks(_measure, pt.world, pt, folder, device, timeout_s=timeout_s, start="spawn")
 
 
 def breakdown_steps(model, comm, opt, pt: Point, rank_seed: int, steps: int = 2, device: str = "cpu"):
@@ -297,4 +297,4 @@ def measure_breakdown(pt: Point, timeout_s: float = 300.0) -> list:
     from isp_comm.memory_breakdown import Breakdown
     from isp_comm.testing import run_ranks
 
-    return [Breakdown(**d) for d in run_ranks(_breakdown_rank, pt.world, pt, timeout_s=timeout_s)]
+    return [Breakdown(**d) for d in run_ranks(_breakdown_rank, pt.world, pt, timeout_s=timeout_s, start="spawn")]

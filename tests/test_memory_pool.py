@@ -161,7 +161,7 @@ def test_wrapping_frees_unsharded_weights(monkeypatch) -> None:
     # tests/memory_probe.py sets, makes every weight its own mapping, returned when freed:
     # what is measured is then whether isp-comm drops the full weights, not the heap's history.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by each spawned rank's glibc
-    for dropped, block_bytes, pool in run_ranks(_free_worker, 2, timeout_s=80):
+    for dropped, block_bytes, pool in run_ranks(_free_worker, 2, timeout_s=80, start="spawn"):
         # Each rank keeps 1/2 of the block linears as shards and gains the pool (two
         # slots, staging and reduce-scatter buffers of one block each), allocated
         # lazily by the OS until touched: RSS must drop by well over a third of the

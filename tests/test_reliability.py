@@ -175,20 +175,59 @@ def test_long_run_does_not_grow(backend: str) -> None:
 
 CLEAN_EXIT_RUNS = int(os.environ.get("ISP_CLEAN_EXIT_RUNS", "30"))
 """Runs of the clean-exit script per backend (slow tier: 30, see the README)."""
+UNDER_TORCHRUN = 3
+"""Of those, the runs under torchrun; the others start the four ranks as plain
+processes with torchrun's variables (its agent costs about 4 s a run on 2 cores, and
+a rank's teardown is the same without it)."""
+
+
+def _plain_ranks(script: str, args: list[str], world: int, timeout: float) -> list[tuple[int, str]]:
+    """``script`` on ``world`` plain processes meeting over env:// (no launcher):
+    each rank's exit code and stderr."""
+    env = {**os.environ, "PYTHONPATH": ".", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_library_script_exits_cleanly_every_time(backend: str) -> None:
-    """A user's script (wrap, train, async save, close, destroy, exit) under torchrun
-    at world 4 exits 0, run after run, with no abort in the interpreter's teardown."""
+    """A user's script (wrap, train, async save, close, destroy, exit) at world 4 exits
+    0, run after run, with no abort in the interpreter's teardown: the first runs under
+    torchrun, the rest as plain processes (:data:`UNDER_TORCHRUN`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += ["tests/scripts/clean_exit.py", backend]
     for i in range(CLEAN_EXIT_RUNS):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."})
-        assert res.returncode == 0, (i, res.stderr[-3000:])
-        assert "terminate called" not in res.stderr, (i, res.stderr[-3000:])
+        if i < UNDER_TORCHRUN:
+            res = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."}
+            )
+            ranks = [(res.returncode, res.stderr)]
+        else:
+            ranks = _plain_ranks("tests/scripts/clean_exit.py", [backend], 4, timeout=120)
+        for code, err in ranks:
+            assert code == 0, (i, err[-3000:])
+            assert "terminate called" not in err, (i, err[-3000:])
 
 
 BUSY_EXIT_RUNS = int(os.environ.get("ISP_BUSY_EXIT_RUNS", "4"))
@@ -201,20 +240,8 @@ def test_leaving_with_the_symm_worker_busy_does_not_abort() -> None:
     """See tests/scripts/busy_exit.py and [Note: the worker at interpreter exit]. Two
     plain processes (no launcher: its agent costs seconds per run)."""
     for i in range(BUSY_EXIT_RUNS):
-        env = {**os.environ, "PYTHONPATH": ".", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-        env["MASTER_PORT"] = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "tests/scripts/busy_exit.py"],
-                env={**env, "RANK": str(r)},
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            _, err = p.communicate(timeout=90)
-            assert p.returncode == 0 and "terminate called" not in err, (i, p.returncode, err[-3000:])
+        for code, err in _plain_ranks("tests/scripts/busy_exit.py", [], 2, timeout=90):
+            assert code == 0 and "terminate called" not in err, (i, code, err[-3000:])
 
 
 def free_port() -> int:

@@ -303,7 +303,7 @@ def measure_collectives(sizes: Sequence[int] = (1 << 14, 1 << 18, 1 << 22, 1 << 
     """Both CPU backends at 2 ranks, fitted per collective."""
     from isp_comm.testing import run_ranks
 
-    raw = run_ranks(_collectives_rank, 2, list(sizes), timeout_s=120.0)
+    raw = run_ranks(_collectives_rank, 2, list(sizes), timeout_s=120.0, start="spawn")
     merged = {b: {op: [[s, max(a, c)] for (s, a), (_, c) in zip(raw[0][b][op], raw[1][b][op])] for op in COLLECTIVES}
               for b in raw[0]}  # fmt: skip
     return {b: {"intra": {op: _fit(pts, op, 2) for op, pts in ops.items()}} for b, ops in merged.items()}
