@@ -72,6 +72,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context(start: str | None) -> tuple[Any, dict[str, str] | None]:
+    """The multiprocessing context that starts the ranks, and the environment a forked
+    rank takes on (``None`` for spawn, whose ranks inherit it).
+
+    [Note: how ranks start]
+    A spawned rank is a new interpreter that imports torch: 1.5-2 s of CPU a rank, 6 s
+    for four ranks on two cores, more than most tests' work. A forkserver imports torch
+    once (:data:`PRELOAD`) and forks every rank from it: 0.1 s for four. The suite runs
+    that way (tests/conftest.py). A forked rank gets the caller's environment as it is
+    now, but what a process reads only when it starts (glibc's ``MALLOC_*``, torch's
+    import-time settings) and its memory at start are the server's: a caller that
+    measures a fresh process's memory, or sets such a variable, says ``start="spawn"``,
+    as the planner's calibration and the benchmarks do."""
+    start = start or os.environ.get(START_ENV) or "spawn"
+    if start not in START_METHODS:
+        raise ValueError(f"run_ranks: start {start!r} is not one of {START_METHODS} (from ${START_ENV}?)")
+    ctx = mp.get_context(start)
+    if start == "spawn":
+        return ctx, None
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx, dict(os.environ)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -88,25 +111,8 @@ def run_ranks(
     their result is their exit code. ``backend="nccl"``: rank r on GPU r, or every
     rank on GPU ``gpu`` when it is given (NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1).
     ``start``: ``"spawn"`` or ``"forkserver"``; by default ``$ISP_COMM_RANKS_START``,
-    else spawn.
-
-    [Note: how ranks start]
-    A spawned rank is a new interpreter that imports torch: 1.5-2 s of CPU a rank, 6 s
-    for four ranks on two cores, more than most tests' work. A forkserver imports torch
-    once (:data:`PRELOAD`) and forks every rank from it: 0.1 s for four. The suite runs
-    that way (tests/conftest.py). A forked rank gets the caller's environment as it is
-    now, but what a process reads only when it starts (glibc's ``MALLOC_*``, torch's
-    import-time settings) and its memory at start are the server's: a caller that
-    measures a fresh process's memory, or sets such a variable, says ``start="spawn"``,
-    as the planner's calibration and the benchmarks do."""
-    start = start or os.environ.get(START_ENV) or "spawn"
-    if start not in START_METHODS:
-        raise ValueError(f"run_ranks: start {start!r} is not one of {START_METHODS} (from ${START_ENV}?)")
-    ctx = mp.get_context(start)
-    env = None
-    if start == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
-        env = dict(os.environ)
+    else spawn (see :func:`_context`)."""
+    ctx, env = _context(start)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
