@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 
 from isp_comm import ISPCommTimeout
 from isp_comm.backends.shm import Segment, segment_name, stale_segments
-from isp_comm.testing import run_ranks
+from isp_comm.testing import free_port, run_ranks
 from tests.parity import Case, batches, loss_fn, train_isp
 
 DEADLINE = 4.0
@@ -242,12 +241,6 @@ def test_leaving_with_the_symm_worker_busy_does_not_abort() -> None:
     for i in range(BUSY_EXIT_RUNS):
         for code, err in _plain_ranks("tests/scripts/busy_exit.py", [], 2, timeout=90):
             assert code == 0 and "terminate called" not in err, (i, code, err[-3000:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cut_short_worker(rank: int, world: int) -> dict:
