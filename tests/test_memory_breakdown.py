@@ -130,3 +130,43 @@ def test_the_cuda_device_lines_are_the_allocators_figures_beyond_the_gpus_tracke
     b = Breakdown.of({"backward": peak}, (0, {}), {"workspace: cuBLAS": 64})
     assert b.device["backward"] == {"workspace and untracked": 92, "allocator slack": 50}
     assert "of the untracked, at the end: workspace: cuBLAS" in b.table("backward")
+
+
+@pytest.mark.timeout(240)
+def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) -> None:
+    """isp-train --memory-breakdown on 2 ranks, with grad accumulation and evaluation:
+    every rank's peaks from step 2 add up with almost nothing unattributed, rank 0's
+    engine-sized parts equal the forecast of the run's own flags, and rank 0 prints them."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "isp_comm.train", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
+    cmd += ["--batch", "4", "--seq", "32"]
+    cmd += ["--steps", "3", "--grad-accum", "2", "--eval-every", "2", "--eval-split", "0.1", "--no-trace"]
+    res = subprocess.run([*cmd, "--memory-breakdown", "--out", str(out)], capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "memory breakdown of rank 0, steps 2-3" in res.stdout, res.stdout
+    assert "| part | category | measured MiB | forecast MiB |" in res.stdout, res.stdout
+    got = json.loads((out / "memory_breakdown.json").read_text())
+    assert got["phases"] == ["forward", "backward", "optimizer", "evaluate"] and len(got["ranks"]) == 2
+    for rank in got["ranks"]:
+        for ph in got["phases"]:
+            parts = rank["phases"][ph]
+            assert sum(parts.values()) == rank["tracked"][ph], ph
+            assert parts.get("other", 0) <= UNATTRIBUTED * rank["tracked"][ph], (ph, parts)
+    for ph in ("forward", "backward", "optimizer"):
+        for part in EXACT:
+            have, want = got["ranks"][0]["phases"][ph].get(part, 0), got["forecast"][ph].get(part, 0)
+            assert abs(have - want) <= SCALARS, (ph, part, have, want)
+
+
+def test_isp_train_memory_breakdown_refuses_what_it_cannot_see() -> None:
+    from isp_comm.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--memory-breakdown sees eager operators only"):
+        TrainConfig(memory_breakdown=True, compile=True)
+    with pytest.raises(ValueError, match="--plan only forecasts one"):
+        TrainConfig(memory_breakdown=True, plan=True)

@@ -202,6 +202,11 @@ class TrainConfig:
     five fastest that fit, each with its command line."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
+    memory_breakdown: bool = False
+    """Measure where each phase's peak memory goes, by the memory forecast's parts:
+    every rank's peaks from the second step on go to memory_breakdown.json, beside the
+    forecast of these flags; rank 0 prints its own. It sees every operator from Python,
+    which slows each step: a diagnosis, not a way to train."""
     save_on_signal: bool = True
     """On Ctrl-C or SIGTERM (a preemption), finish the step, save a checkpoint and leave
     with one line; --resume continues from it. --no-save-on-signal: leave at once, with
@@ -228,6 +233,10 @@ class TrainConfig:
         parse_report_to(self.report_to)  # one line for an unknown tracker or a missing package
         if not 0.0 <= self.ckpt <= 1.0:
             raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
+        if self.memory_breakdown and self.compile:
+            raise ValueError("--memory-breakdown sees eager operators only: a --compile'd block is one call to it")
+        if self.memory_breakdown and self.plan:
+            raise ValueError("--memory-breakdown measures a run and --plan only forecasts one: give one of them")
         if not self.clip >= 0:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not self.lr > 0:

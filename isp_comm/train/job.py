@@ -18,6 +18,7 @@ from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
 from isp_comm.train.config import TrainConfig, check_layout, resolve_device
 from isp_comm.train.data import Slicing
+from isp_comm.train.memory import run_forecast
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.preflight import memory_warnings, start_warnings
@@ -61,6 +62,7 @@ class Job:
     resume_from: str | None
     previous: dict
     saver: checkpoint.Checkpointer | None = None
+    forecast: object = None  # with --memory-breakdown, on the rank that reports: the flags' forecast
     metrics: object = None  # rank 0's open metrics.jsonl
     reporters: Reporters | None = None  # rank 0's --report-to trackers
 
@@ -89,9 +91,12 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
     flops_per_token = model_flops.flops_per_token(model, cfg.seq)
     icfg = isp_config(cfg, bf16)
+    forecast = None
     if virtual.leads(rank):
         for line in memory_warnings(cfg, model, icfg, world, device):
             print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
+        if cfg.memory_breakdown:
+            forecast = run_forecast(cfg, model, icfg, world, device)
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
     if virtual.leads(rank):
         for line in start_warnings(cfg):
@@ -103,6 +108,7 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
         meter=StepMeter(device, cfg.peak_tflops), data=data, tokens=tokens, vocab=vocab,
         tok_dir=tok_dir, model=model, mcfg=mcfg, comm=comm, opt=opt,
         n_params=n_params, flops_per_token=flops_per_token, resume_from=resume_from, previous=previous,
+        forecast=forecast,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
 from isp_comm.train.hang import inject_fault, quiet_after_hang
 from isp_comm.train.job import Job, lr_at, setup
+from isp_comm.train.memory import RunBreakdown
 from isp_comm.train.outputs import finish, open_outputs, report
 from isp_comm.train.signals import Interrupted
 
@@ -54,47 +55,53 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     hook = comm.scheduler_hook()
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
-    for step in range(start + 1, cfg.steps + 1):
-        if cfg.trace and step == max(start + 1, cfg.steps - 2):
-            comm.start_trace()
-        t0, s0 = time.perf_counter(), comm.stats()
-        t_data = time.perf_counter()
-        batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
-        data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
-        loss_value, interrupted, grad_norm = one_step(job, hook, batch, step)
-        dt = time.perf_counter() - t0
-        if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
-            first_step_s, t_start = dt, time.perf_counter()
-        else:
-            tokens_done += step_tokens
-        s = comm.stats()
-        rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else step_tokens / dt
-        last = {
-            "step": step,
-            "loss": loss_value,
-            "lr": lr_at(cfg, step),
-            "grad_norm": grad_norm,
-            "tokens_per_s": rate,
-            "step_s": dt,
-            "data_wait_s": data_wait,
-            "exposed_comm_pct": 100 * (s["exposed_comm_s"] - s0["exposed_comm_s"]) / dt,
-            "pool_bytes": s["pool_bytes"],
-            **job.meter.read(rate / job.world * job.flops_per_token),
-            **(virtual.row(s, s0) if cfg.virtual_world else {}),
-        }
-        if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
-            t_eval = time.perf_counter()
-            last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
-            t_start += time.perf_counter() - t_eval
-        report(job, bar, last, first_step_s if step == start + 1 else None)
-        if interrupted and job.signals.armed and step != cfg.steps:
-            job.saver.save(step, comm, job.opt, job.data.state_dict())
-            job.saver.close()
-            comm.close()
-            raise Interrupted(step, job.signals.got or signal.SIGTERM)
-        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            job.saver.save(step, comm, job.opt, job.data.state_dict())
+    watch = RunBreakdown(job, job.forecast) if cfg.memory_breakdown else None
+    with watch.tracking() if watch is not None else contextlib.nullcontext():
+        for step in range(start + 1, cfg.steps + 1):
+            if cfg.trace and step == max(start + 1, cfg.steps - 2):
+                comm.start_trace()
+            t0, s0 = time.perf_counter(), comm.stats()
+            t_data = time.perf_counter()
+            batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
+            data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
+            loss_value, interrupted, grad_norm = one_step(job, hook, batch, step)
+            dt = time.perf_counter() - t0
+            if step == start + 1:  # compilation and warm-up: reported apart, not in tokens/s
+                first_step_s, t_start = dt, time.perf_counter()
+            else:
+                tokens_done += step_tokens
+            s = comm.stats()
+            rate = tokens_done / (time.perf_counter() - t_start) if tokens_done else step_tokens / dt
+            last = {
+                "step": step,
+                "loss": loss_value,
+                "lr": lr_at(cfg, step),
+                "grad_norm": grad_norm,
+                "tokens_per_s": rate,
+                "step_s": dt,
+                "data_wait_s": data_wait,
+                "exposed_comm_pct": 100 * (s["exposed_comm_s"] - s0["exposed_comm_s"]) / dt,
+                "pool_bytes": s["pool_bytes"],
+                **job.meter.read(rate / job.world * job.flops_per_token),
+                **(virtual.row(s, s0) if cfg.virtual_world else {}),
+            }
+            if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
+                t_eval = time.perf_counter()
+                last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
+                t_start += time.perf_counter() - t_eval
+            report(job, bar, last, first_step_s if step == start + 1 else None)
+            if watch is not None:
+                watch.step_done(step, first=step == start + 1)
+            if interrupted and job.signals.armed and step != cfg.steps:
+                job.saver.save(step, comm, job.opt, job.data.state_dict())
+                job.saver.close()
+                comm.close()
+                raise Interrupted(step, job.signals.got or signal.SIGTERM)
+            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+                job.saver.save(step, comm, job.opt, job.data.state_dict())
     bar.close()
+    if watch is not None:
+        watch.report()
     return last
 
 

@@ -1,0 +1,102 @@
+"""isp-train --memory-breakdown: the run's steps under the library's
+:class:`~isp_comm.memory_breakdown.MemoryBreakdown`, and at the end every rank's peaks
+by part beside the memory forecast's lines for the same flags: all of them in
+``memory_breakdown.json`` in the run folder, rank 0's printed.
+
+The peaks are the steady state's, as the forecast's: they start again after the run's
+first step, whose optimizer step creates the optimizer's state. A diagnosis, not a way
+to train: the breakdown sees every operator from Python, which slows each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from isp_comm.memory_breakdown import MemoryBreakdown
+from isp_comm.memory_breakdown.result import MIB, Breakdown
+from isp_comm.train import virtual
+
+FILE = "memory_breakdown.json"
+"""Written in the run folder (``--out``) by the process that writes metrics.jsonl."""
+PHASES = ("forward", "backward", "optimizer", "evaluate")
+"""The phases reported, in this order, where the run had them."""
+
+
+def run_forecast(cfg: Any, model: Any, icfg: Any, world: int, device: Any) -> Any:
+    """The memory forecast of the run's flags for the meta ``model``, or ``None`` for a
+    model the forecast's meta trace cannot run (the breakdown is then reported alone)."""
+    from isp_comm.train.preflight import memory_forecast
+
+    try:
+        return memory_forecast(cfg, model, icfg, world, device)
+    except Exception:  # noqa: BLE001 - the run goes on; memory_warnings says why
+        return None
+
+
+class RunBreakdown:
+    """One rank's breakdown of its run: :meth:`tracking` around the steps,
+    :meth:`step_done` after each, :meth:`report` once the last has run (collective over
+    the world, unless the world is virtual). ``forecast``: the memory forecast of the
+    run's flags on the rank that reports (``None`` elsewhere, or where the model could
+    not be traced: the table then has no forecast column)."""
+
+    def __init__(self, job: Any, forecast: Any) -> None:
+        self.job, self.forecast = job, forecast
+        self.tracker = MemoryBreakdown()
+        self.result: Breakdown | None = None
+        self.steps: tuple[int, int] | None = None  # the first and last step of the peaks
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[RunBreakdown]:
+        """The steps run inside: the model, the communicator's buffers and the
+        optimizer's state are counted from here; the result is taken on the way out."""
+        with self.tracker:
+            self.tracker.attach(self.job.comm, self.job.opt)
+            yield self
+            self.result = self.tracker.result()
+
+    def step_done(self, step: int, first: bool) -> None:
+        """After the run's first step (when another follows), the peaks start again."""
+        if first and step < self.job.cfg.steps:
+            self.tracker.reset_peaks()
+            self.steps = (step + 1, self.job.cfg.steps)
+        elif first:
+            self.steps = (step, step)
+
+    def report(self) -> None:
+        """Every rank's breakdown to rank 0, which writes them with the forecast and
+        prints its own."""
+        job = self.job
+        mine = self.result.as_dict()
+        if job.cfg.virtual_world:  # one real rank: a virtual group's gather would only model it
+            ranks = [mine]
+        else:
+            ranks = job.comm.all_gather_object(mine, what="the memory breakdowns")
+        if not virtual.leads(job.rank):
+            return
+        phases = [ph for ph in PHASES if ph in self.result.tracked]
+        forecast = None
+        if self.forecast is not None:
+            forecast = {ph: dict(self.forecast.phases[ph]) for ph in phases if ph in self.forecast.phases}
+        with open(os.path.join(job.cfg.out, FILE), "w") as f:
+            json.dump({"steps": self.steps, "phases": phases, "forecast": forecast, "ranks": ranks}, f)
+        print(self.text(phases, forecast), flush=True)
+
+    def text(self, phases: list[str], forecast: dict[str, dict[str, int]] | None) -> str:
+        """Rank 0's lines: each phase's tracked peak (and the forecast's), then the
+        highest phase's table, part by part."""
+        b = self.result
+        if not phases or self.steps is None:
+            return f"isp-train: memory breakdown: no step ran, nothing measured ({FILE})"
+        first, last = self.steps
+        lines = [f"isp-train: memory breakdown of rank 0, steps {first}-{last} (every rank's in {FILE}):"]
+        for ph in phases:
+            fc = f", forecast {self.forecast.peak(ph) / MIB:.1f} MiB" if forecast and ph in forecast else ""
+            lines.append(f"  {ph}: tracked peak {b.tracked[ph] / MIB:.1f} MiB{fc}")
+        top = max(phases, key=lambda ph: b.tracked[ph])
+        lines += ["", f"the {top} phase's peak, by part:", b.table(top, forecast.get(top) if forecast else None)]
+        return "\n".join(lines)
