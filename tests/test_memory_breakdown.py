@@ -77,6 +77,21 @@ def test_breakdown_with_the_vocab_parallel_head_and_shard_outer() -> None:
     assert b0.phases["forward"].get("outer gather", 0) > 0
 
 
+@pytest.mark.timeout(180)
+def test_breakdown_with_the_state_sharded_over_the_world() -> None:
+    """state_sharding="world" (two replicas): the masters are this rank's pieces, the WP
+    shard the gathers read is apart, in the gather dtype, and the replica all-gather
+    keeps a send and a landing buffer: each its own line, equal to the forecast's."""
+    pt = Point(world=2, wp=1, state_sharding="world", **SMALL)
+    b0, b1 = measure_breakdown(pt)
+    _check(b0, pt)
+    assert b1.unattributed("backward") <= UNATTRIBUTED * b1.tracked["backward"]
+    fc = forecast_point(pt)
+    for ph in ("forward", "backward", "optimizer"):
+        for part in ("WP shards (gather dtype)", "replica gather buffers"):
+            assert b0.phases[ph][part] == fc.phases[ph][part] > 0, (ph, part, b0.phases[ph])
+
+
 def test_a_tracked_storage_leaves_the_total_when_freed_and_its_peak_stays() -> None:
     """The tracker's own arithmetic, on plain tensors: a storage counts once (views
     share it), leaves the running total when freed, and the phase's peak keeps it."""

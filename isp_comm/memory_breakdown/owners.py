@@ -3,8 +3,10 @@ optimizer own belongs to: read from the objects themselves, not guessed from siz
 
 [Note: what the breakdown reads of the engine]
 The engine's buffers are found where the engine keeps them: every unit's
-``flat_shard`` and its shards' ``.grad`` (one flat buffer per unit, [Note: grad
-aliasing]); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
+``master`` and its shards' ``.grad`` (one flat buffer per unit, [Note: grad
+aliasing]), and with pieces its ``flat_shard`` apart (the WP shard in the gather
+dtype) and the replica all-gather's send and landing buffers
+(``WeightRefresh._buffers``); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
 ``_staging``, ``_send``) and the free reduce-scatter pairs (``ReduceScatterBuffers._free``:
 a pair in flight is not there, but it was when the breakdown attached, and a storage
 keeps its part); the outer unit's gathered region (``BlockEngine._root_region``) and
@@ -41,7 +43,9 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(part, tensor) of every buffer ``comm`` (an ``ISPCommunicator``) holds now (see
     [Note: what the breakdown reads of the engine])."""
     for unit in comm.sharded_units:
-        yield "master shards", unit.flat_shard
+        yield "master shards", unit.master
+        if unit.flat_shard is not unit.master:  # pieces: the WP shard the gathers read, apart
+            yield "WP shards (gather dtype)", unit.flat_shard
         for shard in unit.shards:
             if shard.grad is not None:
                 yield "gradient shards", shard.grad
@@ -62,6 +66,9 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
         cast = rp.module._parameters.get(rp.name)
         if cast is not None:
             yield "cast copies", cast
+    refresh = getattr(engine, "refresh", None)
+    for t in _tensors(list(getattr(refresh, "_buffers", {}).values())):
+        yield "replica gather buffers", t
     reducer = engine.reducer
     for bucket in getattr(reducer, "_buckets", []):
         if bucket.flat is not None:

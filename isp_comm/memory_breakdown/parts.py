@@ -8,10 +8,10 @@ line beside it. The categories group them the way a reader asks where a peak wen
 from __future__ import annotations
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    "parameter shards": ("master shards", "replicated params", "one module materialised"),
+    "parameter shards": ("master shards", "WP shards (gather dtype)", "replicated params", "one module materialised"),
     "pool slots": ("pool slots and landing", "shared memory: peers' pool pages"),
     "reduce-scatter buffers": ("reduce-scatter buffers",),
-    "gathered outside the pool": ("outer gather", "cast copies"),
+    "gathered outside the pool": ("outer gather", "cast copies", "replica gather buffers"),
     "gradient buffers": ("gradient shards", "replicated grads", "all-reduce buffers", "block gradients (unsharded)"),
     "optimizer state": ("optimizer state", "optimizer temporaries"),
     "activations and checkpoints": ("activations", "activation gradients", "no_grad activations"),
