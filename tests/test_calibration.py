@@ -158,6 +158,11 @@ def test_a_noisy_calibration_is_not_cached_but_kept_beside_the_cache(tmp_path) -
     _profile().save(str(tmp_path / "m2"))
     profiles.keep(str(tmp_path / "m2"), path, noisy, said.append)
     assert os.listdir(tmp_path) == ["entry.json"] and len(said) == 1
+    # --recalibrate over that entry, noisy: the entry it was asked to replace goes too,
+    # so that the next plan measures again rather than read it
+    _profile(repeat_spread=0.4, steady=False).save(str(tmp_path / "m3"))
+    profiles.keep(str(tmp_path / "m3"), path, noisy, said.append)
+    assert os.listdir(tmp_path) == ["entry.noisy.json"] and len(said) == 2
 
 
 def test_recalibrate_is_a_plan_of_this_machine() -> None:

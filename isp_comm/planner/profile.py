@@ -380,7 +380,8 @@ def _calibrate_into(path: str, noisy: str, local_world: int, quick: bool, progre
 def keep(measured: str, path: str, noisy: str, progress) -> Profile:
     """A calibration just written to ``measured``: moved into the cache (``path``)
     when steady, else kept as ``noisy`` beside it and not cached (see [Note: one
-    process calibrates])."""
+    process calibrates]). A noisy one also removes the entry it was measured to
+    replace (``--recalibrate``'s): the next plan measures again, as it says."""
     prof = load(measured)
     if prof.noise.get("steady", True):
         os.replace(measured, path)
@@ -388,6 +389,8 @@ def keep(measured: str, path: str, noisy: str, progress) -> Profile:
             os.remove(noisy)
         return prof
     os.replace(measured, noisy)
+    if os.path.exists(path):
+        os.remove(path)
     progress(
         f"isp-train --plan: this machine's speed moved while it was measured ({describe_noise(prof.noise)}), "
         f"in {prof.noise.get('attempt', 1)} attempt(s): not cached; this plan uses the least noisy one, kept in "
