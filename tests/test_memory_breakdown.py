@@ -149,9 +149,10 @@ def test_the_cuda_device_lines_are_the_allocators_figures_beyond_the_gpus_tracke
 
 @pytest.mark.timeout(240)
 def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) -> None:
-    """isp-train --memory-breakdown on 2 ranks, with grad accumulation and evaluation:
-    every rank's peaks from step 2 add up with almost nothing unattributed, rank 0's
-    engine-sized parts equal the forecast of the run's own flags, and rank 0 prints them."""
+    """isp-train --memory-breakdown on 2 ranks, with grad accumulation, evaluation and an
+    asynchronous save: every rank's peaks from step 2 add up with almost nothing
+    unattributed (the save is not counted), rank 0's engine-sized parts equal the
+    forecast of the run's own flags, and rank 0 prints them."""
     import json
     import subprocess
     import sys
@@ -160,7 +161,8 @@ def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "isp_comm.train", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
     cmd += ["--batch", "4", "--seq", "32"]
-    cmd += ["--steps", "3", "--grad-accum", "2", "--eval-every", "2", "--eval-split", "0.1", "--no-trace"]
+    cmd += ["--steps", "3", "--grad-accum", "2", "--eval-every", "2", "--eval-split", "0.1"]
+    cmd += ["--save-every", "2", "--async-save"]  # its staged copies outlive the save: not a step's
     res = subprocess.run([*cmd, "--memory-breakdown", "--out", str(out)], capture_output=True, text=True, timeout=200)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "memory breakdown of rank 0, steps 2-3" in res.stdout, res.stdout
@@ -176,6 +178,21 @@ def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) ->
         for part in EXACT:
             have, want = got["ranks"][0]["phases"][ph].get(part, 0), got["forecast"][ph].get(part, 0)
             assert abs(have - want) <= SCALARS, (ph, part, have, want)
+
+
+def test_what_runs_untracked_is_never_counted() -> None:
+    """A storage made inside ``untracked()`` is not counted, also after it; one tracked
+    before and freed inside still leaves the total."""
+    tracker = MemoryBreakdown()
+    with tracker:
+        tracker.attach()
+        kept = torch.ones(1024)
+        with tracker.untracked():
+            staged = torch.ones(2048)
+            del kept
+        assert tracker.current == 0
+        after = staged + 1
+    assert tracker.current == after.untyped_storage().nbytes() == 8192
 
 
 def test_isp_train_memory_breakdown_refuses_what_it_cannot_see() -> None:

@@ -126,6 +126,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._baseline: tuple[int, dict[str, int]] = (0, {})
         self._hooked: weakref.WeakSet = weakref.WeakSet()
         self._entered = False
+        self._untracked = 0  # untracked() blocks in progress
 
     # ---- entering and attaching ------------------------------------------------------
     def __enter__(self) -> MemoryBreakdown:
@@ -227,6 +228,8 @@ class MemoryBreakdown(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._untracked:
+            return out
         if self.phase_name != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()
         part, grew = None, False
@@ -249,6 +252,17 @@ class MemoryBreakdown(TorchDispatchMode):
             yield
         finally:
             self._enter_phase(before)
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """What runs inside is not counted: the storages it makes are never tracked,
+        also when they outlive it (a checkpoint's save: an asynchronous one keeps its
+        staged copies while it writes them). What it frees is still subtracted."""
+        self._untracked += 1
+        try:
+            yield
+        finally:
+            self._untracked -= 1
 
     def _enter_phase(self, name: str) -> None:
         self.phase_name = name

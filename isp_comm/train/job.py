@@ -63,6 +63,7 @@ class Job:
     previous: dict
     saver: checkpoint.Checkpointer | None = None
     forecast: object = None  # with --memory-breakdown, on the rank that reports: the flags' forecast
+    breakdown: object = None  # with --memory-breakdown: the run's RunBreakdown, reported by finish
     metrics: object = None  # rank 0's open metrics.jsonl
     reporters: Reporters | None = None  # rank 0's --report-to trackers
 

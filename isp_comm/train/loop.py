@@ -55,7 +55,8 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     hook = comm.scheduler_hook()
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
-    watch = RunBreakdown(job, job.forecast) if cfg.memory_breakdown else None
+    watch = job.breakdown = RunBreakdown(job, job.forecast) if cfg.memory_breakdown else None
+    quiet = watch.untracked if watch is not None else contextlib.nullcontext
     with watch.tracking() if watch is not None else contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             if cfg.trace and step == max(start + 1, cfg.steps - 2):
@@ -87,21 +88,22 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
             }
             if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
                 t_eval = time.perf_counter()
-                last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
+                with watch.evaluating() if watch is not None else contextlib.nullcontext():
+                    last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
                 t_start += time.perf_counter() - t_eval
             report(job, bar, last, first_step_s if step == start + 1 else None)
             if watch is not None:
                 watch.step_done(step, first=step == start + 1)
             if interrupted and job.signals.armed and step != cfg.steps:
-                job.saver.save(step, comm, job.opt, job.data.state_dict())
+                with quiet():
+                    job.saver.save(step, comm, job.opt, job.data.state_dict())
                 job.saver.close()
                 comm.close()
                 raise Interrupted(step, job.signals.got or signal.SIGTERM)
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-                job.saver.save(step, comm, job.opt, job.data.state_dict())
+                with quiet():
+                    job.saver.save(step, comm, job.opt, job.data.state_dict())
     bar.close()
-    if watch is not None:
-        watch.report()
     return last
 
 

@@ -123,9 +123,12 @@ def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
 
 
 def finish(job: Job, start: int, last: dict) -> None:
-    """The final checkpoint, the trace and timeline, and rank 0's closing line."""
+    """The memory breakdown (--memory-breakdown), the final checkpoint, the trace and
+    timeline, and rank 0's closing line."""
     cfg, comm = job.cfg, job.comm
     local_spans = comm.stop_trace()
+    if job.breakdown is not None:  # collective: every rank, before the final save
+        job.breakdown.report()
     if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
         job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
     job.saver.close()

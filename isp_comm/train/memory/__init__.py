@@ -4,8 +4,10 @@ by part beside the memory forecast's lines for the same flags: all of them in
 ``memory_breakdown.json`` in the run folder, rank 0's printed.
 
 The peaks are the steady state's, as the forecast's: they start again after the run's
-first step, whose optimizer step creates the optimizer's state. A diagnosis, not a way
-to train: the breakdown sees every operator from Python, which slows each step.
+first step, whose optimizer step creates the optimizer's state (a run of one step
+keeps its warm-up). Checkpoint saves are not counted; an evaluation is a phase of its
+own. A run stopped by a signal writes no breakdown. A diagnosis, not a way to train:
+the breakdown sees every operator from Python, which slows each step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ class RunBreakdown:
             yield self
             self.result = self.tracker.result()
 
+    def untracked(self) -> contextlib.AbstractContextManager:
+        """Around a checkpoint's save: not counted (its staged copies are not a step's)."""
+        return self.tracker.untracked()
+
+    def evaluating(self) -> contextlib.AbstractContextManager:
+        """Around an evaluation: its own phase, left when it ends."""
+        return self.tracker.phase("evaluate")
+
     def step_done(self, step: int, first: bool) -> None:
         """After the run's first step (when another follows), the peaks start again."""
         if first and step < self.job.cfg.steps:
@@ -69,7 +79,7 @@ class RunBreakdown:
 
     def report(self) -> None:
         """Every rank's breakdown to rank 0, which writes them with the forecast and
-        prints its own."""
+        prints its own (after the trace stopped: the gather is not a step's)."""
         job = self.job
         mine = self.result.as_dict()
         if job.cfg.virtual_world:  # one real rank: a virtual group's gather would only model it
@@ -93,7 +103,8 @@ class RunBreakdown:
         if not phases or self.steps is None:
             return f"isp-train: memory breakdown: no step ran, nothing measured ({FILE})"
         first, last = self.steps
-        lines = [f"isp-train: memory breakdown of rank 0, steps {first}-{last} (every rank's in {FILE}):"]
+        head = f"isp-train: memory breakdown of rank {self.job.rank}, steps {first}-{last}"
+        lines = [f"{head} (every rank's in {FILE}; the forecast is rank 0's):"]
         for ph in phases:
             fc = f", forecast {self.forecast.peak(ph) / MIB:.1f} MiB" if forecast and ph in forecast else ""
             lines.append(f"  {ph}: tracked peak {b.tracked[ph] / MIB:.1f} MiB{fc}")
