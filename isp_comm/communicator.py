@@ -37,6 +37,7 @@ from isp_comm.memory_pool import (
     copied_collectives,
     gather_landing,
     make_plan,
+    releases_reduce_buffers,
     shared_memory_need,
 )
 from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel, boundaries_key
@@ -46,6 +47,10 @@ from isp_comm.units import BlockUnit
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
+
+
+def _plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _check_types(model: nn.Module, groups: ParallelGroups, config: ISPConfig) -> None:
@@ -105,7 +110,9 @@ class ISPCommunicator:
             check_same_weights(model, device)
         self.backend = backend if backend is not None else make_backend(config.backend, device, config.timeout_s)
         self.ctx = CommContext(groups.rank, config.timeout_s, config.debug_delay_s, clock_for(device))
-        try:  # before anything is sharded: a refused SP set-up leaves the model as it was
+        try:  # before anything is sharded: a refusal leaves the model as it was
+            symmetric = self.backend.symmetric_buffers
+            self._release_pairs = releases_reduce_buffers(config.release_reduce_buffers, device.type, symmetric)
             self._undo_sp = self._apply_sequence_parallel() if groups.sp_size > 1 else None
         except Exception:
             self.backend.close()
@@ -183,7 +190,10 @@ class ISPCommunicator:
         if self.groups.rank == 0:
             log.info(plan.describe())
         pooled = config.memory_pool
-        return plan, SlotPool(plan, alloc, pooled=pooled), ReduceScatterBuffers(plan, alloc, pooled=pooled)
+        release = self._release_pairs
+        plain = functools.partial(_plain_buffer, device=units[0].device)  # made in a backward, by this rank alone
+        pairs = ReduceScatterBuffers(plan, plain if release else alloc, pooled=pooled, release=release)
+        return plan, SlotPool(plan, alloc, pooled=pooled), pairs
 
     def _shards_to_move(self, plan: MemoryPlan) -> list[BlockUnit]:
         """The blocks whose gathers read their flat shard itself (no cast), when the

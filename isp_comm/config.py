@@ -89,6 +89,21 @@ class ISPConfig:
     """Reduce-scatters in flight at once; an older one is waited before a new one is
     issued, which bounds gradient-buffer memory."""
 
+    release_reduce_buffers: bool | None = None
+    """Give the reduce-scatter buffer pairs back to the allocator when a backward ends,
+    and make them again as the next backward's first blocks reduce (at most
+    ``max_inflight_reduce_scatter`` pairs, each as large as the pooled ones), so that
+    the forward, the loss and its backward, and the optimizer step can use their bytes:
+    FSDP2 likewise allocates its reduce-scatter buffers per collective. ``None``: on
+    for CUDA parameters where the backend's buffers are ordinary device memory
+    (torch.distributed, CUDA symmetric memory, the virtual backend), where the
+    caching allocator hands the bytes back at no cost; off on CPU, where a buffer
+    that large goes back to the operating system and faults its pages in again every
+    step, and with NVSHMEM, whose pool is symmetric heap allocated by every rank
+    together. ``True`` with a backend whose buffers are symmetric is a ``ValueError``
+    at wrap (see [Note: reduce-scatter pairs between backwards] in
+    ``isp_comm/memory_pool/slots.py``)."""
+
     bucket_mb: float = 25.0
     """Size of the buckets in which the gradients autograd leaves whole (replicated
     parameters over the world, the vocab-parallel head's and hidden-split
@@ -141,6 +156,8 @@ class ISPConfig:
         k = self.max_inflight_reduce_scatter
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
+        if self.release_reduce_buffers is not None and not isinstance(self.release_reduce_buffers, bool):
+            raise ValueError(f"release_reduce_buffers must be True, False or None, got {self.release_reduce_buffers!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
         if self.state_sharding not in get_args(StateSharding):

@@ -41,6 +41,7 @@ class Point:
     vocab_parallel: bool = False
     bf16: bool = False
     state_sharding: str = "wp"
+    release_reduce_buffers: bool | None = None
     optimizer: str = "adamw"
     model: str = "llama"  # or "qwen2" (transformers)
     batch: int = 4
@@ -59,6 +60,7 @@ class Point:
         knobs += ["vocab-par"] if self.vocab_parallel else []
         knobs += ["bf16"] if self.bf16 else []
         knobs += [f"state over {self.state_sharding}"] if self.state_sharding != "wp" else []
+        knobs += ["pairs released"] if self.release_reduce_buffers else []
         return ", ".join(knobs)
 
 
@@ -103,6 +105,7 @@ def isp_config(pt: Point):
         shard_outer_params=pt.shard_outer,
         vocab_parallel=pt.vocab_parallel,
         state_sharding=pt.state_sharding,
+        release_reduce_buffers=pt.release_reduce_buffers,
         init_seed=0,
         **mp,
     )

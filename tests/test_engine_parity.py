@@ -42,6 +42,14 @@ def test_parity_torch_backend(world: int) -> None:
     check_parity(run_ranks(parity_worker, world, world, CASES[2::5], {"backend": "torch"}, timeout_s=280))
 
 
+@pytest.mark.timeout(200)
+def test_parity_with_the_reduce_scatter_pairs_given_back_between_backwards() -> None:
+    # release_reduce_buffers (on by default on CUDA): the pairs are made again in every
+    # backward, three micro-steps included, and dropped when it ends; the same training.
+    cases = [Case(optim="adamw", micro=3, ckpt=0.5, bias=True), Case()]
+    check_parity(run_ranks(parity_worker, 2, 2, cases, {"backend": "torch", "release_reduce_buffers": True}))
+
+
 def _two_host_worker(rank: int, world: int, cases: list[Case]) -> list[tuple]:
     # ranks 0,1 on "host0" and 2,3 on "host1": the WP groups {0,1} and {2,3} use shared
     # memory, the replica groups {0,2}, {1,3} and the world fall back to gloo.

@@ -206,3 +206,32 @@ def test_the_backward_peaks_in_the_loss_with_its_gradient_and_two_fp32_chunks() 
     back = fc.phases["backward"]
     assert back["logits and loss"] == 8192 * 128256 * (2 + 2) + 2 * CHUNK_BYTES
     assert "replicated grads" not in back and "gradient shards" not in back
+
+
+def test_cuda_forecast_counts_the_reduce_scatter_pairs_only_while_the_blocks_reduce() -> None:
+    """[Note: reduce-scatter pairs between backwards]: on CUDA (by default) no phase
+    but the backward holds the pairs, and there the pairs made by the moment it peaks,
+    ``max_inflight_reduce_scatter`` at most. Worked by hand: a block's linear weights
+    are q and o (64 x 64), k and v (32 x 64), gate, up and down (160 x 64): 43,008 fp32
+    elements gathered, 21,504 a rank after the reduce-scatter over wp 2, so a pair
+    (input and output) is 64,512 x 4 = 258,048 bytes."""
+    cfg = LlamaConfig(vocab_size=512, hidden=64, ffn_hidden=160, n_layers=4, n_heads=4, n_kv_heads=2)
+    with torch.device("meta"):
+        model = build(cfg)
+    pair = 258_048
+
+    def pairs(config: ISPConfig, device: str = "cuda") -> dict[str, int]:
+        fc = forecast(model, config, 2, 2, 1, 2, 64, device=device, cuda_workspace=0)  # type: ignore[arg-type]
+        return {ph: fc.phases[ph].get("reduce-scatter buffers", 0) for ph in fc.names()}
+
+    released = pairs(ISPConfig())
+    assert released["backward"] in (pair, 2 * pair)  # the last block's moment, or a later one
+    assert not any(n for ph, n in released.items() if ph != "backward"), released
+    assert pairs(ISPConfig(max_inflight_reduce_scatter=1))["backward"] == pair
+    three = ISPConfig(max_inflight_reduce_scatter=3, activation_checkpointing=1.0)
+    assert pairs(three)["backward"] in (2 * pair, 3 * pair)
+    kept = pairs(ISPConfig(release_reduce_buffers=False))
+    assert set(kept.values()) == {2 * pair}, kept  # allocated at wrap, alive in every phase
+    on_cpu = pairs(ISPConfig(), device="cpu")  # kept, and not resident before they are written
+    assert on_cpu == {**kept, "wrap": 0}, on_cpu
+    assert not any(pairs(ISPConfig(backend="nvshmem")).values())  # in NVSHMEM's heap, which the allocator does not see

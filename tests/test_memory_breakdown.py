@@ -4,6 +4,8 @@ line up with the memory forecast's lines of the same names."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,31 @@ def test_breakdown_with_the_state_sharded_over_the_world() -> None:
     for ph in ("forward", "backward", "optimizer"):
         for part in ("WP shards (gather dtype)", "replica gather buffers"):
             assert b0.phases[ph][part] == fc.phases[ph][part] > 0, (ph, part, b0.phases[ph])
+
+
+@pytest.mark.timeout(180)
+def test_reduce_scatter_pairs_given_back_between_backwards_leave_every_other_peak() -> None:
+    """``release_reduce_buffers=True`` (the default on CUDA; here over gloo): the pairs
+    live only while the blocks' backward reduces. The forward's, the loss backward's and
+    the optimizer's peaks hold none, in the measurement and in the forecast, and are
+    lower by exactly their bytes than with the pairs kept; the blocks' backward holds
+    the pairs the forecast's replay of the engine makes, to the byte."""
+    kept = Point(world=2, wp=2, **SMALL)
+    pt = dataclasses.replace(kept, release_reduce_buffers=True)
+    (b0, b1), (k0, _) = measure_breakdown(pt), measure_breakdown(kept)
+    fc, fc_kept = forecast_point(pt), forecast_point(kept)
+    pairs = fc_kept.phases["forward"]["reduce-scatter buffers"]
+    assert fc.phases["backward"]["reduce-scatter buffers"] == pairs > 0  # two blocks reduce: both pairs made
+    for ph in ("forward", "backward/loss", "optimizer"):
+        assert "reduce-scatter buffers" not in b0.phases[ph], (ph, b0.phases[ph])
+        assert b0.tracked[ph] == k0.tracked[ph] - pairs, ph
+    for ph in ("forward", "optimizer"):
+        assert "reduce-scatter buffers" not in fc.phases[ph]
+        assert fc.peak(ph) == fc_kept.peak(ph) - pairs
+    assert b0.phases["backward/model"]["reduce-scatter buffers"] == pairs
+    for b in (b0, b1):
+        for ph in ("forward", "backward", "optimizer"):
+            assert b.unattributed(ph) <= UNATTRIBUTED * b.tracked[ph], (ph, b.phases[ph])
 
 
 def test_a_tracked_storage_leaves_the_total_when_freed_and_its_peak_stays() -> None:

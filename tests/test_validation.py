@@ -41,6 +41,7 @@ def tiny() -> nn.Module:
         (dict(reduce_dtype=torch.float64), "reduce_dtype"),
         (dict(timeout_s=0), "timeout_s"),
         (dict(debug_delay_s=-1), "debug_delay_s"),
+        (dict(release_reduce_buffers=1), "release_reduce_buffers"),
     ],
 )
 def test_config_errors(kw: dict, msg: str) -> None:
@@ -108,6 +109,18 @@ def test_wrap_twice(world1) -> None:
     comm = ISPCommunicator(model, world1)
     with pytest.raises(ValueError, match="already wrapped"):
         ISPCommunicator(model, world1)
+    comm.close()
+
+
+def test_releasing_symmetric_reduce_scatter_buffers_is_refused_before_sharding(world1) -> None:
+    # the shared-memory backend's pairs are segments the WP group maps together
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="release_reduce_buffers=True: this backend's reduce-scatter buffers are sym"):
+        ISPCommunicator(model, world1, ISPConfig(backend="symm", release_reduce_buffers=True))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was sharded
+    comm = ISPCommunicator(model, world1, ISPConfig(backend="torch", release_reduce_buffers=True))
+    assert not any(comm.rs_buffers._made.values())  # none made at wrap: a backward makes them
     comm.close()
 
 

@@ -121,6 +121,11 @@ class Backend:
     """Bytes the backend copied into or out of its own scratch around collectives,
     since it was made (``comm.stats()["staged_bytes"]``). 0 unless a backend stages:
     ``torch.distributed`` runs on the caller's tensors."""
+    symmetric_buffers: bool = False
+    """Whether :meth:`empty` with a group serves memory that the group's ranks allocate
+    together and map (CPU shared memory, NVSHMEM's heap): such a buffer cannot be
+    given back and made again by one rank alone, so the reduce-scatter pairs stay
+    allocated between backwards (``ISPConfig.release_reduce_buffers``). Default: no."""
     symmetric_sources: bool = False
     """Whether a gather runs without copies only when its source is a symmetric buffer
     too (NVSHMEM: source and destination must be symmetric addresses), so that the

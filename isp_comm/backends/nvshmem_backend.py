@@ -263,6 +263,7 @@ def device_index(device: torch.device) -> int:
 class NvshmemBackend(Backend):
     name = "nvshmem"
     symmetric_sources = True  # see [Note: collectives without copies]
+    symmetric_buffers = True  # the pool is symmetric heap, allocated by every PE together
     _PLAN = "the memory plan (pool buffers and the scratch of planned collectives)"
 
     def __init__(

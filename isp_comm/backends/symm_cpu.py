@@ -129,6 +129,7 @@ class SymmCpuBackend(Backend):
     """Shared-memory collectives for CPU tensors of ranks on one host."""
 
     name = "symm"
+    symmetric_buffers = True  # the pool's buffers are shared-memory segments the peers map
 
     def __init__(self, timeout_s: float = 300.0, strict: bool = True) -> None:
         """``strict``: a segment that cannot be reserved is an error on every rank

@@ -310,6 +310,7 @@ class BlockEngine:
         if self.phase is not Phase.BACKWARD:
             return
         self.reducer.drain()
+        self.reducer.rs_buffers.release_idle()  # see [Note: reduce-scatter pairs between backwards]
         self._pending.clear()
         for unit, st in zip(self.units, self.states):  # blocks whose weights got no gradient still hold slots
             self.release(unit)

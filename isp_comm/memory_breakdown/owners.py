@@ -7,9 +7,11 @@ The engine's buffers are found where the engine keeps them: every unit's
 aliasing]), and with pieces its ``flat_shard`` apart (the WP shard in the gather
 dtype) and the replica all-gather's send and landing buffers
 (``WeightRefresh._buffers``); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
-``_staging``, ``_send``) and the free reduce-scatter pairs (``ReduceScatterBuffers._free``:
-a pair in flight is not there, but it was when the breakdown attached, and a storage
-keeps its part); the outer unit's gathered region (``BlockEngine._root_region``) and
+``_staging``, ``_send``) and the reduce-scatter pairs, free or in flight
+(``ReduceScatterBuffers._made``; with ``release_reduce_buffers`` they are made in a
+backward and dropped when it ends, so the tracker reads the owners once more before
+the engine's end of backward: [Note: how a storage gets its part] in
+``tracker.py``); the outer unit's gathered region (``BlockEngine._root_region``) and
 the outer parameters' casts (``BlockEngine._outer_cast``); the whole-gradient buckets
 (``GradientReducer._buckets``) and the gradients stashed between micro-steps
 (``GradientReducer._stash``); the CPU shared-memory backend's segments
@@ -54,7 +56,7 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
         ("pool slots and landing", getattr(pool, "_slots", {})),
         ("pool slots and landing", getattr(pool, "_staging", {})),
         ("pool slots and landing", getattr(pool, "_send", {})),
-        ("reduce-scatter buffers", getattr(comm.rs_buffers, "_free", {})),
+        ("reduce-scatter buffers", getattr(comm.rs_buffers, "_made", {})),
     ):
         for t in _tensors(buffers):
             yield part, t

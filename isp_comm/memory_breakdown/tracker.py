@@ -19,8 +19,10 @@ part, the stronger replacing the weaker:
    for the reduce-scatter), is a block's unsharded gradient;
 3. its owner (strongest, and final): the communicator's, the model's and the
    optimizer's tensors, read from those objects (:mod:`.owners`) when the breakdown
-   attaches, when a forward begins and ends, when a backward ends and around the
-   optimizer's step, while they are alive.
+   attaches, when a forward begins and ends, when autograd has finished a backward
+   (just before the engine's own end of backward, which may drop the reduce-scatter
+   pairs it made, and again after it) and around the optimizer's step, while they
+   are alive.
 
 A phase's peak keeps the storages alive at that moment, not their parts: a gradient
 shard made in backward is named by its owner when the backward ends, and the peak
@@ -346,9 +348,10 @@ class MemoryBreakdown(TorchDispatchMode):
         self._model_grad = False
         self._enter_phase("backward")
         engine = torch.autograd.Variable._execution_engine
-        # queued now, it would run before the engine's own end-of-backward callback
-        # (queued later, when the first block's backward begins): it queues the real one
-        engine.queue_callback(lambda: engine.queue_callback(self._end_backward))
+        # queued now, it runs before the engine's own end-of-backward callback (queued
+        # later, when the first block's backward begins): it names what the engine may
+        # drop there, and queues the real one
+        engine.queue_callback(lambda: (self.classify(), engine.queue_callback(self._end_backward)))
 
     def _end_backward(self) -> None:
         self.classify()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -17,7 +18,7 @@ from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
 from isp_comm.memory_forecast.pool import host_shared_memory, nvshmem_heap, pool_plan, shared_pages
 from isp_comm.memory_forecast.result import MemoryForecast, Optimizer
 from isp_comm.memory_forecast.weights import Weights, cpu_runtime, cuda_runtime, master_bytes, unit_layouts, weights
-from isp_comm.memory_pool import MemoryPlan
+from isp_comm.memory_pool import MemoryPlan, releases_reduce_buffers
 
 
 def _validate(model: nn.Module, world: int, wp: int, sp: int, batch: int, seq: int, optimizer: str, memo: dict) -> None:
@@ -85,7 +86,8 @@ def forecast(
     traced = _vocab_parallel_input(memo[tkey], config, wp)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
-    persistent = _persistent(plan, w, in_heap)
+    release = not in_heap and _releases_pairs(config, device)
+    persistent = _persistent(plan, w, in_heap, release)
     # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
     # the WP-summed shards' only with replicas: without, they are divided where they are)
     allreduce = sum(w.replicated_trainable) + (w.wp_summed if world > wp else 0) if world > 1 else 0
@@ -101,7 +103,8 @@ def forecast(
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
-    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel))
+    pairs = _pairs_made(plan, blocks, config.max_inflight_reduce_scatter) if release else [0] * len(blocks)
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, pairs))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
     staging = _checkpoints(phases, steady, w, device)
@@ -156,16 +159,48 @@ def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) 
     return staging
 
 
-def _persistent(plan: MemoryPlan, w: Weights, in_heap: int) -> dict[str, int]:
+def _releases_pairs(config: ISPConfig, device: str) -> bool:
+    """Whether the run gives its reduce-scatter pairs back between backwards: as the
+    communicator decides it, from the backend ``config`` names (CPU shared memory and
+    NVSHMEM serve symmetric buffers; ``auto`` is the shared-memory backend on CPU)."""
+    symmetric = config.backend == "nvshmem" if device == "cuda" else config.backend != "torch"
+    return releases_reduce_buffers(config.release_reduce_buffers, device, symmetric)
+
+
+def _pairs_made(plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], k: int) -> list[int]:
+    """With the pairs given back between backwards ([Note: reduce-scatter pairs between
+    backwards] in ``isp_comm/memory_pool/slots.py``): the bytes of the pairs alive when
+    block i reduces, its own included, replaying the engine's bound of ``k`` reduces in
+    flight (a pair is made when a reduce finds none of its dtype free), from the last
+    block back."""
+    inflight: deque = deque()
+    free: Counter = Counter()
+    made: Counter = Counter()
+    alive = []
+    for lay, tr, _ in reversed(blocks):
+        for dt in [g.dtype for g in lay.full_groups] if any(tr) else []:
+            while len(inflight) >= k:
+                free[inflight.popleft()] += 1
+            if free[dt]:
+                free[dt] -= 1
+            else:
+                made[dt] += 1
+            inflight.append(dt)
+        alive.append(sum(n * plan.rs_pair_bytes(dt) for dt, n in made.items()))
+    return alive[::-1]
+
+
+def _persistent(plan: MemoryPlan, w: Weights, in_heap: int, release: bool) -> dict[str, int]:
     """What every phase holds; ``in_heap``: the bytes of the pool and of the master
-    shards that NVSHMEM's heap holds, which the allocator does not see (0: none)."""
+    shards that NVSHMEM's heap holds, which the allocator does not see (0: none);
+    ``release``: the reduce-scatter pairs live only in a backward's blocks."""
     moved = in_heap - plan.pool_bytes if in_heap else 0
     return {
         "master shards": w.master - moved,
         "WP shards (gather dtype)": w.wp_shards,
         "replicated params": w.replicated,
         "pool slots and landing": 0 if in_heap else plan.pool_bytes - plan.rs_bytes,
-        "reduce-scatter buffers": 0 if in_heap else plan.rs_bytes,
+        "reduce-scatter buffers": 0 if in_heap or release else plan.rs_bytes,
     }
 
 
@@ -189,6 +224,7 @@ def _step(
     blocks: list[tuple[object, list[bool], int]],
     head_grad: int,
     vocab_parallel: bool,
+    pairs: list[int],
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
@@ -196,7 +232,9 @@ def _step(
     loss's own backward ([Note: the loss's backward]; the vocab-parallel one with
     ``vocab_parallel``), then at block i the gradient shards of the blocks after i
     (``blocks``: each block's layout, trainable flags and gradient shard bytes) and of
-    the vocab-parallel head (``head_grad``), whose backward comes first."""
+    the vocab-parallel head (``head_grad``), whose backward comes first, and the
+    reduce-scatter pairs made by then when they are given back between backwards
+    (``pairs``, per block; 0 when they are kept, counted in ``steady``)."""
     step_parts = {**steady, "cast copies": w.casts, "outer gather": w.outer_gather}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
@@ -217,6 +255,7 @@ def _step(
                 "activation gradients": 2 * hidden + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0),
                 "replicated grads": head_grads,
                 "logits and loss": logits,
+                **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),
             }
         )
     return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}

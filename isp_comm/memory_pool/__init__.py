@@ -5,6 +5,7 @@ from isp_comm.memory_pool.plan import (
     copied_collectives,
     gather_landing,
     make_plan,
+    releases_reduce_buffers,
     shared_memory_need,
 )
 from isp_comm.memory_pool.slots import ReduceScatterBuffers, SlotPool
@@ -16,5 +17,6 @@ __all__ = [
     "copied_collectives",
     "gather_landing",
     "make_plan",
+    "releases_reduce_buffers",
     "shared_memory_need",
 ]

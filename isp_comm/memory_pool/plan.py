@@ -47,6 +47,11 @@ class MemoryPlan:
         gather = self.n_slots * nbytes(self.slot_numel) + nbytes(self.staging_numel) + nbytes(self.send_numel)
         object.__setattr__(self, "pool_bytes", gather + rs)
 
+    def rs_pair_bytes(self, dtype: torch.dtype) -> int:
+        """One reduce-scatter pair of ``dtype`` (input and output), in bytes."""
+        n = self.rs_numel[dtype]
+        return (n + -(-n // self.wp_size)) * dtype.itemsize
+
     def describe(self) -> str:
         parts = [
             f"{self.n_slots} slots x {n} {str(dt).removeprefix('torch.')} (set by block {self.slot_set_by[dt]})"
@@ -57,6 +62,22 @@ class MemoryPlan:
 
 
 Landing = Literal["slot", "per-parameter", "staging"]
+
+
+def releases_reduce_buffers(wanted: bool | None, device_type: str, symmetric: bool) -> bool:
+    """Whether the reduce-scatter pairs are given back when a backward ends
+    (``ISPConfig.release_reduce_buffers``, ``wanted``) for parameters on
+    ``device_type``; ``symmetric``: the backend's group buffers are symmetric
+    (``Backend.symmetric_buffers``). ``None`` decides as that field says."""
+    if wanted is None:
+        return device_type == "cuda" and not symmetric
+    if wanted and symmetric:
+        raise ValueError(
+            "release_reduce_buffers=True: this backend's reduce-scatter buffers are symmetric, allocated by "
+            "the WP group together at wrap, so one rank cannot give them back and make them again; leave it "
+            "None (kept) or use backend='torch'"
+        )
+    return wanted
 
 
 def gather_landing(wp_size: int, comm_granularity: str) -> Landing:

@@ -115,25 +115,51 @@ class SlotPool:
 
 
 class ReduceScatterBuffers:
-    """``k`` reusable (input, output) buffer pairs per reduce dtype; bounds in-flight RS."""
+    """``k`` reusable (input, output) buffer pairs per reduce dtype; bounds in-flight RS.
 
-    def __init__(self, plan: MemoryPlan, alloc: Alloc, pooled: bool) -> None:
+    [Note: reduce-scatter pairs between backwards]
+    The pooled pairs are sized once, by the plan, for every block. Kept for the whole
+    run (``release=False``) they are alive at every moment of a step, the forward's and
+    the loss's included, when no block reduces. With ``release=True`` none is made at
+    wrap: a pair is made when a reduce finds none free (so at most ``k`` per dtype, as
+    the engine never has more in flight), and :meth:`release_idle`, called when the
+    backward has drained, drops them all, so that the forward, the loss's backward
+    and the optimizer step can use their bytes. It is called only when every pair is
+    back, that is after the engine has waited for each pair's collectives: on CUDA that
+    wait is the current stream's, on which the pair was made, so the caching allocator
+    hands the bytes out again only to work ordered after those collectives. A pair
+    that an abandoned step may still write is never handed back (``in_use`` stays
+    above zero), as [Note: buffers of a failed step] in ``isp_comm/hooks/engine.py`` says.
+    """
+
+    def __init__(self, plan: MemoryPlan, alloc: Alloc, pooled: bool, release: bool = False) -> None:
         self._plan = plan
         self._alloc = alloc
         self._pooled = pooled
-        self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for dt, n in plan.rs_numel.items():
-            out_n = -(-n // plan.wp_size)
-            self._free[dt] = [(alloc(n, dt), alloc(out_n, dt)) for _ in range(plan.rs_buffers)] if pooled else []
+        self._release = pooled and release
+        self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {dt: [] for dt in plan.rs_numel}
+        self._made: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {dt: [] for dt in plan.rs_numel}
+        """Every pooled pair alive, free or in use (what the memory breakdown reads)."""
+        if pooled and not self._release:
+            for dt in plan.rs_numel:
+                for _ in range(plan.rs_buffers):
+                    self._free[dt].append(self._make(dt))
         self.in_use = 0
         self.peak_in_use = 0
+
+    def _make(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._plan.rs_numel[dtype]
+        pair = (self._alloc(n, dtype), self._alloc(-(-n // self._plan.wp_size), dtype))
+        self._made[dtype].append(pair)
+        return pair
 
     def acquire(self, dtype: torch.dtype, numel: int, out_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A free (input, output) pair at least ``numel`` / ``out_numel`` long (the
         pooled ones are sized by the plan for every group); the caller slices it and
         hands the same pair back to ``release``."""
         if self._pooled:
-            inp, out = self._free[dtype].pop()
+            free = self._free[dtype]
+            inp, out = free.pop() if free or not self._release else self._make(dtype)
             assert inp.numel() >= numel and out.numel() >= out_numel, "the plan sized the buffers for every group"
         else:
             inp, out = self._alloc(numel, dtype), self._alloc(out_numel, dtype)
@@ -146,5 +172,12 @@ class ReduceScatterBuffers:
         if self._pooled:
             self._free[dtype].append(pair)
 
+    def release_idle(self) -> None:
+        """With ``release``: drop every pair when none is in use (see the note above)."""
+        if self._release and self.in_use == 0:
+            for dt in self._free:
+                self._free[dt], self._made[dt] = [], []
+
     def close(self) -> None:
         self._free.clear()
+        self._made.clear()
