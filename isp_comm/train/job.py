@@ -18,7 +18,6 @@ from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
 from isp_comm.train.config import TrainConfig, check_layout, resolve_device
 from isp_comm.train.data import Slicing
-from isp_comm.train.memory import run_forecast
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.preflight import memory_warnings, start_warnings
@@ -94,10 +93,10 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     icfg = isp_config(cfg, bf16)
     forecast = None
     if virtual.leads(rank):
-        for line in memory_warnings(cfg, model, icfg, world, device):
+        lines, fc = memory_warnings(cfg, model, icfg, world, device)
+        for line in lines:
             print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
-        if cfg.memory_breakdown:
-            forecast = run_forecast(cfg, model, icfg, world, device)
+        forecast = fc if cfg.memory_breakdown else None
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
     if virtual.leads(rank):
         for line in start_warnings(cfg):

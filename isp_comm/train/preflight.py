@@ -9,7 +9,7 @@ import os
 import torch
 
 from isp_comm import ISPConfig
-from isp_comm.memory_forecast import KNOBS, forecast
+from isp_comm.memory_forecast import KNOBS, MemoryForecast, forecast
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.metrics import proc_status_bytes
 
@@ -41,25 +41,28 @@ def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, w
 
 def memory_warnings(
     cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, world: int, device: torch.device
-) -> list[str]:
-    """One line when the forecast's highest phase exceeds what this rank can have:
-    the phase, its biggest part and the knob that shrinks it."""
+) -> tuple[list[str], MemoryForecast | None]:
+    """One line when the forecast's highest phase exceeds what this rank can have (the
+    phase, its biggest part and the knob that shrinks it), and the forecast itself,
+    which ``--memory-breakdown`` reports beside its measurement (``None``, and a line
+    saying why, for a model the forecast's meta trace cannot run)."""
     try:
         fc = memory_forecast(cfg, model, icfg, world, device)
     except Exception as exc:  # a model the meta trace cannot run: train anyway, say so
-        return [f"no memory forecast for this model ({type(exc).__name__}: {exc})"]
+        return [f"no memory forecast for this model ({type(exc).__name__}: {exc})"], None
     free = free_memory_per_rank(device, local_ranks(cfg, world))
     phase = fc.worst()
     need = fc.peak(phase) + (0 if device.type == "cuda" else proc_status_bytes("VmRSS"))
     if need <= free:
-        return []
+        return [], fc
     part, size = fc.biggest(phase)
     knob = KNOBS.get(part.split(" (")[0], "a larger --wp")
-    return [
+    line = (
         f"the memory forecast for the {phase} phase is {need / 2**20:.0f} MiB per rank, more than the "
         f"{free / 2**20:.0f} MiB free; its biggest part is {part} ({size / 2**20:.0f} MiB): try {knob} "
         "(isp-train --plan prints the table)"
-    ]
+    )
+    return [line], fc
 
 
 def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:

@@ -28,17 +28,6 @@ PHASES = ("forward", "backward", "optimizer", "evaluate")
 """The phases reported, in this order, where the run had them."""
 
 
-def run_forecast(cfg: Any, model: Any, icfg: Any, world: int, device: Any) -> Any:
-    """The memory forecast of the run's flags for the meta ``model``, or ``None`` for a
-    model the forecast's meta trace cannot run (the breakdown is then reported alone)."""
-    from isp_comm.train.preflight import memory_forecast
-
-    try:
-        return memory_forecast(cfg, model, icfg, world, device)
-    except Exception:  # noqa: BLE001 - the run goes on; memory_warnings says why
-        return None
-
-
 class RunBreakdown:
     """One rank's breakdown of its run: :meth:`tracking` around the steps,
     :meth:`step_done` after each, :meth:`report` once the last has run (collective over
