@@ -179,6 +179,47 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             default=False,
         ),
         Step(
+            "virtual-8b-best",
+            360,
+            [
+                PY,
+                "bench/virtual.py",
+                "--config",
+                "llama3-8b",
+                "--layout",
+                "best",
+                "--systems",
+                "isp-comm,fsdp2,compute-only",
+                "--repeats",
+                "3",
+                "--out",
+                os.path.join(out, "virtual_8b_best"),
+            ],  # fmt: skip
+            "one rank of Llama-3-8B at N=8 in the planner's fastest layout, eager: isp-comm, FSDP2 in its own "
+            "fastest, compute-only, the planner",
+            default=False,
+        ),
+        Step(
+            "virtual-8b-best-compiled",
+            540,
+            [
+                PY,
+                "bench/virtual.py",
+                "--config",
+                "llama3-8b",
+                "--layout",
+                "best",
+                "--systems",
+                "isp-comm compiled,fsdp2 compiled",
+                "--repeats",
+                "3",
+                "--out",
+                os.path.join(out, "virtual_8b_best_compiled"),
+            ],  # fmt: skip
+            "the same, every block compiled (as isp-train --compile and torchtitan)",
+            default=False,
+        ),
+        Step(
             "virtual-70b",
             480,
             [
