@@ -201,7 +201,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         ),
         Step(
             "virtual-8b-best-compiled",
-            540,
+            500,
             [
                 PY,
                 "bench/virtual.py",
