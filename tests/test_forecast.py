@@ -227,6 +227,7 @@ def test_cuda_forecast_counts_the_reduce_scatter_pairs_only_while_the_blocks_red
     assert released["backward"] in (pair, 2 * pair)  # the last block's moment, or a later one
     assert not any(n for ph, n in released.items() if ph != "backward"), released
     assert pairs(ISPConfig(max_inflight_reduce_scatter=1))["backward"] == pair
+    assert pairs(ISPConfig(overlap=False))["backward"] == pair  # each reduce completed as it is issued
     three = ISPConfig(max_inflight_reduce_scatter=3, activation_checkpointing=1.0)
     assert pairs(three)["backward"] in (2 * pair, 3 * pair)
     kept = pairs(ISPConfig(release_reduce_buffers=False))

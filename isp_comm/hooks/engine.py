@@ -203,8 +203,8 @@ class BlockEngine:
             unit.swap_in([unit.shard_view(unit.flat_shard, sp).detach() for sp in unit.params])
 
     def root_post_forward(self) -> None:
-        """Forward done: the model's outer parameters are shards again (autograd keeps
-        the gathered views it saved); without a backward to come, free them now."""
+        """Forward done: the model's outer parameters are shards again, and the engine
+        lets go of their gathered region (see [Note: the outer region's lifetime])."""
         self._armed = False
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
@@ -214,8 +214,14 @@ class BlockEngine:
         if self.root is None:
             return
         self.root.swap_out()
-        if not torch.is_grad_enabled():
-            self._root_region = None
+        # [Note: the outer region's lifetime] What the backward needs of the gathered
+        # outer parameters is what autograd saved: the head's and the final norm's
+        # weights, views of the region, released when their backward has run, at the
+        # start of the backward. Kept by the engine until the outer unit's gradients are
+        # reduced, at the end of the backward, the region (the gathered head: 1 GiB at
+        # Llama-3-8B's scale over 8 ranks) would stay through every block's backward,
+        # where the backward peaks. A second forward before the backward gathers anew.
+        self._root_region = None
 
     def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The block's forward, wrapped. Also runs for a recompute in backward when the

@@ -86,7 +86,7 @@ def forecast(
     traced = _vocab_parallel_input(memo[tkey], config, wp)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
-    release = not in_heap and _releases_pairs(config, device)
+    release = _releases_pairs(config, device) and not in_heap
     persistent = _persistent(plan, w, in_heap, release)
     # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
     # the WP-summed shards' only with replicas: without, they are divided where they are)
@@ -103,7 +103,7 @@ def forecast(
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
-    pairs = _pairs_made(plan, blocks, config.max_inflight_reduce_scatter) if release else [0] * len(blocks)
+    pairs = _pairs_made(plan, blocks, config) if release else [0] * len(blocks)
     phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, pairs))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
@@ -167,18 +167,20 @@ def _releases_pairs(config: ISPConfig, device: str) -> bool:
     return releases_reduce_buffers(config.release_reduce_buffers, device, symmetric)
 
 
-def _pairs_made(plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], k: int) -> list[int]:
+def _pairs_made(plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig) -> list[int]:
     """With the pairs given back between backwards ([Note: reduce-scatter pairs between
     backwards] in ``isp_comm/memory_pool/slots.py``): the bytes of the pairs alive when
-    block i reduces, its own included, replaying the engine's bound of ``k`` reduces in
-    flight (a pair is made when a reduce finds none of its dtype free), from the last
-    block back."""
+    block i reduces, its own included, replaying the engine's bound of
+    ``max_inflight_reduce_scatter`` reduces in flight (one without ``overlap``: each is
+    completed as it is issued; a pair is made when a reduce finds none of its dtype
+    free), from the last block back."""
+    k = config.max_inflight_reduce_scatter if config.overlap else 1
     inflight: deque = deque()
     free: Counter = Counter()
     made: Counter = Counter()
     alive = []
     for lay, tr, _ in reversed(blocks):
-        for dt in [g.dtype for g in lay.full_groups] if any(tr) else []:
+        for dt in [g.dtype for g in lay.full_groups if any(tr[i] for i in g.members)]:  # the groups it reduces
             while len(inflight) >= k:
                 free[inflight.popleft()] += 1
             if free[dt]:
@@ -232,19 +234,23 @@ def _step(
     loss's own backward ([Note: the loss's backward]; the vocab-parallel one with
     ``vocab_parallel``), then at block i the gradient shards of the blocks after i
     (``blocks``: each block's layout, trainable flags and gradient shard bytes) and of
-    the vocab-parallel head (``head_grad``), whose backward comes first, and the
-    reduce-scatter pairs made by then when they are given back between backwards
+    the vocab-parallel head (``head_grad``), whose backward comes first (the gathered
+    outer region is gone by then), and the reduce-scatter pairs made by then when they are given back between backwards
     (``pairs``, per block; 0 when they are kept, counted in ``steady``)."""
-    step_parts = {**steady, "cast copies": w.casts, "outer gather": w.outer_gather}
+    step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
     act_label = f"activations ({n_ckpt}/{n} blocks checkpointed)" if n_ckpt else "activations"
-    forward = {**step_parts, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
+    # the gathered outer region lives until the head's backward ([Note: the outer region's
+    # lifetime] in isp_comm/hooks/engine.py)
+    outer = {"outer gather": w.outer_gather}
+    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
     head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
-    moments = [{act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}]  # [Note: the loss's backward]
+    loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}
+    moments = [loss]  # [Note: the loss's backward]
     for i, (lay, tr, _) in enumerate(blocks):
         moments.append(
             {

@@ -125,9 +125,13 @@ class ReduceScatterBuffers:
     the engine never has more in flight), and :meth:`release_idle`, called when the
     backward has drained, drops them all, so that the forward, the loss's backward
     and the optimizer step can use their bytes. It is called only when every pair is
-    back, that is after the engine has waited for each pair's collectives: on CUDA that
-    wait is the current stream's, on which the pair was made, so the caching allocator
-    hands the bytes out again only to work ordered after those collectives. A pair
+    back, that is after the engine has waited for each pair's collectives on the current
+    stream. On CUDA the caching allocator hands a freed block out again to work on the
+    stream it was made on: the forward's, on which autograd runs the blocks' backward,
+    while the backward's end runs on the stream ``backward()`` was called on. Where the
+    two differ (a forward on a side stream), each pair is recorded on the ending stream
+    before it is dropped, so its bytes are not reused before that stream's waits (on
+    the allocation stream itself the record is nothing). A pair
     that an abandoned step may still write is never handed back (``in_use`` stays
     above zero), as [Note: buffers of a failed step] in ``isp_comm/hooks/engine.py`` says.
     """
@@ -176,6 +180,8 @@ class ReduceScatterBuffers:
         """With ``release``: drop every pair when none is in use (see the note above)."""
         if self._release and self.in_use == 0:
             for dt in self._free:
+                for t in (t for pair in self._made[dt] for t in pair if t.is_cuda):
+                    t.record_stream(torch.cuda.current_stream(t.device))
                 self._free[dt], self._made[dt] = [], []
 
     def close(self) -> None:
