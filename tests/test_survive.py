@@ -161,7 +161,7 @@ def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
     step finishes, a checkpoint is saved and one line says so; with
     --no-save-on-signal one line and no checkpoint. Never a traceback."""
     out = str(tmp_path / "run")
-    flag = [] if save else ["--no-save-on-signal"]
+    flag = ["--memory-breakdown"] if save else ["--no-save-on-signal"]  # saving: the breakdown is written too
     cmd = _own(2, *SMALL, *COMMON, "--steps", "100000", *flag, "--out", out)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for_step(proc, out, 3)
@@ -177,6 +177,9 @@ def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
     if save:
         step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
         assert os.path.isdir(os.path.join(saved, f"step_{step:06d}")), lines
+        with open(os.path.join(out, "memory_breakdown.json")) as f:
+            breakdown = json.load(f)
+        assert len(breakdown["ranks"]) == 2 and breakdown["steps"][1] == step, breakdown["steps"]
     else:
         assert "no checkpoint" in lines[0], lines
         assert not [d for d in os.listdir(saved) if d.startswith("step_")] if os.path.isdir(saved) else True

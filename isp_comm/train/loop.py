@@ -56,7 +56,7 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
     watch = job.breakdown = RunBreakdown(job, job.forecast) if cfg.memory_breakdown else None
-    quiet = watch.untracked if watch is not None else contextlib.nullcontext
+    quiet, stopped = watch.untracked if watch is not None else contextlib.nullcontext, 0
     with watch.tracking() if watch is not None else contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             if cfg.trace and step == max(start + 1, cfg.steps - 2):
@@ -94,17 +94,29 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
             report(job, bar, last, first_step_s if step == start + 1 else None)
             if watch is not None:
                 watch.step_done(step, first=step == start + 1)
-            if interrupted and job.signals.armed and step != cfg.steps:
-                with quiet():
-                    job.saver.save(step, comm, job.opt, job.data.state_dict())
-                job.saver.close()
-                comm.close()
-                raise Interrupted(step, job.signals.got or signal.SIGTERM)
+            if interrupted and job.signals.armed and step != cfg.steps:  # every rank: the flag is all-reduced
+                stopped = step
+                break
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
                 with quiet():
                     job.saver.save(step, comm, job.opt, job.data.state_dict())
     bar.close()
+    if stopped:
+        interrupt(job, stopped)
     return last
+
+
+def interrupt(job: Job, step: int) -> None:
+    """A signal's step boundary (``--save-on-signal``): the memory breakdown measured
+    so far, a checkpoint, and the run leaves with ``Interrupted``."""
+    comm = job.comm
+    comm.stop_trace()  # the breakdowns' gather is not a step's
+    if job.breakdown is not None:  # collective: every rank stops at this step
+        job.breakdown.report()
+    job.saver.save(step, comm, job.opt, job.data.state_dict())
+    job.saver.close()
+    comm.close()
+    raise Interrupted(step, job.signals.got or signal.SIGTERM)
 
 
 def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:

@@ -6,7 +6,8 @@ by part beside the memory forecast's lines for the same flags: all of them in
 The peaks are the steady state's, as the forecast's: they start again after the run's
 first step, whose optimizer step creates the optimizer's state (a run of one step
 keeps its warm-up). Checkpoint saves are not counted; an evaluation is a phase of its
-own. A run stopped by a signal writes no breakdown. A diagnosis, not a way to train:
+own. A run stopped by a signal at a step boundary (``--save-on-signal``) reports its
+steps so far; one that leaves at once writes none. A diagnosis, not a way to train:
 the breakdown sees every operator from Python, which slows each step.
 """
 
@@ -59,12 +60,15 @@ class RunBreakdown:
         return self.tracker.phase("evaluate")
 
     def step_done(self, step: int, first: bool) -> None:
-        """After the run's first step (when another follows), the peaks start again."""
+        """After the run's first step (when another follows), the peaks start again;
+        ``steps`` holds the first and last step measured (a signal may end the run early)."""
         if first and step < self.job.cfg.steps:
             self.tracker.reset_peaks()
-            self.steps = (step + 1, self.job.cfg.steps)
+            self.steps = (step + 1, step)  # none measured yet
         elif first:
             self.steps = (step, step)
+        elif self.steps is not None:
+            self.steps = (self.steps[0], step)
 
     def report(self) -> None:
         """Every rank's breakdown to rank 0, which writes them with the forecast and
@@ -91,6 +95,8 @@ class RunBreakdown:
         b = self.result
         if not phases or self.steps is None:
             return f"isp-train: memory breakdown: no step ran, nothing measured ({FILE})"
+        if self.steps[0] > self.steps[1]:  # stopped by a signal after the warm-up step, whose peaks are not kept
+            return f"isp-train: memory breakdown: no step ran after the first, nothing measured ({FILE})"
         first, last = self.steps
         head = f"isp-train: memory breakdown of rank {self.job.rank}, steps {first}-{last}"
         lines = [f"{head} (every rank's in {FILE}; the forecast is rank 0's):"]
