@@ -192,6 +192,30 @@ def test_the_engines_copies_follow_its_landing() -> None:
     assert 0 < copies("module") < copies("block")
 
 
+def test_the_engines_casts_and_copies_follow_the_state_sharding() -> None:
+    """[Note: the engine's copies] by hand, every byte at one bandwidth ``bw`` (a copy of
+    x bytes moves 2x). Two blocks of 43,008 elements (q, o 64x64; k, v 32x64; gate, up,
+    down 160x64), bf16 gathers from fp32 masters, fp32 reduce, world 4, wp 2. State over
+    WP: each of a micro-step's two gathers first casts the shard (86,016 B of masters
+    read, 43,008 B written: 129,024 B); the reduced shard (86,016 B) is divided and
+    written to .grad. Over the world: no cast per gather; the reduced shard is packed
+    replica-major (86,016 B copied: 172,032 moved) and the piece (43,008 B) divided and
+    written (172,032 moved together, as the shard's 344,064 less that); once a step the
+    pieces are cast (64,512 B moved) and the gather unpacked (86,016 B). Per block the
+    world's copies are 2 x 129,024 - 64,512 - 86,016 = 107,520 B fewer."""
+    model = _meta(vocab_size=512, hidden=64, ffn_hidden=160, n_layers=2, n_heads=4, n_kv_heads=2)
+    bw = 1e9
+    flat = dataclasses.replace(
+        profiles.from_target(parse_target("h100x8")), elementwise=[[1.0, bw], [1e15, bw]], compute_scale={}
+    )
+
+    def copies(state: str) -> float:
+        cfg = ISPConfig(**BF16, state_sharding=state)
+        return step_time(model, cfg, flat, world=4, wp=2, sp=1, batch=4, seq=64).compute_s["copies"]
+
+    assert copies("wp") - copies("world") == pytest.approx(2 * 107_520 / bw, rel=1e-9)
+
+
 def test_the_vocab_parallel_head_pays_its_collectives() -> None:
     """The vocab-parallel head gathers the WP group's hidden states and reduce-scatters
     their gradient, both on the compute path: the reduce-scatter is charged at its size

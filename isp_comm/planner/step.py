@@ -201,6 +201,11 @@ class _Costs:
     pack: list[float]  # per block: packing its gradients, and writing the reduced shard
     outer_land: float  # the same for the sharded outer unit
     outer_pack: float
+    send: list[float]  # per block: its shard cast into the gather dtype before each WP gather (masters apart)
+    outer_send: float  # the same for the sharded outer unit
+    piece_send: list[float]  # "world": per block, its pieces cast for the replica all-gather
+    unpack: list[float]  # "world": per block, that gather unpacked into the WP shard
+    outer_refresh: float  # "world": the outer unit's piece cast and unpack
     grads: list[bool]  # per block: whether it has gradients to reduce
     ag: list[Demand]  # per block: its all-gather over WP
     rs: list[Demand]  # per block: its reduce-scatter over WP
@@ -229,10 +234,10 @@ REPLICA_GATHER_AHEAD = 2
 """``state_sharding="world"``: blocks ahead of compute at which a block's updated
 shard is all-gathered over the replicas, in the first forward after the optimizer
 step: at the start of block i's compute (as block i+1's WP gather is issued), block
-i+2's replica gather is issued (blocks 0 and 1's at the forward's start); block
-j's WP gather waits for it on the device (a stream wait, not the host's). The WP
-gather itself is one block ahead, so the replica gather has one block's compute to
-itself before the WP gather needs it."""
+i+2's replica gather is issued (blocks 0 and 1's at the forward's start); before
+block j's WP gather is issued, the compute stream waits for it (on the device, not
+the host) and unpacks it into the WP shard. The WP gather itself is one block ahead,
+so the replica gather has one block's compute to itself before it is needed."""
 
 
 def _costs(
@@ -269,37 +274,89 @@ def _costs(
     outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
     n_ckpt = round(config.activation_checkpointing * len(blocks))
 
+    cp = _copies(config, prof, (world, wp), slowdown, memo[skey][0], memo[("layouts", *skey[1:])][0], world_sharded)
+    compute = {k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS}
+    compute["copies"] = 2 * sum(cp["land"]) + 2 * sum(cp["send"]) + sum(cp["pack"])
+    compute["copies"] += cp["outer_land"] + cp["outer_send"] + cp["outer_pack"]
+    return _Costs(
+        fwd=[sum(p.values()) for p in fwd],
+        bwd=[sum(p.values()) for p in bwd],
+        outer=sum(sum(p.values()) for p in outer),
+        compute=compute,
+        **cp,
+        grads=[r > 0 for r in reduce],
+        **_demands(model, config, prof, sizes, memo[skey][0], world_sharded),
+        n_ckpt=n_ckpt,
+        max_inflight=config.max_inflight_reduce_scatter,
+    )
+
+
+def _copies(
+    config: ISPConfig,
+    prof: Profile,
+    sizes: tuple[int, int],
+    slowdown: float,
+    nbytes: tuple,
+    units: list,
+    world_sharded: bool,
+) -> dict[str, object]:
+    """The engine's copies and casts on the compute stream, in seconds (:class:`_Costs`'
+    fields): ``sizes``: world and wp; ``nbytes``: :func:`_sizes`' figures; ``units``:
+    the layouts (index, layout, trainable flags), without pieces."""
+    world, wp = sizes
+    gather, reduce, outer_gather, outer_reduce, _, _ = nbytes
+
     def copy(nbytes: float) -> float:  # read once and written once
         return slowdown * 2 * nbytes / interp(prof.elementwise, 2 * nbytes) if nbytes else 0.0
 
     # [Note: the engine's copies] a gather lands in the slot by a copy (wp 1: from the
     # shard; "staging": from the rank-major buffer; "per-parameter": the peers write the
-    # slot, no copy); each reduce packs the block's gradients, and the reduced shard is
-    # divided (world > 1) and copied into .grad (HookEngine, Reductions)
+    # slot, no copy); with masters in another dtype than the gather's, each WP gather
+    # first casts the shard (BlockState.unshard); each reduce packs the block's
+    # gradients (and divides them first in a low-precision reduce dtype), and the
+    # reduced part is divided (world > 1) and copied into .grad (HookEngine,
+    # Reductions). With the state over the world the WP shard is in the gather dtype
+    # (no cast per gather), the reduced WP shard is packed replica-major before its
+    # replica reduce-scatter and the piece, not the shard, is divided and written; once
+    # a step each unit's pieces are cast for the replica all-gather, which is unpacked
+    # into the WP shard (WeightRefresh)
+    replicas = world // wp if world_sharded else 1
+    low = (config.reduce_dtype or config.param_dtype) in (torch.bfloat16, torch.float16) and world >= 4
+
     def packed(nbytes: float) -> float:
-        return copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp)
+        out = (1 + low) * copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp / replicas)
+        return out + (copy(nbytes / wp) if replicas > 1 else 0.0)
+
+    def cast(lay, gathered: float, parts: int) -> float:  # masters (their own dtypes) into the gather dtype
+        master = sum(sp_.shard_numel * sp_.dtype.itemsize for sp_ in lay.params)
+        return copy((master + gathered / wp) / 2 / parts)
 
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
     pack = [packed(r) for r in reduce]
     root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
     outer_land, outer_pack = (copy(outer_gather), packed(outer_reduce)) if root else (0.0, 0.0)
-    compute = {k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS}
-    compute["copies"] = 2 * sum(land) + sum(pack) + outer_land + outer_pack
-    return _Costs(
-        fwd=[sum(p.values()) for p in fwd],
-        bwd=[sum(p.values()) for p in bwd],
-        outer=sum(sum(p.values()) for p in outer),
-        compute=compute,
-        land=land,
-        pack=pack,
-        outer_land=outer_land,
-        outer_pack=outer_pack,
-        grads=[r > 0 for r in reduce],
-        **_demands(model, config, prof, sizes, memo[skey][0], world_sharded),
-        n_ckpt=n_ckpt,
-        max_inflight=config.max_inflight_reduce_scatter,
-    )
+    block_lays = [lay for i, lay, _ in units if i >= 0]
+    outer_lay = next((lay for i, lay, _ in units if i == -1), None)
+    casts = wp > 1 and replicas == 1  # a per-gather cast: masters apart from the flat shard
+    send = [cast(lay, g, 1) if casts and lay.dtype != lay.gather_dtype else 0.0 for lay, g in zip(block_lays, gather)]
+    root = root and outer_lay is not None
+    outer_casts = root and casts and outer_lay.dtype != outer_lay.gather_dtype
+    outer_send = cast(outer_lay, outer_gather, 1) if outer_casts else 0.0
+    piece_send = [cast(lay, g, replicas) if replicas > 1 else 0.0 for lay, g in zip(block_lays, gather)]
+    unpack = [copy(g / wp) if replicas > 1 else 0.0 for g in gather]
+    outer_refresh = cast(outer_lay, outer_gather, replicas) + copy(outer_gather / wp) if root and replicas > 1 else 0.0
+    return {
+        "land": land,
+        "pack": pack,
+        "outer_land": outer_land,
+        "outer_pack": outer_pack,
+        "send": send,
+        "outer_send": outer_send,
+        "piece_send": piece_send,
+        "unpack": unpack,
+        "outer_refresh": outer_refresh,
+    }
 
 
 def _demands(
@@ -358,21 +415,32 @@ def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
     n = len(c.fwd)
     replica_done: dict[int, float] = {}
 
-    def replica_gather(j: int) -> None:
+    def replica_gather(j: int) -> None:  # its pieces cast, then gathered between nodes
         if first and 0 <= j < n and c.rep_ag[j]:
+            clock.t += c.piece_send[j]
             replica_done[j] = clock.issue(c.rep_ag[j], REPLICA)
 
-    outer_after = clock.issue(c.outer_rep_ag, REPLICA) if first else 0.0
+    def wp_gather(j: int) -> float:  # the compute stream waits for the replica gather and unpacks it first
+        if j in replica_done:
+            clock.wait(replica_done.pop(j))
+            clock.t += c.unpack[j]
+        clock.t += c.send[j]
+        return clock.issue(c.ag[j], WP)
+
+    if first and c.outer_rep_ag:
+        clock.wait(clock.issue(c.outer_rep_ag, REPLICA))
+        clock.t += c.outer_refresh
     summed_done = clock.issue(c.summed_ag, REPLICA) if first else 0.0
-    clock.wait(clock.issue(c.outer_ag, WP, outer_after))
+    clock.t += c.outer_send
+    clock.wait(clock.issue(c.outer_ag, WP))
     clock.t += c.outer_land
     for j in range(REPLICA_GATHER_AHEAD):
         replica_gather(j)
-    done = clock.issue(c.ag[0], WP, replica_done.get(0, 0.0)) if n else 0.0
+    done = wp_gather(0) if n else 0.0
     for i in range(n):
         clock.wait(done)
         if i + 1 < n:
-            done = clock.issue(c.ag[i + 1], WP, replica_done.get(i + 1, 0.0))
+            done = wp_gather(i + 1)
         replica_gather(i + REPLICA_GATHER_AHEAD)
         clock.t += c.land[i] + c.fwd[i]
         if c.a2a:
@@ -380,7 +448,7 @@ def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
     for d in (d for ds in c.vocab_fwd.values() for d in ds):
         clock.wait(clock.issue(d, WP))
     clock.wait(summed_done)  # the vocab-parallel head's and split embedding's pieces ("world")
-    last = clock.issue(c.ag[-1], WP) if n else 0.0  # backward begins with the last block
+    last = wp_gather(n - 1) if n else 0.0  # backward begins with the last block
     clock.t += c.outer
     for d in (d for ds in c.vocab_bwd.values() for d in ds):
         clock.wait(clock.issue(d, WP))
@@ -394,8 +462,9 @@ def _backward(clock: _Clock, c: _Costs, last: float) -> None:
     at most ``max_inflight`` reduces in flight (see ``isp_comm/hooks/reductions.py``)."""
     done, inflight = last, []  # inflight: [WP reduce-scatter's end, replica demand, replica's end or None]
 
-    def to_replicas(entry: list) -> None:
+    def to_replicas(entry: list) -> None:  # the compute stream waits for the WP stage (and packs the pieces)
         if entry[2] is None:
+            clock.wait(entry[0] if entry[1] else 0.0)
             entry[2] = clock.issue(entry[1], REPLICA, entry[0])
 
     def complete_oldest() -> None:
@@ -407,6 +476,7 @@ def _backward(clock: _Clock, c: _Costs, last: float) -> None:
     for i in reversed(range(len(c.bwd))):
         clock.wait(done)
         if i > 0:
+            clock.t += c.send[i - 1]
             done = clock.issue(c.ag[i - 1], WP)
         clock.t += c.land[i] + c.bwd[i] + (c.fwd[i] if i < c.n_ckpt else 0.0)
         if i < c.n_ckpt and c.a2a:
@@ -516,6 +586,7 @@ def step_time(
         comm[kind] += grad_accum * total(ds)
     mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
     compute = {k: grad_accum * v for k, v in c.compute.items()}
+    compute["copies"] += sum(c.piece_send) + sum(c.unpack) + c.outer_refresh  # once a step ("world")
     return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=dict(clock.links.busy))
 
 
