@@ -42,6 +42,7 @@ names any other stretch (``save``, ``load``).
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -129,6 +130,10 @@ class MemoryBreakdown(TorchDispatchMode):
         self._hooked: weakref.WeakSet = weakref.WeakSet()
         self._entered = False
         self._untracked = 0  # untracked() blocks in progress
+        # a storage can be freed on another thread (a collective's worker dropping the
+        # last reference): its weak reference's callback then runs there, beside a peak
+        # being taken here; the running totals and the live set change under this lock
+        self._lock = threading.RLock()
 
     # ---- entering and attaching ------------------------------------------------------
     def __enter__(self) -> MemoryBreakdown:
@@ -195,20 +200,22 @@ class MemoryBreakdown(TorchDispatchMode):
         if t.device.type == "cuda":
             nbytes, ptr = -(-max(nbytes, 1) // CUDA_BLOCK) * CUDA_BLOCK, st.data_ptr()
         info = _Storage(nbytes, part, source, ptr)
-        self._known[st] = info
-        ref = weakref.ref(st, self._freed)
-        self._refs[id(ref)] = ref
-        self._live[id(ref)] = info
-        self.current += nbytes
-        self.current_cuda += nbytes if ptr else 0
+        with self._lock:
+            self._known[st] = info
+            ref = weakref.ref(st, self._freed)
+            self._refs[id(ref)] = ref
+            self._live[id(ref)] = info
+            self.current += nbytes
+            self.current_cuda += nbytes if ptr else 0
         return info
 
     def _freed(self, ref: weakref.ref) -> None:
-        info = self._live.pop(id(ref), None)
-        self._refs.pop(id(ref), None)
-        if info is not None:
-            self.current -= info.nbytes
-            self.current_cuda -= info.nbytes if info.ptr else 0
+        with self._lock:
+            info = self._live.pop(id(ref), None)
+            self._refs.pop(id(ref), None)
+            if info is not None:
+                self.current -= info.nbytes
+                self.current_cuda -= info.nbytes if info.ptr else 0
 
     def _context(self) -> str:
         """The part of a storage made now (see [Note: how a storage gets its part])."""
@@ -278,12 +285,14 @@ class MemoryBreakdown(TorchDispatchMode):
         if self.phase_name == "backward":
             names.append("backward/model" if self._model_grad else "backward/loss")
         alive = None
-        for name in names:
-            peak = self._peaks.get(name)
-            if peak is None or self.current > peak.tracked:
-                if alive is None:
-                    alive = ([(info, info.nbytes) for info in self._live.values()], self._device_now())
-                self._peaks[name] = PhasePeak(self.current, *alive)
+        with self._lock:  # the total and the storages alive, of one moment
+            current = self.current
+            for name in names:
+                peak = self._peaks.get(name)
+                if peak is None or current > peak.tracked:
+                    if alive is None:
+                        alive = ([(info, info.nbytes) for info in self._live.values()], self._device_now())
+                    self._peaks[name] = PhasePeak(current, *alive)
 
     def _device_now(self) -> dict[str, int]:
         """What the device holds now: CUDA's allocated and reserved bytes and the tracked
