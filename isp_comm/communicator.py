@@ -374,6 +374,14 @@ class ISPCommunicator:
         """Stop recording; the (lane, name, start_s, end_s) spans since ``start_trace``."""
         return self.ctx.stop_trace()
 
+    def _pool_bytes(self) -> int:
+        """What the pool holds now: slots, landing and cast buffers, and the reduce-scatter
+        pairs alive (none between backwards when they are given back: [Note:
+        reduce-scatter pairs between backwards])."""
+        if not self.config.memory_pool:
+            return 0
+        return self._plan.pool_bytes - self._plan.rs_bytes + self.rs_buffers.held_bytes()
+
     def stats(self) -> dict[str, float | int]:
         """Counters of communication and memory since wrapping. On CUDA,
         ``exposed_comm_s`` counts the waits whose events have completed by now (all of
@@ -393,7 +401,7 @@ class ISPCommunicator:
             "exposed_comm_s": c.exposed_comm_s,
             "comm_s": self.backend.modelled_comm_s,  # modelled time issued (a virtual backend), else 0
             "outstanding_handles": self.engine.outstanding(),
-            "pool_bytes": self._plan.pool_bytes if self.config.memory_pool else 0,
+            "pool_bytes": self._pool_bytes(),
             "device_heap_bytes": self.backend.device_heap_bytes,  # NVSHMEM's heap: max_memory_allocated misses it
             "live_gathered_bytes": self.pool.live_bytes,
             "peak_live_gathered_bytes": self.pool.peak_live_bytes,

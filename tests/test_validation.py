@@ -113,7 +113,8 @@ def test_wrap_twice(world1) -> None:
 
 
 def test_releasing_symmetric_reduce_scatter_buffers_is_refused_before_sharding(world1) -> None:
-    # the shared-memory backend's pairs are segments the WP group maps together
+    # the shared-memory backend's pairs are segments the WP group maps together; with
+    # plain ones, a backward makes them and its end drops them
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="release_reduce_buffers=True: this backend's reduce-scatter buffers are sym"):
@@ -121,6 +122,10 @@ def test_releasing_symmetric_reduce_scatter_buffers_is_refused_before_sharding(w
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was sharded
     comm = ISPCommunicator(model, world1, ISPConfig(backend="torch", release_reduce_buffers=True))
     assert not any(comm.rs_buffers._made.values())  # none made at wrap: a backward makes them
+    model(torch.randint(0, 11, (2, 8))).float().sum().backward()
+    plan = comm.memory_plan()
+    assert comm.rs_buffers.peak_in_use >= 1 and not any(comm.rs_buffers._made.values())  # made, then dropped
+    assert comm.stats()["pool_bytes"] == plan.pool_bytes - plan.rs_bytes > 0
     comm.close()
 
 

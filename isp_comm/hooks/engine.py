@@ -215,12 +215,15 @@ class BlockEngine:
             return
         self.root.swap_out()
         # [Note: the outer region's lifetime] What the backward needs of the gathered
-        # outer parameters is what autograd saved: the head's and the final norm's
-        # weights, views of the region, released when their backward has run, at the
-        # start of the backward. Kept by the engine until the outer unit's gradients are
-        # reduced, at the end of the backward, the region (the gathered head: 1 GiB at
-        # Llama-3-8B's scale over 8 ranks) would stay through every block's backward,
-        # where the backward peaks. A second forward before the backward gathers anew.
+        # outer parameters is what autograd saved: in a llama-class model the head's and
+        # the final norm's weights, views of the region, released when their backward
+        # has run, at the start of the backward (an embedding saves only its indices).
+        # Kept by the engine until the outer unit's gradients are reduced, at the end of
+        # the backward, the region (the gathered head: 1 GiB at Llama-3-8B's scale over 8
+        # ranks) would stay through every block's backward, where the backward peaks. An
+        # outer parameter used before the blocks whose weight is saved (a norm on the
+        # embeddings) keeps the whole region to its own backward, at the end, which the
+        # memory forecast does not count. A second forward before the backward gathers anew.
         self._root_region = None
 
     def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -176,6 +176,10 @@ class ReduceScatterBuffers:
         if self._pooled:
             self._free[dtype].append(pair)
 
+    def held_bytes(self) -> int:
+        """Bytes of the pooled pairs alive now."""
+        return sum(t.nbytes for pairs in self._made.values() for pair in pairs for t in pair)
+
     def release_idle(self) -> None:
         """With ``release``: drop every pair when none is in use (see the note above)."""
         if self._release and self.in_use == 0:

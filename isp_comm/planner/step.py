@@ -52,6 +52,7 @@ from torch import nn
 from isp_comm.backends.tiers import NONE, Demand, TierSchedule
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
+from isp_comm.hooks.reductions import divide_factors
 from isp_comm.memory_forecast.weights import unit_layouts
 from isp_comm.memory_pool.plan import gather_landing
 from isp_comm.model_flops import flops_per_token
@@ -321,9 +322,10 @@ def _copies(
     # a step each unit's pieces are cast for the replica all-gather, which is unpacked
     # into the WP shard (WeightRefresh)
     replicas = world // wp if world_sharded else 1
-    low = (config.reduce_dtype or config.param_dtype) in (torch.bfloat16, torch.float16) and world >= 4
+    pre = divide_factors(world)[0] > 1
 
-    def packed(nbytes: float) -> float:
+    def packed(nbytes: float, lay) -> float:  # a low-precision reduce divides the packed gradients first
+        low = pre and lay is not None and any(g.dtype in (torch.bfloat16, torch.float16) for g in lay.full_groups)
         out = (1 + low) * copy(nbytes) + (1 + (world > 1)) * copy(nbytes / wp / replicas)
         return out + (copy(nbytes / wp) if replicas > 1 else 0.0)
 
@@ -331,13 +333,13 @@ def _copies(
         master = sum(sp_.shard_numel * sp_.dtype.itemsize for sp_ in lay.params)
         return copy((master + gathered / wp) / 2 / parts)
 
-    per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
-    land = [0.0 if per_parameter else copy(b) for b in gather]
-    pack = [packed(r) for r in reduce]
-    root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
-    outer_land, outer_pack = (copy(outer_gather), packed(outer_reduce)) if root else (0.0, 0.0)
     block_lays = [lay for i, lay, _ in units if i >= 0]
     outer_lay = next((lay for i, lay, _ in units if i == -1), None)
+    per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
+    land = [0.0 if per_parameter else copy(b) for b in gather]
+    pack = [packed(r, lay) for r, lay in zip(reduce, block_lays)]
+    root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
+    outer_land, outer_pack = (copy(outer_gather), packed(outer_reduce, outer_lay)) if root else (0.0, 0.0)
     casts = wp > 1 and replicas == 1  # a per-gather cast: masters apart from the flat shard
     send = [cast(lay, g, 1) if casts and lay.dtype != lay.gather_dtype else 0.0 for lay, g in zip(block_lays, gather)]
     root = root and outer_lay is not None
@@ -430,7 +432,8 @@ def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
     if first and c.outer_rep_ag:
         clock.wait(clock.issue(c.outer_rep_ag, REPLICA))
         clock.t += c.outer_refresh
-    summed_done = clock.issue(c.summed_ag, REPLICA) if first else 0.0
+    if first:  # the vocab-parallel head's and split embedding's pieces, brought up to date before block 0's
+        clock.wait(clock.issue(c.summed_ag, REPLICA))
     clock.t += c.outer_send
     clock.wait(clock.issue(c.outer_ag, WP))
     clock.t += c.outer_land
@@ -447,7 +450,6 @@ def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
             clock.wait(clock.issue(c.a2a, SP))
     for d in (d for ds in c.vocab_fwd.values() for d in ds):
         clock.wait(clock.issue(d, WP))
-    clock.wait(summed_done)  # the vocab-parallel head's and split embedding's pieces ("world")
     last = wp_gather(n - 1) if n else 0.0  # backward begins with the last block
     clock.t += c.outer
     for d in (d for ds in c.vocab_bwd.values() for d in ds):

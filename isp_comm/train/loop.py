@@ -107,13 +107,14 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
 
 
 def interrupt(job: Job, step: int) -> None:
-    """A signal's step boundary (``--save-on-signal``): the memory breakdown measured
-    so far, a checkpoint, and the run leaves with ``Interrupted``."""
+    """A signal's step boundary (``--save-on-signal``): a checkpoint first (what a
+    preemption is for), then the memory breakdown measured so far, and the run leaves
+    with ``Interrupted``."""
     comm = job.comm
     comm.stop_trace()  # the breakdowns' gather is not a step's
+    job.saver.save(step, comm, job.opt, job.data.state_dict())
     if job.breakdown is not None:  # collective: every rank stops at this step
         job.breakdown.report()
-    job.saver.save(step, comm, job.opt, job.data.state_dict())
     job.saver.close()
     comm.close()
     raise Interrupted(step, job.signals.got or signal.SIGTERM)
