@@ -94,10 +94,16 @@ def _pytest(*args: str) -> list[str]:
     return [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args]
 
 
+def _virtual(out: str, folder: str, *args: str) -> list[str]:
+    """``bench/virtual.py`` with ``args``, its results in ``out/folder``."""
+    return [PY, "bench/virtual.py", *args, "--out", os.path.join(out, folder)]
+
+
 def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels carried") -> list[Step]:
     """Every step in priority order; ``out``: where results go, ``work``: scratch;
     ``wheels``: to install (none: the step says ``no_wheels``)."""
     shared = "tests/gpu/test_gpu_shared.py"
+    best_8b = ("--config", "llama3-8b", "--layout", "best", "--repeats", "3")  # the 8B goals, medians of 3
     pip = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels]
     return [
         Step("wheels", 20, pip if wheels else ["echo", no_wheels], "carried nvshmem4py wheels"),
@@ -165,36 +171,14 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step(
             "virtual-8b",
             420,
-            [
-                PY,
-                "bench/virtual.py",
-                "--config",
-                "llama3-8b",
-                "--repeats",
-                "3",
-                "--out",
-                os.path.join(out, "virtual_8b"),
-            ],
+            _virtual(out, "virtual_8b", "--config", "llama3-8b", "--repeats", "3"),
             "one rank of Llama-3-8B at N=8: isp-comm, FSDP2, compute-only, the planner",
             default=False,
         ),
         Step(
             "virtual-8b-best",
             360,
-            [
-                PY,
-                "bench/virtual.py",
-                "--config",
-                "llama3-8b",
-                "--layout",
-                "best",
-                "--systems",
-                "isp-comm,fsdp2,compute-only",
-                "--repeats",
-                "3",
-                "--out",
-                os.path.join(out, "virtual_8b_best"),
-            ],  # fmt: skip
+            _virtual(out, "virtual_8b_best", *best_8b, "--systems", "isp-comm,fsdp2,compute-only"),
             "one rank of Llama-3-8B at N=8 in the planner's fastest layout, eager: isp-comm, FSDP2 in its own "
             "fastest, compute-only, the planner",
             default=False,
@@ -202,47 +186,23 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step(
             "virtual-8b-best-compiled",
             500,
-            [
-                PY,
-                "bench/virtual.py",
-                "--config",
-                "llama3-8b",
-                "--layout",
-                "best",
-                "--systems",
-                "isp-comm compiled,fsdp2 compiled",
-                "--repeats",
-                "3",
-                "--out",
-                os.path.join(out, "virtual_8b_best_compiled"),
-            ],  # fmt: skip
+            _virtual(out, "virtual_8b_best_compiled", *best_8b, "--systems", "isp-comm compiled,fsdp2 compiled"),
             "the same, every block compiled (as isp-train --compile and torchtitan)",
             default=False,
         ),
         Step(
             "virtual-70b",
             480,
-            [
-                PY,
-                "bench/virtual.py",
-                "--config",
-                "llama3-70b",
-                "--repeats",
-                "1",
-                "--steps",
-                "2",
-                "--out",
-                os.path.join(out, "virtual_70b"),
-            ],
+            _virtual(out, "virtual_70b", "--config", "llama3-70b", "--repeats", "1", "--steps", "2"),
             "one rank of Llama-3-70B at N=64: the same, one process each",
             default=False,
         ),
         Step(
             "virtual-70b-world",
             480,
-            [
-                PY,
-                "bench/virtual.py",
+            _virtual(
+                out,
+                "virtual_70b_world",
                 "--config",
                 "llama3-70b-8k",
                 "--layout",
@@ -255,9 +215,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
                 "1",
                 "--steps",
                 "2",
-                "--out",
-                os.path.join(out, "virtual_70b_world"),
-            ],  # fmt: skip
+            ),
             "one rank of Llama-3-70B at N=64 in the planner's best layout with the state over the world, "
             "FSDP2 in its own best that fits 80 GB",
             default=False,
@@ -265,17 +223,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step(
             "virtual-scaling",
             420,
-            [
-                PY,
-                "bench/virtual.py",
-                "--scaling",
-                "--repeats",
-                "1",
-                "--steps",
-                "2",
-                "--out",
-                os.path.join(out, "virtual_scaling"),
-            ],  # fmt: skip
+            _virtual(out, "virtual_scaling", "--scaling", "--repeats", "1", "--steps", "2"),
             "one rank of Llama-3-8B at N = 8, 64 and 1,024, each in the planner's best layout",
             default=False,
         ),
