@@ -41,16 +41,18 @@ class MemoryPlan:
         def nbytes(d: dict[torch.dtype, int]) -> int:
             return sum(n * dt.itemsize for dt, n in d.items())
 
-        rs_out = sum(-(-n // self.wp_size) * dt.itemsize for dt, n in self.rs_numel.items())
-        rs = self.rs_buffers * (nbytes(self.rs_numel) + rs_out)
+        rs = self.rs_buffers * sum(self.rs_pair_bytes(dt) for dt in self.rs_numel)
         object.__setattr__(self, "rs_bytes", rs)
         gather = self.n_slots * nbytes(self.slot_numel) + nbytes(self.staging_numel) + nbytes(self.send_numel)
         object.__setattr__(self, "pool_bytes", gather + rs)
 
+    def rs_out_numel(self, dtype: torch.dtype) -> int:
+        """Elements of one reduce-scatter output buffer of ``dtype``: a rank's share of the input."""
+        return -(-self.rs_numel[dtype] // self.wp_size)
+
     def rs_pair_bytes(self, dtype: torch.dtype) -> int:
         """One reduce-scatter pair of ``dtype`` (input and output), in bytes."""
-        n = self.rs_numel[dtype]
-        return (n + -(-n // self.wp_size)) * dtype.itemsize
+        return (self.rs_numel[dtype] + self.rs_out_numel(dtype)) * dtype.itemsize
 
     def describe(self) -> str:
         parts = [

@@ -152,8 +152,7 @@ class ReduceScatterBuffers:
         self.peak_in_use = 0
 
     def _make(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self._plan.rs_numel[dtype]
-        pair = (self._alloc(n, dtype), self._alloc(-(-n // self._plan.wp_size), dtype))
+        pair = (self._alloc(self._plan.rs_numel[dtype], dtype), self._alloc(self._plan.rs_out_numel(dtype), dtype))
         self._made[dtype].append(pair)
         return pair
 

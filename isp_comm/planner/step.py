@@ -338,11 +338,10 @@ def _copies(
     per_parameter = gather_landing(wp, config.comm_granularity) == "per-parameter"
     land = [0.0 if per_parameter else copy(b) for b in gather]
     pack = [packed(r, lay) for r, lay in zip(reduce, block_lays)]
-    root = config.shard_outer_params  # its gather always lands by a copy (HookEngine._root_forward)
+    root = config.shard_outer_params and outer_lay is not None  # it lands by a copy (HookEngine._root_forward)
     outer_land, outer_pack = (copy(outer_gather), packed(outer_reduce, outer_lay)) if root else (0.0, 0.0)
     casts = wp > 1 and replicas == 1  # a per-gather cast: masters apart from the flat shard
     send = [cast(lay, g, 1) if casts and lay.dtype != lay.gather_dtype else 0.0 for lay, g in zip(block_lays, gather)]
-    root = root and outer_lay is not None
     outer_casts = root and casts and outer_lay.dtype != outer_lay.gather_dtype
     outer_send = cast(outer_lay, outer_gather, 1) if outer_casts else 0.0
     piece_send = [cast(lay, g, replicas) if replicas > 1 else 0.0 for lay, g in zip(block_lays, gather)]

@@ -56,7 +56,8 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
     t_start, tokens_done, last = time.perf_counter(), 0, {}
     step_tokens = cfg.batch * cfg.grad_accum * cfg.seq
     watch = job.breakdown = RunBreakdown(job, job.forecast) if cfg.memory_breakdown else None
-    quiet, stopped = watch.untracked if watch is not None else contextlib.nullcontext, 0
+    quiet = watch.untracked if watch is not None else contextlib.nullcontext
+    stopped = 0  # the step a signal stopped the run at (--save-on-signal)
     with watch.tracking() if watch is not None else contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             if cfg.trace and step == max(start + 1, cfg.steps - 2):
