@@ -455,7 +455,7 @@ def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "an
             seq=cfg.seq, grad_accum=lay.grad_accum, memo=memo,
         )  # fmt: skip
 
-    ranked = search.rank(candidates, memory, step, top=1)
+    ranked = search.rank(candidates, memory, step, top=1, blocks=len(memo["blocks"]))
     fitting = [r for r in ranked if r.fits]
     if not fitting:
         raise SystemExit(f"bench/virtual.py --layout best: no {kind} layout of {cfg.world} ranks fits on {prof.name}")

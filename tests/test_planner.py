@@ -67,7 +67,7 @@ def test_70b_on_1024_gpus_in_under_10_s() -> None:
     prof = profiles.from_target(parse_target("h100x8", nodes=128))
     memory, step = _evaluators(model, prof, 1024, 8192)
     candidates = search.layouts(1024, 1024, 8192, 64, max_sp=8)
-    ranked = search.rank(candidates, memory, step)
+    ranked = search.rank(candidates, memory, step, blocks=80)
     seconds = time.perf_counter() - t0
     assert seconds < 10.0, seconds
     best = ranked[0]
@@ -90,8 +90,8 @@ def test_70b_on_64_gpus_keeps_gathers_in_a_node_with_state_over_the_world() -> N
     world = dataclasses.replace(wp8, state_sharding="world")
     assert not memory(wp8).fits and memory(world).fits
     assert memory(wp8).device_total > 2.5 * memory(world).device_total  # masters, moments and gradients: 1/8 -> 1/64
-    candidates = [lay for lay in search.layouts(64, 64, 8192, 64, max_sp=8, vocab_parallel=False) if lay.ckpt == 1.0]
-    ranked = search.rank(candidates, memory, step)
+    candidates = search.layouts(64, 64, 8192, 64, max_sp=8, vocab_parallel=False)
+    ranked = search.rank(candidates, memory, step, blocks=80)
     best = next(r for r in ranked if r.fits and r.layout.state_sharding == "world")
     assert best.step.mfu_pct >= 40.0, best
     assert sum(best.step.exposed_comm.values()) <= 0.10 * best.step.step_s, best
@@ -102,20 +102,62 @@ def test_a_layout_that_cannot_fit_is_ranked_as_not_fitting() -> None:
     prof = profiles.from_target(parse_target("h100x8"))
     memory, step = _evaluators(model, prof, 8, 4096)
     candidates = search.layouts(8, 8, 4096, 32)
-    ranked = search.rank(candidates, memory, step)
+    ranked = search.rank(candidates, memory, step, blocks=32)
     fits = [r.fits for r in ranked]
     assert any(fits) and not all(fits)
     assert fits == sorted(fits, reverse=True)  # every fitting layout before every other
-    no_ckpt = [r for r in ranked if r.layout.ckpt == 0 and r.layout.wp == 1 and r.layout.batch == 8]
-    unsharded = [r for r in no_ckpt if r.layout.state_sharding == "wp"]
-    assert unsharded and not any(r.fits for r in unsharded)  # 7B unsharded, 32k tokens of activations: no
+    assert all(r.layout.ckpt == 1.0 for r in ranked if not r.fits)  # shown at their smallest
+    unsharded = [r for r in ranked if r.layout.wp == 1 and r.layout.batch == 8]
+    by_state = {r.layout.state_sharding: r for r in unsharded if not r.layout.shard_outer}
+    assert not by_state["wp"].fits  # 7B unsharded: 16 bytes a parameter, 112 GB, at any checkpointing
     # its gradients and optimizer state over the 8 ranks (the weights still whole on each): 7B's 16
     # bytes a parameter drop to 2 + 16/8, and the same layout fits
-    assert any(r.fits for r in no_ckpt if r.layout.state_sharding == "world")
+    assert by_state["world"].fits
     steps = [r.step.step_s for r in ranked if r.fits]
     assert steps == sorted(steps)
     table = search.table(ranked, lambda lay: "isp-train " + " ".join(lay.flags()))
     assert table.count("\n1: isp-train") == 1 and "\n5: isp-train" in table
+
+
+def test_the_least_checkpointing_that_fits_by_bisection() -> None:
+    """A stand-in forecast that fits from 37 of 80 blocks checkpointed: the search
+    finds 37 in at most 2 + log2(80) forecasts; all-fit and none-fit at the ends."""
+    lay = search.Layout(8, 8, 1, 1.0, False, False, 8, 1)
+    asked: list[float] = []
+
+    def memory(k0: int):
+        def at(layout: search.Layout):
+            asked.append(layout.ckpt)
+            return DeviceMemory(round(layout.ckpt * 80) >= k0)
+
+        return at
+
+    @dataclasses.dataclass
+    class DeviceMemory:
+        fits: bool
+
+    best, mem = search.least_checkpointing(lay, memory(37), 80)
+    assert (best.ckpt, mem.fits) == (37 / 80, True) and round(best.ckpt * 80) == 37
+    assert len(asked) <= 2 + 7 and 36 / 80 in asked  # the block below was forecast and did not fit
+    asked.clear()
+    assert search.least_checkpointing(lay, memory(0), 80)[0].ckpt == 0.0 and len(asked) == 2
+    asked.clear()
+    best, mem = search.least_checkpointing(lay, memory(81), 80)
+    assert (best.ckpt, mem.fits, asked) == (1.0, False, [1.0])
+
+
+def test_the_search_keeps_no_more_blocks_checkpointed_than_memory_needs() -> None:
+    """On the real forecast (a 7B shape on 8 H100s, wp 8): the search's layout fits,
+    and the same layout with one block fewer checkpointed does not."""
+    model = _meta(vocab_size=32000, hidden=4096, ffn_hidden=11008, n_layers=32, n_heads=32, n_kv_heads=32)
+    prof = profiles.from_target(parse_target("h100x8"))
+    memory, _ = _evaluators(model, prof, 8, 16384)
+    lay = search.Layout(8, 8, 1, 1.0, True, False, 16, 1)
+    best, mem = search.least_checkpointing(lay, memory, 32)
+    k = round(best.ckpt * 32)
+    assert 0 < k < 32, k  # neither end: the case the bisection is for
+    assert mem.fits and memory(best).fits
+    assert not memory(dataclasses.replace(best, ckpt=(k - 1) / 32)).fits
 
 
 def test_each_knob_moves_the_right_way() -> None:

@@ -4,13 +4,17 @@ For a global batch (``--batch`` x ``--grad-accum``) and sequence length, the
 layouts are: ``wp`` and ``sp`` among the world's divisors (``sp`` also dividing the
 heads and the sequence), the replicas that follow, with replicas the state
 sharding (gradients and optimizer state over WP, or over the whole job: see
-docs/sharding.md), ``ckpt`` 0 / 0.5 / 1, ``shard_outer`` off / on,
-``vocab_parallel`` off / on (the reference llama, wp > 1), and the micro-batch:
-sequences per rank per micro-step, with ``--grad-accum`` making up the global
-batch. Each is forecast (memory, on the profile's device) and timed
-(:mod:`isp_comm.planner.step`); a layout fits when the device holds at most
-``1 - MARGIN`` of its memory at its highest phase. Fitting layouts come first, by
-predicted step time; those that cannot fit come after, marked.
+docs/sharding.md), ``shard_outer`` off / on, ``vocab_parallel`` off / on (the
+reference llama, wp > 1), and the micro-batch: sequences per rank per micro-step,
+with ``--grad-accum`` making up the global batch. Each is forecast (memory, on the
+profile's device) and timed (:mod:`isp_comm.planner.step`); a layout fits when the
+device holds at most ``1 - MARGIN`` of its memory at its highest phase.
+
+Activation checkpointing is not a dimension of the list but a setting of each
+layout: the least of it that fits, a block at a time (:func:`least_checkpointing`),
+since recomputing a block is never faster than keeping its activations. Fitting
+layouts come first, by predicted step time; those that cannot fit even with every
+block checkpointed come after, marked.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def divisors(n: int) -> list[int]:
 def layouts(
     world: int, global_batch: int, seq: int, heads: int, *, vocab_parallel: bool = True, max_sp: int = 64
 ) -> list[Layout]:
-    """Every layout isp-train would run for this world and global batch."""
+    """Every layout isp-train would run for this world and global batch, each with
+    every block checkpointed (:func:`rank` finds the least checkpointing that fits)."""
     out = []
     for sp in divisors(world):
         if sp > max_sp or heads % sp or seq % sp:
@@ -75,13 +80,39 @@ def layouts(
         micro = [m for m in (1, 2, 4, 8, 16, 32) if global_batch % (dp * m) == 0]
         for wp in divisors(world):
             for m in micro:
-                for ckpt in (0.0, 0.5, 1.0):
-                    for outer in (False, True):
-                        for vp in (False, True) if vocab_parallel and wp > 1 else (False,):
-                            batch = dp * m
-                            for state in ("wp", "world") if wp < world else ("wp",):  # one replica: the same
-                                out.append(Layout(world, wp, sp, ckpt, outer, vp, batch, global_batch // batch, state))
+                for outer in (False, True):
+                    for vp in (False, True) if vocab_parallel and wp > 1 else (False,):
+                        batch = dp * m
+                        for state in ("wp", "world") if wp < world else ("wp",):  # one replica: the same
+                            out.append(Layout(world, wp, sp, 1.0, outer, vp, batch, global_batch // batch, state))
     return out
+
+
+def least_checkpointing(
+    layout: Layout, memory: Callable[[Layout], DeviceMemory], blocks: int
+) -> tuple[Layout, DeviceMemory]:
+    """``layout`` with the fewest of its ``blocks`` checkpointed that fits (``ckpt`` =
+    k / blocks: isp-train checkpoints the first ``round(ckpt * blocks)``), and its
+    memory; with every block checkpointed when even that does not fit.
+
+    A bisection on k: the forecast's peak never grows as more blocks are
+    checkpointed (each keeps its input instead of its activations), so the k that
+    fit are those from some k0 up. At most ``2 + log2(blocks)`` forecasts."""
+    at = lambda k: dataclasses.replace(layout, ckpt=k / blocks)  # noqa: E731
+    hi, hi_mem = blocks, memory(at(blocks))  # invariant: k = hi fits, k = lo does not
+    if not hi_mem.fits:
+        return at(blocks), hi_mem
+    lo, lo_mem = 0, memory(at(0))
+    if lo_mem.fits:
+        return at(0), lo_mem
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_mem = memory(at(mid))
+        if mid_mem.fits:
+            hi, hi_mem = mid, mid_mem
+        else:
+            lo = mid
+    return at(hi), hi_mem
 
 
 def rank(
@@ -89,10 +120,13 @@ def rank(
     memory: Callable[[Layout], DeviceMemory],
     step: Callable[[Layout], StepTime],
     top: int = 5,
+    blocks: int = 2,
 ) -> list[Ranked]:
-    """Every layout's memory; those that fit timed and ranked by predicted step time,
-    then those that do not, smallest first (only the ``top`` smallest timed)."""
-    mems = [(lay, memory(lay)) for lay in candidates]
+    """Every layout at its least checkpointing that fits, in steps of one block of
+    ``blocks`` (2: ``ckpt`` 0, 0.5 or 1); those that fit timed and ranked by
+    predicted step time, then those that do not, smallest first (only the ``top``
+    smallest timed)."""
+    mems = [least_checkpointing(lay, memory, blocks) for lay in candidates]
     fitting = sorted((Ranked(lay, step(lay), m) for lay, m in mems if m.fits), key=lambda r: r.step.step_s)
     others = sorted(((lay, m) for lay, m in mems if not m.fits), key=lambda lm: lm[1].device_total)
     return fitting + [Ranked(lay, step(lay) if i < top else None, m) for i, (lay, m) in enumerate(others)]

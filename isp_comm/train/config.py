@@ -197,9 +197,10 @@ class TrainConfig:
     """With --virtual-world: every collective at this bus bandwidth (G x 1e9 bytes/s),
     with no latency (instead of --target's or --profile's links)."""
     search: bool = False
-    """With --plan: enumerate the layouts (wp, sp, replicas, ckpt, shard-outer,
-    vocab-parallel, micro-batch x grad-accum for the same global batch) and print the
-    five fastest that fit, each with its command line."""
+    """With --plan: enumerate the layouts (wp, sp, replicas, state sharding,
+    shard-outer, vocab-parallel, micro-batch x grad-accum for the same global batch),
+    each with the fewest blocks checkpointed that fit, and print the five fastest that
+    fit, each with its command line."""
     trace: bool = True
     """Record the compute/communication timeline (trace.json, timeline.png)."""
     memory_breakdown: bool = False

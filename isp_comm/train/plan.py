@@ -158,7 +158,10 @@ def _search(cfg: TrainConfig, planner: _Planner) -> None:
         return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in LAYOUT_FLAGS})
 
     ranked = planner_search.rank(
-        candidates, lambda lay: planner.memory(layout_config(lay)), lambda lay: planner.step(layout_config(lay))
+        candidates,
+        lambda lay: planner.memory(layout_config(lay)),
+        lambda lay: planner.step(layout_config(lay)),
+        blocks=len(planner.memo.setdefault("blocks", list(find_blocks(model)))),
     )
     print(planner_search.table(ranked, lambda lay: command_line(cfg, planner.prof, lay)))
 
