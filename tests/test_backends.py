@@ -273,3 +273,23 @@ def test_backend_selection_on_cpu_and_the_nvshmem_wheel_hint() -> None:
     assert "cu12 and cu13 only" in nvshmem_backend.install_hint("11.8")
     if torch.version.cuda is None:
         assert "without CUDA" in nvshmem_backend.install_hint()
+
+
+def test_the_forecast_reads_the_class_make_backend_builds() -> None:
+    """``backend_class`` (what the memory forecast reads, e.g. whether the pool's
+    buffers are symmetric) is the class ``make_backend`` builds, for every name on CPU;
+    on CUDA, the symmetric-buffer backends are NVSHMEM's alone."""
+    from isp_comm.backends import backend_class, make_backend
+    from isp_comm.backends.nvshmem_backend import NvshmemBackend
+    from isp_comm.config import BACKENDS
+
+    cpu = torch.device("cpu")
+    for name in set(BACKENDS) - {"nvshmem"}:
+        backend = make_backend(name, cpu, 10.0)
+        try:
+            assert type(backend) is backend_class(name, "cpu"), name
+        finally:
+            backend.close()
+    assert backend_class("auto", "cpu").symmetric_buffers and not backend_class("torch", "cpu").symmetric_buffers
+    cuda = {name: backend_class(name, "cuda") for name in BACKENDS}
+    assert {n for n, cls in cuda.items() if cls.symmetric_buffers} == {"nvshmem"} and cuda["nvshmem"] is NvshmemBackend

@@ -10,8 +10,9 @@ from isp_comm.backends.symm_cpu import SymmCpuBackend
 from isp_comm.backends.torch_backend import TorchBackend
 
 
-def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
-    """The backend named in ``ISPConfig.backend`` for parameters on ``device``.
+def backend_class(name: str, device_type: str) -> type[Backend]:
+    """The class :func:`make_backend` builds for ``name`` on a ``device_type`` device,
+    without building it (what a forecast reads, e.g. ``symmetric_buffers``).
 
     ``"symm"``: POSIX shared memory on CPU, torch symmetric memory on CUDA;
     ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm on CPU where shared memory
@@ -21,20 +22,33 @@ def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (one of {BACKENDS})")
     if name == "torch":
-        return TorchBackend(device)
-    if device.type == "cpu":
+        return TorchBackend
+    if device_type == "cpu":
         if name == "nvshmem":
             raise ValueError("backend 'nvshmem' needs CUDA parameters")
-        return SymmCpuBackend(timeout_s, strict=name == "symm")  # auto: falls back when /dev/shm is short
+        return SymmCpuBackend  # auto: falls back when /dev/shm is short, with the same buffers
     if name == "nvshmem":
+        return nvshmem_backend.NvshmemBackend
+    if name == "auto":  # NCCL: the CUDA symmetric-memory backend has not run across GPUs yet (README)
+        return TorchBackend
+    return cuda_symm.CudaSymmBackend
+
+
+def make_backend(name: str, device: torch.device, timeout_s: float) -> Backend:
+    """The backend named in ``ISPConfig.backend`` for parameters on ``device`` (which
+    class: :func:`backend_class`)."""
+    cls = backend_class(name, device.type)
+    if cls is TorchBackend:
+        return TorchBackend(device)
+    if cls is SymmCpuBackend:
+        return SymmCpuBackend(timeout_s, strict=name == "symm")
+    if cls is nvshmem_backend.NvshmemBackend:
         if not nvshmem_backend.available():
             raise ValueError(f"backend 'nvshmem' needs CUDA and nvshmem4py: {nvshmem_backend.install_hint()}")
         return nvshmem_backend.NvshmemBackend(device, timeout_s)
-    if name == "auto":  # NCCL: the CUDA symmetric-memory backend has not run across GPUs yet (README)
-        return TorchBackend(device)
     if cuda_symm.available():
         return cuda_symm.CudaSymmBackend(timeout_s)
     raise ValueError(f"no symmetric-memory backend for device {device}")
 
 
-__all__ = ["Backend", "CompletedHandle", "Handle", "SymmCpuBackend", "TorchBackend", "make_backend"]
+__all__ = ["Backend", "CompletedHandle", "Handle", "SymmCpuBackend", "TorchBackend", "backend_class", "make_backend"]

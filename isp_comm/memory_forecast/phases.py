@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from isp_comm.backends import backend_class
 from isp_comm.config import ISPConfig
 from isp_comm.discovery import find_blocks
 from isp_comm.memory_forecast.activations import Traced, loss_bytes, trace
@@ -161,9 +162,8 @@ def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) 
 
 def _releases_pairs(config: ISPConfig, device: str) -> bool:
     """Whether the run gives its reduce-scatter pairs back between backwards: as the
-    communicator decides it, from the backend ``config`` names (CPU shared memory and
-    NVSHMEM serve symmetric buffers; ``auto`` is the shared-memory backend on CPU)."""
-    symmetric = config.backend == "nvshmem" if device == "cuda" else config.backend != "torch"
+    communicator decides it, from the class of the backend ``config`` names."""
+    symmetric = backend_class(config.backend, device).symmetric_buffers
     return releases_reduce_buffers(config.release_reduce_buffers, device, symmetric)
 
 
