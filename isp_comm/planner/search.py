@@ -98,6 +98,8 @@ def least_checkpointing(
     A bisection on k: the forecast's peak never grows as more blocks are
     checkpointed (each keeps its input instead of its activations), so the k that
     fit are those from some k0 up. At most ``2 + log2(blocks)`` forecasts."""
+    if blocks < 1:
+        raise ValueError(f"least_checkpointing: a model of {blocks} blocks has nothing to checkpoint")
     at = lambda k: dataclasses.replace(layout, ckpt=k / blocks)  # noqa: E731
     hi, hi_mem = blocks, memory(at(blocks))  # invariant: k = hi fits, k = lo does not
     if not hi_mem.fits:
