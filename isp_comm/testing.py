@@ -51,6 +51,7 @@ def _entry(
         store = dist.FileStore(store_path, world)
         kw = {"device_id": torch.device("cuda", rank if gpu < 0 else gpu)} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+        _all_joined(store, world)
         out = fn(rank, world, *args)
         # bytes, not tensors: torch would share tensors through /dev/shm and file
         # descriptors that die with this process
@@ -60,6 +61,21 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_joined(store: Any, world: int, timeout_s: float = 60.0) -> None:
+    """Return once every rank's ``init_process_group`` has returned. Without it a rank
+    whose function returns at once could close its gloo connections while a peer was
+    still connecting to it: the peer's init then fails with "Connection closed by
+    peer" (seen once on CI with forked ranks, which start within a millisecond of each
+    other). Through the store, not a collective, so that it asks nothing of a device."""
+    joined = store.add("isp_comm.testing.joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while joined < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run_ranks: {joined} of {world} ranks joined the process group within {timeout_s}s")
+        time.sleep(0.005)
+        joined = store.add("isp_comm.testing.joined", 0)
 
 
 def free_port() -> int:

@@ -32,3 +32,24 @@ def test_an_unknown_start_method_is_one_line(monkeypatch) -> None:
     monkeypatch.setenv("ISP_COMM_RANKS_START", "fork")
     with pytest.raises(ValueError, match=r"start 'fork' is not one of \('spawn', 'forkserver'\)"):
         run_ranks(_seen, 2)
+
+
+def test_a_rank_waits_for_every_rank_to_join_before_its_function_runs(tmp_path) -> None:
+    """``_all_joined``: returns once ``world`` ranks have come through, and a rank left
+    alone ends at its deadline saying how many joined (not waiting for ever)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from isp_comm.testing import _all_joined
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    with pytest.raises(TimeoutError, match="1 of 2 ranks joined"):
+        _all_joined(store, 2, timeout_s=0.2)
+    store2 = dist.FileStore(str(tmp_path / "store2"), 2)
+    done: list[str] = []
+    late = threading.Thread(target=lambda: (_all_joined(store2, 2), done.append("late")))
+    late.start()
+    _all_joined(store2, 2, timeout_s=10.0)
+    late.join(timeout=10.0)
+    assert done == ["late"]
