@@ -408,6 +408,9 @@ def predict(run: Run, device: torch.device | None = None) -> dict:
     return out
 
 
+LOSS = "logits and loss"
+"""The forecast's part for the logits and the loss (``isp_comm/memory_forecast``)."""
+
 LAYOUT_KINDS = ("any", "world", "wp", "fsdp2")
 """Which layouts ``best_layout`` ranks: every one; those with ``state_sharding`` "world"
 (or "wp"); those FSDP2 runs (no SP, the outer parameters sharded, no vocab-parallel
@@ -419,6 +422,34 @@ def _of_kind(lay, kind: str) -> bool:
     if kind == "fsdp2":
         return lay.sp == 1 and lay.shard_outer and not lay.vocab_parallel and lay.state_sharding == "wp"
     return kind == "any" or lay.state_sharding == kind
+
+
+def fsdp2_loss_bytes(cfg: Config, lay) -> dict[str, int]:
+    """Per phase, what torchtitan's loss holds at its peak, as :func:`_fsdp2` computes
+    it (``F.cross_entropy`` on an fp32 copy of the logits), for the rank's tokens of a
+    micro-step (no SP: every rank takes whole sequences). Forward: the logits, their
+    fp32 copy and log-softmax's fp32 output at once; backward: that output (saved),
+    the gradient arriving at it and the one log-softmax's backward makes, all fp32.
+    isp-comm's loss (``comm.cross_entropy``) holds one fp32 chunk at a time, which is
+    what the forecast counts: FSDP2's layout is planned with these bytes instead."""
+    elems = (lay.batch // lay.world) * cfg.seq * cfg.model.vocab_size
+    logits = 2 if cfg.bf16 else 4
+    return {"forward": elems * (logits + (4 if logits != 4 else 0) + 4), "backward": elems * 3 * 4}
+
+
+def _with_fsdp2_loss(fc, loss: dict[str, int]):
+    """The forecast ``fc`` with FSDP2's loss (:func:`fsdp2_loss_bytes`) in place of
+    isp-comm's. The forward's moment is the loss's; the backward's peak is the larger of
+    the forecast's and the loss's backward, which is the forward's moment (every
+    block's activations, the gathered head) with the loss's backward bytes."""
+    fwd, bwd = fc.phases["forward"], fc.phases["backward"]
+    at_loss = {**fwd, LOSS: loss["backward"]}
+    phases = {**fc.phases, "forward": {**fwd, LOSS: loss["forward"]}, "backward": max(bwd, at_loss, key=_total)}
+    return dataclasses.replace(fc, phases=phases)
+
+
+def _total(parts: dict[str, int]) -> int:
+    return sum(parts.values())
 
 
 def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "any") -> tuple[object, dict]:
@@ -447,6 +478,8 @@ def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "an
             model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device=prof.device,
             local_world=prof.per_node, blocks=memo["blocks"], memo=memo,
         )  # fmt: skip
+        if kind == "fsdp2":
+            fc = _with_fsdp2_loss(fc, fsdp2_loss_bytes(cfg, lay))
         return device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=capacity)
 
     def step(lay):

@@ -99,3 +99,31 @@ def test_the_gpu_runs_of_independent_sharding_plan_their_layouts() -> None:
     assert fsdp.sp == 1 and fsdp.state_sharding == "wp" and not fsdp.vocab_parallel, fsdp
     worlds = [best_layout(CONFIGS[name], cpu)[0].world for name in SCALING]
     assert worlds == [8, 64, 1024], worlds
+
+
+def test_fsdp2_is_planned_with_its_own_loss() -> None:
+    """torchtitan's loss (``F.cross_entropy`` on an fp32 copy of the logits) at
+    Llama-3-8B's shape, one sequence of 8,192 tokens a rank, bf16: 8,192 x 128,256
+    logits of 2 + 4 + 4 bytes at the forward's loss (10,020 MiB) and 3 x 4 at its
+    backward (12,024 MiB); the forecast's forward and backward take them in place of
+    isp-comm's loss, the backward at the larger of its own peak and the loss's."""
+    import dataclasses
+
+    sys.path.insert(0, ROOT)
+    from bench.virtual import CONFIGS, LOSS, _with_fsdp2_loss, fsdp2_loss_bytes
+    from isp_comm.planner.search import Layout
+
+    lay = Layout(8, 8, 1, 0.0, True, False, 8, 1)
+    loss = fsdp2_loss_bytes(CONFIGS["llama3-8b"], lay)
+    assert loss == {"forward": 10_020 * 2**20, "backward": 12_024 * 2**20}
+
+    @dataclasses.dataclass
+    class Forecast:
+        phases: dict
+
+    fc = Forecast({"forward": {"acts": 100, LOSS: 3}, "backward": {"acts": 60, "grads": 50, LOSS: 1}, "optimizer": {}})
+    got = _with_fsdp2_loss(fc, {"forward": 10, "backward": 12}).phases
+    assert got["forward"] == {"acts": 100, LOSS: 10}
+    assert got["backward"] == {"acts": 100, LOSS: 12}  # the loss's backward (112) over the blocks' (111)
+    fc.phases["backward"]["grads"] = 60
+    assert _with_fsdp2_loss(fc, {"forward": 10, "backward": 12}).phases["backward"] == fc.phases["backward"]
