@@ -93,17 +93,24 @@ def least_checkpointing(
 ) -> tuple[Layout, DeviceMemory]:
     """``layout`` with the fewest of its ``blocks`` checkpointed that fits (``ckpt`` =
     k / blocks: isp-train checkpoints the first ``round(ckpt * blocks)``), and its
-    memory; with every block checkpointed when even that does not fit.
+    memory; when none fits, the one of the two most checkpointed that holds less.
 
-    A bisection on k: the forecast's peak never grows as more blocks are
-    checkpointed (each keeps its input instead of its activations), so the k that
-    fit are those from some k0 up. At most ``2 + log2(blocks)`` forecasts."""
+    A bisection on k: the forecast's peak falls as more blocks are checkpointed (each
+    keeps its input instead of its activations), so the k that fit are those from
+    some k0 up; except at the top, where checkpointing the last block too can cost
+    one hidden state more at that block's own moment than keeping it (its input is
+    counted beside its recomputed activations), so ``blocks - 1`` is tried when
+    ``blocks`` does not fit. At most ``3 + log2(blocks)`` forecasts."""
     if blocks < 1:
         raise ValueError(f"least_checkpointing: a model of {blocks} blocks has nothing to checkpoint")
     at = lambda k: dataclasses.replace(layout, ckpt=k / blocks)  # noqa: E731
     hi, hi_mem = blocks, memory(at(blocks))  # invariant: k = hi fits, k = lo does not
+    if not hi_mem.fits and blocks > 1:
+        below = memory(at(blocks - 1))
+        if below.fits or below.device_total < hi_mem.device_total:
+            hi, hi_mem = blocks - 1, below
     if not hi_mem.fits:
-        return at(blocks), hi_mem
+        return at(hi), hi_mem
     lo, lo_mem = 0, memory(at(0))
     if lo_mem.fits:
         return at(0), lo_mem
