@@ -444,12 +444,10 @@ def _with_fsdp2_loss(fc, loss: dict[str, int]):
     block's activations, the gathered head) with the loss's backward bytes."""
     fwd, bwd = fc.phases["forward"], fc.phases["backward"]
     at_loss = {**fwd, LOSS: loss["backward"]}
-    phases = {**fc.phases, "forward": {**fwd, LOSS: loss["forward"]}, "backward": max(bwd, at_loss, key=_total)}
-    return dataclasses.replace(fc, phases=phases)
-
-
-def _total(parts: dict[str, int]) -> int:
-    return sum(parts.values())
+    backward = max(bwd, at_loss, key=lambda parts: sum(parts.values()))
+    return dataclasses.replace(
+        fc, phases={**fc.phases, "forward": {**fwd, LOSS: loss["forward"]}, "backward": backward}
+    )
 
 
 def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "any") -> tuple[object, dict]:

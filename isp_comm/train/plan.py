@@ -94,9 +94,15 @@ class _Planner:
     baseline: int
     memo: dict = dataclasses.field(default_factory=dict)
 
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The model's blocks, found once (the forecast's memo keeps them)."""
+        if "blocks" not in self.memo:
+            self.memo["blocks"] = list(find_blocks(self.model))
+        return self.memo["blocks"]
+
     def memory(self, c: TrainConfig) -> planner_memory.DeviceMemory:
-        wp, prof = c.wp or self.world, self.prof
-        blocks = self.memo.setdefault("blocks", list(find_blocks(self.model)))
+        wp, prof, blocks = c.wp or self.world, self.prof, self.blocks
         fc = forecast(
             self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
             local_world=prof.per_node, blocks=blocks, memo=self.memo, evaluate=bool(c.eval_every),
@@ -161,7 +167,7 @@ def _search(cfg: TrainConfig, planner: _Planner) -> None:
         candidates,
         lambda lay: planner.memory(layout_config(lay)),
         lambda lay: planner.step(layout_config(lay)),
-        blocks=len(planner.memo.setdefault("blocks", list(find_blocks(model)))),
+        blocks=len(planner.blocks),
     )
     print(planner_search.table(ranked, lambda lay: command_line(cfg, planner.prof, lay)))
 
