@@ -83,6 +83,25 @@ def test_forecast_parts_follow_the_knobs() -> None:
         forecast(model, None, 2, 2, 1, 3, 64)
 
 
+def test_a_recomputed_block_shares_the_input_its_checkpoint_kept() -> None:
+    """In fp32 a block's first norm saves the block's input itself, so its
+    recomputation holds no second copy of what its checkpoint kept: checkpointing the
+    last block too costs nothing at its own moment (the backward never grows with
+    more blocks checkpointed). In bf16 the norm saves an fp32 copy instead, and the
+    kept input is one hidden state more at that moment."""
+    cfg = LlamaConfig(vocab_size=64, hidden=64, ffn_hidden=160, n_layers=4, n_heads=4, n_kv_heads=2)
+    with torch.device("meta"):
+        model = build(cfg)
+    # one rank's [1, 1024, 64] input: long enough that the last block's moment is the peak
+    # (its activations kept outweigh the earlier moments' gradient shards of later blocks)
+    for dtype in (None, torch.bfloat16):
+        configs = [ISPConfig(activation_checkpointing=k / 4, param_dtype=dtype) for k in range(5)]
+        back = [forecast(model, c, 2, 2, 1, 2, 1024).peak("backward") for c in configs]
+        assert all(b < a for a, b in zip(back[:-2], back[1:-1])), (dtype, back)
+        # by at most the input of one rank's [1, 1024, 64] hidden state in bf16
+        assert back[4] == back[3] if dtype is None else back[3] < back[4] <= back[3] + 1024 * 64 * 2, back
+
+
 @pytest.mark.timeout(120)
 def test_plan_prints_the_table_and_exits_0() -> None:
     cmd = [sys.executable, "-m", "isp_comm.train", "--plan", "--nproc-per-node", "4", "--layers", "2"]

@@ -28,6 +28,7 @@ class Traced:
     saved: list[int]  # per block: bytes kept for backward
     inputs: list[int]  # per block: bytes of its hidden-state input
     largest: list[int]  # per block: its largest saved tensor
+    input_saved: list[bool]  # per block: its own input is among what it saved (counted in ``saved``)
     outer_saved: int  # outside the blocks (embedding, final norm, head)
     logits: tuple[int, torch.dtype]  # numel and dtype of the model's output
 
@@ -88,11 +89,11 @@ class _SavedCounter:
         self.outer = 0
         self.current = [-1]
         self.seen: dict[int, torch.Tensor] = {}
+        self.input_base: list[int | None] = [None] * n_blocks  # id of each block's input storage
+        self.input_saved = [False] * n_blocks
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        b = t
-        while b._base is not None:
-            b = b._base
+        b = _base(t)
         if id(b) in self.params or id(b) in self.seen:
             return t
         self.seen[id(b)] = b  # kept alive: ids stay unique
@@ -103,7 +104,15 @@ class _SavedCounter:
         else:
             self.saved[i] += nbytes
             self.largest[i] = max(self.largest[i], nbytes)
+            self.input_saved[i] |= id(b) == self.input_base[i]
         return t
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``t``'s storage (``t`` itself unless it is a view)."""
+    while t._base is not None:
+        t = t._base
+    return t
 
 
 def _twins(blocks: list[nn.Module]) -> dict[int, int]:
@@ -126,11 +135,14 @@ def loss_bytes(traced: Traced, vocab_parallel: bool = False) -> tuple[int, int, 
     [Note: the loss's backward]
     ``ISPCommunicator.cross_entropy`` on ordinary logits is the chunked loss of
     :mod:`isp_comm.loss` ([Note: the loss's memory]), given the logits in their own
-    dtype as isp-train does: its forward holds the logits and a chunk's fp32 copy and
-    log-sum-exp scratch; its backward, the held logits, their gradient in their own
-    dtype and two fp32 chunks at a time (a chunk's copy and its difference from the
-    log-sum-exp, then that and its softmax). Nothing of the model's
-    backward has run then: no weight gradient of this step exists yet. The
+    dtype as isp-train does: its forward holds the logits, a chunk's fp32 copy (none
+    when the logits are fp32: ``float()`` returns them) and the log-sum-exp's
+    scratch of a chunk (inside ``aten.logsumexp``, where a dispatch-level tracker
+    does not see it: the breakdown's forward line is one chunk short of this one);
+    its backward, the held logits, their gradient in their own dtype and two fp32
+    chunks at a time (a chunk's copy and its difference from the log-sum-exp, then
+    that and its softmax). Nothing of the model's backward has run then: no weight
+    gradient of this step exists yet. The
     vocab-parallel loss (``isp_comm/vocab_parallel.py``, on this rank's vocabulary
     shard, in fp32) saves its softmax and writes the gradient from it: the held
     logits, their fp32 copy in forward, and two fp32 shard-sized tensors in backward
@@ -141,7 +153,8 @@ def loss_bytes(traced: Traced, vocab_parallel: bool = False) -> tuple[int, int, 
         loss_fwd = logits + (logits_f32 if dtype != torch.float32 else 0) + logits_f32
         return loss_fwd, logits + 2 * logits_f32, logits
     chunk = min(logits_f32, CHUNK_BYTES)
-    return logits + 2 * chunk, 2 * logits + 2 * chunk, logits
+    copy = chunk if dtype != torch.float32 else 0
+    return logits + copy + chunk, 2 * logits + 2 * chunk, logits
 
 
 def meta_copy(
@@ -188,6 +201,7 @@ def trace(
             current[0] = i
             x = args[0] if args else kwargs.get("hidden_states")
             inputs[i] = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+            count.input_base[i] = id(_base(x)) if isinstance(x, torch.Tensor) else None
 
         return hook
 
@@ -222,5 +236,5 @@ def trace(
         for i in twin_of:
             del blocks[i].forward  # the copy may be traced again (``copies``)
     for i, j in twin_of.items():
-        saved[i], largest[i] = saved[j], largest[j]
-    return Traced(saved, inputs, largest, count.outer, (logits.numel(), logits.dtype))
+        saved[i], largest[i], count.input_saved[i] = saved[j], largest[j], count.input_saved[j]
+    return Traced(saved, inputs, largest, count.input_saved, count.outer, (logits.numel(), logits.dtype))

@@ -251,6 +251,13 @@ def _step(
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
     loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}
     moments = [loss]  # [Note: the loss's backward]
+
+    def recomputed(i: int) -> int:
+        """A checkpointed block's recomputation, beside the input its checkpoint kept
+        (in ``kept``): what the block saves, less that input where the block saves it
+        itself (the recomputation runs on the kept tensor, so its storage is shared)."""
+        return traced.saved[i] - (traced.inputs[i] if traced.input_saved[i] else 0)
+
     for i, (lay, tr, _) in enumerate(blocks):
         moments.append(
             {
@@ -258,7 +265,7 @@ def _step(
                 "gradient shards": later[i + 1],
                 "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
                 * lay.gather_dtype.itemsize,
-                "activation gradients": 2 * hidden + traced.largest[i] + (traced.saved[i] if i < n_ckpt else 0),
+                "activation gradients": 2 * hidden + traced.largest[i] + (recomputed(i) if i < n_ckpt else 0),
                 "replicated grads": head_grads,
                 "logits and loss": logits,
                 **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),

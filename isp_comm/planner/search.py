@@ -98,9 +98,10 @@ def least_checkpointing(
     A bisection on k: the forecast's peak falls as more blocks are checkpointed (each
     keeps its input instead of its activations), so the k that fit are those from
     some k0 up; except at the top, where checkpointing the last block too can cost
-    one hidden state more at that block's own moment than keeping it (its input is
-    counted beside its recomputed activations), so ``blocks - 1`` is tried when
-    ``blocks`` does not fit. At most ``3 + log2(blocks)`` forecasts."""
+    one hidden state more at that block's own moment than keeping it (its kept input
+    lives beside its recomputed activations, which do not hold it where the block
+    saves an upcast copy instead, as a norm in bf16 does), so ``blocks - 1`` is tried
+    when ``blocks`` does not fit. At most ``3 + log2(blocks)`` forecasts."""
     if blocks < 1:
         raise ValueError(f"least_checkpointing: a model of {blocks} blocks has nothing to checkpoint")
     at = lambda k: dataclasses.replace(layout, ckpt=k / blocks)  # noqa: E731
