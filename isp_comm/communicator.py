@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -493,10 +494,14 @@ class ISPCommunicator:
         parameters and persistent buffers plain tensors. Nothing is gathered: pass it
         to ``torch.distributed.checkpoint.save`` / ``load``. With
         ``state_sharding="world"`` a sharded parameter's local tensor is this rank's
-        piece (see docs/sharding.md); after ``dcp.load`` into it, call
-        :meth:`load_state_dict` with it, as always, which also refreshes the WP shards."""
+        piece (see docs/sharding.md), and ``dcp.load``'s writes into it make the WP
+        shards be rebuilt before the next forward ([Note: refreshing the WP shards])."""
         self._check_idle("state_dict()")
-        return self._state.state_dict()
+        sd = self._state.state_dict()
+        if self.engine.refresh is not None:
+            with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
+                self.engine.refresh.watch([v.to_local() for k, v in sd.items() if k in self._state.sharded])
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (this run's, or another WP size's
@@ -512,7 +517,9 @@ class ISPCommunicator:
         A fresh optimizer gets its states first (one step at lr 0 on zero gradients:
         parameters untouched) so that ``dcp.load`` can fill them."""
         self._check_idle("optimizer_state_dict()")
-        return self._state.optimizer_state_dict(opt)
+        refresh = self.engine.refresh
+        with refresh.unwritten() if refresh is not None else contextlib.nullcontext():  # the step at lr 0
+            return self._state.optimizer_state_dict(opt)
 
     def load_optimizer_state_dict(self, opt: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
         """Load an optimizer state dict from :meth:`optimizer_state_dict` (any WP size)."""

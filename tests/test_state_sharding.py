@@ -227,12 +227,20 @@ def test_checkpoint_moves_between_world_and_wp_sharding(tmp_path) -> None:
 
 
 # ---- paths that write the parameters ------------------------------------------------------------
-def _writes_worker(rank: int, world: int, sharding: str) -> dict:
+def _writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
     out = {}
     x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
     model = build(LlamaConfig(**TINY))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(state_sharding=sharding))
     ref = build(LlamaConfig(**TINY))
+    # the first refresh inside inference mode (an evaluation after a step), the next outside
+    # it: the refresh's buffers, made in the first, are written in the second
+    lr0 = torch.optim.SGD(model.parameters(), lr=0.0)
+    lr0.step()
+    with torch.inference_mode():
+        model(x)
+    lr0.step()
+    out["after_inference"] = (model(x) - ref(x)).abs().max().item()
     # an in-place write under no_grad bumps the pieces' version counters: seen at the next forward
     with torch.no_grad():
         for p, q in zip(model.layers[1].mlp.parameters(), ref.layers[1].mlp.parameters()):
@@ -260,6 +268,17 @@ def _writes_worker(rank: int, world: int, sharding: str) -> dict:
     if rank == 0:
         comm.state_dict()
     out["one_rank_state_dict"] = (model(x) - ref(x)).abs().max().item()
+    # so is a fresh optimizer's state dict: its step at learning rate 0 writes nothing
+    if rank == 0:
+        comm.optimizer_state_dict(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out["one_rank_optimizer_state_dict"] = (model(x) - ref(x)).abs().max().item()
+    # dcp.load into a state dict handed out, and dropped as soon as it is written
+    ref = build(LlamaConfig(**TINY), seed=1)
+    if rank == 0:
+        dcp.save(ref.state_dict(), checkpoint_id=path, no_dist=True)
+    torch.distributed.barrier()
+    dcp.load(comm.state_dict(), checkpoint_id=path)
+    out["dcp_load"] = (model(x) - ref(x)).abs().max().item()
     # a fused optimizer writes without bumping them (the step post-hook sees its steps:
     # the fused parity case below); checked here so that the case proves the hook
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -272,18 +291,20 @@ def _writes_worker(rank: int, world: int, sharding: str) -> dict:
 
 
 @pytest.mark.timeout(200)
-def test_every_write_to_the_pieces_reaches_the_gathers() -> None:
+def test_every_write_to_the_pieces_reaches_the_gathers(tmp_path) -> None:
     # world 4, wp 2: the forward after each write equals the unwrapped model's with the
     # same write (fp32; the blocks' sums in the same order: 1e-5 covers the logits'
     # rounding); a stale WP shard would give the old weights' logits.
     # "wp" too: a block left gathered by a forward that stopped early must not be used
     # after a write to its shard in either setting
     for r in [
-        *run_ranks(_writes_worker, 4, "world", timeout_s=100),
-        *run_ranks(_writes_worker, 4, "wp", timeout_s=100),
+        *run_ranks(_writes_worker, 4, "world", str(tmp_path / "world"), timeout_s=100),
+        *run_ranks(_writes_worker, 4, "wp", str(tmp_path / "wp"), timeout_s=100),
     ]:
+        assert r["after_inference"] < 1e-5, r
         assert r["inplace"] < 1e-5 and r["data"] < 1e-5 and r["in_flight"] < 1e-5, r
-        assert r["one_rank_state_dict"] < 1e-5, r
+        assert r["one_rank_state_dict"] < 1e-5 and r["one_rank_optimizer_state_dict"] < 1e-5, r
+        assert r["dcp_load"] < 1e-5, r
         assert not r["fused_moved_versions"], r
     fused = [Case(optim="adamw-fused", micro=2, bias=True), Case(optim="adamw-fused", clip=0.5)]
     check_parity(run_ranks(parity_worker, 4, 2, fused, WORLD, timeout_s=180))

@@ -10,10 +10,15 @@ gather dtype, before the unit's next WP gather.
 * **What makes a unit stale.** An optimizer step over the pieces (a step post-hook
   the communicator registers; it sees fused optimizers too, whose writes leave
   version counters alone); an in-place write that bumps a piece's version counter
-  (looked at when a forward begins); and the explicit points: ``load_state_dict``,
+  (looked at when a forward begins), or that of a tensor of a state dict handed out
+  (``dcp.load`` writes into those: they share the pieces' memory under version
+  counters of their own, [Note: one storage per state-dict tensor] in
+  ``isp_comm/state.py``); and the explicit points: ``load_state_dict``,
   ``load_full_state_dict``, the Hugging Face import and ``params_updated()``. Every
   rank must see the same ones (they decide which collectives it issues): each is a
-  step, call or write every rank makes alike. A mark or a write made while the
+  step, call or write every rank makes alike. A step that writes nothing (the one
+  at learning rate 0 that gives a fresh optimizer its states, which one rank may
+  take alone to read a state dict) is taken under :meth:`WeightRefresh.unwritten`. A mark or a write made while the
   unit's gather is in flight (after the pieces were read) keeps it stale: ``_finish``
   clears only what the gather it waits for saw, and ``ensure`` gathers again.
 * **When.** Lazily, at the next forward, in an order every rank shares: the outer
@@ -27,7 +32,8 @@ gather dtype, before the unit's next WP gather.
   spans nodes when WP fills a node). The outer units' gathers are waited for before
   the forward's first compute: they are exposed.
 * **Buffers.** One send buffer (a rank's pieces) and one landing buffer (every
-  replica's) per gather dtype, sized by the largest unit and kept. At most one
+  replica's) per gather dtype, sized by the largest unit and kept (made outside
+  inference mode even when the first refresh runs in it, as written after it). At most one
   replica all-gather is in flight, and a new one is issued only after the last was
   waited for and unpacked, so neither buffer is written while a collective or the
   unpack still reads it.
@@ -35,6 +41,8 @@ gather dtype, before the unit's next WP gather.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +79,7 @@ class WeightRefresh:
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._watched: list[tuple[torch.Tensor, int]] = []  # the last state dict's tensors, their versions
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
 
@@ -79,11 +88,40 @@ class WeightRefresh:
         self._marks += 1
         self._stale.update(id(u) for u in self.units)
 
+    def watch(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors sharing the pieces' memory under version counters of their own (the
+        last state dict's): a write through one makes every unit stale (see the note).
+        Held, not weakly: ``dcp.load(comm.state_dict(), ...)`` drops the dict as soon
+        as it has written into it; they hold no memory of their own."""
+        self._watched = [(t, t._version) for t in tensors]
+
     def check(self) -> None:
-        """A forward begins: a unit whose pieces' version counters moved is stale."""
+        """A forward begins: a unit whose pieces' version counters moved is stale, and
+        every unit when a watched tensor was written."""
+        if any(t._version != v for t, v in self._watched):
+            self._watched = [(t, t._version) for t, _ in self._watched]
+            self.mark_stale()
         for u in self.units:
             if id(u) not in self._stale and _versions(u) != self._versions[id(u)]:
                 self._stale.add(id(u))
+
+    @contextlib.contextmanager
+    def unwritten(self) -> Iterator[None]:
+        """Writes made inside leave the pieces as they were (an optimizer's step at
+        learning rate 0): neither the step's mark nor the version counters it moves
+        make a unit stale. A write before it, not yet looked at, still does."""
+        before = {id(u): _versions(u) for u in self.units}
+        stale, marks = set(self._stale), self._marks
+        try:
+            yield
+        finally:
+            self._stale, self._marks = stale, marks
+            for u in self.units:
+                now, g = _versions(u), self._inflight
+                if self._versions[id(u)] == before[id(u)]:
+                    self._versions[id(u)] = now
+                if g is not None and g.unit is u and g.versions == before[id(u)]:
+                    g.versions = now
 
     def is_stale(self, unit: BlockUnit) -> bool:
         return id(unit) in self._stale
@@ -134,10 +172,11 @@ class WeightRefresh:
         if dt not in self._buffers:
             n = max(u.piece_bound for u in self.units if u.gather_dtype == dt)
             r = unit.replicas
-            self._buffers[dt] = (
-                torch.empty(n, dtype=dt, device=unit.device),
-                torch.empty(r * n, dtype=dt, device=unit.device),
-            )
+            with torch.inference_mode(False):  # kept: written outside inference mode too
+                self._buffers[dt] = (
+                    torch.empty(n, dtype=dt, device=unit.device),
+                    torch.empty(r * n, dtype=dt, device=unit.device),
+                )
         return self._buffers[dt]
 
     def in_flight(self) -> int:
@@ -153,6 +192,7 @@ class WeightRefresh:
                 self.leaked += list(self._buffers.pop(self._inflight.unit.gather_dtype))
             self._inflight = None
         self._buffers.clear()
+        self._watched.clear()
 
 
 def _versions(unit: BlockUnit) -> tuple[int, ...]:
