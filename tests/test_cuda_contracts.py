@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import os
 import re
 
@@ -223,10 +224,12 @@ def test_a_late_cuda_handle_names_its_collective_and_the_normal_wait_only_querie
 # ---- the backends' own code against the fakes, over gloo ----------------------------------
 def _check_collectives(backend, rank: int, world: int) -> int:
     """Every collective, fp32 and bf16, sizes shrinking then growing (a scratch that
-    only grows is then larger than a later collective), against torch.distributed."""
+    only grows is then larger than a later collective), against torch.distributed.
+    The first size runs under ``torch.inference_mode`` (an evaluation before training):
+    what the backend makes then and keeps is written outside it afterwards."""
     group, checked = dist.group.WORLD, 0
-    for dtype in (torch.float32, torch.bfloat16):
-        for n in (4099, 1000, 1, 3, 150_000):
+    for dtype, n in itertools.product((torch.float32, torch.bfloat16), (4099, 1000, 1, 3, 150_000)):
+        with torch.inference_mode(checked == 0):
             g = torch.Generator().manual_seed(rank * 7919 + n)
             x = torch.randn(n, generator=g).to(dtype)
             out, ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
@@ -249,7 +252,7 @@ def _check_collectives(backend, rank: int, world: int) -> int:
             backend.all_to_all(a2a, big, group).wait(60)
             dist.all_to_all_single(a2a_ref, big)
             assert torch.equal(a2a, a2a_ref), ("all_to_all", dtype, n)
-            checked += 4
+        checked += 4
     return checked
 
 
@@ -263,13 +266,16 @@ def _nvshmem_worker(rank: int, world: int) -> dict:
     assert Device.set_current  # the fake stands for this
     backend = nvshmem_backend.NvshmemBackend(torch.device("cpu"), 60.0, api=api, runtime=HostRuntime())
     checked = _check_collectives(backend, rank, world)
+    made_in_inference = sum(t.is_inference() for t in backend._scratch.values())
     pair = dist.new_group([0, 1])  # not the world (at world 4): NCCL's, through the fallback
     if world > 2 and rank < 2:
         x, out = torch.full((3,), float(rank)), torch.empty(6)
         backend.all_gather(out, x, pair).wait(60)
         assert out.tolist() == [0.0] * 3 + [1.0] * 3
     backend.close()  # frees every scratch: the fake's finalize refuses one left
-    return {"checked": checked, "calls": len(fake.calls), "streams": set(fake.streams_seen)}
+    return {
+        "checked": checked, "calls": len(fake.calls), "streams": set(fake.streams_seen), "inference": made_in_inference
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(200)
@@ -277,6 +283,7 @@ def _nvshmem_worker(rank: int, world: int) -> dict:
 def test_nvshmem_backend_against_fake_nvshmem4py(world: int) -> None:
     for r in run_ranks(_nvshmem_worker, world, timeout_s=180):
         assert r["checked"] == 40 and r["calls"] == 40, r  # 5 sizes x 2 dtypes x 4 collectives
+        assert r["inference"] == 0, r  # scratch kept from the inference-mode collectives: normal tensors
         # one side stream for every lane (and group): see [Note: one stream for a team]
         assert 0 not in r["streams"] and len(r["streams"]) == 1, r
 
@@ -519,10 +526,14 @@ def _symm_worker(rank: int, world: int) -> dict:
     finally:
         fake.close()
     lanes = sorted({lane for _, lane in backend._buffers})
+    inference = sum(buf.is_inference() for buf, _ in [*backend._buffers.values(), *backend._retired])
     grown, synced_in_use = len(backend._retired), list(synced)
     backend.close()
     streams_made = len(backend._rt.streams)
-    return {"checked": checked, "lanes": lanes, "grown": grown, "streams": streams_made, "synced": synced_in_use}
+    return {
+        "checked": checked, "lanes": lanes, "grown": grown, "streams": streams_made, "synced": synced_in_use,
+        "inference": inference,
+    }  # fmt: skip
 
 
 def _symm_device_worker(rank: int, world: int) -> list:
@@ -579,6 +590,7 @@ def test_cuda_symm_allocates_and_meets_under_the_parameters_device() -> None:
 def test_cuda_symm_backend_against_fake_symmetric_memory(world: int) -> None:
     for r in run_ranks(_symm_worker, world, timeout_s=180):
         assert r["checked"] == 40, r
+        assert r["inference"] == 0, r  # buffers kept from the inference-mode collectives: normal tensors
         assert r["lanes"] == ["all_to_all", "gather", "reduce"] and r["streams"] == 3, r
         assert r["grown"] >= 1, r  # the 150,000-element collectives outgrew the 1 MiB start
         assert r["synced"] == [], r  # ... without a host wait: the old buffer is retired, not waited for

@@ -6,6 +6,7 @@ import itertools
 import os
 
 import pytest
+import torch
 
 from isp_comm.backends.symm_cpu import HOST_ENV
 from isp_comm.testing import run_ranks
@@ -163,3 +164,43 @@ def test_whole_gradients_are_reduced_in_buckets_during_backward() -> None:
         buckets = [i for i, k in enumerate(kinds) if k == "all_reduce"]
         assert len(buckets) == n_replicated, kinds  # one bucket each
         assert buckets[0] < reduces[0] and buckets[-1] > reduces[-1], kinds  # the head's first, the embedding's last
+
+
+def _inference_worker(rank: int, world: int, cfg: dict, evaluate: bool) -> list[float]:
+    """Two AdamW steps on a tiny llama, with (``evaluate``) a forward under
+    ``torch.inference_mode`` before the first and after each: its final logits."""
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from models.llama import LlamaConfig, build
+
+    model = build(LlamaConfig(vocab_size=40, hidden=16, ffn_hidden=24, n_layers=2, n_heads=4, n_kv_heads=2))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(**cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        if evaluate:
+            with torch.inference_mode():
+                model(x)
+        comm.cross_entropy(model(x[:, :-1]), x[:, 1:]).backward()
+        comm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    with torch.inference_mode():
+        out = model(x).flatten().tolist()
+    comm.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_evaluations_under_inference_mode_change_nothing() -> None:
+    # An evaluation before the first step (its forward makes the engine's first buffers)
+    # and between steps: the training after it is bitwise the one without. Buffers kept
+    # across steps are made outside inference mode, and the shared-memory backend's
+    # worker thread writes an inference tensor under it, as the caller would.
+    for cfg in (
+        {"shard_outer_params": True},
+        {"shard_outer_params": True, "backend": "torch", "state_sharding": "world"},
+        {"shard_outer_params": True, "param_dtype": torch.bfloat16, "state_sharding": "world"},
+    ):
+        evaluated = run_ranks(_inference_worker, 4, cfg, True, timeout_s=120)
+        plain = run_ranks(_inference_worker, 4, cfg, False, timeout_s=120)
+        assert evaluated == plain, cfg

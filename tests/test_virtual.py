@@ -60,6 +60,11 @@ def _collectives(rank: int, world: int) -> dict:
     ag = torch.empty(n * 3)
     backend.all_gather(ag, torch.tensor([1.0, 2.0, 3.0]), g).wait(10.0)
     got["ag"] = ag.tolist()
+    with torch.inference_mode():  # an evaluation's tensors: the comm thread writes them in place too
+        ag_inf, ar_inf = torch.empty(n * 3), torch.ones(3)
+        backend.all_gather(ag_inf, torch.tensor([1.0, 2.0, 3.0]), g).wait(10.0)
+        backend.all_reduce(ar_inf, g).wait(10.0)
+    got["inference"] = ag_inf.tolist() + ar_inf.tolist()
     got["comm_s"] = backend.modelled_comm_s
     backend.close()
     return got
@@ -78,9 +83,11 @@ def test_each_collective_takes_its_modelled_time_and_writes_local_bytes() -> Non
     # this rank's own bytes only, as if every peer held the same: its input in every
     # chunk, 4 x its own chunk of a reduce-scatter
     assert got["ag"] == [1.0, 2.0, 3.0] * 4
+    assert got["inference"] == [1.0, 2.0, 3.0] * 4 + [4.0] * 3
     chunk = 2**18  # out has 4 x 2**18 elements: wp rank 1's chunk starts at 2**18
     assert got["rs_out"] == [4.0 * (chunk + i) for i in range(4)]
-    total = sum(got["modelled"].values()) + 2 * ag + 3 / 4 * 48 / BW  # and the three after
+    total = sum(got["modelled"].values()) + 2 * ag + 2 * 3 / 4 * 48 / BW  # and the five after
+    total += 2 * 3 / 4 * 12 / BW  # the inference mode's all-reduce
     assert got["comm_s"] == pytest.approx(total, rel=1e-3)
 
 

@@ -37,6 +37,13 @@ def symmetric_refusal(hosts: list[str], peer_access: list[bool] | None = None) -
     return None
 
 
+def writing_mode(t: object) -> torch.inference_mode:
+    """The mode a worker thread writes ``t`` in: inference mode when ``t`` was made in
+    it, as the caller's own write would be (an inference tensor is written in place
+    only under inference mode, which is per thread); else none."""
+    return torch.inference_mode(isinstance(t, torch.Tensor) and t.is_inference())
+
+
 class Handle:
     """An issued collective. Every backend's handle derives from this class; what a
     handle can be asked is written here, with its default."""

@@ -178,7 +178,8 @@ class CudaSymmBackend(Backend):
             if have is not None:
                 self._retired.append(have)
                 log.info("isp-comm: the %s scratch of group %s grows to %d bytes", lane, group.group_name, cap)
-            with self._rt.device_context(device):  # the symmetric pool is the current device's
+            # the symmetric pool is the current device's; kept, so never an inference tensor
+            with self._rt.device_context(device), torch.inference_mode(False):
                 buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
                 have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
         return have

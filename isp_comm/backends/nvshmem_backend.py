@@ -365,7 +365,8 @@ class NvshmemBackend(Backend):
         self._lanes.synchronize()
         # close() frees every buffer in order; after a dead peer it frees none (frees are
         # collective), and then nvshmem4py's "freed implicitly" at exit would only be noise
-        t = self._api.core.tensor((numel,), dtype=dtype, except_on_del=False)
+        with torch.inference_mode(False):  # kept: written outside inference mode too
+            t = self._api.core.tensor((numel,), dtype=dtype, except_on_del=False)
         self._heap_used += nbytes
         self._allocations.append(t)
         return t

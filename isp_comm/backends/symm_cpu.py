@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, symmetric_refusal
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, symmetric_refusal, writing_mode
 from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
@@ -372,7 +372,8 @@ class SymmCpuBackend(Backend):
                 h._finish(failed)
                 continue
             try:
-                _WORKER_OPS[kind](self, g, epoch, out, inp, *extra)
+                with writing_mode(out):
+                    _WORKER_OPS[kind](self, g, epoch, out, inp, *extra)
                 h._finish()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 failed = exc
@@ -467,7 +468,8 @@ class SymmCpuBackend(Backend):
                 out.add_(c)
             return
         if g.acc is None or g.acc.numel() < out.numel():
-            g.acc = torch.empty(out.numel(), dtype=torch.float32)
+            with torch.inference_mode(False):  # kept for later collectives, outside inference mode too
+                g.acc = torch.empty(out.numel(), dtype=torch.float32)
         acc = g.acc[: out.numel()]
         acc.copy_(chunks[0])
         for c in chunks[1:]:

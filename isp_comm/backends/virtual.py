@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, writing_mode
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.tiers import Demand, TierSchedule
 from isp_comm.errors import ISPCommTimeout
@@ -122,6 +122,11 @@ class FlatLink:
 @torch.no_grad()  # the comm thread's own grad mode is on; the buffers are no autograd's business
 def _write(op: str, out: torch.Tensor | None, inp: torch.Tensor, index: int, n: int) -> None:
     """The bytes that land on this rank (see [Note: what a virtual collective does])."""
+    with writing_mode(inp if op == "all_reduce" else out):
+        _write_bytes(op, out, inp, index, n)
+
+
+def _write_bytes(op: str, out: torch.Tensor | None, inp: torch.Tensor, index: int, n: int) -> None:
     if op == "all_gather":
         out.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
     elif op == "reduce_scatter":

@@ -135,7 +135,8 @@ class BlockState:
                 if buf is None or buf.numel() < unit.shard_numel:  # the pool's (symmetric), else its own
                     buf = res.pool.send(dt, unit.shard_numel)
                     if buf is None:
-                        buf = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+                        with torch.inference_mode(False):  # kept: written by later forwards too
+                            buf = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
                     res.send[dt] = buf
                 send = buf[: unit.shard_numel]
                 unit.fill_send(send)
