@@ -7,6 +7,7 @@ Every collective takes its group and buffers explicitly and returns a handle who
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 
@@ -37,11 +38,13 @@ def symmetric_refusal(hosts: list[str], peer_access: list[bool] | None = None) -
     return None
 
 
-def writing_mode(t: object) -> torch.inference_mode:
+def writing_mode(t: object) -> contextlib.AbstractContextManager:
     """The mode a worker thread writes ``t`` in: inference mode when ``t`` was made in
     it, as the caller's own write would be (an inference tensor is written in place
-    only under inference mode, which is per thread); else none."""
-    return torch.inference_mode(isinstance(t, torch.Tensor) and t.is_inference())
+    only under inference mode, which is per thread); else the thread's own, untouched
+    (``inference_mode(False)`` would turn grad mode on)."""
+    inference = isinstance(t, torch.Tensor) and t.is_inference()
+    return torch.inference_mode() if inference else contextlib.nullcontext()
 
 
 class Handle:
