@@ -306,8 +306,7 @@ class ISPCommunicator:
         if self.vocab_unit is None:
             return cross_entropy(logits, labels, ignore_index, reduction)  # type: ignore[arg-type]
         wp_comm, vocab_start = self._vocab
-        loss = vocab_parallel_cross_entropy(logits.float(), labels, wp_comm, vocab_start, ignore_index)
-        return loss if reduction == "mean" else loss * (labels != ignore_index).sum()
+        return vocab_parallel_cross_entropy(logits.float(), labels, wp_comm, vocab_start, ignore_index, reduction)
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # a fixed pool is allocated once, collectively: symmetric buffers the WP peers

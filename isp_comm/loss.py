@@ -52,7 +52,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             p = torch.exp(logits[a:b].float() - lse[a:b, None])  # softmax
             keep = valid[a:b]
             p.scatter_add_(1, labels[a:b].clamp(min=0)[:, None], -keep[:, None].to(p.dtype))  # minus the one-hot label
-            p.mul_((scale * keep)[:, None])
+            p.mul_(torch.where(keep, scale, 0.0)[:, None])  # 0 for an ignored token, also where no token counts
             out[a:b].copy_(p)
         return out, None, None, None, None
 

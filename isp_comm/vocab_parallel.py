@@ -90,7 +90,13 @@ class _GatherTokens(torch.autograd.Function):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int, comm: WPComm
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_start: int,
+        ignore_index: int,
+        comm: WPComm,
+        mean: bool,
     ) -> torch.Tensor:
         # logits [wp, n, v_local]; labels [wp, n] (every rank's tokens)
         wp, n, v_local = logits.shape
@@ -109,19 +115,23 @@ class _VocabParallelCE(torch.autograd.Function):
         count = mine.sum()
         exp.div_(sumexp[..., None])  # the local slice of the softmax, kept for backward
         ctx.save_for_backward(exp, in_range, idx, valid, count)
-        ctx.comm, ctx.dtype = comm, logits.dtype
-        return losses[comm.rank].sum() / count
+        ctx.comm, ctx.dtype, ctx.mean = comm, logits.dtype, mean
+        total = losses[comm.rank].sum()
+        return total / count if mean else total  # a mean over no token: NaN, as F.cross_entropy's
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         softmax, in_range, idx, valid, count = ctx.saved_tensors
         comm: WPComm = ctx.comm
-        mine = (grad / count).to(softmax.dtype).expand(valid.shape[1]) * valid[comm.rank]
+        scale = (grad / count if ctx.mean else grad).to(softmax.dtype)
+        # an ignored token's gradient is 0, also where the scale is not finite (no valid
+        # token: a NaN would reach every WP rank's head gradient through the gather)
+        mine = torch.where(valid[comm.rank], scale, 0.0)
         every = comm.all_gather(mine, "all-gather of vocab-parallel loss gradients")  # [wp, n]
         g = softmax * every[..., None]
         if g.shape[-1]:
             g.scatter_add_(-1, idx[..., None], -(every * in_range)[..., None])
-        return g.to(ctx.dtype), None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None
 
 
 class VocabParallelHead:
@@ -155,17 +165,26 @@ def find_output_head(model: nn.Module, head: nn.Module | None, blocks: list[nn.M
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, comm: WPComm, vocab_start: int, ignore_index: int = -100
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    comm: WPComm,
+    vocab_start: int,
+    ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """This rank's mean cross-entropy over its own (non-ignored) tokens, from the
-    vocab-sharded logits ``[wp, *tokens, my vocab rows]`` of :class:`VocabParallelHead`
-    and this rank's ``labels`` (``tokens`` shaped)."""
+    """This rank's cross-entropy over its own (non-ignored) tokens, their mean or
+    ``"sum"``, from the vocab-sharded logits ``[wp, *tokens, my vocab rows]`` of
+    :class:`VocabParallelHead` and this rank's ``labels`` (``tokens`` shaped). As
+    ``F.cross_entropy``: a rank without a valid token has a sum of 0, a mean of NaN,
+    and no gradient."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     wp = logits.shape[0]
     if tuple(logits.shape[1:-1]) != tuple(labels.shape):
         raise ValueError(
             f"vocab-sharded logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}: "
             "expected logits [wp, *labels.shape, vocab rows]"
         )
-    flat = logits.reshape(wp, -1, logits.shape[-1])
+    flat = logits.reshape(wp, labels.numel(), logits.shape[-1])  # also with no vocab row on this rank
     every = comm.all_gather(labels.reshape(-1), "all-gather of labels")
-    return _VocabParallelCE.apply(flat, every, vocab_start, ignore_index, comm)
+    return _VocabParallelCE.apply(flat, every, vocab_start, ignore_index, comm, reduction == "mean")

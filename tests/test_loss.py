@@ -31,6 +31,21 @@ def test_values_and_gradients_are_f_cross_entropys(dtype: torch.dtype, reduction
     assert (mine.float() - theirs.float()).abs().max().item() <= 2e-7
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_no_valid_token_gives_no_gradient(reduction: str) -> None:
+    """Every label ignored: F.cross_entropy's mean is NaN (0 / 0) and its sum 0, and the
+    gradient is 0 in both; a NaN gradient would reach every rank's through the
+    reductions."""
+    logits = torch.randn(2, 5, 11).requires_grad_()
+    labels = torch.full((2, 5), -100)
+    ours = cross_entropy(logits, labels, reduction=reduction)
+    (mine,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction=reduction)
+    (theirs,) = torch.autograd.grad(ref, logits)
+    assert ours.isnan().item() == ref.isnan().item() == (reduction == "mean")
+    assert torch.equal(mine, theirs) and not mine.any()
+
+
 class _LiveBytes(TorchDispatchMode):
     """The most bytes of tensors made under the mode alive at once."""
 

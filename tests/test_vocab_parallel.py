@@ -22,32 +22,54 @@ def test_vocab_parallel_parity(kind: str) -> None:
     check_sp_cases([(sp, wp, kind, outer, False, {"vocab_parallel": True}) for sp, wp, outer in shapes])
 
 
-def _ce_worker(rank: int, world: int) -> float:
-    # the loss and the logits' gradient against F.cross_entropy on full logits, with
-    # ignored labels; a head wider than the model to make the vocab uneven (41 over 2)
+def _ce_worker(rank: int, world: int, vocab: int, reduction: str, ignored_rank: int) -> list[float]:
+    # the loss and the gradients of the head's input and weight against F.cross_entropy
+    # on full logits, with ignored labels (every label of ``ignored_rank``)
     torch.manual_seed(0)
-    head = torch.nn.Linear(8, 41, bias=False)
+    head = torch.nn.Linear(8, vocab, bias=False)
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8))]), head)
-    full_w = head.weight.detach().clone()
+    full_w = head.weight.detach().clone().requires_grad_()
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(vocab_parallel=True), head=head)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(3, 5, 8, generator=g, requires_grad=True)
-    y = torch.randint(0, 41, (3, 5), generator=g)
+    y = torch.randint(0, vocab, (3, 5), generator=g)
     y[0, :2] = -100
-    loss = comm.cross_entropy(head(x), y)
+    if rank == ignored_rank:
+        y[:] = -100
+    loss = comm.cross_entropy(head(x), y, reduction=reduction)
     loss.backward()
     x_ref = x.detach().clone().requires_grad_()
-    ref = torch.nn.functional.cross_entropy((x_ref @ full_w.t()).flatten(0, 1), y.flatten())
+    ref = torch.nn.functional.cross_entropy((x_ref @ full_w.t()).flatten(0, 1), y.flatten(), reduction=reduction)
     ref.backward()
-    err = max((loss - ref).abs().item(), (x.grad - x_ref.grad).abs().max().item())
+    # the head's gradient is summed over the WP ranks' tokens: compare with the sum of
+    # the references' (a NaN anywhere reaches every rank through the gathers)
+    w_grad = torch.distributed.nn.functional.all_reduce(full_w.grad.clone())
+    rows = head.weight.shape[0]
+    start = comm._vocab[1]
+    err = [
+        (loss - ref).abs().item() if ref.isfinite() else float(loss.isnan() != ref.isnan()),
+        (x.grad - x_ref.grad).abs().max().item(),
+        (head.weight.grad[:rows] - w_grad[start : start + rows]).abs().max().item() if rows else 0.0,
+    ]
     comm.close()
     return err
 
 
-@pytest.mark.timeout(60)
-def test_vocab_parallel_cross_entropy_matches_full_logits() -> None:
-    for err in run_ranks(_ce_worker, 2, timeout_s=50):
-        assert err < 1e-6  # fp32, only the softmax summation order differs
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "world, vocab, reduction, ignored_rank",
+    [
+        (2, 41, "mean", -1),  # uneven rows (21, 20)
+        (2, 41, "sum", 1),  # rank 1 has no valid token: a sum of 0, no gradient; rank 0's intact
+        (2, 41, "mean", 1),  # and a mean of NaN, as F.cross_entropy's, still no gradient
+        (4, 5, "mean", -1),  # 2, 2, 1, 0 rows: rank 3 holds none of the vocabulary
+    ],
+)
+def test_vocab_parallel_cross_entropy_matches_full_logits(
+    world: int, vocab: int, reduction: str, ignored_rank: int
+) -> None:
+    for err in run_ranks(_ce_worker, world, vocab, reduction, ignored_rank, timeout_s=100):
+        assert all(e < 1e-6 for e in err), err  # fp32, only the softmax summation order differs (NaN fails)
 
 
 def _refusal_worker(rank: int, world: int) -> str:
