@@ -548,18 +548,22 @@ class ISPCommunicator:
 
         hf_checkpoint.save_hf_checkpoint(self.model, self._state.state_dict(), path, max_shard_bytes)
 
-    def close(self) -> None:
-        """Drain communication, restore the blocks' forwards and free the pool."""
+    def close(self, abandon: bool = False) -> None:
+        """Drain communication, restore the blocks' forwards and free the pool.
+        ``abandon``: the step was cut short where peers may not join the collectives in
+        flight (a run stopped by a signal in its forward): none is waited for, and their
+        buffers are kept ([Note: buffers of a failed step]). A failed wait or an
+        unfinished backward abandons them too."""
         if self._closed:
             return
         self._closed = True
         if self._step_hook is not None:
             self._step_hook.remove()
         self._flight.close(failed=self.ctx.failed)
-        cut_short = self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
+        cut_short = abandon or self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
         if cut_short:
             self.backend.abandon()
-        self.engine.close()
+        self.engine.close(abandon=abandon)
         self._root_handle.remove()
         self._root_post_handle.remove()
         if self._chunk_check is not None:

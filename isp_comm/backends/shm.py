@@ -138,13 +138,21 @@ class Flags:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) runs: not gone, and not a zombie (exited,
+    not yet reaped: a launcher reaping its workers one by one leaves the others'
+    peers so while they wait for it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after the command's name
+    except (OSError, IndexError):
+        return True  # no /proc (or it went meanwhile): kill(0) said it exists
+    return state not in (b"Z", b"X")
 
 
 def stale_segments(shm_dir: str = "/dev/shm") -> list[str]:

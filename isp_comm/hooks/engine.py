@@ -346,11 +346,13 @@ class BlockEngine:
     # (``is_completed``, which never waits), returns what is done to the pool, and
     # keeps the rest in ``leaked``, never reused, for as long as the communicator
     # lives, saying so in one warning.
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
+        """``abandon``: the caller knows the step was cut short (a signal): its buffers
+        are kept as a failed step's, said at info level rather than as a warning."""
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
-        cut_short = self.ctx.failed or self.phase is Phase.BACKWARD  # the backward's callback never ran
+        cut_short = abandon or self.ctx.failed or self.phase is Phase.BACKWARD  # the backward's callback never ran
         if cut_short:
             for st in self.states:
                 self.leaked += st.abandon()
@@ -367,7 +369,7 @@ class BlockEngine:
         if self.leaked:
             n = sum(t.numel() * t.element_size() for t in self.leaked if isinstance(t, torch.Tensor))
             n += sum(t.numel() * t.element_size() for pair in self.leaked if isinstance(pair, tuple) for t in pair)
-            log.warning(
+            (log.info if abandon else log.warning)(
                 "isp-comm (rank %d): the step was cut short with collectives in flight; %d buffers (%d bytes) they "
                 "may still use are kept, never reused, until the communicator is dropped",
                 self.ctx.rank,

@@ -22,7 +22,7 @@ from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.preflight import memory_warnings, start_warnings
 from isp_comm.train.reporting import Reporters
-from isp_comm.train.signals import Signals
+from isp_comm.train.signals import Signals, Stopped
 from isp_comm.train.sources import load_data
 from models.llama import LlamaConfig
 
@@ -134,7 +134,9 @@ def wrap(
             block.compile()
     groups = ParallelGroups.create(wp_size=cfg.wp or world, sp_size=cfg.sp)
     comm = ISPCommunicator(model, groups, icfg, backend=virtual.backend(cfg, resolve_device(cfg), icfg.timeout_s))
-    closing.callback(comm.close)
+    # a run stopped by a signal mid-step (--no-save-on-signal) waits for no collective its
+    # peers, leaving too, may never join
+    closing.push(lambda kind, _exc, _tb: comm.close(abandon=kind is Stopped))
     if cfg.model and resume_from is None and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
     if cfg.init_from and resume_from is None:

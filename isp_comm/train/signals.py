@@ -36,6 +36,9 @@ class Signals:
     def _note(self, signum: int, _frame) -> None:
         self.got = signum
 
-    @staticmethod
-    def _stop(signum: int, _frame) -> None:
+    def _stop(self, signum: int, _frame) -> None:
+        # once: the launcher follows a Ctrl-C with a SIGTERM to every worker, which would
+        # raise again in the middle of the first one's way out (a traceback)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
         raise Stopped(signum)
