@@ -517,10 +517,14 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
     assert run["started_at"] == 2 and run["history"][0]["config"]["steps"] == 4
+    for left in ("hang.json", "hang.txt", "memory_breakdown.json"):  # an earlier run's diagnosis, breakdown
+        with open(os.path.join(out, left), "w") as f:
+            f.write("{}")
     res = _train1("--steps", "2", "--overwrite", "--out", out)
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
     assert list(losses(out)) == [1, 2]
+    assert not {"hang.json", "hang.txt", "memory_breakdown.json"} & set(os.listdir(out))  # not this run's
 
 
 def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
@@ -533,7 +537,10 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
         'seq = "64"': "seq must be an integer",
         "steps = 2.5": "steps must be an integer",
         "kv-heads = 4": "keys use underscores: kv_heads",
-        "lr = -1.0": "--lr must be > 0",
+        "lr = -1.0": "--lr must be a finite number > 0",
+        "lr = inf": "--lr must be a finite number > 0",
+        "weight_decay = -5.0": "--weight-decay must be >= 0",
+        "seed = -1": "--seed must be >= 0",
         "steps = [": "not valid TOML",
     }
     for i, (text, words) in enumerate(bad.items()):

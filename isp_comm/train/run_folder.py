@@ -30,6 +30,9 @@ OWN = (
     "hf_model",
     "tensorboard",
     "wandb",
+    "hang.json",
+    "hang.txt",
+    "memory_breakdown.json",
 )
 """What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
 
