@@ -180,6 +180,32 @@ def test_packed_run_resumes_bitwise_and_logs_eval(tmp_path) -> None:
     assert {s: r["eval_loss"] for s, r in _rows(cut).items() if "eval_loss" in r} == {
         s: r["eval_loss"] for s, r in rows.items() if "eval_loss" in r
     }
+    # resuming on other data is one line: random windows of the same store, another store
+    other = _store(str(tmp_path / "o"), seed=1)
+    for args, words in (
+        (["--data", store, "--no-pack-boundaries"], "trained on a packed data order, this run reads random windows"),
+        (["--data", other], "is not this run's"),
+    ):
+        res = _train(*args, "--steps", "8", "--out", cut, "--resume")
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr[-2000:]
+
+
+def test_random_windows_resume_only_on_their_data(tmp_path) -> None:
+    """A random-window run's checkpoint holds its windows' identity: a resume with
+    another --seq or other tokens is one line; the same flags resume."""
+    out = str(tmp_path / "w")
+    assert _train("--steps", "2", "--out", out).returncode == 0
+    other = str(tmp_path / "t.npy")
+    tokens = np.random.default_rng(0).integers(0, 256, 200_000).astype(np.int16)  # the built-in corpus's vocabulary
+    tokens[0] = 255
+    np.save(other, tokens)
+    for args in (["--seq", "16"], ["--data", other]):
+        res = _train(*args, "--steps", "4", "--out", out, "--resume")
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+        assert "random windows" in lines[0] and "same --data and --seq" in lines[0], lines
+    assert _train("--steps", "3", "--out", out, "--resume").returncode == 0
 
 
 @pytest.mark.slow  # four world-1/2 launches (~50 s)

@@ -25,6 +25,10 @@ def batch_at(tokens: torch.Tensor | np.ndarray, step: int, batch: int, seq: int)
     return win[:, :-1], win[:, 1:]
 
 
+def _windows_text(w: list[int]) -> str:
+    return f"--seq {w[0]} over {w[1]} tokens, checksum {w[2]}"
+
+
 def window_step(tokens, step: int, cut: Slicing) -> Step:
     """Global batch ``step`` of random windows (``batch_at``), this rank's part."""
     x, y = batch_at(tokens, step, cut.batch * cut.grad_accum, cut.seq)
@@ -152,6 +156,7 @@ class TrainData:
             keep = len(tokens) - max(cut.seq + 2, int(len(tokens) * eval_split))
             tokens, eval_source = tokens[:keep], (tokens[keep:], None)
         self.tokens, self.rows, self.order, self.position = tokens, None, None, 0
+        self._windows: list[int] | None = None
         if len(tokens) < cut.seq + 2:
             raise ValueError(f"--seq {cut.seq} is longer than the training data ({len(tokens)} tokens)")
         if self.packed:
@@ -168,8 +173,19 @@ class TrainData:
 
     def resume(self, saved: dict, step: int) -> None:
         """Continue after ``step``: from the checkpoint's data order when it has one,
-        else as if every earlier step took ``batch x grad_accum`` rows."""
+        else as if every earlier step took ``batch x grad_accum`` rows. A checkpoint of
+        other data (another kind, or random windows of another length or corpus) is a
+        ``ValueError``; one that says nothing of its data (an earlier version's) is not."""
+        theirs = "random windows" if "windows" in saved else "a packed data order" if saved else None
+        mine = "random windows" if self.order is None else "a packed data order"
+        if theirs is not None and theirs != mine:
+            raise ValueError(f"the checkpoint was trained on {theirs}, this run reads {mine}: same --data to resume")
         if self.order is None:
+            if saved and saved["windows"] != self.windows():
+                raise ValueError(
+                    f"the checkpoint's random windows ({_windows_text(saved['windows'])}) are not this run's "
+                    f"({_windows_text(self.windows())}): same --data and --seq to resume"
+                )
             return
         if saved:
             self.order.load_state_dict(saved)
@@ -177,9 +193,21 @@ class TrainData:
             self.order.position = step * self.cut.batch * self.cut.grad_accum
         self.position = self.order.position
 
-    def state_dict(self) -> dict | None:
-        """The data order at the last step taken (what a checkpoint holds); None for windows."""
-        return None if self.order is None else {**self.order.state_dict(), "position": self.position}
+    def windows(self) -> list[int]:
+        """Random windows' identity: their length, the tokens', and a checksum of 1,024
+        tokens spread over them (another corpus of the same length differs there)."""
+        if self._windows is None:
+            at = np.linspace(0, len(self.tokens) - 1, num=1024).astype(np.int64)
+            checksum = int(np.asarray([int(self.tokens[int(i)]) for i in at], dtype=np.int64).sum())
+            self._windows = [self.cut.seq, len(self.tokens), checksum]
+        return self._windows
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of the data: the data order at the last step taken, or
+        the random windows' identity."""
+        if self.order is None:
+            return {"windows": self.windows()}
+        return {**self.order.state_dict(), "position": self.position}
 
     def taken(self, step: Step) -> None:
         self.position = step.position

@@ -45,6 +45,8 @@ LATEST = "latest"
 PARTIAL = ".partial"
 CHECKSUMS = "checksums.json"
 DATA_ORDER, DATA_ORDER_FIELDS = "data_order", ("position", "seed", "n_rows")
+WINDOWS = "data_windows"
+"""A random-window run's data: [seq, tokens, checksum] (``TrainData.windows``)."""
 # Test-only fault injection: rank 1 kills itself when about to commit step N (its data
 # and DCP's metadata are written, the folder not yet renamed).
 KILL_AT_COMMIT_ENV = "ISP_COMM_TEST_KILL_AT_COMMIT"
@@ -140,13 +142,16 @@ def _state(
     once, by one rank, and loaded by all. ``saved``: the keys of the checkpoint being
     loaded; a rank it has no RNG state of (a resume on more ranks) takes rank 0's.
     ``data_order``: the data order's state (``DataOrder.state_dict()``: the same on
-    every rank, saved once as ``data_order``, [position, seed, n_rows])."""
+    every rank, saved once as ``data_order``, [position, seed, n_rows]), or a
+    random-window run's ``{"windows": [seq, tokens, checksum]}``, as ``data_windows``."""
     state = {
         "model": comm.state_dict(),
         "optim": comm.optimizer_state_dict(opt),
         "meta": {"step": torch.tensor(step)},
     }
-    if data_order is not None:
+    if data_order is not None and "windows" in data_order:
+        state[WINDOWS] = torch.tensor(data_order["windows"], dtype=torch.int64)
+    elif data_order is not None:
         state[DATA_ORDER] = torch.tensor([data_order[k] for k in DATA_ORDER_FIELDS], dtype=torch.int64)
     device, rank = comm.units[0].device, dist.get_rank()
     for kind, get in (("rng", torch.get_rng_state), ("cuda_rng", lambda: torch.cuda.get_rng_state(device))):
@@ -320,6 +325,8 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_orde
     verify(path)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     wanted = {k: 0 for k in DATA_ORDER_FIELDS} if data_order is not None and DATA_ORDER in saved else None
+    if data_order is not None and WINDOWS in saved:
+        wanted = {"windows": [0] * 3}
     state = _state(comm, opt, 0, saved, wanted)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -328,7 +335,10 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_orde
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
     if wanted is not None and data_order is not None:
-        data_order.update(zip(DATA_ORDER_FIELDS, state[DATA_ORDER].tolist()))
+        if WINDOWS in state:
+            data_order["windows"] = state[WINDOWS].tolist()
+        else:
+            data_order.update(zip(DATA_ORDER_FIELDS, state[DATA_ORDER].tolist()))
     for key, value in state.items():
         if key.startswith("rng/"):
             torch.set_rng_state(value)
