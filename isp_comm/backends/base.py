@@ -47,6 +47,19 @@ def writing_mode(t: object) -> contextlib.AbstractContextManager:
     return torch.inference_mode() if inference else contextlib.nullcontext()
 
 
+def kept() -> contextlib.AbstractContextManager:
+    """Where a buffer kept across steps is made: outside inference mode, even when it is
+    first needed inside it (an evaluation before training), since later steps write
+    it in place outside it (an inference tensor may be written only inside)."""
+    return torch.inference_mode(False)
+
+
+def kept_empty(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty`` of a buffer kept across steps (see :func:`kept`)."""
+    with kept():
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
 class Handle:
     """An issued collective. Every backend's handle derives from this class; what a
     handle can be asked is written here, with its default."""

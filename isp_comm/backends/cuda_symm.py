@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, symmetric_refusal
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept, symmetric_refusal
 from isp_comm.backends.streams import CudaEventHandle, CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.symm_cpu import host_id
 from isp_comm.backends.torch_backend import TorchBackend
@@ -178,8 +178,7 @@ class CudaSymmBackend(Backend):
             if have is not None:
                 self._retired.append(have)
                 log.info("isp-comm: the %s scratch of group %s grows to %d bytes", lane, group.group_name, cap)
-            # the symmetric pool is the current device's; kept, so never an inference tensor
-            with self._rt.device_context(device), torch.inference_mode(False):
+            with self._rt.device_context(device), kept():  # the symmetric pool is the current device's
                 buf = self._symm.empty(cap, dtype=torch.uint8, device=device)
                 have = self._buffers[key] = (buf, self._symm.rendezvous(buf, group))
         return have

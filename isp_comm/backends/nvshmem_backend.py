@@ -158,7 +158,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import SymmetricHeapError
@@ -365,7 +365,7 @@ class NvshmemBackend(Backend):
         self._lanes.synchronize()
         # close() frees every buffer in order; after a dead peer it frees none (frees are
         # collective), and then nvshmem4py's "freed implicitly" at exit would only be noise
-        with torch.inference_mode(False):  # kept: written outside inference mode too
+        with kept():
             t = self._api.core.tensor((numel,), dtype=dtype, except_on_del=False)
         self._heap_used += nbytes
         self._allocations.append(t)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, symmetric_refusal, writing_mode
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, kept_empty, symmetric_refusal, writing_mode
 from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
@@ -468,8 +468,7 @@ class SymmCpuBackend(Backend):
                 out.add_(c)
             return
         if g.acc is None or g.acc.numel() < out.numel():
-            with torch.inference_mode(False):  # kept for later collectives, outside inference mode too
-                g.acc = torch.empty(out.numel(), dtype=torch.float32)
+            g.acc = kept_empty(out.numel(), torch.float32, "cpu")
         acc = g.acc[: out.numel()]
         acc.copy_(chunks[0])
         for c in chunks[1:]:

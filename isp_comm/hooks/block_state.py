@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, HandleGroup
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, HandleGroup, kept_empty
 from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.hooks.autograd import BackwardHooks, UnshardBlock
@@ -135,8 +135,7 @@ class BlockState:
                 if buf is None or buf.numel() < unit.shard_numel:  # the pool's (symmetric), else its own
                     buf = res.pool.send(dt, unit.shard_numel)
                     if buf is None:
-                        with torch.inference_mode(False):  # kept: written by later forwards too
-                            buf = torch.empty(unit.shard_numel, dtype=dt, device=unit.device)
+                        buf = kept_empty(unit.shard_numel, dt, unit.device)
                     res.send[dt] = buf
                 send = buf[: unit.shard_numel]
                 unit.fill_send(send)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from isp_comm.backends.base import Backend, Handle
+from isp_comm.backends.base import Backend, Handle, kept_empty
 from isp_comm.context import CommContext
 from isp_comm.units import BlockUnit
 
@@ -172,11 +172,7 @@ class WeightRefresh:
         if dt not in self._buffers:
             n = max(u.piece_bound for u in self.units if u.gather_dtype == dt)
             r = unit.replicas
-            with torch.inference_mode(False):  # kept: written outside inference mode too
-                self._buffers[dt] = (
-                    torch.empty(n, dtype=dt, device=unit.device),
-                    torch.empty(r * n, dtype=dt, device=unit.device),
-                )
+            self._buffers[dt] = (kept_empty(n, dt, unit.device), kept_empty(r * n, dt, unit.device))
         return self._buffers[dt]
 
     def in_flight(self) -> int:

@@ -242,9 +242,10 @@ class TrainConfig:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not 0 < self.lr < 1e30:  # AdamW keeps the learning rate as a float (or refuses it)
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        if not self.weight_decay >= 0 or self.seed < 0:
-            bad = f"--weight-decay must be >= 0, got {self.weight_decay}" if not self.weight_decay >= 0 else ""
-            raise ValueError(bad or f"--seed must be >= 0, got {self.seed}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if not self.comm_timeout > 0:
             raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.comm_timeout}")
         if self.device not in get_args(Device):
