@@ -25,12 +25,15 @@ carries the tied name is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
+import re
 import struct
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +82,26 @@ def has_hf_weights(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(os.path.join(path, INDEX))
 
 
+OWN_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+"""The names transformers gives a model's safetensors files (:func:`file_name`)."""
+
+
+def model_files(path: str) -> list[str]:
+    """The safetensors files of the model in folder ``path``, as ``from_pretrained``
+    reads them: those its index names, else ``model.safetensors``. Other
+    ``*.safetensors`` beside them (an adapter, Mistral's ``consolidated``, a stale
+    copy) are not the model's; a file the index names that is missing is a ``ValueError``."""
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        return ["model.safetensors"]
+    with open(index) as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if absent:
+        raise ValueError(f"load_hf_checkpoint: {index} names {absent}, which are not in {path}")
+    return names
+
+
 def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) -> None:
     """Fill ``state_dict`` (the wrapped model's sharded state dict, sharing its
     memory) from the safetensors checkpoint folder ``path``.
@@ -93,7 +116,14 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
     names = base_names(state_dict)  # a peft-wrapped model: its base model's names, adapters left out
     aliases = {names.get(k, k): v for k, v in tied_aliases(model).items()}
     wanted = {names[k]: v for k, v in state_dict.items() if k in names and names[k] not in aliases}
-    reader = HuggingFaceStorageReader(path)
+    with _model_only(path) as folder:
+        _load(wanted, aliases, folder, path)
+
+
+def _load(wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: str) -> None:
+    """Check ``wanted``'s keys and shapes against the safetensors files in ``folder``
+    (the model's files of ``path``), then read each rank's part of every tensor."""
+    reader = HuggingFaceStorageReader(folder)
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(wanted.keys() - stored.keys())
     unexpected = sorted(stored.keys() - wanted.keys() - aliases.keys())
@@ -107,6 +137,21 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
         parts.append(f"shape mismatches {mismatched}" if mismatched else "")
         raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(p for p in parts if p))
     dcp.load(wanted, storage_reader=reader)
+
+
+@contextlib.contextmanager
+def _model_only(path: str) -> Iterator[str]:
+    """``path`` itself when its only ``*.safetensors`` are the model's files, else a
+    temporary folder of links to those files alone: DCP's Hugging Face reader takes
+    every ``*.safetensors`` of its folder, and a stray one would add or override keys."""
+    files = model_files(path)
+    if sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) == files:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="isp-hf-") as tmp:
+        for name in files:
+            os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(tmp, name))
+        yield tmp
 
 
 # safetensors' names of the dtypes a checkpoint may hold
@@ -186,10 +231,11 @@ class SafetensorsFiles:
 
     def create(self) -> None:
         """Write every header and size every file (once, by one process), and the
-        index when there are several files; stale files of an earlier save go."""
+        index when there are several files; the model files and index of an earlier save
+        go (only those, as ``save_pretrained``: an adapter's files beside them stay)."""
         os.makedirs(self.path, exist_ok=True)
         for name in os.listdir(self.path):
-            if name.endswith(".safetensors") or name == INDEX:
+            if OWN_FILE.fullmatch(name) or name == INDEX:  # an earlier save's, never another's
                 os.remove(os.path.join(self.path, name))
         for name, header in self.headers.items():
             with open(os.path.join(self.path, name), "wb") as f:

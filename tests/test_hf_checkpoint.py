@@ -189,3 +189,48 @@ def test_hf_round_trip(sources: str, world: int) -> None:
             assert r["tied_written"] is not tied, case  # tied embeddings written once, as transformers does
             assert r["tied_after_load"] is tied, case
             assert r["config_type"] == ARCHS[case[0]]["model_type"]
+
+
+def _strays(rank: int, world: int, root: str) -> dict:
+    """Load the two folders with stray safetensors, save over a folder holding an
+    adapter and an earlier save's extra file."""
+    out = {}
+    for name in ("sharded", "single"):
+        src = os.path.join(root, name)
+        ref = _from_pretrained(src)
+        comm = ISPCommunicator(_meta_model(ref.config), ParallelGroups.create(wp_size=world), ISPConfig())
+        comm.load_hf_checkpoint(src)
+        loaded = comm.full_state_dict()
+        out[name] = max((loaded[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        if name == "single":
+            comm.save_hf_checkpoint(os.path.join(root, "target"))
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_only_the_models_files_are_read_and_replaced(sources: str, tmp_path) -> None:
+    """A folder's other ``*.safetensors`` (an adapter, Mistral's ``consolidated``, a
+    stale copy) are neither read nor removed: loading takes the files the index names,
+    or ``model.safetensors``; saving replaces an earlier save's files only, as
+    ``from_pretrained`` and ``save_pretrained`` do."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ref = _from_pretrained(os.path.join(sources, "llama"))
+    shifted = {k: v + 7.0 for k, v in ref.state_dict().items()}  # the same keys and shapes, other values
+    shutil.copytree(os.path.join(sources, "llama"), tmp_path / "sharded")
+    save_file(shifted, tmp_path / "sharded" / "consolidated.safetensors")
+    save_file({"lora_A": torch.ones(2, 2)}, tmp_path / "sharded" / "adapter_model.safetensors")
+    ref.save_pretrained(tmp_path / "single")  # one model.safetensors
+    save_file(shifted, tmp_path / "single" / "old-model.safetensors")
+    os.makedirs(tmp_path / "target")
+    save_file({"lora_A": torch.ones(2, 2)}, tmp_path / "target" / "adapter_model.safetensors")
+    save_file(shifted, tmp_path / "target" / "model-00002-of-00002.safetensors")  # an earlier, larger save's
+    for errors in run_ranks(_strays, 2, str(tmp_path), timeout_s=100):
+        assert errors == {"sharded": 0.0, "single": 0.0}  # bitwise the model's own files
+    target = sorted(os.listdir(tmp_path / "target"))
+    assert target == ["adapter_model.safetensors", "config.json", "model.safetensors"], target
+    back = _from_pretrained(str(tmp_path / "target")).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
