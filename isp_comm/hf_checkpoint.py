@@ -291,7 +291,16 @@ def save_hf_checkpoint(
     every rank holding rows no other rank holds (the first replica; with pieces,
     every rank) writes its own rows of each sharded tensor into
     the final files (see [Note: writing in place]), replicated tensors are shared
-    out among the ranks."""
+    out among the ranks.
+
+    A model wrapped by peft is a ``ValueError``: its keys are peft's, under which
+    ``from_pretrained`` finds none of the base model's weights."""
+    if base_names(state_dict).keys() != state_dict.keys():
+        raise ValueError(
+            f"save_hf_checkpoint({path}): the model is wrapped by peft, and its keys (base_model.model..., "
+            "lora_A/lora_B) are not a transformers checkpoint's. Save it with dcp.save(comm.state_dict(), ...); "
+            "isp-train's runs export it with isp-export --hf (the adapters) or --hf --merge-lora (merged)"
+        )
     aliases = tied_aliases(model)
     tensors = {k: v for k, v in state_dict.items() if k not in aliases}
     files = SafetensorsFiles(path, {k: (v.shape, v.dtype) for k, v in tensors.items()}, max_shard_bytes)

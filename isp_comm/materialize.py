@@ -37,17 +37,58 @@ def module_seed(seed: int, fqn: str) -> int:
 
 
 def model_initializer(model: nn.Module) -> Initializer | None:
-    """The ``_init_weights`` of the transformers model in ``model`` (the first
-    ``PreTrainedModel`` among its modules, so a peft wrapper finds its base model),
-    else ``None``. transformers is never imported here: a model of its classes
-    exists only once it was."""
+    """What initialises ``model``'s modules beyond their ``reset_parameters()``: the
+    ``_init_weights`` of the transformers model in it (the first ``PreTrainedModel``
+    among its modules, so a peft wrapper finds its base model), and peft's rule for
+    LoRA adapters (see :func:`_adapter_inits`); ``None`` when neither applies.
+    transformers and peft are never imported here: a model of their classes exists
+    only once they were."""
+    base = None
     tf = sys.modules.get("transformers")
-    if tf is None:
-        return None
+    if tf is not None:
+        base = next((m._init_weights for m in model.modules() if isinstance(m, tf.PreTrainedModel)), None)
+    adapters = _adapter_inits(model)
+    if not adapters:
+        return base
+
+    def init(module: nn.Module) -> None:
+        rule = adapters.get(id(module))
+        if rule is not None:
+            rule(module)
+        elif base is not None:
+            base(module)
+
+    return init
+
+
+def _adapter_inits(model: nn.Module) -> dict[int, Initializer]:
+    """peft's LoRA initialisation (``init_lora_weights=True``) for the adapters' own
+    modules, by identity: a linear's A as ``nn.Linear``'s default (its
+    ``reset_parameters()`` already drew it), B zero; an embedding's A zero, B normal.
+    So a meta-built LoRA model starts as its base model, as ``get_peft_model`` on a
+    real one does; a transformers ``_init_weights`` would draw B from a normal."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    def keep(_module: nn.Module) -> None:
+        pass
+
+    def zeros(module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            nn.init.zeros_(p)
+
+    def normal(module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            nn.init.normal_(p)
+
+    rules: dict[int, Initializer] = {}
     for m in model.modules():
-        if isinstance(m, tf.PreTrainedModel):
-            return m._init_weights
-    return None
+        if isinstance(m, LoraLayer):
+            rules.update({id(a): keep for a in m.lora_A.values()})
+            rules.update({id(b): zeros for b in m.lora_B.values()})
+            rules.update({id(m.lora_embedding_A): zeros, id(m.lora_embedding_B): normal})
+    return rules
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:

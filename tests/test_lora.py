@@ -16,7 +16,7 @@ from tests.parity import loss_fn, max_diff
 V, SEQ, STEPS = 37, 8, 3
 
 
-def _lora_model(arch: str):
+def _base_model(arch: str):
     kw = dict(
         vocab_size=V,
         hidden_size=48,
@@ -30,7 +30,11 @@ def _lora_model(arch: str):
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False  # training: a KV cache would grow again when a checkpointed block recomputes
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg) if arch == "llama" else transformers.Qwen2ForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg) if arch == "llama" else transformers.Qwen2ForCausalLM(cfg)
+
+
+def _lora_model(arch: str):
+    model = _base_model(arch)
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
     model = peft.get_peft_model(model, lora)
     for name, p in model.named_parameters():  # lora_B starts at zero: make the adapters matter at once
@@ -98,3 +102,50 @@ def test_peft_lora_trains_like_single_process() -> None:
     s = res["llama-wp4"]["stats"]
     assert s["reduce_scatters"] == 2 * STEPS, s
     assert s["bytes_reduced"] < 0.1 * s["bytes_gathered"], s
+
+
+def _meta_built(rank: int, world: int, src: str) -> dict:
+    """The big-model recipe with LoRA: build on meta, ``get_peft_model``, wrap, load the
+    base weights; against the base model, and an unwrapped copy of the same recipe."""
+    from isp_comm.materialize import init_weights
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "embed_tokens"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(base.config), lora)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(init_seed=5))
+    comm.load_hf_checkpoint(src)
+    full = comm.full_state_dict()
+    reference = init_weights(peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(base.config), lora), 5)
+    x = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits_err = (model(input_ids=x).logits - base(input_ids=x).logits).abs().max().item()
+    with pytest.raises(ValueError) as refused:
+        comm.save_hf_checkpoint(src + "-out")
+    comm.close()
+    adapters = {k: v for k, v in full.items() if ".lora_" in k}
+    ref_sd = reference.state_dict()
+    return {
+        "zero": sorted(k for k, v in adapters.items() if not v.any()),
+        "drawn": sorted(k for k, v in adapters.items() if v.any()),
+        "as_unwrapped": all(torch.equal(v, ref_sd[k]) for k, v in adapters.items()),
+        "logits_err": logits_err,
+        "refused": str(refused.value),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_meta_built_lora_model_starts_as_its_base_model(tmp_path) -> None:
+    """peft zeroes B (a linear's; an embedding's A) so that training starts from the
+    base model; a meta-built model wrapped by isp-comm must start there too, with the
+    adapters an unwrapped model of the same recipe gets (``init_weights``), and a
+    peft model is not saved as a transformers checkpoint under peft's keys."""
+    base = _base_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    for r in run_ranks(_meta_built, 2, str(tmp_path / "base"), timeout_s=100):
+        assert r["logits_err"] == 0.0  # the adapters add exactly nothing
+        assert all(".lora_B." in k or "lora_embedding_A" in k for k in r["zero"]), r["zero"]
+        assert all(".lora_A." in k or "lora_embedding_B" in k for k in r["drawn"]), r["drawn"]
+        assert len(r["zero"]) == len(r["drawn"]) == 2 * 2 + 1  # q and v in two blocks, the embedding
+        assert r["as_unwrapped"]
+        assert "wrapped by peft" in r["refused"]

@@ -141,6 +141,4 @@ def wrap(
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
     if cfg.init_from and resume_from is None:
         lora.init_from(comm, cfg.init_from)
-    if cfg.lora_rank:
-        lora.zero_lora_b(model)
     return comm

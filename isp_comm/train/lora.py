@@ -5,8 +5,8 @@
 before isp-comm wraps it, so the adapters are sharded with their blocks and the base
 weights, frozen, are never reduce-scattered (see the README's "Frozen parameters and
 LoRA"). The model is built on meta and materialised by isp-comm, which initialises
-every linear as ``nn.Linear`` does; LoRA's B matrices are then zeroed, as peft does,
-so training starts from the base model exactly.
+the adapters as peft does (A as ``nn.Linear``, B zero; isp_comm/materialize.py), so
+training starts from the base model exactly.
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
         raise ValueError(f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(names)})")
     cfg = peft.LoraConfig(r=rank, lora_alpha=int(LORA_SCALING * rank), lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, cfg)
-
-
-@torch.no_grad()
-def zero_lora_b(model: nn.Module) -> None:
-    """LoRA starts as the identity: every B matrix (this rank's shard of it) zero."""
-    for name, p in model.named_parameters():
-        if ".lora_B." in name:
-            p.zero_()
 
 
 def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
