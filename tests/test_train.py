@@ -23,9 +23,11 @@ def torchrun(n: int, *args: str, timeout: float = 200, env: dict | None = None) 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def export_cli(*args: str) -> subprocess.CompletedProcess:
+def export_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "isp_comm.train.export", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 
 def losses(out: str) -> dict[int, float]:
@@ -446,8 +448,9 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(
     data, model_dir = tmp_path / "corpus.txt", tmp_path / model_type
     data.write_text(text)
     _hf_folder(model_dir, text, model_type)
-    args = ["--model", str(model_dir), "--data", str(data), "--seq", "32", "--batch", "4"]
-    args += ["--sp", "2", "--wp", str(world // 2)] if world > 1 else []  # world 1: the CI tier, one process
+    # --model relative to the run's working folder, which isp-export's need not be
+    args = ["--model", os.path.relpath(model_dir), "--data", str(data), "--seq", "32", "--batch", "4"]
+    args += ["--sp", "2", "--wp", str(world // 2)] if world > 1 else []  # world 1: one process
     args += ["--lora-rank", "4", "--no-trace", "--lr", "1e-2", "--save-every", "2", "--state-sharding", sharding]
     out, again = str(tmp_path / "run"), str(tmp_path / "again")
     train = (lambda *a: torchrun(world, *a)) if world > 1 else (lambda *a: _train1(*a))
@@ -469,8 +472,15 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if ".lora_B." in k)
     merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
     for flags, where in ((["--merge-lora"], merged_dir), ([], adapter_dir)):
-        res = export_cli(os.path.join(out, "checkpoints"), "--hf", where, *flags)
+        res = export_cli(os.path.join(out, "checkpoints"), "--hf", where, *flags, cwd=str(tmp_path))
         assert res.returncode == 0, res.stderr
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        assert os.path.samefile(json.load(f)["base_model_name_or_path"], model_dir)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())  # the adapters as peft names them, not their AdamW state
+    assert keys and all(k.startswith("base_model.model.") and ".lora_" in k for k in keys), keys
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir)
     with_adapter = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(model_dir), adapter_dir

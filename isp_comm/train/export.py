@@ -107,7 +107,8 @@ def export_hf(
     reader = FileSystemReader(checkpoint_dir)
     stored = reader.read_metadata().state_dict_metadata
     if lora_rank and not merge:
-        return _export_adapter(reader, stored, run, out_dir, src)
+        working_dir = _run_config_file(checkpoint_dir).get("working_dir", os.getcwd())  # older runs: here
+        return _export_adapter(reader, stored, run, os.path.abspath(working_dir), out_dir, src)
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     with torch.device("meta"):  # names, shapes and ties only
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -150,7 +151,9 @@ def _stored_name(key: str, stored) -> str | None:
     return None
 
 
-def _export_adapter(reader: FileSystemReader, stored, run: dict, out_dir: str, src: str) -> dict[str, str]:
+def _export_adapter(
+    reader: FileSystemReader, stored, run: dict, working_dir: str, out_dir: str, src: str
+) -> dict[str, str]:
     """A LoRA run's adapters alone, as peft saves them (``adapter_model.safetensors``
     without the adapter's name in the keys, ``adapter_config.json``), for
     ``PeftModel.from_pretrained(base, out_dir)`` on top of the original folder."""
@@ -159,7 +162,8 @@ def _export_adapter(reader: FileSystemReader, stored, run: dict, out_dir: str, s
 
     tensors = {}
     for name, md in stored.items():
-        if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+        adapter = f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+        if adapter and name.startswith("model."):  # the model's, not the optimizer's state of it
             key = name[len("model.") :].replace(f".{ADAPTER}.", ".")
             tensors[key] = _read(reader, name, md.size, md.properties.dtype).contiguous()
     if not tensors:
@@ -173,7 +177,7 @@ def _export_adapter(reader: FileSystemReader, stored, run: dict, out_dir: str, s
         lora_alpha=int(LORA_SCALING * rank),
         lora_dropout=0.0,
         target_modules=targets,
-        base_model_name_or_path=os.path.abspath(run["model"]),
+        base_model_name_or_path=os.path.join(working_dir, run["model"]),  # as is when absolute
         task_type="CAUSAL_LM",
     ).save_pretrained(out_dir)
     for name in os.listdir(src):  # the tokenizer's files

@@ -133,7 +133,7 @@ def cut_metrics(out: str, step: int) -> None:
 def write_run(
     out: str, cfg: TrainConfig, world: int, shapes: dict, previous: dict, resumed_at: int, model_config: dict
 ) -> None:
-    """run.json: this run's flags, world, the reference model's config (what
+    """run.json: this run's flags, world, its working folder, the reference model's config (what
     ``isp-export`` writes beside the weights), rank 0's shard shapes, and under
     ``history`` every earlier run of this folder (flags, world, the step it started at)."""
     history = list(previous.get("history", []))
@@ -141,6 +141,7 @@ def write_run(
         earlier = {k: previous[k] for k in ("config", "world", "started_at") if k in previous}
         history.append(earlier)
     run = {"config": as_dict(cfg), "world": world, "started_at": resumed_at, "rank0_shapes": shapes}
+    run["working_dir"] = os.getcwd()  # what relative paths among the flags (--model) are relative to
     if model_config:
         run["model_config"] = model_config
     if history:
