@@ -149,3 +149,20 @@ def test_a_meta_built_lora_model_starts_as_its_base_model(tmp_path) -> None:
         assert len(r["zero"]) == len(r["drawn"]) == 2 * 2 + 1  # q and v in two blocks, the embedding
         assert r["as_unwrapped"]
         assert "wrapped by peft" in r["refused"]
+
+
+def test_an_adapter_on_a_tied_head_is_refused() -> None:
+    """An adapter on ``lm_head`` when it is the embedding's weight: training would adapt
+    the head only, and no merge can fold that into the one tied tensor (isp-export
+    --merge-lora dropped it). isp-train refuses it with one line naming the target."""
+    from isp_comm.testing import tiny_hf_config
+    from isp_comm.train.lora import apply_lora
+
+    def tied():
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(tiny_hf_config(model_type="qwen2", tied=True))
+
+    with pytest.raises(ValueError, match=r"--lora-targets lm_head: its weight is tied"):
+        apply_lora(tied(), 4, ["q_proj", "lm_head"])
+    adapted = apply_lora(tied(), 4, ["q_proj"])  # the rest of a tied model adapts as usual
+    assert any(".lora_A." in n for n, _ in adapted.named_parameters())

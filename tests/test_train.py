@@ -353,6 +353,20 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
     assert len(err) == 1 and "model type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)" in err[0]
 
 
+def test_weights_isp_train_does_not_read_are_one_line(tmp_path, capsys) -> None:
+    """A folder whose weights are pytorch_model.bin: isp-train reads safetensors only,
+    and training from a fresh initialisation instead would be silent."""
+    from isp_comm.train.config import parse_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its weights are in pytorch_model.bin, which isp-train does not read" in err[0]
+
+
 @pytest.mark.timeout(120)
 def test_vocabulary_larger_than_the_model_is_one_line(tmp_path) -> None:
     text = "the quick brown fox jumps over the lazy dog. " * 50

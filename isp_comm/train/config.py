@@ -277,9 +277,9 @@ class TrainConfig:
 
             check_data(self.data)  # one line naming --data, before ranks start
         if self.model:
-            from isp_comm.train.hf_model import model_type
+            from isp_comm.train.hf_model import check_model_folder
 
-            model_type(self.model)  # one line naming the supported types
+            check_model_folder(self.model)  # one line naming the supported types, or unread weights
         if self.init_from and not os.path.isfile(self.init_from):
             raise ValueError(f"--init-from {self.init_from}: no such file")
         if self.tokenizer:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from isp_comm.hf_checkpoint import has_hf_weights
 from isp_comm.sequence_parallel.hf import SUPPORTED_MODEL_TYPES
 
 HF_DIR = "hf_model"
@@ -47,6 +48,25 @@ def model_type(path: str) -> str:
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"--model {path}: model type {kind!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return kind
+
+
+UNREAD_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+"""Weight files ``from_pretrained`` reads and isp-train does not (safetensors only)."""
+
+
+def check_model_folder(path: str) -> str:
+    """:func:`model_type`, and a ``ValueError`` when the folder's weights are in a
+    format isp-train does not read: training would start from a fresh initialisation
+    where the user meant the folder's weights."""
+    kind = model_type(path)
+    unread = [n for n in UNREAD_WEIGHTS if os.path.isfile(os.path.join(path, n))]
+    if unread and not has_hf_weights(path):
+        raise ValueError(
+            f"--model {path}: its weights are in {unread[0]}, which isp-train does not read (safetensors only): "
+            "convert them with transformers (save_pretrained(..., safe_serialization=True)), or give a folder "
+            "holding config.json alone to train from a fresh initialisation"
         )
     return kind
 

@@ -16,6 +16,8 @@ import re
 import torch
 from torch import nn
 
+from isp_comm.hf_checkpoint import tied_aliases
+
 ADAPTER = "default"  # peft's adapter name
 LORA_SCALING = 2.0  # lora_alpha / r: isp-train's lora_alpha is 2 x rank
 
@@ -27,10 +29,20 @@ def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
         import peft
     except ImportError as exc:
         raise ValueError("--lora-rank needs the peft package (pip install peft)") from exc
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    unknown = sorted(set(targets) - names)
+    linears = {n: n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = sorted(set(targets) - set(linears.values()))
     if unknown:
-        raise ValueError(f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(names)})")
+        raise ValueError(
+            f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(set(linears.values()))})"
+        )
+    tied = tied_aliases(model)
+    tied_weights = set(tied) | set(tied.values())
+    on_tied = sorted({leaf for n, leaf in linears.items() if leaf in targets and f"{n}.weight" in tied_weights})
+    if on_tied:
+        raise ValueError(
+            f"--lora-targets {','.join(on_tied)}: its weight is tied to another ({sorted(tied.items())}), "
+            "and an adapter on one name of a tied weight cannot be merged into it: leave it out"
+        )
     cfg = peft.LoraConfig(r=rank, lora_alpha=int(LORA_SCALING * rank), lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, cfg)
 
