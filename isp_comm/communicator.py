@@ -337,9 +337,12 @@ class ISPCommunicator:
 
     # ---- pieces (state_sharding="world"; see [Note: refreshing the WP shards]) --------------
     def _after_step(self, opt: torch.optim.Optimizer) -> None:
-        """After any optimizer's step: a step over the pieces makes every WP shard stale."""
-        if any(id(p) in self._piece_ids for g in opt.param_groups for p in g["params"]):
-            self.engine.refresh.mark_stale()
+        """After any optimizer's step: the WP shards of the units whose trainable pieces
+        it stepped are stale. A frozen piece gets no gradient, so no step writes it: a
+        unit of frozen weights alone is not gathered over the replicas again."""
+        stepped = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
+        if stepped & self._piece_ids:
+            self.engine.refresh.mark_stale(stepped)
 
     def params_updated(self) -> None:
         """Say that the parameters were written where the communicator cannot see it

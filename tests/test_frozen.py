@@ -42,6 +42,11 @@ CASES = [
     ("attention-sp2", "attention", 2, 2, 0.0, {}),
     ("block-1", "block-1", 4, 1, 0.0, {}),
     ("unfreeze-after-step-1", "attention", 4, 1, 1.0, {"unfreeze_at": 1}),
+    # the state over the world (wp 2 x 2 replicas): a frozen unit's pieces are never
+    # re-gathered over the replicas, and one unfrozen later is again after its steps
+    ("block-1-world", "block-1", 2, 1, 0.0, {"state_sharding": "world"}),
+    ("none-world", "none", 2, 1, 0.0, {"state_sharding": "world"}),
+    ("block-1-world-unfrozen", "block-1", 2, 1, 0.0, {"state_sharding": "world", "unfreeze_at": 1}),
 ]
 
 
@@ -104,3 +109,9 @@ def test_partly_frozen_models_train_like_single_process() -> None:
     attn, full = res["attention"]["stats"], res["unfreeze-after-step-1"]["stats"]
     assert attn["reduce_scatters"] == 3 * STEPS
     assert attn["bytes_reduced"] < full["bytes_reduced"] * 0.8, (attn["bytes_reduced"], full["bytes_reduced"])
+    # replica all-gathers at the forwards after steps 1 and 2: block 1, frozen, skips both;
+    # unfrozen at step 2 (its first step after unfreezing is step 2), it skips one
+    frozen, none = res["block-1-world"]["stats"], res["none-world"]["stats"]
+    unfrozen = res["block-1-world-unfrozen"]["stats"]
+    assert none["all_gathers"] - frozen["all_gathers"] == STEPS - 1, (none, frozen)
+    assert none["all_gathers"] - unfrozen["all_gathers"] == 1, (none, unfrozen)

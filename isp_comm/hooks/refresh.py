@@ -7,9 +7,10 @@ its WP rows in the gather dtype. After the masters change, a unit's flat shard i
 rebuilt from every replica's pieces by one all-gather over the replica group, in the
 gather dtype, before the unit's next WP gather.
 
-* **What makes a unit stale.** An optimizer step over the pieces (a step post-hook
-  the communicator registers; it sees fused optimizers too, whose writes leave
-  version counters alone); an in-place write that bumps a piece's version counter
+* **What makes a unit stale.** An optimizer step over its trainable pieces (a step
+  post-hook the communicator registers; it sees fused optimizers too, whose writes
+  leave version counters alone; a frozen piece has no gradient, so no step writes it,
+  and a unit of frozen weights alone stays fresh); an in-place write that bumps a piece's version counter
   (looked at when a forward begins), or that of a tensor of a state dict handed out
   (``dcp.load`` writes into those: they share the pieces' memory under version
   counters of their own, [Note: one storage per state-dict tensor] in
@@ -75,7 +76,7 @@ class WeightRefresh:
         self.ctx, self.backend, self.group = ctx, backend, replica_group
         self.units = [u for u in units if u.replicas > 1]
         self._stale: set[int] = set()  # ids of stale units
-        self._marks = 0  # mark_stale calls so far
+        self._marks = dict.fromkeys(map(id, self.units), 0)  # unit id -> the mark_stale calls that named it
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -83,10 +84,13 @@ class WeightRefresh:
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
 
-    def mark_stale(self) -> None:
-        """Every unit's pieces may have changed: refresh each before its next gather."""
-        self._marks += 1
-        self._stale.update(id(u) for u in self.units)
+    def mark_stale(self, written: set[int] | None = None) -> None:
+        """The pieces of every unit, or of those holding a parameter whose id is in
+        ``written``, may have changed: refresh each before its next gather."""
+        for u in self.units:
+            if written is None or any(id(s) in written for s in u.shards):
+                self._marks[id(u)] += 1
+                self._stale.add(id(u))
 
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
         """Tensors sharing the pieces' memory under version counters of their own (the
@@ -111,7 +115,7 @@ class WeightRefresh:
         learning rate 0): neither the step's mark nor the version counters it moves
         make a unit stale. A write before it, not yet looked at, still does."""
         before = {id(u): _versions(u) for u in self.units}
-        stale, marks = set(self._stale), self._marks
+        stale, marks = set(self._stale), dict(self._marks)
         try:
             yield
         finally:
@@ -149,7 +153,7 @@ class WeightRefresh:
         send, landing = send[:n], landing[: unit.replicas * n]
         unit.fill_piece_send(send)
         self.ctx.delay()
-        seen = _versions(unit), self._marks
+        seen = _versions(unit), self._marks[id(unit)]
         handle = self.backend.all_gather(landing, send, self.group)
         self.ctx.record(handle, "all-gather", self.group, send, unit.index, "forward")
         self.ctx.counters.all_gathers += 1
@@ -162,7 +166,7 @@ class WeightRefresh:
         self._inflight = None
         with torch.no_grad():
             g.unit.unpack_shard(g.landing, g.unit.flat_shard)
-        if g.marks == self._marks and _versions(g.unit) == g.versions:  # nothing written since the read
+        if g.marks == self._marks[id(g.unit)] and _versions(g.unit) == g.versions:  # nothing written since the read
             self._stale.discard(id(g.unit))
         self._versions[id(g.unit)] = g.versions
 
