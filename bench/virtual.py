@@ -464,10 +464,9 @@ def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "an
     prof = _profile(cfg, device)
     model = _meta_model(cfg)
     memo: dict = {"blocks": list(find_blocks(model))}
-    heads = cfg.model.n_heads
-    candidates = [
-        lay for lay in search.layouts(cfg.world, cfg.batch_per_rank * cfg.world, cfg.seq, heads) if _of_kind(lay, kind)
-    ]
+    heads, kv_heads = cfg.model.n_heads, cfg.model.n_kv_heads
+    every = search.layouts(cfg.world, cfg.batch_per_rank * cfg.world, cfg.seq, heads, kv_heads=kv_heads)
+    candidates = [lay for lay in every if _of_kind(lay, kind)]
     capacity = min(prof.memory_bytes, int(cfg.memory_gib * 2**30)) if cfg.memory_gib else prof.memory_bytes
 
     def memory(lay):

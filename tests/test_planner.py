@@ -353,6 +353,32 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
     assert res.returncode == 2 and "give them with --plan" in res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:
+    """A layout a run would refuse is refused by --plan too, in one line naming the
+    flag, before this machine is calibrated (minutes); and the search offers no SP
+    size the heads cannot take, nor planning flags, in the commands it prints."""
+    env = {"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path / "cache")}
+    for flags, words in [
+        (["--nproc-per-node", "3", "--batch", "8"], "--batch 8 must be divisible by world / sp = 3"),
+        (["--target", "h100x8", "--sp", "8", "--heads", "4", "--hidden", "64"], "--heads 4 must be divisible"),
+        (["--nproc-per-node", "2", "--sp", "2", "--hidden", "192", "--heads", "6", "--kv-heads", "3"], "--sp 2: 3 key"),
+    ]:
+        res = _plan("--layers", "2", *flags, env=env)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
+        assert "calibrating" not in res.stderr and not os.path.exists(tmp_path / "cache"), res.stderr
+    assert {lay.sp for lay in search.layouts(4, 4, 64, 6, kv_heads=3)} == {1}  # 3 KV heads: no SP 2
+    assert {lay.sp for lay in search.layouts(4, 4, 64, 6, kv_heads=6)} == {1, 2}
+    small = ["--layers", "2", "--hidden", "192", "--heads", "6", "--kv-heads", "3", "--seq", "64", "--batch", "4"]
+    for where in (["--nproc-per-node", "2", "--recalibrate"], ["--target", "cpux2", "--device", "cpu"]):
+        res = _plan(*small, *where, "--search")
+        assert res.returncode == 0, res.stderr[-2000:]
+        commands = [line for line in res.stdout.splitlines() if line[:3] in ("1: ", "2: ", "3: ")]
+        unwanted = ("--sp 2", "--recalibrate", "--device cpu" if "--target" in where else "--sp 2")
+        assert commands and not any(w in c for c in commands for w in unwanted), commands
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # up to four calibrations (two attempts each) on a busy machine
 def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from isp_comm.planner.memory import MARGIN, DeviceMemory
 from isp_comm.planner.step import StepTime
+from isp_comm.sequence_parallel.attention import kv_repeats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +69,22 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(
-    world: int, global_batch: int, seq: int, heads: int, *, vocab_parallel: bool = True, max_sp: int = 64
+    world: int,
+    global_batch: int,
+    seq: int,
+    heads: int,
+    *,
+    kv_heads: int | None = None,
+    vocab_parallel: bool = True,
+    max_sp: int = 64,
 ) -> list[Layout]:
     """Every layout isp-train would run for this world and global batch, each with
-    every block checkpointed (:func:`rank` finds the least checkpointing that fits)."""
+    every block checkpointed (:func:`rank` finds the least checkpointing that fits).
+    SP sizes that cannot split the heads and ``kv_heads`` key/value heads (default:
+    ``heads``) are left out, by the rule SP applies (``kv_repeats``)."""
     out = []
     for sp in divisors(world):
-        if sp > max_sp or heads % sp or seq % sp:
+        if sp > max_sp or seq % sp or not _splits(heads, kv_heads or heads, sp):
             continue
         dp = world // sp
         micro = [m for m in (1, 2, 4, 8, 16, 32) if global_batch % (dp * m) == 0]
@@ -86,6 +96,14 @@ def layouts(
                         for state in ("wp", "world") if wp < world else ("wp",):  # one replica: the same
                             out.append(Layout(world, wp, sp, 1.0, outer, vp, batch, global_batch // batch, state))
     return out
+
+
+def _splits(heads: int, kv_heads: int, sp: int) -> bool:
+    try:
+        kv_repeats(heads, kv_heads, sp)
+    except ValueError:
+        return False
+    return True
 
 
 def least_checkpointing(

@@ -334,16 +334,35 @@ class TrainConfig:
 
 
 def check_layout(cfg: TrainConfig, world: int) -> None:
-    """The flags against the world, before any rank starts: a ``ValueError`` naming
-    the flag (not the internal field) for --wp or --sp that does not divide the world,
-    and for --heads that --sp does not divide (the reference llama's all-to-all splits
-    the heads)."""
+    """The flags against the world, before any rank starts (and before ``--plan``
+    calibrates): a ``ValueError`` naming the flag (not the internal field) for --wp or
+    --sp that does not divide the world, a --batch that world / sp does not divide, a
+    --seq that --sp does not, and for the reference llama's --heads and --kv-heads
+    that --sp cannot split (its all-to-all splits the heads; a --model folder's heads
+    are checked where its model is built)."""
     if world % cfg.sp:
         raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
     if cfg.wp and world % cfg.wp:
         raise ValueError(f"--wp {cfg.wp} does not divide the world size {world}")
-    if not cfg.model and cfg.heads % cfg.sp:
-        raise ValueError(f"--heads {cfg.heads} must be divisible by --sp {cfg.sp} (each SP rank takes whole heads)")
+    if cfg.batch % (world // cfg.sp):
+        raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {world // cfg.sp}")
+    if cfg.seq % cfg.sp:
+        raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
+    if not cfg.model:
+        if cfg.heads % cfg.sp:
+            raise ValueError(f"--heads {cfg.heads} must be divisible by --sp {cfg.sp} (each SP rank takes whole heads)")
+        check_heads(cfg.heads, cfg.kv_heads, cfg.sp)
+
+
+def check_heads(heads: int, kv_heads: int, sp: int) -> None:
+    """A ``ValueError`` naming --sp when ``sp`` cannot split these heads and key/value
+    heads (the rule SP applies, :func:`~isp_comm.sequence_parallel.kv_repeats`)."""
+    from isp_comm.sequence_parallel import kv_repeats
+
+    try:
+        kv_repeats(heads, kv_heads, sp)
+    except ValueError as exc:
+        raise ValueError(f"--sp {sp}: {exc}") from None
 
 
 def _resume_value(text: str) -> str:

@@ -81,11 +81,6 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     if len(tokens) < cfg.seq + 2:
         raise ValueError(f"--seq {cfg.seq} is longer than the data ({len(tokens)} tokens)")
     check_layout(cfg, world)  # also checked before the launch; here for a world torchrun chose
-    dp = world // cfg.sp
-    if cfg.batch % dp:
-        raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {dp}")
-    if cfg.seq % cfg.sp:
-        raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
     data = train_data(cfg, tokens, offsets, vocab, world, rank)
     model, mcfg = build_meta_model(cfg, vocab, tok_dir)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's

@@ -18,7 +18,7 @@ from isp_comm.planner import search as planner_search
 from isp_comm.planner.step import StepTime, step_time
 from isp_comm.planner.targets import gpu_target, parse_target
 from isp_comm.train import hf_model
-from isp_comm.train.config import TrainConfig, resolve_device
+from isp_comm.train.config import TrainConfig, check_heads, check_layout, resolve_device
 from isp_comm.train.metrics import proc_status_bytes
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.sources import load_tokens
@@ -28,7 +28,10 @@ CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
 uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute).
 ``quick``: it calibrates with fewer sizes and steps, a rough profile cached under a
 name of its own (tests of the calibration's coordination)."""
-NOT_FLAGS = {"plan", "target", "nodes", "profile", "search", "nproc_per_node", "nnodes", "rdzv_endpoint"}
+NOT_FLAGS = {
+    "plan", "target", "nodes", "profile", "search", "recalibrate", "nproc_per_node", "nnodes", "rdzv_endpoint",
+}  # fmt: skip
+"""Flags of planning, not of the run a search prints (``device`` too, when planning a --target)."""
 LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_sharding", "batch", "grad_accum"}
 
 
@@ -74,6 +77,8 @@ def command_line(cfg: TrainConfig, prof: profiles.Profile, layout: planner_searc
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.name in NOT_FLAGS | LAYOUT_FLAGS or value == getattr(default, f.name):
+            continue
+        if f.name == "device" and cfg.target:  # the target's device: its GPUs
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -154,11 +159,11 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
 
 def _search(cfg: TrainConfig, planner: _Planner) -> None:
     """--search: every layout of the world for the same global batch, ranked."""
-    model = planner.model
-    heads = getattr(getattr(model, "cfg", None), "n_heads", None) or model.config.num_attention_heads
+    heads, kv_heads = _heads(planner.model)
     candidates = planner_search.layouts(
-        planner.world, cfg.batch * cfg.grad_accum, cfg.seq, heads, vocab_parallel=not cfg.model and not cfg.lora_rank
-    )
+        planner.world, cfg.batch * cfg.grad_accum, cfg.seq, heads, kv_heads=kv_heads,
+        vocab_parallel=not cfg.model and not cfg.lora_rank,
+    )  # fmt: skip
 
     def layout_config(lay: planner_search.Layout) -> TrainConfig:
         return dataclasses.replace(cfg, **{k: getattr(lay, k) for k in LAYOUT_FLAGS})
@@ -172,16 +177,22 @@ def _search(cfg: TrainConfig, planner: _Planner) -> None:
     print(planner_search.table(ranked, lambda lay: command_line(cfg, planner.prof, lay)))
 
 
+def _heads(model: torch.nn.Module) -> tuple[int, int]:
+    """(attention heads, key/value heads) of the reference llama or a transformers model."""
+    ref = getattr(model, "cfg", None)
+    if ref is not None and hasattr(ref, "n_heads"):
+        return ref.n_heads, ref.n_kv_heads
+    config = model.config
+    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def plan(cfg: TrainConfig, world: int) -> None:
     """``--plan``: the forecast table for these flags on the planning profile's device,
     the predicted step, with ``--search`` the fastest layouts, then one JSON line
     (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``). Under a
     launcher (``torchrun --nproc-per-node N``) every rank waits for the profile (one
     of them calibrates: [Note: one process calibrates]) and rank 0 alone prints."""
-    prof, world = planning_profile(cfg, world)
-    if os.environ.get("RANK", "0") != "0":
-        return
-    device = torch.device(prof.device)
+    check_layout(cfg, parse_target(cfg.target, cfg.nodes).world if cfg.target else world)  # before calibrating
     if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
         vocab, tok_dir = 0, ""
     elif cfg.tokenizer:
@@ -189,6 +200,11 @@ def plan(cfg: TrainConfig, world: int) -> None:
     else:
         vocab, tok_dir = load_tokens(cfg.data)[1], ""
     model, _ = build_meta_model(cfg, vocab, tok_dir)
+    check_heads(*_heads(model), cfg.sp)
+    prof, world = planning_profile(cfg, world)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    device = torch.device(prof.device)
     base = 0 if device.type == "cuda" else proc_status_bytes("VmRSS")
     planner = _Planner(model, prof, world, use_bf16(cfg, device), base)
     mem = planner.memory(cfg)  # first: its checks name the flags
