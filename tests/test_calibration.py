@@ -51,9 +51,8 @@ def test_a_calibration_run_started_from_a_launched_rank_is_a_job_of_its_own(monk
 
 
 def _entry(cache: str, local_world: int) -> tuple[str, str]:
-    """The cache entry of ``local_world`` ranks: (profile path, lock path)."""
-    path = os.path.join(cache, profiles.machine_key(local_world))
-    return path, path + ".lock"
+    """The cache entry of ``local_world`` ranks: (profile path, the host's calibration lock)."""
+    return os.path.join(cache, profiles.machine_key(local_world)), profiles.calibration_lock(cache)
 
 
 def _plan(cache: str, *flags: str, **env: str) -> subprocess.Popen:
@@ -103,6 +102,26 @@ def test_a_plan_waits_for_the_process_calibrating_and_plans_on_its_profile(tmp_p
     assert "on measured by the other process" in out.splitlines()[0]
     assert "calibrating this machine once" not in said + err
     assert set(os.listdir(cache)) == {os.path.basename(path), os.path.basename(lock)}
+
+
+@pytest.mark.timeout(120)
+def test_one_calibration_at_a_time_on_a_host_and_an_unreadable_cache_says_so(tmp_path) -> None:
+    """A plan of another cache entry (one rank, not two) waits for the calibration
+    holding the host's lock too: it would time that one's work. And a cache entry that
+    cannot be read is named as the cache's, with the way out."""
+    cache = str(tmp_path)
+    single, lock = _entry(cache, 1)
+    with _calibrating(lock):
+        proc = _plan(cache, "--nproc-per-node", "1", ISP_COMM_CALIBRATION_WAIT_S="2")
+        _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 2 and "process 4242 on the test's host has been calibrating" in err, err
+    with open(single, "w") as f:
+        f.write("{not json")
+    proc = _plan(cache, "--nproc-per-node", "1")
+    _, err = proc.communicate(timeout=90)
+    (line,) = err.strip().splitlines()
+    assert proc.returncode == 2 and f"the cached calibration {single} cannot be read" in line, err
+    assert "--recalibrate" in line and "--profile" not in line, line
 
 
 @pytest.mark.timeout(120)
@@ -212,3 +231,55 @@ def test_torchrun_plan_on_four_ranks_calibrates_once_and_recalibrate_measures_ag
     assert _calibrations(again.stderr) == 1, again.stderr
     (now,) = [f for f in os.listdir(cache) if not f.endswith(".lock")]
     assert os.path.getmtime(os.path.join(cache, now)) >= t0  # measured again, not read
+
+
+def _descendants(root: int) -> set[int]:
+    """The live processes below ``root`` (children, theirs, ...), from /proc."""
+    parent = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in "ZX":
+            parent[int(pid)] = int(fields[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in "ZX":
+                    alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_plan_takes_its_calibration_with_it(tmp_path) -> None:
+    """A --plan killed while it calibrates (SIGKILL: no handler runs; torchrun's SIGTERM
+    to a failed job's other ranks ends the same way) leaves no calibration, nor any of
+    its runs, loading the cores the next plan's calibration would time."""
+    proc = _plan(str(tmp_path), "--nproc-per-node", "2")
+    said = _read_until(proc.stderr, "calibrating this machine", 60)
+    assert "calibrating this machine once" in said, said
+    below: set[int] = set()
+    deadline = time.monotonic() + 30
+    while len(below) < 3 and time.monotonic() < deadline:  # the calibration, a run and its ranks
+        below |= _descendants(proc.pid)
+        time.sleep(0.2)
+    assert len(below) >= 3, below
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while _alive(below) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(below)

@@ -52,6 +52,7 @@ from isp_comm.planner.memory import transient
 from isp_comm.planner.profile import COLLECTIVES, Link, Profile, describe_noise, launcher_free_env
 from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
+from isp_comm.processes import die_with_parent_if_asked
 
 TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "32", "--no-trace", "--log-every", "1000"]
 """The calibration model: the reference llama at width 64, sequences of 32 tokens."""
@@ -602,6 +603,7 @@ def main() -> None:
     ``isp-train --plan`` runs on first use (bench/calibrate.py also prints a summary)."""
     import argparse
 
+    die_with_parent_if_asked()  # started by a --plan: not past it
     ap = argparse.ArgumentParser(description="measure this machine into a planner profile")
     ap.add_argument("--profile", required=True, help="where to write the profile")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])

@@ -24,6 +24,7 @@ from typing import Literal
 
 from isp_comm.memory_forecast.weights import cublas_workspace_bytes
 from isp_comm.planner.targets import NCCL_CURVE_IB, NCCL_CURVE_NVLINK, Cluster
+from isp_comm.processes import DIE_WITH_PARENT_ENV
 
 Curve = list[list[float]]
 """Points [x, y], x ascending; read by :func:`interp` (linear in log x, flat outside)."""
@@ -296,9 +297,11 @@ def launcher_free_env(**extra: str) -> dict[str, str]:
     refused its layout and left with status 2; the plan on a rank other than 0 then
     left with status 2 and no message (only rank 0 prints). The calibration's runs are
     jobs of their own: they start from an environment without the launcher's
-    variables."""
+    variables, and die with the process that started them (a ``--plan`` killed while
+    it calibrates must not leave its calibration loading the cores the next one times;
+    :mod:`isp_comm.processes`)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env.update(extra)
+    env.update({DIE_WITH_PARENT_ENV: "1", **extra})
     return env
 
 
@@ -330,8 +333,8 @@ def cached(local_world: int, progress=print, *, recalibrate: bool = False, quick
     Every rank of ``torchrun --nproc-per-node 4 -m isp_comm.train --plan`` asks for
     the profile at once. One calibration must run, not four on the same cores (each
     would time the others' work): the first process to take the cache entry's lock
-    (``flock`` on ``NAME.lock`` beside it, let go when its holder exits, however it
-    exits) calibrates; the others wait for the lock, at most
+    (``flock`` on ``HOST.calibration.lock`` in the cache folder, one for every entry of
+    the host, let go when its holder exits, however it exits) calibrates; the others wait for the lock, at most
     ``$ISP_COMM_CALIBRATION_WAIT_S`` seconds (then a ``ValueError`` naming the holder),
     and read what it measured: a profile written after they began to wait is theirs,
     cached or noisy, ``recalibrate`` or not. A noisy calibration (not ``steady``, see
@@ -343,13 +346,32 @@ def cached(local_world: int, progress=print, *, recalibrate: bool = False, quick
     noisy = os.path.join(cache_dir(), name + ".noisy.json")
     os.makedirs(cache_dir(), exist_ok=True)
     since = time.time()
-    with _calibration_lock(path + ".lock", progress):
+    with _calibration_lock(calibration_lock(), progress):
         for fresh in (path, noisy):  # measured while this process waited: by and for the same job
             if os.path.exists(fresh) and os.path.getmtime(fresh) >= since:
-                return load(fresh)
+                return _load_cached(fresh)
         if os.path.exists(path) and not recalibrate:
-            return load(path)
+            return _load_cached(path)
         return _calibrate_into(path, noisy, local_world, quick, progress)
+
+
+def calibration_lock(folder: str | None = None) -> str:
+    """The lock a calibrating process holds in the cache ``folder`` (default
+    :func:`cache_dir`): one for the host, not per cache entry, since two calibrations
+    at once would time each other's work."""
+    return os.path.join(folder or cache_dir(), f"{socket.gethostname()}.calibration.lock")
+
+
+def _load_cached(path: str) -> Profile:
+    """A profile of the cache, or a ``ValueError`` that names it as the cache's (not a
+    ``--profile`` the user gave) and says how to measure afresh."""
+    try:
+        return load(path)
+    except ValueError as exc:
+        why = str(exc).removeprefix(f"--profile {path}: ")
+        raise ValueError(
+            f"--plan: the cached calibration {path} cannot be read ({why}): plan again with --recalibrate, or delete it"
+        ) from None
 
 
 def _calibrate_into(path: str, noisy: str, local_world: int, quick: bool, progress) -> Profile:

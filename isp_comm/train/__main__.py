@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from isp_comm.errors import ISPCommTimeout
+from isp_comm.processes import die_with_parent, die_with_parent_if_asked
 from isp_comm.train import survive, virtual
 from isp_comm.train.config import check_layout, fail, parse_config, resolve_device
 from isp_comm.train.hang import hang_exit
@@ -52,6 +53,7 @@ def dist_backend(device: torch.device) -> str:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the job and end the process: exit code 0, or 2 after one line."""
+    die_with_parent_if_asked()  # a calibration's run or plan: not past the calibration
     cfg = parse_config(argv)  # exits 2 with one line on a bad flag
     if cfg.plan:  # no process group, no launch: the forecast for the world the flags describe
         world = int(os.environ.get("WORLD_SIZE", 0)) or (cfg.nproc_per_node or 1) * cfg.nnodes
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         args = worker_argv(sys.argv[1:] if argv is None else argv)
         sys.exit(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args, cfg.max_restarts))
     if "LOCAL_RANK" in os.environ:  # a launched rank dies with its launcher
-        survive.die_with_parent()
+        die_with_parent()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume="auto")  # a restarted rank continues the run
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ line (the rank that printed the diagnosis) and exit code 1, without a traceback.
 launcher (torchrun, or isp-train's own) then sends SIGTERM to the ranks still there
 and SIGKILL 30 s later: a stopped rank ignores SIGTERM but not SIGKILL, so the job
 ends within the deadline plus about a minute. A rank that would survive its launcher
-dies with it (``survive.die_with_parent``).
+dies with it (``isp_comm.processes.die_with_parent``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What keeps a run from outliving its launcher, or sharing its folder with another.
 
-* ``die_with_parent``: a rank launched by torchrun or ``isp-train --nproc-per-node``
-  asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and a
-  thread checks the parent as a fallback. torch >= 2.13 starts each worker in a session
-  of its own, so a signal to the launcher's process group no longer reaches the ranks;
-  without this a killed launcher leaves them training. SIGKILL, not SIGTERM: a job that
-  is killed stops, and writes no checkpoint after the kill.
+* (:func:`isp_comm.processes.die_with_parent`) a rank launched by torchrun or
+  ``isp-train --nproc-per-node`` dies with its launcher. torch >= 2.13 starts each
+  worker in a session of its own, so a signal to the launcher's process group no
+  longer reaches the ranks; without this a killed launcher leaves them training.
 * ``lock_folder``: one live run per ``--out`` (``fcntl.flock``, released by the kernel
   when the holder dies, so a killed run never leaves a stale lock).
 * ``remove_stale_segments``: shared-memory segments of isp-comm jobs whose creator is gone.
@@ -19,43 +17,18 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
-import signal
 import socket
 import sys
-import threading
-import time
 from typing import IO
 
 import torch.distributed as dist
 
 from isp_comm.backends import shm
 
-PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".isp-train.lock"
 RESTART_PREFIX = "isp-train/attempt_"
-
-
-def die_with_parent(poll_s: float = 0.5) -> None:
-    """SIGKILL this process when its parent dies (Linux prctl), with a polling thread
-    as the fallback where prctl is missing or the parent died before it was set."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the thread below still does it
-    if os.getppid() != parent or parent == 1:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="isp-parent-watch", daemon=True).start()
 
 
 def lock_folder(out: str) -> IO[str]:

@@ -1,0 +1,51 @@
+"""Processes that never outlive the one that started them.
+
+A launched rank, a calibration and the isp-train runs a calibration measures all ask
+the kernel for SIGKILL when their parent dies (``prctl(PR_SET_PDEATHSIG)``), with a
+thread checking the parent as a fallback. Without it, a launcher or a ``--plan``
+that is killed leaves them running: ranks that keep training, a calibration that
+keeps loading the cores the next one times. SIGKILL, not SIGTERM: a job that is
+killed stops, and writes no checkpoint after the kill.
+
+A child opts in where it starts (:func:`die_with_parent`), or when its parent set
+:data:`DIE_WITH_PARENT_ENV` in its environment (:func:`die_with_parent_if_asked`):
+``preexec_fn`` would do it before ``exec``, but is unsafe in a process with threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+DIE_WITH_PARENT_ENV = "ISP_COMM_DIE_WITH_PARENT"
+"""Set to ``1`` by a parent for a child that must die with it."""
+
+
+def die_with_parent(poll_s: float = 0.5) -> None:
+    """SIGKILL this process when its parent dies (Linux prctl), with a polling thread
+    as the fallback where prctl is missing or the parent died before it was set."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the thread below still does it
+    if os.getppid() != parent or parent == 1:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="isp-parent-watch", daemon=True).start()
+
+
+def die_with_parent_if_asked() -> None:
+    """:func:`die_with_parent` when the parent asked for it (:data:`DIE_WITH_PARENT_ENV`)."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent()
