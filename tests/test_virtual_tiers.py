@@ -126,6 +126,24 @@ def test_a_collectives_time_from_published_figures() -> None:
     assert d.on(INTER) == pytest.approx(GIB8 / 16 / (IB * IB_NCCL), rel=1e-9)
 
 
+def test_a_virtual_run_times_the_backend_the_planner_times(tmp_path) -> None:
+    """--virtual-world --profile FILE models the collectives of the backend --plan
+    times for the same flags (the profile's default for ``auto``): a calibrated CPU
+    profile measures the shared-memory backend and gloo, and a virtual run took
+    gloo's links while the plan took shared memory's."""
+    from isp_comm.train.config import TrainConfig
+    from isp_comm.train.virtual import link_model
+
+    cpu = from_target(parse_target("cpux2"))
+    assert {"symm", "torch"} <= set(cpu.collectives) and cpu.default_backend == "symm"
+    path = str(tmp_path / "profile.json")
+    cpu.save(path)
+    for requested, timed in (("auto", "symm"), ("symm", "symm"), ("torch", "torch")):
+        cfg = TrainConfig(virtual_world=2, profile=path, backend=requested)
+        assert link_model(cfg).backend == timed, requested
+    assert link_model(TrainConfig(virtual_world=16, target="h100x8", nodes=2)).backend == "torch"  # NCCL's
+
+
 def test_the_step_models_traffic_on_each_tier_by_hand() -> None:
     """The step's collectives on a profile of published bandwidths alone (no NCCL share,
     no latency): world 16 on 2 nodes of 8, wp 8, two replicas (ranks 0 and 8: one a

@@ -367,7 +367,7 @@ def _demands(
     ``nbytes``: :func:`_sizes`' figures."""
     world, wp, sp, batch, seq = sizes
     gather, reduce, outer_gather, outer_reduce, repl, summed = nbytes
-    backend = _backend(config, prof)
+    backend = backend_of(config.backend, prof)
     replicas = world // wp  # replica groups are strided: they span the world
     root = config.shard_outer_params
 
@@ -560,7 +560,7 @@ def step_time(
             exposed[phase] += clock.exposed - e0
     t0, e0 = clock.t, clock.exposed
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
-    small_ar = collective_demand(prof, _backend(config, prof), "all_reduce", group_ranks(world), 8)
+    small_ar = collective_demand(prof, backend_of(config.backend, prof), "all_reduce", group_ranks(world), 8)
     sharded, whole = memo[skey][1]
     elements = (-(-sharded // (world // wp)) if world_sharded else sharded) + whole
     _optimizer(clock, prof, memo["n_params"], elements, small_ar)
@@ -591,8 +591,12 @@ def step_time(
     return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=dict(clock.links.busy))
 
 
-def _backend(config: ISPConfig, prof: Profile) -> str:
-    backend = prof.default_backend if config.backend == "auto" else config.backend
+def backend_of(requested: str, prof: Profile) -> str:
+    """The backend whose collectives ``prof`` times for a run asking for ``requested``
+    (``ISPConfig.backend``): the profile's default for ``"auto"`` or one it did not
+    measure. The planner and a virtual run's links (``--virtual-world --profile``)
+    both read this one."""
+    backend = prof.default_backend if requested == "auto" else requested
     return backend if backend in prof.collectives else prof.default_backend
 
 

@@ -60,14 +60,14 @@ def link_model(cfg) -> LinkModel:
         return FlatLink(cfg.virtual_gbps * 1e9)
     from isp_comm.planner import profile as profiles
     from isp_comm.planner.links import ProfileLink
+    from isp_comm.planner.step import backend_of
     from isp_comm.planner.targets import parse_target
 
     if cfg.profile:
         prof = profiles.load(cfg.profile)
     else:
         prof = profiles.from_target(parse_target(cfg.target, cfg.nodes))
-    backend = "torch" if "torch" in prof.collectives else ""  # NCCL's figures: what a GPU job runs
-    return ProfileLink(prof, backend)
+    return ProfileLink(prof, backend_of(cfg.backend, prof))  # the backend --plan times for these flags
 
 
 def start(cfg) -> None:
