@@ -403,6 +403,7 @@ class ISPCommunicator:
             "bytes_moved": c.bytes_gathered + c.bytes_reduced,
             "exposed_comm_s": c.exposed_comm_s,
             "comm_s": self.backend.modelled_comm_s,  # modelled time issued (a virtual backend), else 0
+            "comm_late_s": self.backend.late_s,  # a virtual backend's copies past the modelled ends
             "outstanding_handles": self.engine.outstanding(),
             "pool_bytes": self._pool_bytes(),
             "device_heap_bytes": self.backend.device_heap_bytes,  # NVSHMEM's heap: max_memory_allocated misses it

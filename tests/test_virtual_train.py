@@ -83,12 +83,26 @@ def test_a_virtual_rank_writes_metrics_and_says_it_is_virtual(tmp_path) -> None:
     got = rows(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for r in got:
-        assert r["comm_s"] > 0 and 0 <= r["exposed_comm_s"] <= r["step_s"]
+        assert r["comm_s"] > 0 and 0 <= r["exposed_comm_s"] <= r["step_s"] and r["comm_late_s"] >= 0
     saved = os.path.join(out, "checkpoints")
     assert not os.path.exists(saved) or not os.listdir(saved)
     with open(os.path.join(out, "trace.json")) as f:
         pids = {e["pid"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
     assert len(pids) == 1
+
+
+def test_the_closing_line_says_when_this_machine_fell_behind_the_model() -> None:
+    """Exposed time beyond the modelled time needs a cause on the line: the CPU's own
+    copies ran past the modelled ends (the comm thread's ``late_s``)."""
+    from isp_comm.backends.virtual import FlatLink
+    from isp_comm.train.config import TrainConfig
+    from isp_comm.train.virtual import summary
+
+    cfg = TrainConfig(virtual_world=8, virtual_gbps=1.0)
+    last = {"step_s": 0.2, "comm_s": 0.001, "exposed_comm_s": 0.004}
+    assert "past the modelled ends" not in summary(cfg, {**last, "comm_late_s": 0.0}, FlatLink(1e9))
+    line = summary(cfg, {**last, "comm_late_s": 0.07}, FlatLink(1e9))
+    assert "this machine's copies ran 0.070 s past the modelled ends" in line, line
 
 
 @pytest.mark.slow

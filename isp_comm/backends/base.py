@@ -161,6 +161,10 @@ class Backend:
     """Seconds of collective time issued so far by a backend that models it (the
     virtual backend, ``isp_comm/backends/virtual.py``); 0 for a backend that moves the
     bytes for real."""
+    late_s: float = 0.0
+    """Seconds by which a modelling backend's own work (the virtual backend's copies on
+    CPU) ran past the modelled ends of its collectives: this machine's time, not the
+    model's, inside the exposed time a step reports. 0 elsewhere."""
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         """``out`` (numel = group size x inp.numel()) receives every rank's ``inp``, rank-major."""

@@ -97,17 +97,18 @@ def first_line(cfg, link: LinkModel) -> str:
 
 
 def row(stats: dict, before: dict) -> dict:
-    """A virtual step's own fields: the modelled collective time issued in the step
-    and the time the step stood waiting for collectives."""
-    return {
-        "comm_s": stats["comm_s"] - before["comm_s"],
-        "exposed_comm_s": stats["exposed_comm_s"] - before["exposed_comm_s"],
-    }
+    """A virtual step's own fields: the modelled collective time issued in the step,
+    the time the step stood waiting for collectives, and how far this machine's own
+    copies ran past the modelled ends (in the waits, not in the model)."""
+    return {k: stats[k] - before[k] for k in ("comm_s", "exposed_comm_s", "comm_late_s")}
 
 
 def summary(cfg, last: dict, link: LinkModel) -> str:
+    late = last.get("comm_late_s", 0.0)
+    behind = f"; this machine's copies ran {late:.3f} s past the modelled ends (its time, not the model's)"
+    behind = behind if late >= 0.0005 else ""
     return (
         f"isp-train: VIRTUAL run done (rank {cfg.virtual_rank} of {cfg.virtual_world}; collectives modelled: "
         f"{link.describe()}): last step {last.get('step_s', 0):.3f} s, modelled comm {last.get('comm_s', 0):.3f} s "
-        f"issued, {last.get('exposed_comm_s', 0):.3f} s exposed; no checkpoint saved"
+        f"issued, {last.get('exposed_comm_s', 0):.3f} s exposed{behind}; no checkpoint saved"
     )

@@ -22,6 +22,7 @@ TAGS = {
     "exposed_comm_pct": "comm/exposed_comm_pct",
     "comm_s": "comm/comm_s",
     "exposed_comm_s": "comm/exposed_comm_s",
+    "comm_late_s": "comm/comm_late_s",
     "pool_bytes": "memory/pool_bytes",
     "peak_rss_mib": "memory/peak_rss_mib",
     "peak_alloc_mib": "memory/peak_alloc_mib",
