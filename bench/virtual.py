@@ -634,6 +634,25 @@ def describe(result: dict) -> str:
     return text
 
 
+def notes(result: dict) -> str:
+    """What under a table is measured and what is modelled, in words."""
+    target = result["target"]
+    lines = [
+        f"- measured: each system's compute, memory and waits on this machine; modelled: every collective's "
+        f"time, on the {target} links"
+    ]
+    if target.startswith("cpu"):
+        lines.append(
+            f"- planner: predicted on the nominal {target} target (its compute figures too), not calibrated on "
+            "this machine: its step is not this machine's"
+        )
+    else:
+        lines.append(f"- planner: predicted from {target}'s published figures, nothing of it measured")
+    if any(s.get("exposed_comm_derived") for s in result["systems"].values()):
+        lines.append("- FSDP2's exposed comm: its step less the compute-only step (derived: its waits are not timed)")
+    return "\n".join(lines)
+
+
 def scaling_table(results: list[dict], peak_tflops: float) -> str:
     """``--scaling``: each world's tokens/s/GPU, and its efficiency against the first's."""
     rows, first = [], None
@@ -693,6 +712,7 @@ def main() -> None:
         results.append(res)
         print(f"\n### {name}: {describe(res)}\n")
         print(table(res, peak))
+        print(f"\n{notes(res)}")
     if args.scaling:
         print("\n### scaling\n")
         print(scaling_table(results, peak))

@@ -24,6 +24,8 @@ def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> 
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {ln.split("|")[1].strip(): ln for ln in res.stdout.splitlines() if ln.startswith("| ")}
     assert {"isp-comm", "fsdp2", "compute-only", "planner"} <= set(rows), res.stdout
+    assert "measured: each system's compute" in res.stdout and "not calibrated on this machine" in res.stdout
+    assert "FSDP2's exposed comm: its step less the compute-only step" in res.stdout
     with open(tmp_path / "virtual.json") as f:
         result = json.load(f)["rows"][0]
     systems = result["systems"]
