@@ -541,6 +541,13 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
     assert run["started_at"] == 2 and run["history"][0]["config"]["steps"] == 4
+    with open(os.path.join(out, "hang.json"), "w") as f:  # the last run's hang: set aside by the next run
+        f.write('{"old": 1}')
+    res = _train1("--steps", "6", "--resume", "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not os.path.exists(os.path.join(out, "hang.json"))  # isp-comm doctor shows no old hang as this run's
+    with open(os.path.join(out, "hang.previous.json")) as f:
+        assert json.load(f) == {"old": 1}
     for left in ("hang.json", "hang.txt", "memory_breakdown.json"):  # an earlier run's diagnosis, breakdown
         with open(os.path.join(out, left), "w") as f:
             f.write("{}")
@@ -548,7 +555,7 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
     assert list(losses(out)) == [1, 2]
-    assert not {"hang.json", "hang.txt", "memory_breakdown.json"} & set(os.listdir(out))  # not this run's
+    assert not {"hang.json", "hang.txt", "hang.previous.json", "memory_breakdown.json"} & set(os.listdir(out))
 
 
 def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:

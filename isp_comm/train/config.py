@@ -83,7 +83,7 @@ class TrainConfig:
     loss of each micro-step is scaled by 1/N, and every micro-step's reduce-scatters
     overlap its backward (gradient memory does not grow with N)."""
     wp: int = 0
-    """Weight-parallel size (0: world size / sp)."""
+    """Weight-parallel size (0: the world size; WP and SP groups are independent splits of the world)."""
     sp: int = 1
     """Sequence-parallel size."""
     backend: BackendName = "auto"

@@ -32,6 +32,8 @@ OWN = (
     "wandb",
     "hang.json",
     "hang.txt",
+    "hang.previous.json",
+    "hang.previous.txt",
     "memory_breakdown.json",
 )
 """What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
@@ -66,6 +68,8 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     first = first_error(error)
     if first:
         raise ValueError(first)
+    if dist.get_rank() == 0 or is_virtual():
+        _set_aside_hang(cfg.out)
     if is_virtual():  # one process: no rank 0 to hear from (the fake group's broadcast would be garbage)
         return path
     box = [path]
@@ -97,6 +101,15 @@ def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
             elif os.path.exists(target):
                 os.remove(target)
     return None, None
+
+
+def _set_aside_hang(out: str) -> None:
+    """An earlier run's hang diagnosis becomes ``hang.previous.*``: ``hang.json`` is
+    this run's only, so ``isp-comm doctor`` never shows an old hang as the folder's."""
+    for ext in ("json", "txt"):
+        old = os.path.join(out, f"hang.{ext}")
+        if os.path.exists(old):
+            os.replace(old, os.path.join(out, f"hang.previous.{ext}"))
 
 
 def previous_run(out: str) -> dict:
