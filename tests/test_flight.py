@@ -407,3 +407,47 @@ def test_fault_env_is_test_only_and_checked() -> None:
     finally:
         del os.environ[FAULT_ENV]
     assert list(called) == [False]  # once, at its rank and step, without autograd
+
+
+def test_each_launcher_attempt_keeps_its_own_flight_keys(monkeypatch) -> None:
+    """torchrun's agent keeps one store for every attempt (--max-restarts): the second
+    attempt's heartbeats, records and requests must not meet the first's, or a stopped
+    rank's old record reads as its answer and no diagnosis is printed."""
+    from isp_comm.flight.heartbeat import StoreKeys
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    first = StoreKeys(0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = StoreKeys(0)
+    assert first.request != second.request and first.record(1) != second.record(1)
+    assert first.beat(1) != second.beat(1) and first.teller != second.teller
+
+
+WATCHDOG_FIRES = """
+import torch, torch.distributed as dist
+from isp_comm.flight.diagnosis import Diagnoser
+from isp_comm.flight.heartbeat import Heartbeat, StoreKeys
+from isp_comm.flight.record import FlightRecord
+from isp_comm.flight.watchdog import Watchdog
+
+class NeverDone:
+    def query(self):
+        return False
+
+rec = FlightRecord(0)
+rec._labels[None] = "0"
+hb = Heartbeat(rec, dist.HashStore(), StoreKeys(0))
+e = rec.issue(object(), "all-gather", None, torch.zeros(4), 0, "forward")
+rec.watch(e, NeverDone())
+e.issued -= 10
+Watchdog(rec, deadline_s=1.0, diagnose=Diagnoser(hb, world=1, folder=None, window_s=0.2)).poll()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_cuda_watchdog_prints_the_diagnosis_once() -> None:
+    """The rank whose watchdog fires tells the diagnosis, then exits 1 without printing
+    it again (a never-completing event stands for the GPU's collective)."""
+    res = subprocess.run([sys.executable, "-c", WATCHDOG_FIRES], capture_output=True, text=True, timeout=50)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert res.stderr.count("isp-comm: hang diagnosis") == 1, res.stderr

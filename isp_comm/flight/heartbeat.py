@@ -49,10 +49,14 @@ def python_stacks() -> str:
 
 class StoreKeys:
     """The keys of one communicator's heartbeats and records in the store (every rank
-    creates its communicators in the same order, so ``instance`` agrees)."""
+    creates its communicators in the same order, so ``instance`` agrees), under the
+    launcher's attempt: torchrun's agent keeps one store for every attempt of a job
+    (``--max-restarts``), and an earlier attempt's keys read as this one's would make
+    a stopped rank's old record an answer."""
 
     def __init__(self, instance: int) -> None:
-        self.prefix = f"isp-flight/{instance}/"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"isp-flight/attempt_{attempt}/{instance}/"
         self.request = self.prefix + "request"
 
     def beat(self, rank: int) -> str:

@@ -33,8 +33,10 @@ POLL_S = 1.0
 
 
 def exit_after_hang(text: str | None) -> None:
-    """The default ``on_hang``: the diagnosis (or a line) to stderr, then exit 1."""
-    print(text or "isp-comm: a collective passed its deadline on the GPU", file=sys.stderr, flush=True)
+    """The default ``on_hang``: the diagnosis (or a line) to stderr, then exit 1;
+    nothing more when ``text`` is ``""`` (the diagnosis printed it already: once)."""
+    if text != "":
+        print(text or "isp-comm: a collective passed its deadline on the GPU", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -79,7 +81,8 @@ class Watchdog:
             return False
         self.fired = e
         entry: dict[str, Any] = e.to_dict()
-        self.on_hang(self.diagnose(f"{describe(entry)} (on the GPU)", self.deadline_s))
+        text = self.diagnose(f"{describe(entry)} (on the GPU)", self.deadline_s)
+        self.on_hang("" if getattr(self.diagnose, "told", False) else text)  # told: printed once already
         return True
 
     def _run(self) -> None:
