@@ -552,18 +552,20 @@ class ISPCommunicator:
 
         hf_checkpoint.save_hf_checkpoint(self.model, self._state.state_dict(), path, max_shard_bytes)
 
-    def close(self, abandon: bool = False) -> None:
+    def close(self, abandon: bool = False, failed: bool = False) -> None:
         """Drain communication, restore the blocks' forwards and free the pool.
         ``abandon``: the step was cut short where peers may not join the collectives in
         flight (a run stopped by a signal in its forward): none is waited for, and their
         buffers are kept ([Note: buffers of a failed step]). A failed wait or an
-        unfinished backward abandons them too."""
+        unfinished backward abandons them too. ``failed``: the run ends on an error or
+        a stop, not done: this rank's last record is not published as a finished run's,
+        so a peer's hang diagnosis does not say it finished."""
         if self._closed:
             return
         self._closed = True
         if self._step_hook is not None:
             self._step_hook.remove()
-        self._flight.close(failed=self.ctx.failed)
+        self._flight.close(failed=self.ctx.failed or failed)
         cut_short = abandon or self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
         if cut_short:
             self.backend.abandon()

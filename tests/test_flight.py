@@ -451,3 +451,31 @@ def test_the_cuda_watchdog_prints_the_diagnosis_once() -> None:
     res = subprocess.run([sys.executable, "-c", WATCHDOG_FIRES], capture_output=True, text=True, timeout=50)
     assert res.returncode == 1, res.stderr[-2000:]
     assert res.stderr.count("isp-comm: hang diagnosis") == 1, res.stderr
+
+
+def _closing(rank: int, world: int) -> list:
+    """Each rank trains a step, then rank 1 closes as a failed run (isp-train's exit on
+    an error or a stop), rank 0 as a finished one; what the store says of each."""
+    import torch.distributed as dist
+
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from models.llama import LlamaConfig, build
+    from tests.parity import TINY
+
+    model = build(LlamaConfig(**TINY), seed=0)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    x = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(rank))
+    comm.cross_entropy(model(x), x).backward()
+    hb = comm._flight.heartbeat
+    comm.close(failed=rank == 1)
+    dist.barrier()
+    return [(hb.get(hb.keys.record(r)) or {}).get("closed", False) for r in range(world)]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ends_on_an_error_is_not_recorded_as_finished() -> None:
+    """isp-train closes the communicator with ``failed`` when its run ends on an
+    exception or a stop: a peer's later diagnosis must not read that rank's record as
+    a finished run's ("has finished its run" beside "rank 1 died")."""
+    for seen in run_ranks(_closing, 2, timeout_s=50):
+        assert seen == [True, False], seen

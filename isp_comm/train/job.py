@@ -131,7 +131,7 @@ def wrap(
     comm = ISPCommunicator(model, groups, icfg, backend=virtual.backend(cfg, resolve_device(cfg), icfg.timeout_s))
     # a run stopped by a signal mid-step (--no-save-on-signal) waits for no collective its
     # peers, leaving too, may never join
-    closing.push(lambda kind, _exc, _tb: comm.close(abandon=kind is Stopped))
+    closing.push(lambda kind, _exc, _tb: comm.close(abandon=kind is Stopped, failed=kind is not None))
     if cfg.model and resume_from is None and hf_checkpoint.has_hf_weights(cfg.model):
         comm.load_hf_checkpoint(cfg.model)  # each rank reads its own rows
     if cfg.init_from and resume_from is None:
