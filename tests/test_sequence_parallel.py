@@ -215,13 +215,32 @@ def test_sp_refuses_what_it_cannot_split() -> None:
             assert msg in text, text
 
 
+def _mistral(window: int):
+    """A transformers Mistral (sliding-window attention) of SP_CFG's shape."""
+    import transformers
+
+    cfg = transformers.MistralConfig(
+        vocab_size=SP_CFG["vocab_size"], hidden_size=SP_CFG["hidden"], intermediate_size=SP_CFG["ffn_hidden"],
+        num_hidden_layers=SP_CFG["n_layers"], num_attention_heads=SP_CFG["n_heads"],
+        num_key_value_heads=SP_CFG["n_kv_heads"], max_position_embeddings=64, sliding_window=window,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(cfg)
+
+
 def _bad_input_worker(rank: int, world: int, case: str) -> str:
-    kind = "hf" if case == "hf-packed-positions" else "llama"
-    model = _model(kind)
+    kind = "hf" if case.startswith("hf-") else "llama"
+    model = _mistral(3) if case == "hf-sliding-window" else _model(kind)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig())
     x = torch.randint(0, 37, (1, 4))
+    pos = torch.arange(4 * rank, 4 * rank + 4)[None]
     try:
-        if case == "uneven-chunks":  # a 7-token sequence cut 4 + 3
+        if case == "hf-padding-mask":  # each rank's first token padded (every rank refuses: none waits)
+            model(input_ids=x, position_ids=pos, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+        elif case == "hf-sliding-window":  # a window of 3 over sequences of 8: not plain causal attention
+            model(input_ids=x, position_ids=pos)
+        elif case == "uneven-chunks":  # a 7-token sequence cut 4 + 3
             model(x[:, : 4 - rank], position_ids=torch.arange(4 * rank, 4 * rank + 4 - rank))
         elif case == "bad-cu-seqlens":  # boundaries end at 6, the sequence has 8 tokens
             model(x, position_ids=torch.arange(4), cu_seqlens=torch.tensor([0, 2, 6]))
@@ -242,6 +261,8 @@ def test_sp_refuses_bad_sequences() -> None:
         "uneven-chunks": "must be divisible by sp_size=2",
         "bad-cu-seqlens": "cu_seqlens must increase from 0 to the sequence length 8",
         "hf-packed-positions": "pass cu_seq_lens_q",
+        "hf-padding-mask": "a padding attention_mask is not supported",
+        "hf-sliding-window": "a sliding window of 3 tokens over sequences of 8 is not supported",
     }
     for texts in run_ranks(_each, 2, _bad_input_worker, list(cases), timeout_s=50):
         for text, msg in zip(texts, cases.values()):

@@ -6,11 +6,11 @@ Supported: decoder-only models whose attention layers call
 with ``[batch, heads, seq, head_dim]`` tensors and rotary positions from
 ``position_ids``: ``SUPPORTED_MODEL_TYPES``. Anything else is refused with a
 ``ValueError`` rather than trained wrongly. Attention is causal over the whole
-sequence; padding masks are not supported under SP (each rank must feed a contiguous,
-unpadded chunk of the sequences). Packed documents: pass transformers' flash-attention
-keyword ``cu_seq_lens_q`` (boundaries over the whole sequence, the same on every rank)
-to the model's forward; the local attention is flash-attn on CUDA when installed,
-``scaled_dot_product_attention`` otherwise.
+sequence; a padding mask, or a sliding window shorter than the sequences, is refused
+(each rank must feed a contiguous, unpadded chunk of the sequences). Packed documents:
+pass transformers' flash-attention keyword ``cu_seq_lens_q`` (boundaries over the
+whole sequence, the same on every rank) to the model's forward; the local attention is
+flash-attn on CUDA when installed, ``scaled_dot_product_attention`` otherwise.
 """
 
 from __future__ import annotations
@@ -60,9 +60,24 @@ def apply_hf_sequence_parallel(
 
     boundaries = BoundaryCache()  # one host read of cu_seq_lens_q per step, not one per layer
 
+    sp = dist.get_world_size(sp_group)
+
     def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         # (restarting positions without boundaries are refused once per forward, by
         # the model's pre-hook: see apply.SequenceCheck)
+        window = kw.get("sliding_window")
+        if window is not None and window < query.shape[2] * sp:  # the local chunk's length times sp
+            raise ValueError(
+                f"sequence parallel: a sliding window of {window} tokens over sequences of {query.shape[2] * sp} is "
+                "not supported (attention here is causal over the whole sequence); train sequences no longer than "
+                "the window, or without sequence parallel"
+            )
+        if attention_mask is not None:  # the mask function gives None for causal attention without padding
+            raise ValueError(
+                "sequence parallel: a padding attention_mask is not supported (each rank must feed a contiguous, "
+                "unpadded chunk of the sequences); pack the documents with cu_seq_lens_q instead"
+            )
+
         def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
             return local_attention(q, k, v, cu_seqlens, scale=scaling, dropout=dropout)
 
