@@ -269,6 +269,27 @@ def test_sp_refuses_bad_sequences() -> None:
             assert msg in text, text
 
 
+def _edge_worker(rank: int, world: int) -> str:
+    model = _model("llama")
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig(timeout_s=3.0))
+    try:  # two documents of 4 tokens, cut exactly at the chunks' edge, without boundaries
+        model(torch.randint(0, 37, (1, 4)), position_ids=torch.arange(4))
+    except Exception as exc:  # rank 1 refuses; rank 0, which cannot tell, waits for it until its deadline
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        comm.close(abandon=True)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_sp_refuses_a_document_that_starts_at_a_chunks_edge() -> None:
+    """Positions that restart exactly where one rank's chunk ends and the next's begins
+    pass the within-chunk check: the later rank sees its chunk start at position 0."""
+    texts = run_ranks(_edge_worker, 2, timeout_s=50)
+    assert "ValueError: position_ids start at 0 on sequence-parallel rank 1" in texts[1], texts[1]
+    assert "ValueError" not in texts[0], texts[0]
+
+
 def test_local_attention_varlen_and_packed_forms() -> None:
     # single process: varlen equals each document alone, packed forms equal separate
     from isp_comm.sequence_parallel.local import local_attention

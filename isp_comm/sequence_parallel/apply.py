@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -70,14 +71,16 @@ class SequenceCheck:
       is read on the host, so each chunk length is checked once, the first time this
       rank sees it (all ranks see a new length at the same forward when the data
       agrees; a rank alone with a new length waits, and its deadline names the check).
-    - Positions that restart inside the chunk (packed documents) need the document
-      boundaries (``boundaries_key``), or attention would cross documents: checked
-      once per forward, without stopping the host (``check_async``).
+    - Positions that restart inside the chunk (packed documents), or at the first
+      token of a chunk after the first, need the document boundaries
+      (``boundaries_key``), or attention would cross documents: checked once per
+      forward, without stopping the host (``check_async``).
     """
 
     def __init__(self, sp_group: ProcessGroup, sp_size: int, backend: Backend, ctx: CommContext, boundaries_key: str):
         self.group, self.size, self.backend, self.ctx = sp_group, sp_size, backend, ctx
         self.boundaries_key = boundaries_key
+        self.rank = dist.get_rank(sp_group)
         self._checked: set[int] = set()
 
     def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -95,6 +98,13 @@ class SequenceCheck:
                 (pos.diff(dim=-1) == 1).all(),
                 "position_ids restart inside the chunk (packed documents): under sequence parallel pass "
                 f"{self.boundaries_key} with the document boundaries of the whole sequence",
+            )
+        if pos is not None and pos.numel() and self.rank > 0 and kwargs.get(self.boundaries_key) is None:
+            check_async(  # a chunk after the first that starts at position 0: a document starts at its edge
+                (pos[..., 0] != 0).all(),
+                f"position_ids start at 0 on sequence-parallel rank {self.rank}: a document starts at this chunk's "
+                f"first token (packed documents: pass {self.boundaries_key} with the boundaries of the whole "
+                "sequence), or the positions are the chunk's own (pass the sequence's: lo, lo + 1, ...)",
             )
 
     def _check_lengths(self, x: torch.Tensor) -> None:
