@@ -192,6 +192,32 @@ def test_stalled_peer_times_out_naming_it() -> None:
     assert "all-gather" in text and "ranks [1]" in text, msg
 
 
+def _out_of_step_worker(rank: int, world: int) -> str:
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    group = dist.group.WORLD
+    backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)  # set-up done
+    try:
+        if rank == 0:  # an extra collective on one rank: paired by order, a peer's all-reduce meets it
+            backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)
+        else:
+            backend.all_reduce(torch.ones(6), group).wait(10)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        backend.close()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_collectives_out_of_step_fail_on_every_rank_naming_each() -> None:
+    """The symm backend pairs collectives by their order: a rank that issues another
+    kind or size than its peers fails with them, naming what each issued, instead of
+    every rank going on with the bytes of a collective it never meant."""
+    for text in run_ranks(_out_of_step_worker, 2, timeout_s=40):
+        assert "collectives out of step in group [0, 1]" in text, text
+        assert "rank 0: all-gather of 16 bytes, rank 1: all-reduce of 24 bytes" in text, text
+
+
 def _symmetric_worker(rank: int, world: int) -> int:
     # all-gathers into symmetric buffers (peers write straight into them): equal to
     # gloo, also at an offset inside the buffer and in place

@@ -330,6 +330,9 @@ def test_a_torchrun_job_names_the_rank_that_hangs(tmp_path, backend: str, fault:
     assert res.returncode != 0
     assert time.monotonic() - t0 < 120
     out = res.stdout + res.stderr
+    if (backend, fault) == ("symm", "extra"):  # the backend checks what each rank issued: no wait, no hang
+        assert "collectives out of step in group [0, 1, 2]" in out and "rank 1: all-gather" in out, out[-4000:]
+        return
     assert out.count("isp-comm: hang diagnosis") >= 1
     _expect(out, fault)
     _expect(doctor.show(folder), fault)  # the files the lowest answering rank wrote

@@ -7,7 +7,8 @@ its own) and one scratch segment per rank. A collective with epoch ``e``:
 1. wait until every peer's ``done >= e - 1`` (nobody still reads my scratch: the
    slot-reuse guard uses monotonically increasing epochs, never a modular counter);
 2. copy my input into my scratch, publish ``ready = e``;
-3. wait until every peer's ``ready >= e``; read what I need from peers' scratch
+3. wait until every peer's ``ready >= e``, check that every peer issued the same kind
+   and size ([Note: what each rank issued]); read what I need from peers' scratch
    (reductions sum in fixed rank order, in fp32 for bf16/fp16: deterministic);
 4. publish ``done = e``.
 
@@ -244,7 +245,7 @@ class SymmCpuBackend(Backend):
         me = ranks.index(dist.get_rank())
         pids, token = [p for _, p, _ in infos], infos[0][2]
         name = segment_name(pids[0], token, "ctrl")
-        nbytes = 3 * len(ranks) * Flags.STRIDE * 8  # ready, done, where my all-gather output is
+        nbytes = 5 * len(ranks) * Flags.STRIDE * 8  # ready, done, where my buffer is, what I issued (x2)
         ok, ctrl = self._create_agreed(group, name, nbytes, create=me == 0)  # rank 0 alone creates it
         if not ok:
             return None
@@ -255,7 +256,7 @@ class SymmCpuBackend(Backend):
         finally:  # also when a peer died before the barrier
             if me == 0:
                 Segment.unlink(name)
-        return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 3 * len(ranks)))
+        return _Group(ranks, me, token, pids, ctrl, Flags(ctrl, 5 * len(ranks)))
 
     def _grow(self, group: ProcessGroup, g: _Group, nbytes: int) -> None:
         """Collectively replace every rank's scratch by a larger one (sizes agree on
@@ -414,9 +415,26 @@ class SymmCpuBackend(Backend):
         if src is not None and src.numel():
             flat = src.reshape(-1)
             g.scratch[g.me].bytes[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
+        self._arrive(g, epoch, what, 0 if src is None else src.numel() * src.element_size())
+        return [s.bytes for s in g.scratch]
+
+    def _arrive(self, g: _Group, epoch: int, what: str, nbytes: int) -> None:
+        """Publish what I issued and ``ready = e``, wait for every peer's, and check that
+        we all issued the same: collectives are paired by their order alone, so a rank
+        out of step (another kind, another size) would otherwise mix its bytes into a
+        collective it never meant, and every rank would go on with wrong values. See
+        [Note: what each rank issued]."""
+        mine, slots = _signature(what, nbytes), (3 + epoch % 2) * g.size  # a peer may be one epoch ahead
+        g.flags.store(slots + g.me, mine)
         g.flags.store(g.me, epoch)
         self._wait_flags(g, 0, epoch, what)
-        return [s.bytes for s in g.scratch]
+        theirs = [g.flags.load(slots + r) for r in range(g.size)]
+        if any(t != mine for t in theirs):
+            said = ", ".join(f"rank {g.ranks[r]}: {_describe(t)}" for r, t in enumerate(theirs))
+            raise RuntimeError(
+                f"collectives out of step in group {list(g.ranks)} (symm, epoch {epoch}): {said}; every rank "
+                "must issue the same collectives, of the same sizes, in the same order"
+            )
 
     def _done(self, g: _Group, epoch: int) -> None:
         g.flags.store(g.size + g.me, epoch)
@@ -432,8 +450,7 @@ class SymmCpuBackend(Backend):
     def _do_all_gather_direct(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor, where: int) -> None:
         nb = inp.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers write into me (read after ready)
-        g.flags.store(g.me, epoch)  # my output may be written
-        self._wait_flags(g, 0, epoch, "all-gather")
+        self._arrive(g, epoch, "all-gather", nb)  # my output may be written
         if nb:
             src = inp.reshape(-1).view(torch.uint8)
             for r in range(g.size):
@@ -452,8 +469,7 @@ class SymmCpuBackend(Backend):
     ) -> None:
         nb = out.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers read my input (read after ready)
-        g.flags.store(g.me, epoch)  # my input may be read
-        self._wait_flags(g, 0, epoch, "reduce-scatter")
+        self._arrive(g, epoch, "reduce-scatter", inp.numel() * inp.element_size())  # my input may be read
         if nb:
             chunks = [self._peer_region(g, r, g.me * nb, nb).view(inp.dtype) for r in range(g.size)]
             self._sum_chunks(g, chunks, out.view(-1))
@@ -547,3 +563,28 @@ _FALLBACK_OPS = {
     "all_to_all": TorchBackend.all_to_all,
 }
 """What a group that cannot use shared memory calls on TorchBackend, per kind."""
+
+
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier")
+
+
+def _signature(what: str, nbytes: int) -> int:
+    """A collective's kind and this rank's input bytes in one flag word.
+
+    [Note: what each rank issued]
+    The flags pair collectives by epoch, that is by their order alone. Beside its
+    ``ready`` flag each rank publishes its collective's kind and input size (kind in
+    the top 8 bits, bytes in the low 56), written before ``ready`` and read after
+    every peer's ``ready``, in one of two slots by the epoch's parity: a peer may be
+    one epoch ahead (a direct all-gather publishes without waiting for the last
+    epoch's readers), never two (each collective ends waiting for every peer's
+    ``done`` of the one before, which comes after its reads). In a correct program
+    every rank of a group issues the same kind with the same input size; anything else
+    (an extra forward on one rank, an SP rank fed a different batch) fails on every
+    rank of the group with one message naming each rank's collective, where the torch
+    backend's gloo aborts the process and this backend went on with wrong values."""
+    return (_KINDS.index(what) << 56) | nbytes
+
+
+def _describe(signature: int) -> str:
+    return f"{_KINDS[signature >> 56]} of {signature & ((1 << 56) - 1)} bytes"

@@ -95,8 +95,11 @@ class Heartbeat:
         """Stop the thread and join it (idempotent; called by ``comm.close()``). After a
         run that did not fail, the rank's final record stays in the store: a peer's
         later diagnosis compares against it rather than calling the rank not
-        responding (a backend that pairs collectives by count alone lets a rank that
-        is out of step finish, see [Note: the diagnosis without the stuck collective])."""
+        responding (a backend that pairs collectives by their order may let a rank that
+        is out of step finish: gloo's all-gathers of equal sizes do; the shared-memory
+        backend refuses a collective of another kind or size, [Note: what each rank
+        issued] in ``backends/symm_cpu.py``; see [Note: the diagnosis without the stuck
+        collective])."""
         if self._stop.is_set():
             return
         self._stop.set()
