@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import gc
 import os
 import sys
@@ -87,11 +88,15 @@ def main(argv: list[str] | None = None) -> NoReturn:
             port = str(survive.free_port())
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         store = survive.restart_store()  # None but in a restarted rank: torch's env:// rendezvous
+        # what waits outside the communicator (a checkpoint's gathers, making groups) ends
+        # as a hang does, not after torch's 30 minutes; a minute later than the
+        # communicator's deadline, so that a hang inside it is diagnosed first
+        timeout = datetime.timedelta(seconds=cfg.comm_timeout + 60)
         if store is None:
-            dist.init_process_group(dist_backend(device))
+            dist.init_process_group(dist_backend(device), timeout=timeout)
         else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world)
+            dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         with contextlib.ExitStack() as closing:
             run(cfg, device, closing)
