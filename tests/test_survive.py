@@ -155,6 +155,22 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path) -> None:
+    """Rank 0 SIGKILLed (the out-of-memory killer) cannot say why it stopped, and the
+    others, stopped by the launcher, do not: the launcher's one line names it (the
+    job ended with exit 2 and nothing said)."""
+    proc = subprocess.Popen(
+        _own(2, *RESTART_ARGS, "--out", str(tmp_path / "run")), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    _wait_for_step(proc, str(tmp_path / "run"), 3)
+    os.kill(_rank_pid(proc.pid, 0), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 2, stderr[-2000:]
+    assert "isp-train: error: rank 0 was killed by SIGKILL (from outside the job" in stderr, stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("save", [True, pytest.param(False, marks=pytest.mark.slow)])  # CI: the saving one
 def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
     """SIGINT to the launcher's process group (Ctrl-C at a terminal): by default the

@@ -67,6 +67,13 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()
+        if first.exitcode < 0:  # killed by a signal before anything failed: it could not say why
+            print(
+                f"isp-train: error: rank {rank} was killed by {first.signal_name()} (from outside the job: the "
+                "system's out-of-memory killer, a scheduler or a user); the other ranks were stopped",
+                file=sys.stderr,
+            )
         codes = {f.exitcode for f in exc.failures.values()}
         signals = [c for c in codes if c > 128]
         return signals[0] if signals and codes == set(signals) else 2
