@@ -66,6 +66,16 @@ def test_the_refusal_is_one_line_from_the_command(tmp_path) -> None:
     )
 
 
+@pytest.mark.timeout(100)
+def test_a_modelled_collective_past_the_deadline_is_one_line(tmp_path) -> None:
+    """A link so slow that one modelled collective outlasts --comm-timeout: its wait
+    would time out and the hang diagnosis ask after ranks that do not exist; the run
+    says what took too long instead."""
+    res = virtual(*SMALL, "--steps", "2", "--virtual-world", "4", "--virtual-gbps", "1e-6", "--comm-timeout", "5",
+                  "--out", str(tmp_path / "r"))  # fmt: skip
+    _one_line_error(res, "past the 5.0 s deadline (--comm-timeout")
+
+
 @pytest.mark.timeout(200)
 def test_a_virtual_rank_writes_metrics_and_says_it_is_virtual(tmp_path) -> None:
     """Rank 3 of 4 (wp 2, sp 2): the run's files as a normal run's, plus comm_s and

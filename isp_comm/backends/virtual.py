@@ -302,6 +302,12 @@ class VirtualBackend(Backend):
             return CompletedHandle()
         full = (out if op == "all_gather" else inp).numel() * inp.element_size()
         demand = self.link.demand(op, ranks, full)
+        if demand.seconds > self.timeout_s:  # its wait would time out, and a diagnosis ask peers that do not exist
+            raise ValueError(
+                f"virtual world: the modelled {op.replace('_', '-')} of {full:,} bytes over ranks {list(ranks)} takes "
+                f"{demand.seconds:.1f} s, past the {self.timeout_s:.1f} s deadline (--comm-timeout, "
+                "ISPConfig.timeout_s): raise the deadline, or give the link model more bandwidth"
+            )
         self.modelled_comm_s += demand.seconds
         for tier, seconds in demand.tiers:
             self.tier_s[tier] = self.tier_s.get(tier, 0.0) + seconds
