@@ -170,6 +170,29 @@ def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path) -> None:
     assert "isp-train: error: rank 0 was killed by SIGKILL (from outside the job" in stderr, stderr[-2000:]
 
 
+def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -> None:
+    """SIGTERM to one rank (a scheduler preempting it): it saves and leaves with 143;
+    the rank the launcher stops after it may die of SIGTERM itself (-15), which made the
+    launcher's exit 2 in 6 of 8 of a review's runs. The first failure decides: 143. A
+    rank killed from outside first (-9) is named, and the job's exit is 2."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from isp_comm.train.launch import failed_job_exit
+
+    def failures(*codes: int) -> ChildFailedError:  # in the order the ranks failed
+        made = {}
+        for rank, code in enumerate(codes):
+            made[rank] = ProcessFailure(rank, 1000 + rank, code, str(tmp_path / "none"))
+            made[rank].timestamp = rank  # rank 0 first
+        return ChildFailedError("isp_comm.train", made)
+
+    assert failed_job_exit(failures(143, -15)) == 143
+    assert failed_job_exit(failures(130, 130)) == 130
+    assert failed_job_exit(failures(2, -15)) == 2 and not capsys.readouterr().err
+    assert failed_job_exit(failures(-9, -15)) == 2
+    assert "rank 0 was killed by SIGKILL" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("save", [True, pytest.param(False, marks=pytest.mark.slow)])  # CI: the saving one
 def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:

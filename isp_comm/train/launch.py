@@ -15,6 +15,10 @@ import logging
 import os
 import sys
 import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts")
 """TrainConfig fields that the launcher consumes (the ranks never see them)."""
@@ -34,6 +38,23 @@ def worker_argv(argv: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+def failed_job_exit(exc: ChildFailedError) -> int:
+    """The launcher's exit code for a job whose ranks failed, from the first failure:
+    a rank that caught a signal (saved, then left with 128 + its number) ended the job,
+    though the ranks the launcher stopped after it may die of its SIGTERM (-15); any
+    other failure is 2. A rank killed by a signal before anything failed (the
+    out-of-memory killer) could not say why, and the ranks stopped after it do not: one
+    line names it."""
+    rank, first = exc.get_first_failure()
+    if first.exitcode < 0:
+        print(
+            f"isp-train: error: rank {rank} was killed by {first.signal_name()} (from outside the job: the "
+            "system's out-of-memory killer, a scheduler or a user); the other ranks were stopped",
+            file=sys.stderr,
+        )
+    return first.exitcode if first.exitcode > 128 else 2
 
 
 def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_restarts: int = 0) -> int:
@@ -67,16 +88,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
-        rank, first = exc.get_first_failure()
-        if first.exitcode < 0:  # killed by a signal before anything failed: it could not say why
-            print(
-                f"isp-train: error: rank {rank} was killed by {first.signal_name()} (from outside the job: the "
-                "system's out-of-memory killer, a scheduler or a user); the other ranks were stopped",
-                file=sys.stderr,
-            )
-        codes = {f.exitcode for f in exc.failures.values()}
-        signals = [c for c in codes if c > 128]
-        return signals[0] if signals and codes == set(signals) else 2
+        return failed_job_exit(exc)
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
