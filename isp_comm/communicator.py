@@ -136,7 +136,6 @@ class ISPCommunicator:
         pieces = any(u.replicas > 1 for u in units)
         refresh = WeightRefresh(self.ctx, self.backend, g.replica_group, units) if pieces else None
         self._step_hook = register_optimizer_step_post_hook(_step_hook_of(self)) if pieces else None
-        self._piece_ids = {id(s) for u in units for s in u.shards} if pieces else set()
         return BlockEngine(
             self.ctx, self.units, g, self.backend, self.config, self.pool, self.rs_buffers, replicated, self.root,
             refresh,
@@ -340,9 +339,7 @@ class ISPCommunicator:
         """After any optimizer's step: the WP shards of the units whose trainable pieces
         it stepped are stale. A frozen piece gets no gradient, so no step writes it: a
         unit of frozen weights alone is not gathered over the replicas again."""
-        stepped = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
-        if stepped & self._piece_ids:
-            self.engine.refresh.mark_stale(stepped)
+        self.engine.refresh.mark_stale({id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad})
 
     def params_updated(self) -> None:
         """Say that the parameters were written where the communicator cannot see it

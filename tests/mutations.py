@@ -55,8 +55,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a fused optimizer's step unseen": (
         "isp_comm/communicator.py",
-        '        if any(id(p) in self._piece_ids for g in opt.param_groups for p in g["params"]):',
-        "        if False:  # mutation: no step marks the WP shards stale",
+        "        self.engine.refresh.mark_stale({id(p) ",
+        "        set() and self.engine.refresh.mark_stale({id(p) ",  # mutation: no step marks the WP shards stale
         ["tests/test_state_sharding.py::test_every_write_to_the_pieces_reaches_the_gathers"],
     ),
     "pieces cut unlike DTensor": (
