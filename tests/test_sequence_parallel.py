@@ -76,7 +76,7 @@ def _logits(kind: str, model, x: torch.Tensor, pos: torch.Tensor, cu: torch.Tens
     if kind == "llama":
         return model(x, position_ids=pos, cu_seqlens=cu)
     extra = {} if cu is None else {"cu_seq_lens_q": cu}
-    return model(input_ids=x, position_ids=pos[None], **extra).logits
+    return model(input_ids=x, position_ids=pos[None], use_cache=False, **extra).logits  # as isp-train calls it
 
 
 def _data(dp: int, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -242,6 +242,14 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
             model(input_ids=x, position_ids=pos)
         elif case == "uneven-chunks":  # a 7-token sequence cut 4 + 3
             model(x[:, : 4 - rank], position_ids=torch.arange(4 * rank, 4 * rank + 4 - rank))
+        elif case == "hf-packed":  # documents of 3 and 5 tokens, bounded: trains (positions alone make a mask)
+            cu = torch.tensor([0, 3, 8])
+            model(
+                input_ids=x,
+                position_ids=torch.tensor([[0, 1, 2, 0], [1, 2, 3, 4]][rank])[None],
+                cu_seq_lens_q=cu,
+                use_cache=False,
+            )
         elif case == "bad-cu-seqlens":  # boundaries end at 6, the sequence has 8 tokens
             model(x, position_ids=torch.arange(4), cu_seqlens=torch.tensor([0, 2, 6]))
         else:  # packed documents announced by restarting positions only
@@ -263,6 +271,7 @@ def test_sp_refuses_bad_sequences() -> None:
         "hf-packed-positions": "pass cu_seq_lens_q",
         "hf-padding-mask": "a padding attention_mask is not supported",
         "hf-sliding-window": "a sliding window of 3 tokens over sequences of 8 is not supported",
+        "hf-packed": "no error",
     }
     for texts in run_ranks(_each, 2, _bad_input_worker, list(cases), timeout_s=50):
         for text, msg in zip(texts, cases.values()):

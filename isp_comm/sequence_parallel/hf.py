@@ -85,9 +85,15 @@ def apply_hf_sequence_parallel(
         out = sp_attention(query, key, value, cu_seqlens=kw.get("cu_seq_lens_q"))
         return out.transpose(1, 2).contiguous(), None
 
+    def mask(*, attention_mask=None, **kw):
+        # transformers folds packed documents, read from restarting position_ids, into a
+        # mask: here cu_seq_lens_q bounds them instead, so only a padding mask is made
+        # (for the attention to refuse); sdpa_mask gives None for one without padding
+        return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kw)
+
     key = f"isp_sp_{id(model):x}"
     AttentionInterface.register(key, attention)
-    AttentionMaskInterface.register(key, sdpa_mask)
+    AttentionMaskInterface.register(key, mask)
     previous = cfg._attn_implementation
     cfg._attn_implementation = key
 
