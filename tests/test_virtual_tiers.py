@@ -126,6 +126,28 @@ def test_a_collectives_time_from_published_figures() -> None:
     assert d.on(INTER) == pytest.approx(GIB8 / 16 / (IB * IB_NCCL), rel=1e-9)
 
 
+def test_groups_spread_unevenly_over_nodes_go_at_the_pace_of_their_thinnest_node() -> None:
+    """A WP group of 12 on nodes of 8 holds 8 ranks on one node and 4 on the next: the
+    node of 4 receives the 8/12 of the buffer held elsewhere through its 4 NICs. And a
+    layout's groups differ: at WP 6, ranks 0-5 stay in node 0, ranks 6-11 span two."""
+    from isp_comm.planner.links import slowest_group
+
+    prof = h100(6)  # 6 nodes of 8 H100s, world 48
+    nv = GIB8 / (NVLINK * NVLINK_NCCL)
+    ib = GIB8 / (IB * IB_NCCL)
+    wp12 = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * nv, 8 / 12 / 4 * ib)  # the node of 4 sets the pace
+    assert ProfileLink(prof, "torch").seconds("all_gather", tuple(range(12)), GIB8) == pytest.approx(wp12, rel=1e-9)
+    assert slowest_group(prof, "torch", "all_gather", 12, 48, False, GIB8).seconds == pytest.approx(wp12, rel=1e-9)
+    # WP 6: group 0 inside node 0 (5/6 on NVLink); group 1 has 2 ranks on node 0 and
+    # 4 on node 1: the pair receives 4/6 of the buffer through 2 NICs
+    wp6 = 3 * LAT_NVLINK + 1 * LAT_IB + max(3 / 4 * nv, 4 / 6 / 2 * ib)
+    assert slowest_group(prof, "torch", "all_gather", 6, 48, False, GIB8).seconds == pytest.approx(wp6, rel=1e-9)
+    # the replicas of WP 6 (8 ranks strided by 6): ranks 0, 6, 12, ... lie 2 to a node
+    # on some nodes, 1 on others; a node holding 1 receives 7/8 through its one NIC
+    rep = 1 * LAT_NVLINK + 5 * LAT_IB + max(1 / 2 * nv, 7 / 8 * ib)  # 6 nodes: 2, 1, 1, 2, 1, 1
+    assert slowest_group(prof, "torch", "reduce_scatter", 8, 48, True, GIB8).seconds == pytest.approx(rep, rel=1e-9)
+
+
 def test_a_virtual_run_times_the_backend_the_planner_times(tmp_path) -> None:
     """--virtual-world --profile FILE models the collectives of the backend --plan
     times for the same flags (the profile's default for ``auto``): a calibrated CPU

@@ -22,6 +22,14 @@ each (``per_node`` ranks to a node, rank ``r`` on node ``r // per_node``):
   NCCL's rings reach it by crossing each node boundary once per channel, one NIC a
   channel (a flat ring charged ``(n-1)/n x B`` to one NIC would carry every byte
   ``k`` times). The two parts move at once (pipelined chunks).
+- a group spread unevenly (a WP group of 12 on nodes of 8: 8 ranks on one node, 4
+  on the next): node j, holding ``c_j`` of the ranks, receives the ``(n-c_j)/n`` of
+  the buffer held elsewhere through its ``c_j`` NICs; the node with the fewest sets
+  the pace, ``max_j (n-c_j)/(n c_j) x B`` on ``inter`` (``(m-1)/m x B / k`` when
+  every ``c_j = k``), and the fullest node's ring ``max_j (c_j-1)/c_j x B`` on
+  ``intra``. The rings of one layout's groups can differ in shape (WP 6 on nodes of
+  8: ranks 0-5 stay in node 0, ranks 6-11 span two); :func:`layout_groups` gives one
+  of each shape, and the planner times the slowest.
 
 An all-reduce is a reduce-scatter then an all-gather: twice the bytes on each tier
 and twice the ring steps. An all-to-all sends ``(k-1)/n x B`` to the ranks of its
@@ -35,7 +43,9 @@ per-rank ``bytes_per_s`` times NCCL's fraction at the message size ``B``
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 
 from isp_comm.backends.tiers import INTER, INTRA, NONE, Demand
 from isp_comm.planner.profile import Profile, interp
@@ -49,22 +59,22 @@ def collective_demand(prof: Profile, backend: str, op: str, ranks: tuple[int, ..
         return NONE
     links = prof.collectives.get(backend) or prof.collectives[prof.default_backend]
     per_node = max(prof.per_node, 1)
-    nodes = len({r // per_node for r in ranks}) if INTER in links else 1
-    k = n / nodes  # ranks of the group in each node
+    # ranks of the group on each node (one tier of links: the group is one node)
+    counts = collections.Counter(r // per_node for r in ranks).values() if INTER in links else [n]
+    nodes, most, fewest = len(counts), max(counts), min(counts)
     twice = 2 if op == "all_reduce" else 1
     parts: list[tuple[str, float, float]] = []  # (tier, bytes on it, ring steps)
     if op == "all_to_all":
-        if k > 1:
-            parts.append((INTRA, (k - 1) / n * nbytes, k - 1))
+        if most > 1:
+            parts.append((INTRA, (most - 1) / n * nbytes, most - 1))
         if nodes > 1:
-            parts.append((INTER, (n - k) / n * nbytes, nodes - 1))
+            parts.append((INTER, (n - fewest) / n * nbytes, nodes - 1))
     elif nodes == 1:
         parts.append((INTRA, twice * (n - 1) / n * nbytes, twice * (n - 1)))
-    elif k == 1:
-        parts.append((INTER, twice * (n - 1) / n * nbytes, twice * (n - 1)))
-    else:
-        parts.append((INTRA, twice * (k - 1) / k * nbytes, twice * (k - 1)))
-        parts.append((INTER, twice * (nodes - 1) / nodes * nbytes / k, twice * (nodes - 1)))
+    else:  # one rank a node (a flat ring over the NICs), or hierarchical
+        if most > 1:
+            parts.append((INTRA, twice * (most - 1) / most * nbytes, twice * (most - 1)))
+        parts.append((INTER, twice * (n - fewest) / (n * fewest) * nbytes, twice * (nodes - 1)))
     latency, tiers = 0.0, []
     for tier, moved, steps in parts:
         link = links[tier][op]
@@ -73,11 +83,25 @@ def collective_demand(prof: Profile, backend: str, op: str, ranks: tuple[int, ..
     return Demand(latency, tuple(tiers))
 
 
-def group_ranks(group: int, span: int = 0) -> tuple[int, ...]:
-    """Rank 0's group of ``group`` ranks spread evenly over ``span`` ranks (default:
-    contiguous): a WP or SP group is ``0 .. group-1``, a replica group ``0, wp, 2 wp, ...``."""
-    span = span or group
-    return tuple(range(0, span, max(span // max(group, 1), 1)))[:group]
+@functools.lru_cache(maxsize=1024)
+def layout_groups(group: int, world: int, strided: bool, per_node: int) -> tuple[tuple[int, ...], ...]:
+    """One group of each shape (its ranks per node, sorted) among the groups of
+    ``group`` ranks that partition ``world`` as :class:`~isp_comm.groups.ParallelGroups`
+    lays them out: contiguous (WP, SP), or strided by ``world // group`` (replicas)."""
+    stride = world // group if strided else 1
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for i in range(world // group):
+        ranks = tuple(range(i, world, stride)) if strided else tuple(range(i * group, (i + 1) * group))
+        shape = tuple(sorted(collections.Counter(r // per_node for r in ranks).values()))
+        shapes.setdefault(shape, ranks)
+    return tuple(shapes.values())
+
+
+def slowest_group(prof: Profile, backend: str, op: str, group: int, world: int, strided: bool, nbytes: float) -> Demand:
+    """The demand of the slowest of a layout's groups (:func:`layout_groups`) for one
+    collective: every group issues it at once, and the step waits for the last."""
+    every = layout_groups(group, world, strided, max(prof.per_node, 1))
+    return max((collective_demand(prof, backend, op, ranks, nbytes) for ranks in every), key=lambda d: d.seconds)
 
 
 @dataclasses.dataclass(frozen=True)

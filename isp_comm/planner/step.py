@@ -56,7 +56,7 @@ from isp_comm.hooks.reductions import divide_factors
 from isp_comm.memory_forecast.weights import unit_layouts
 from isp_comm.memory_pool.plan import gather_landing
 from isp_comm.model_flops import flops_per_token
-from isp_comm.planner.links import collective_demand, group_ranks
+from isp_comm.planner.links import collective_demand, slowest_group
 from isp_comm.planner.ops import Ops, StepOps, trace_ops
 from isp_comm.planner.profile import Profile, interp
 
@@ -133,9 +133,9 @@ def collective_time(prof: Profile, backend: str, op: str, group: int, nbytes: fl
     """Seconds for one collective over ``group`` ranks of a buffer of ``nbytes`` (the
     gathered size for all-gather and reduce-scatter), alone on its links: the link
     model's (:func:`~isp_comm.planner.links.collective_demand`) latency and longest
-    tier. ``span``: the ranks the group's members are spread over evenly (default
-    ``group``: contiguous; a replica group spans the world)."""
-    return collective_demand(prof, backend, op, group_ranks(group, span), nbytes).seconds
+    tier, for the slowest of the groups. ``span``: the world the groups are strided
+    over (a replica group); default: contiguous groups of a world of ``group``."""
+    return slowest_group(prof, backend, op, group, span or group, span > 0, nbytes).seconds
 
 
 @dataclasses.dataclass
@@ -368,17 +368,17 @@ def _demands(
     world, wp, sp, batch, seq = sizes
     gather, reduce, outer_gather, outer_reduce, repl, summed = nbytes
     backend = backend_of(config.backend, prof)
-    replicas = world // wp  # replica groups are strided: they span the world
+    replicas = world // wp
     root = config.shard_outer_params
 
-    def coll(op: str, group: int, size: float, span: int = 0) -> Demand:
-        return collective_demand(prof, backend, op, group_ranks(group, span), size)
+    def coll(op: str, group: int, size: float, strided: bool = False) -> Demand:  # the slowest group's
+        return slowest_group(prof, backend, op, group, world, strided, size)
 
     def over_replicas(size: float) -> Demand:  # a shard's gradient: all-reduced, or reduce-scattered
-        return coll("reduce_scatter" if world_sharded else "all_reduce", replicas, size, world)
+        return coll("reduce_scatter" if world_sharded else "all_reduce", replicas, size, strided=True)
 
     def gathered_over_replicas(size: float) -> Demand:  # an updated shard, gathered back ("world")
-        return coll("all_gather", replicas, size, world) if world_sharded else NONE
+        return coll("all_gather", replicas, size, strided=True) if world_sharded else NONE
 
     # Ulysses: q, k, v in and the output back, each counted at a [tokens, hidden]
     # activation's size (an upper bound for k and v under GQA)
@@ -560,7 +560,7 @@ def step_time(
             exposed[phase] += clock.exposed - e0
     t0, e0 = clock.t, clock.exposed
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
-    small_ar = collective_demand(prof, backend_of(config.backend, prof), "all_reduce", group_ranks(world), 8)
+    small_ar = collective_demand(prof, backend_of(config.backend, prof), "all_reduce", tuple(range(world)), 8)
     sharded, whole = memo[skey][1]
     elements = (-(-sharded // (world // wp)) if world_sharded else sharded) + whole
     _optimizer(clock, prof, memo["n_params"], elements, small_ar)
