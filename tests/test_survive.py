@@ -223,6 +223,57 @@ def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
         assert not [d for d in os.listdir(saved) if d.startswith("step_")] if os.path.isdir(saved) else True
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["again", pytest.param("timeout", marks=pytest.mark.slow)])
+def test_ctrl_c_with_a_stuck_rank_says_so_and_a_second_one_stops_at_once(tmp_path, end: str) -> None:
+    """Ctrl-C while rank 1 is stuck (stopped: SIGSTOP): the launcher waits for the ranks
+    to finish their step, and after NOTICE_S says so; a second Ctrl-C leaves at once
+    and the ranks with it. Without one, the ranks still running at the shutdown timeout
+    are killed and a line says so (it was 30 s of silence and exit 130, no line)."""
+    from isp_comm.train.launch import NOTICE_S
+
+    out, err_path = str(tmp_path / "run"), tmp_path / "stderr"
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}
+    with open(err_path, "w") as err:
+        cmd = _own(2, *SMALL, *COMMON, "--steps", "100000", "--out", out)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    _wait_for_step(proc, out, 3)
+    ranks = [_rank_pid(proc.pid, r) for r in (0, 1)]
+    os.kill(ranks[1], signal.SIGSTOP)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(NOTICE_S + 1)
+    assert proc.poll() is None and "isp-train: SIGINT: waiting up to 10 s for the ranks" in err_path.read_text()
+    if end == "again":
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=3)
+        said = "isp-train: SIGINT again: stopped at once, the ranks killed; no checkpoint"
+    else:
+        proc.wait(timeout=30)
+        said = "isp-train: error: ranks had not stopped 10 s after SIGINT and were killed"
+    text = err_path.read_text()
+    assert proc.returncode == 130 and said in text and "Traceback" not in text, (proc.returncode, text)
+    deadline = time.monotonic() + 5
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, ranks)), [p for p in ranks if _alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
+    """Ctrl-C in the first seconds, while the launcher and then its ranks import torch:
+    exit 130 and no KeyboardInterrupt traceback (there was one from each process)."""
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}
+    for delay in (0.3, 2.0):
+        cmd = _own(2, *SMALL, *COMMON, "--steps", "5", "--out", str(tmp_path / f"run{delay}"))
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
+
+
 def test_a_zombie_peer_counts_as_dead() -> None:
     """A process that exited and is not reaped yet (a launcher reaps its workers one by
     one) is not alive: a rank waiting for it in a shared-memory collective fails at

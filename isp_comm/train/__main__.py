@@ -17,6 +17,11 @@ setup (job), what a run writes (outputs), the loop (loop), signals (signals), an
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch's import (seconds)
+    from isp_comm.train.signals import quiet_until_handled
+
+    quiet_until_handled()
+
 import contextlib
 import dataclasses
 import datetime

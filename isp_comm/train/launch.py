@@ -6,14 +6,18 @@ The ranks are started through torch's elastic launcher API (what torchrun runs),
 ``config.fail``); the launcher then adds nothing and exits 2. A signal (Ctrl-C, or the
 SIGTERM of a preemption) reaches every rank: each saves at the next step boundary
 when ``--save-on-signal`` is on and leaves with one line (rank 0), and the launcher
-exits with 128 + the signal's number, quietly.
+exits with 128 + the signal's number, quietly (see :class:`Stopping` for ranks that
+take long, or never stop).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -57,6 +61,67 @@ def failed_job_exit(exc: ChildFailedError) -> int:
     return first.exitcode if first.exitcode > 128 else 2
 
 
+NOTICE_S = 5.0
+"""Seconds after a signal before the launcher says what it waits for: a healthy run's
+ranks have saved and left by then, with their one line."""
+
+
+class Stopping:
+    """The launcher's answer to Ctrl-C and SIGTERM, in place of the elastic agent's own.
+
+    The first signal goes the agent's way (its ``SignalException``): the agent forwards
+    it to the ranks, which finish their step (and save, with ``--save-on-signal``), and
+    waits for them up to its shutdown timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s)
+    before it kills them. Ranks still running ``NOTICE_S`` later get one line saying
+    so, and ranks killed at the timeout another: a rank stuck in a collective or a
+    save was otherwise 30 s of silence and an exit without a word. A second signal
+    leaves at once: the ranks die with the launcher (:mod:`isp_comm.processes`).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s, self.signum, self.at = grace_s, 0, 0.0
+        self._notice: threading.Timer | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        name = signal.Signals(signum).name
+        if self.signum:  # the second: not one more wait
+            print(f"isp-train: {name} again: stopped at once, the ranks killed; no checkpoint", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(128 + self.signum)
+        self.signum, self.at = signum, time.monotonic()
+        self._notice = threading.Timer(NOTICE_S, self._waiting, args=(name,))
+        self._notice.daemon = True
+        self._notice.start()
+        raise SignalException(f"isp-train got {name}", sigval=signal.Signals(signum))
+
+    def _waiting(self, name: str) -> None:
+        print(
+            f"isp-train: {name}: waiting up to {self.grace_s:.0f} s for the ranks to finish their step (and save, "
+            "with --save-on-signal); a second Ctrl-C or SIGTERM stops them at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def exit_code(self) -> int:
+        """128 + the signal, after one line when the ranks were killed at the timeout."""
+        if self._notice is not None:
+            self._notice.cancel()
+        name = signal.Signals(self.signum).name
+        if time.monotonic() - self.at >= self.grace_s:
+            print(
+                f"isp-train: error: ranks had not stopped {self.grace_s:.0f} s after {name} and were killed, without "
+                "a checkpoint of this step: a rank stuck in a collective (on a peer that hangs, or one that left "
+                "before the signal was armed), or a save longer than the wait (TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + self.signum
+
+
 def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m isp_comm.train ARGV`` on ``nproc`` local ranks (of ``nnodes``
     machines meeting at ``rdzv_endpoint``), restarted up to ``max_restarts`` times
@@ -75,7 +140,10 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         # one: across machines the restart counts that survive.restart_store prefixes
         # keys with can differ (an agent restarting for a peer machine does not count it).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))  # what the agent waits (its default)
+    stopping = Stopping(grace_s)
     config = LaunchConfig(
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
@@ -89,8 +157,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
         return failed_job_exit(exc)
-    except SignalException as exc:
-        return 128 + int(exc.sigval)
+    except SignalException:
+        return stopping.exit_code()
     except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
         print(f"isp-train: error: launching {nproc} ranks failed: {exc}", file=sys.stderr)
         return 2
