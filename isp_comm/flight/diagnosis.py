@@ -11,7 +11,9 @@ own (see [Note: why a thread answers for the rank]). After a short window:
   heartbeat says where it was;
 - a rank whose collective at some sequence number of a group differs from the
   majority's at the same number is **out of step** (it issued something else);
-- a rank that answered but has not yet issued what the others wait for is **behind**.
+- a rank that answered but has not yet issued what the others wait for is **behind**
+  when it computes, and **held up** when it waits itself (on a rank named on its own
+  line: it is not the cause).
 
 The first rank whose wait passed its deadline (an atomic count in the store) prints the
 diagnosis once and writes ``hang.json`` and ``hang.txt`` (every rank's record and Python
@@ -75,6 +77,20 @@ def _what(e: dict[str, Any]) -> str:
     return f"{article} {e['kind']} of {where} ({e['phase']}, {_mib(e['bytes'])}, {e['dtype']})"
 
 
+def _where(w: dict[str, Any], world: int) -> str:
+    """``block 0 forward all-gather #4``, with its group when that is not the world's:
+    sequence numbers count per group, and two groups' waits are told apart."""
+    group = w["group"]
+    return describe(w) + (f" over ranks [{group}]" if group.count(",") + 1 < world else "")
+
+
+def _blocked(w: dict[str, Any], rank: int, records: dict[int, dict[str, Any]]) -> bool:
+    """Whether ``rank``'s wait ``w`` waits on another rank: one of its group that did not
+    answer, or has not issued that collective yet (else the wait is slow, not blocked)."""
+    others = [int(p) for p in w["group"].split(",") if int(p) != rank]
+    return any(p not in records or records[p].get("issued", {}).get(w["group"], 0) < w["seq"] for p in others)
+
+
 def _signature(e: dict[str, Any]) -> tuple:
     return (e["kind"], e["bytes"], e["dtype"], e["block"], e["phase"])
 
@@ -88,6 +104,7 @@ class Diagnosis:
     finished: dict[int, str] = field(default_factory=dict)
     out_of_step: dict[int, str] = field(default_factory=dict)
     behind: dict[int, str] = field(default_factory=dict)
+    held_up: dict[int, str] = field(default_factory=dict)
     waiting: dict[str, list[int]] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
 
@@ -159,7 +176,8 @@ def classify(
         w = rec.get("waiting")
         if w is None or rec.get("closed"):
             continue
-        d.waiting.setdefault(describe(w) + (f" (step {w['step']})" if w.get("step") is not None else ""), []).append(r)
+        step = f" (step {w['step']})" if w.get("step") is not None else ""
+        d.waiting.setdefault(_where(w, world) + step, []).append(r)
         for peer in map(int, w["group"].split(",")):  # who has not issued what r waits for
             prec = records.get(peer)
             if peer == r or prec is None or peer in d.out_of_step or peer in d.behind or prec.get("closed"):
@@ -167,14 +185,20 @@ def classify(
             at = prec.get("issued", {}).get(w["group"], 0)
             if at < w["seq"]:
                 pw = prec.get("waiting")
-                where = f"waiting in {describe(pw)}" if pw else "computing"
+                if pw is not None and _blocked(pw, peer, records):  # not a cause: it waits on another rank
+                    d.held_up[peer] = (
+                        f"rank {peer} is held up: it waits in {_where(pw, world)}, before collective #{w['seq']} "
+                        f"over ranks [{w['group']}] that {_ranks([r])} waits for"
+                    )
+                    continue
                 d.behind[peer] = (
                     f"rank {peer} is behind: it has issued collective #{at} over ranks [{w['group']}], "
-                    f"where {_ranks([r])} waits for #{w['seq']} ({where})"
+                    f"where {_ranks([r])} waits for #{w['seq']} ({f'waiting in {describe(pw)}' if pw else 'computing'})"
                 )
     d.lines = [_not_responding_line(r, b, now) for r, b in sorted(d.not_responding.items())]
     d.lines += [d.out_of_step[r] for r in sorted(d.out_of_step)]
     d.lines += [d.behind[r] for r in sorted(d.behind) if r not in d.out_of_step]
+    d.lines += [d.held_up[r] for r in sorted(d.held_up) if r not in d.out_of_step and r not in d.behind]
     d.lines += [d.finished[r] for r in sorted(d.finished)]
     for where, rs in sorted(d.waiting.items(), key=lambda kv: min(kv[1])):
         d.lines.append(f"{_ranks(rs)} {'wait' if len(rs) > 1 else 'waits'} in {where}")
@@ -194,6 +218,7 @@ def write_files(folder: str, header: str, d: Diagnosis, records: dict, beats: di
         "not_responding": sorted(d.not_responding),
         "out_of_step": sorted(d.out_of_step),
         "behind": sorted(d.behind),
+        "held_up": sorted(d.held_up),
         "finished": sorted(d.finished),
         "records": {str(r): rec for r, rec in sorted(records.items())},
         "heartbeats": {str(r): b for r, b in sorted(beats.items())},
