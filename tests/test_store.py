@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,30 @@ def test_prepare_folder_of_text_files_and_missing_field(tmp_path):
     bad.write_text(json.dumps({"content": "x"}) + "\n")
     with pytest.raises(ValueError, match="no field 'text'"):
         prepare_store(str(bad), str(tmp_path / "tok"), progress=False)
+
+
+def test_json_rows_null_and_bad_ones_name_their_line(tmp_path):
+    """A null text is an empty document (as Parquet's null); a number or a list was
+    trained as its repr ("None", "5"); a bad row, bytes that are not UTF-8 and a JSON
+    list after blank lines each get one line naming the file's line."""
+    from isp_comm.train.store import iter_texts
+
+    def texts(name: str, data: bytes) -> list[str]:
+        (tmp_path / name).write_bytes(data)
+        return list(iter_texts([str(tmp_path / name)]))
+
+    ok = b'\xef\xbb\xbf{"text": "a"}\n\n{"text": null}\n{"text": "b\xc3\xa9"}\n'  # a byte-order mark, a blank line
+    assert texts("ok.jsonl", ok) == ["a", "", "b\u00e9"]
+    assert texts("list.json", b'\n\n[{"text": "a"}, {"text": null}]') == ["a", ""]
+    cases = {
+        b'{"text": "a"}\n{"text": 5}\n': "line 2: 'text' holds int 5, not text",
+        b'{"text": ["x"]}\n': "line 1: 'text' holds list ['x'], not text",
+        b'{"text": "a"}\n{"text": "trunc\n': "line 2 is not JSON (",
+        b'{"text": "a"}\n{"text": "caf\xe9"}\n': "line 2 is not UTF-8 text (byte b'\\xe9')",
+    }
+    for data, message in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            texts("bad.jsonl", data)
 
 
 def test_check_data_refusals(tmp_path):

@@ -157,14 +157,54 @@ def iter_texts(files: list[str], text_field: str = "text") -> Iterator[str]:
 
 
 def _json_texts(path: str, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        first = f.read(1)
-        f.seek(0)
-        rows = json.load(f) if first == "[" else (json.loads(line) for line in f if line.strip())
-        for n, row in enumerate(rows):
+    """``field`` of each JSON-lines row, or of each item of a JSON list. A null is an
+    empty document (as a Parquet null is); any other non-text value, a row that is not
+    JSON and bytes that are not UTF-8 are refused with one line naming the file's line
+    (a byte-order mark is allowed)."""
+    with open(path, "rb") as f:
+        if f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # a JSON list
+            f.seek(0)
+            rows: Iterator[tuple[str, object]] = (
+                (f"item {n}", row) for n, row in enumerate(_json_list(path, _utf8(path, f.read(), 1)), 1)
+            )
+        else:
+            f.seek(0)
+            rows = (
+                (f"line {n}", _json_row(path, n, _utf8(path, raw, n)))
+                for n, raw in enumerate(f, 1)
+                if raw.strip(b"\xef\xbb\xbf \t\r\n")
+            )
+        for where, row in rows:
             if not isinstance(row, dict) or field not in row:
-                raise ValueError(f"--data {path}: row {n} has no field {field!r} (--text-field)")
-            yield str(row[field])
+                raise ValueError(f"--data {path}: {where} has no field {field!r} (--text-field)")
+            text = row[field]
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"--data {path}: {where}: {field!r} holds {type(text).__name__} {text!r:.40}, not text")
+            yield text or ""
+
+
+def _utf8(path: str, raw: bytes, line: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        lines = raw[: exc.start].count(b"\n")  # within a whole file's bytes
+        raise ValueError(
+            f"--data {path}: line {line + lines} is not UTF-8 text (byte {raw[exc.start : exc.start + 1]!r})"
+        ) from None
+
+
+def _json_row(path: str, line: int, text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--data {path}: line {line} is not JSON ({exc.msg}, column {exc.colno})") from None
+
+
+def _json_list(path: str, text: str) -> list:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--data {path}: not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
 
 
 def fingerprint(files: list[str], tokenizer_dir: str, text_field: str) -> str:
