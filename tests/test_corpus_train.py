@@ -65,6 +65,10 @@ def test_eval_split_holds_out_the_last_documents(tmp_path) -> None:
     assert len(data.tokens) == 180 and len(data.rows) == (180 - 1) // 4  # 18 documents train
     held = torch.cat([m.inputs.flatten() for m in data.eval.micros]).unique().tolist()
     assert set(held) <= {19, 20}  # only the last two documents' tokens
+    with pytest.raises(
+        ValueError, match=r"the held-out data \(10 tokens\) is shorter than --seq 12: a larger --eval-split"
+    ):
+        TrainData(store.tokens, store.offsets, Slicing(2, 1, 12), eval_split=0.05, eval_batches=2)  # one document
 
 
 def test_prefetcher_runs_ahead_raises_and_joins() -> None:

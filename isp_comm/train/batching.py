@@ -114,6 +114,11 @@ def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalS
     """``batches`` global batches of the held-out data, in order: its first packed rows
     (wrapping around when it holds fewer), or windows at fixed seeds."""
     micros = []
+    if len(tokens) < cut.seq + (1 if packed else 2):
+        raise ValueError(
+            f"the held-out data ({len(tokens)} tokens) is shorter than --seq {cut.seq}: a larger --eval-split, "
+            "or a longer --eval-data"
+        )
     if packed:
         rows = PackedRows(tokens, offsets, cut.seq)
         for b in range(batches):
@@ -122,8 +127,6 @@ def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalS
             part = cut.chunk(len(r.inputs))
             micros.append(Micro(r.inputs[None, part], r.targets[None, part], r.positions[part], r.cu_seqlens))
         return EvalSet(micros)
-    if len(tokens) < cut.seq + 2:
-        raise ValueError(f"the held-out data ({len(tokens)} tokens) is shorter than --seq {cut.seq}")
     per, part = cut.batch // cut.dp, cut.chunk(cut.seq)
     for b in range(batches):
         x, y = batch_at(tokens, -1 - b, cut.batch, cut.seq)  # seeds apart from training's steps
