@@ -200,6 +200,29 @@ def test_a_missing_package_is_one_line_naming_it(tmp_path, package: str) -> None
     assert not os.path.exists(tmp_path / "run")  # stopped before anything was written
 
 
+def test_a_package_that_fails_to_import_is_quoted_before_the_ranks_start(tmp_path) -> None:
+    """An installed wandb whose import fails (a broken dependency) was called "not
+    installed", after the ranks had started: one line quoting its error, before."""
+    site = tmp_path / "site" / "wandb"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("raise ImportError('libbroken.so: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.getcwd()])}
+    cmd = [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", "2", *SMALL, "--steps", "2"]
+    res = subprocess.run(
+        [*cmd, "--report-to", "wandb", "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and not res.stdout.strip(), res.stdout + res.stderr
+    assert lines[0] == (
+        "isp-train: error: --report-to wandb: the wandb package is installed but fails to import: "
+        "ImportError: libbroken.so: cannot open shared object file"
+    )
+
+
 def test_report_to_names() -> None:
     assert parse_report_to("none") == ()
     assert parse_report_to("tensorboard") == ("tensorboard",)

@@ -41,6 +41,7 @@ from isp_comm.train.hang import hang_exit
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.loop import run
 from isp_comm.train.plan import plan
+from isp_comm.train.reporting.names import check_imports, parse_report_to
 from isp_comm.train.signals import Interrupted, Stopped
 
 
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     world = cfg.virtual_world or world
     try:  # before any rank starts: one line, exit 2
         check_layout(cfg, world)
+        if launching:
+            check_imports(parse_report_to(cfg.report_to))
     except ValueError as exc:
         fail(str(exc))
     if launching:  # launch the ranks ourselves

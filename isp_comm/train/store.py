@@ -179,7 +179,9 @@ def _json_texts(path: str, field: str) -> Iterator[str]:
                 raise ValueError(f"--data {path}: {where} has no field {field!r} (--text-field)")
             text = row[field]
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"--data {path}: {where}: {field!r} holds {type(text).__name__} {text!r:.40}, not text")
+                raise ValueError(
+                    f"--data {path}: {where}: {field!r} holds {type(text).__name__} {text!r:.40}, not text"
+                )
             yield text or ""
 
 

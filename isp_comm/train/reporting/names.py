@@ -9,6 +9,7 @@ logged step.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -16,13 +17,29 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 writes event files only with the ``tensorboard`` package installed)."""
 
 
-def missing_package(name: str) -> str:
-    """The one line for a tracker whose package is not installed."""
+def missing_package(name: str, exc: ImportError | None = None) -> str:
+    """The one line for a tracker whose package is not installed, or is installed but
+    fails to import (``exc``, quoted: installing it again would not help)."""
     package = PACKAGES[name]
+    if exc is not None and importlib.util.find_spec(package) is not None:
+        return (
+            f"--report-to {name}: the {package} package is installed but fails to import: {type(exc).__name__}: {exc}"
+        )
     return (
         f"--report-to {name}: the {package} package is not installed "
         f"(pip install {package}, or pip install 'isp-comm[{package}]')"
     )
+
+
+def check_imports(names: tuple[str, ...]) -> None:
+    """Import each tracker's package: a ``ValueError`` of one line for one that fails.
+    The launcher calls it before any rank starts (``parse_report_to`` only looks for the
+    packages: importing W&B takes a second, in every process that parses the flags)."""
+    for name in names:
+        try:
+            importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else PACKAGES[name])
+        except ImportError as exc:
+            raise ValueError(missing_package(name, exc)) from None
 
 
 def parse_report_to(value: str) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ class TensorBoardEvents:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams as hparams_summaries
         except ImportError as exc:
-            raise ValueError(missing_package("tensorboard")) from exc
+            raise ValueError(missing_package("tensorboard", exc)) from exc
         self.folder = os.path.join(out, FOLDER)
         if not start and os.path.isdir(self.folder):  # a new run: its own curves only
             shutil.rmtree(self.folder)

@@ -31,7 +31,7 @@ class WandbRun:
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError(missing_package("wandb")) from exc
+            raise ValueError(missing_package("wandb", exc)) from exc
         path = os.path.join(out, RUN_ID)
         run_id = None
         if start and os.path.isfile(path):
