@@ -124,6 +124,14 @@ def causal_attention(
     gqa = q.shape[1] != k.shape[1]
     if cu_seqlens is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return _documents(q, k, v, cu_seqlens, gqa)
+
+
+@torch.compiler.disable  # host-read boundaries: traced, a compiled block would specialise on each packing
+def _documents(q, k, v, cu_seqlens: torch.Tensor | Sequence[int], gqa: bool) -> torch.Tensor:
+    """Causal attention of each document alone (a slice per document, boundaries read
+    on the host), outside any compiled graph: traced, the graph would depend on the
+    number and places of the documents, one recompile per new packing."""
     cuts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     docs = [(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
     return torch.cat([F.scaled_dot_product_attention(*d, is_causal=True, enable_gqa=gqa) for d in docs], dim=2)

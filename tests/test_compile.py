@@ -200,3 +200,49 @@ def test_isp_train_compile_reports_first_step_apart(tmp_path) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert rows[0]["step_s"] > rows[-1]["step_s"]  # compilation is in the first step only
+
+
+def _packed_worker(rank: int, world: int) -> dict:
+    """WP 2, blocks compiled, packed rows whose document count and places change each
+    step: training equals eager, and the graphs stop growing after the first change."""
+    from torch._dynamo.utils import counters
+
+    packings = [(3, 8, 5), (10, 6), (2, 2, 4, 8), (16,), (1, 7, 8), (4, 4, 4, 4)]
+
+    def train(compiled: bool) -> tuple[dict, list[int]]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = Case(bias=False).build()
+        if compiled:
+            _compile(model, FAST)
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        graphs = []
+        for docs in packings:
+            x, y = torch.randint(0, 37, (1, 16), generator=g), torch.randint(0, 37, (1, 16), generator=g)
+            pos = torch.cat([torch.arange(n) for n in docs])
+            cu = torch.tensor([0, *docs]).cumsum(0)
+            logits = model(x, position_ids=pos, cu_seqlens=cu)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+            opt.step(), opt.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
+        sd = comm.full_state_dict()
+        comm.close()
+        return sd, graphs
+
+    eager, _ = train(False)
+    compiled, graphs = train(True)
+    return {"diff": max_diff(compiled, eager), "graphs": graphs}
+
+
+@pytest.mark.timeout(300)
+def test_packed_rows_of_changing_packings_do_not_recompile() -> None:
+    """The per-document attention reads its boundaries on the host: traced, each new
+    packing was a recompile of every block (4 s a step on a tiny model, then dynamo's
+    limit); it runs outside the graph ([Note: packed documents under torch.compile])."""
+    for r in run_ranks(_packed_worker, 2, timeout_s=280):
+        assert r["diff"] < TOL["fp32"], r
+        # one recompile at most, when the boundaries' length first changes (dynamo then
+        # marks it dynamic); none for the four packings after it
+        assert r["graphs"][1] == r["graphs"][-1], r["graphs"]

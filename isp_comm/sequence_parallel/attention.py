@@ -93,10 +93,11 @@ class DistributedAttention:
             if rep > 1:
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             q, k, v = self._a2a((q, k, v), 1, 2)
-        if cu_seqlens is None:
-            out = self.local(q, k, v)
-        else:
-            cuts = check_cu_seqlens(self.boundaries.cuts(cu_seqlens), q.shape[2])
-            out = self.local(q, k, v, cu_seqlens=cuts)
+        out = self.local(q, k, v) if cu_seqlens is None else self._documents(q, k, v, cu_seqlens)
         (out,) = self._a2a((out,), 2, 1)
         return out
+
+    @torch.compiler.disable  # see [Note: packed documents under torch.compile] in local.py
+    def _documents(self, q, k, v, cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        cuts = check_cu_seqlens(self.boundaries.cuts(cu_seqlens), q.shape[2])
+        return self.local(q, k, v, cu_seqlens=cuts)

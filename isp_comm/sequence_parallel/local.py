@@ -11,6 +11,15 @@ tensor to the host stops the host until the GPU has caught up, so the boundaries
 are read once per tensor (:class:`BoundaryCache`, shared by every attention layer of
 a model, recomputes included) and passed on as a tuple of ints; a ``cu_seqlens``
 given on the CPU costs no synchronisation at all.
+
+[Note: packed documents under torch.compile]
+Attention over packed documents reads the boundaries on the host and slices each
+document (or builds flash-attn's varlen arguments). Traced by dynamo, the host read
+is a graph break and the code after it is specialised on the boundaries' count and
+values: a recompile for each new packing, seconds each, until dynamo's limit, then
+eager. So that part runs outside the graph (``torch.compiler.disable``, in
+``DistributedAttention`` and in the reference llama's attention): a compiled block
+over packed rows is its graphs before and after attention, whatever the packing.
 """
 
 from __future__ import annotations

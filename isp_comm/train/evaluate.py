@@ -29,6 +29,8 @@ from isp_comm.train.packing import IGNORE
 def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool) -> torch.Tensor:
     """The model's logits for ``micro`` (already on the model's device)."""
     cu = micro.cu_seqlens
+    if cu is not None:  # its length changes with each packing: compiled blocks take it as dynamic, never recompile
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
     if is_hf:
         extra = {}
         if cu is not None:
