@@ -90,6 +90,10 @@ class Tracer:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else HostClock()
         self.origin = self.clock.now()
+        self.wall_origin = time.time()
+        """The origin on the wall clock, which every rank shares (on one host exactly,
+        across hosts to NTP's milliseconds): :func:`aligned` puts ranks on one time line.
+        On CUDA, when the origin event was enqueued (the stream may run it later)."""
         self._marks: list[tuple[str, str, Any, Any]] = []
 
     def add(self, lane: str, name: str, start: Any, end: Any) -> None:
@@ -104,6 +108,19 @@ class Tracer:
             if t0 is not None and t1 is not None and (lane != "wait" or t1 - t0 >= MIN_WAIT_S):
                 out.append((lane, name, t0, t1))
         return out
+
+
+Spans = list[tuple[str, str, float, float]]
+"""(lane, name, start_s, end_s) of one rank."""
+
+
+def aligned(traces: list[tuple[float, Spans]]) -> list[Spans]:
+    """Each rank's spans, given with its tracer's ``wall_origin``, in seconds since the
+    earliest rank's origin: each tracer counts from its own start, and ranks start
+    their traces milliseconds apart, which drew a collective ending on one rank
+    before it began on another."""
+    base = min((origin for origin, _ in traces), default=0.0)
+    return [[(lane, name, t0 + o - base, t1 + o - base) for lane, name, t0, t1 in spans] for o, spans in traces]
 
 
 def chrome_events(spans_by_rank: list[list[tuple[str, str, float, float]]]) -> list[dict]:

@@ -51,6 +51,22 @@ def test_contract_outputs_and_loss_falls(tmp_path) -> None:
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
     assert {"compute", "all-gather", "reduce-scatter"} <= {e["cat"] for e in spans}
+    # one time line for every rank (WP 4: every collective spans the world): the k-th
+    # collective of a name cannot end on one rank before it began on another; each
+    # rank's trace counted from its own start, milliseconds apart. Slack: the wall and
+    # the performance clocks are read a few microseconds apart at a trace's start.
+    seen: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        if e["cat"] in ("all-gather", "reduce-scatter", "all-reduce"):
+            seen.setdefault((e["pid"], e["cat"], e["name"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    late = [
+        (key, k)
+        for key, mine in seen.items()
+        for other in range(4)
+        for k, ((_, end), (start, _)) in enumerate(zip(mine, seen.get((other, *key[1:]), [])))
+        if end < start - 100  # microseconds
+    ]
+    assert not late, late[:5]
     assert os.path.getsize(os.path.join(out, "timeline.png")) > 10_000
     # isp-timeline redraws an existing trace
     png = str(tmp_path / "again.png")

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from isp_comm.groups import first_error
+from isp_comm.trace import aligned
 from isp_comm.train import checkpoint, hf_model, run_folder, virtual
 from isp_comm.train.config import as_dict
 from isp_comm.train.data import unigram_entropy
@@ -126,7 +127,7 @@ def finish(job: Job, start: int, last: dict) -> None:
     """The memory breakdown (--memory-breakdown), the final checkpoint, the trace and
     timeline, and rank 0's closing line."""
     cfg, comm = job.cfg, job.comm
-    local_spans = comm.stop_trace()
+    local_spans = (comm.ctx.trace_wall_origin, comm.stop_trace())
     if job.breakdown is not None:  # collective: every rank, before the final save
         job.breakdown.report()
     if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
@@ -139,8 +140,8 @@ def finish(job: Job, start: int, last: dict) -> None:
     comm.close()
     if not virtual.leads(job.rank):
         return
-    if cfg.trace and any(spans):
-        write_trace(os.path.join(cfg.out, "trace.json"), spans)
+    if cfg.trace and any(rank_spans for _, rank_spans in spans):
+        write_trace(os.path.join(cfg.out, "trace.json"), aligned(spans))
         draw(os.path.join(cfg.out, "trace.json"), os.path.join(cfg.out, "timeline.png"))
     job.metrics.close()
     if job.reporters is not None:
