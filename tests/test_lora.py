@@ -166,3 +166,22 @@ def test_an_adapter_on_a_tied_head_is_refused() -> None:
         apply_lora(tied(), 4, ["q_proj", "lm_head"])
     adapted = apply_lora(tied(), 4, ["q_proj"])  # the rest of a tied model adapts as usual
     assert any(".lora_A." in n for n, _ in adapted.named_parameters())
+
+
+def test_mfu_counts_a_frozen_base_at_four_flops_a_parameter() -> None:
+    """MFU's FLOPs: 6 a trained parameter (forward, input and weight gradients), 4 a
+    frozen one (no weight gradient); a LoRA run counted 6 for its frozen base, which
+    put its MFU half as high again as the work done."""
+    from isp_comm.model_flops import flops_per_token
+    from isp_comm.train.lora import apply_lora
+    from models.llama import LlamaConfig, build
+
+    cfg = LlamaConfig(vocab_size=37, hidden=16, ffn_hidden=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    model = build(cfg)
+    linears = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    attention = 12 * 2 * 16 * 8  # 12 L d s at seq 8
+    assert flops_per_token(model, 8) == 6 * linears + attention
+    lora = apply_lora(build(cfg), 2, ["q_proj", "v_proj"])
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    assert adapters > 0
+    assert flops_per_token(lora, 8) == 6 * adapters + 4 * linears + attention
