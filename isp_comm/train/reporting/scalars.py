@@ -46,7 +46,8 @@ def scalars(row: dict) -> dict[str, float]:
 def is_reported(row: dict, *, log_every: int, last_step: int) -> bool:
     """Whether a row goes to the trackers: every ``--log-every`` steps, at the run's
     last step, and at every evaluation (its validation loss is logged where it is
-    measured). The first step's plain line (compilation included) is not reported."""
+    measured). Step 1's row, whose time includes compilation and warm-up, is reported
+    only where these say so (``--log-every 1``), as it is printed."""
     step = row["step"]
     return step % log_every == 0 or step == last_step or "eval_loss" in row
 
