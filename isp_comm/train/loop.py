@@ -99,8 +99,10 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
                 stopped = step
                 break
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+                t_save = time.perf_counter()
                 with quiet():
                     job.saver.save(step, comm, job.opt, job.data.state_dict())
+                t_start += time.perf_counter() - t_save  # as an evaluation: not in tokens/s
     bar.close()
     if stopped:
         interrupt(job, stopped)
