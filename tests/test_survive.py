@@ -392,10 +392,12 @@ def test_flags_are_refused_before_ranks_start(tmp_path, args: list[str], line: s
 
 @pytest.mark.timeout(120)
 def test_resume_auto_config_and_schedule_line(tmp_path, monkeypatch) -> None:
-    """--resume auto starts fresh in an empty folder and continues in one with a
-    checkpoint; a --steps change says the schedule is stretched with both learning
-    rates; config.json is there from the start, without resume, and --config takes it
-    back as a new run; a single process takes a free port (29512 held here)."""
+    """--resume auto starts fresh in an empty folder, continues in one with a
+    checkpoint and, run again on the finished run, says so and exits 0 (it was exit 2:
+    a requeue or a restart after the final save failed the job); a --steps change says
+    the schedule is stretched with both learning rates; config.json is there from the
+    start, without resume, and --config takes it back as a new run; a single process
+    takes a free port (29512 held here)."""
     import socket
 
     held = socket.socket()
@@ -411,6 +413,14 @@ def test_resume_auto_config_and_schedule_line(tmp_path, monkeypatch) -> None:
     res = subprocess.run([*one, "--steps", "8", "--resume", "auto"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "resuming from" in res.stdout, res.stderr[-2000:]
     assert "--steps 4 -> 8 stretches the learning-rate schedule" in res.stdout, res.stdout
+    # the same line again, on the finished run (a requeued job): one line, exit 0, nothing trained
+    res = subprocess.run([*one, "--steps", "8", "--resume", "auto"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 0 and lines == [
+        "isp-train: the run is already finished: its checkpoint step_000008 has reached --steps 8 (nothing to "
+        "train; a larger --steps trains on)"
+    ], res.stderr[-2000:]
+    assert _steps(out) == list(range(1, 9))
     with open(os.path.join(out, "config.json")) as f:
         assert "resume" not in json.load(f)
     new = str(tmp_path / "new")

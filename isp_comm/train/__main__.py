@@ -42,6 +42,7 @@ from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.loop import run
 from isp_comm.train.plan import plan
 from isp_comm.train.reporting.names import check_imports, parse_report_to
+from isp_comm.train.run_folder import Finished
 from isp_comm.train.signals import Interrupted, Stopped
 
 
@@ -113,16 +114,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         fail(str(exc))
     except ISPCommTimeout as exc:
         hang_exit(exc, cfg.out)
-    except Interrupted as exc:
+    except (Finished, Interrupted, Stopped) as exc:  # one line, from rank 0
         if dist.get_rank() == 0:
             print(f"isp-train: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        sys.exit(128 + exc.signum)
-    except Stopped as exc:
-        if dist.get_rank() == 0:
-            print(f"isp-train: {exc}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        sys.exit(128 + exc.signum)
+        sys.exit(0 if isinstance(exc, Finished) else 128 + exc.signum)
     gc.collect()  # process groups held in reference cycles go while torch is whole
     dist.destroy_process_group()
     sys.exit(0)

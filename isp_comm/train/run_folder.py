@@ -56,7 +56,8 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     it until ``closing`` closes, or its death), refuse a new run into a folder with
     checkpoints (unless ``--overwrite``, which clears isp-train's files first), and
     for ``--resume`` find the checkpoint and refuse a ``--steps`` it already reached
-    (``--resume auto`` without a checkpoint: a new run).
+    (``--resume auto`` without a checkpoint: a new run; with one at ``--steps``:
+    :class:`Finished`).
     Returns the checkpoint to resume from (``None`` for a new run)."""
     error, path = None, None
     if dist.get_rank() == 0 or is_virtual():  # a virtual run's one process, whatever its rank
@@ -70,11 +71,24 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
         raise ValueError(first)
     if dist.get_rank() == 0 or is_virtual():
         _set_aside_hang(cfg.out)
-    if is_virtual():  # one process: no rank 0 to hear from (the fake group's broadcast would be garbage)
-        return path
-    box = [path]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if not is_virtual():  # one process: no rank 0 to hear from (the fake group's broadcast would be garbage)
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    if path is not None and checkpoint_step(path) >= cfg.steps:  # --resume auto: every rank alike
+        raise Finished(checkpoint_step(path), cfg.steps)
+    return path
+
+
+class Finished(Exception):
+    """``--resume auto`` on a run whose checkpoint has reached ``--steps``: nothing to
+    train, exit 0 (a requeued job, or one restarted after its final save)."""
+
+    def __init__(self, step: int, steps: int) -> None:
+        super().__init__(
+            f"the run is already finished: its checkpoint step_{step:06d} has reached --steps {steps} (nothing to "
+            "train; a larger --steps trains on)"
+        )
 
 
 def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
@@ -84,7 +98,7 @@ def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
         if path is None:
             return f"--resume: no complete checkpoint in {cfg.out}/checkpoints", None
         step = checkpoint_step(path)
-        if cfg.steps <= step:
+        if cfg.steps <= step and cfg.resume != "auto":  # auto: a finished run (Finished, on every rank)
             return f"--resume: {path} is at step {step}; --steps {cfg.steps} must be larger to train on", None
         return None, path
     if saved and not cfg.overwrite:
