@@ -179,13 +179,13 @@ def test_a_save_whose_oserror_torch_lost_is_named_a_full_disk(tmp_path, monkeypa
 
     lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     target = str(tmp_path / "checkpoints" / "step_000004.partial")  # not created: its parent counts
-    assert checkpoint._cause(lost, folder=target) == str(lost)  # a folder with space: torch's words
+    assert checkpoint.root_cause(lost, folder=target) == str(lost)  # a folder with space: torch's words
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage._replace(free=4096))
-    assert checkpoint._cause(lost, folder=target) == (
+    assert checkpoint.root_cause(lost, folder=target) == (
         f"No space left on device (4096 bytes free where it was written; torch said: {lost})"
     )
-    assert checkpoint._cause(OSError(28, "No space left on device"), folder=target).startswith("No space")
+    assert checkpoint.root_cause(OSError(28, "No space left on device"), folder=target).startswith("No space")
 
 
 def test_shared_memory_need_is_in_the_memory_plan() -> None:

@@ -113,6 +113,14 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
     _one_line_error(
         torchrun(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated"
     )
+    # isp-export refuses it as a resume does (it exported the corrupted weights, exit 0)
+    res = export_cli(b, "-o", str(tmp_path / "bad.pt"))
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and f"{victim} is corrupted or truncated" in lines[0], res.stderr
+    # and takes the checkpoint a resume takes when `latest` names one that is gone
+    shutil.rmtree(os.path.join(b, "checkpoints", "step_000006"))
+    res = export_cli(b, "-o", str(tmp_path / "step4.pt"))
+    assert res.returncode == 0 and os.path.isfile(tmp_path / "step4.pt"), res.stderr
 
 
 def _plain_run_and_export(out: str, pt: str) -> torch.nn.Module:

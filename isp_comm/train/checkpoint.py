@@ -61,7 +61,7 @@ class CheckpointError(ValueError):
 FULL_BYTES = 1 << 20
 
 
-def _cause(exc: BaseException, folder: str | None = None) -> str:
+def root_cause(exc: BaseException, folder: str | None = None) -> str:
     """The root cause of a failed save or load, e.g. ``[Errno 28] No space left on device``
     (DCP wraps every rank's failure in a ``CheckpointException``).
 
@@ -187,7 +187,7 @@ class Checkpointer:
                     if name.endswith(PARTIAL):
                         shutil.rmtree(os.path.join(_root(out), name), ignore_errors=True)
             except OSError as exc:
-                error = f"cannot create the checkpoint folder {_root(out)}: {_cause(exc)}"
+                error = f"cannot create the checkpoint folder {_root(out)}: {root_cause(exc)}"
         _agree(error)
 
     def save(
@@ -233,7 +233,7 @@ class Checkpointer:
     def _failed(self, path: str, exc: BaseException) -> None:
         """Remove the partial checkpoint and raise, on every rank, one line naming the
         path, the cause and the checkpoint ``--resume`` would still use."""
-        cause = _cause(exc, folder=path)  # before the removal frees the space
+        cause = root_cause(exc, folder=path)  # before the removal frees the space
         if dist.get_rank() == 0:  # DCP raised the same failure on every rank: no agreement needed
             shutil.rmtree(path, ignore_errors=True)
         final = path[: -len(PARTIAL)]
@@ -252,7 +252,7 @@ class Checkpointer:
         try:
             mine, error = {n: _crc(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(f"__{rank}_")}, None
         except OSError as exc:
-            mine, error = {}, f"{failed}: {_cause(exc)}"
+            mine, error = {}, f"{failed}: {root_cause(exc)}"
         _agree(error, remove=path)
         comm = self._comm
         if comm is not None and not comm.closed:
@@ -275,14 +275,19 @@ class Checkpointer:
                 os.replace(tmp, os.path.join(_root(self.out), LATEST))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
-                error = f"{failed}: {_cause(exc)}; {self._kept()}"
+                error = f"{failed}: {root_cause(exc)}; {self._kept()}"
         _agree(error)
 
 
 def latest(out: str) -> str | None:
-    """The newest committed checkpoint: the one ``latest`` names when it is complete,
-    else the highest complete ``step_N``; ``.partial`` folders never count."""
-    root = _root(out)
+    """The run folder ``out``'s newest committed checkpoint (:func:`newest`)."""
+    return newest(_root(out))
+
+
+def newest(root: str) -> str | None:
+    """The newest committed checkpoint of a checkpoints folder: the one ``latest`` names
+    when it is complete, else the highest complete ``step_N``; ``.partial`` folders
+    never count."""
     complete = lambda d: os.path.isfile(os.path.join(root, d, ".metadata"))  # noqa: E731
     try:
         with open(os.path.join(root, LATEST)) as f:
@@ -300,22 +305,25 @@ def latest(out: str) -> str | None:
 def verify(path: str) -> None:
     """Check every file of ``path`` against ``checksums.json`` (each rank reads a
     share); a ``CheckpointError`` on every rank names the first bad file."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    bad: str | None = None
+    bad = first_bad_file(path, dist.get_rank(), dist.get_world_size())
+    _agree(f"checkpoint {path}: {bad}" if bad else None)
+
+
+def first_bad_file(path: str, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the first file of ``path`` (of this rank's share of them)
+    that ``checksums.json`` does not match, or ``None``; read by one process, isp-export."""
     try:
         with open(os.path.join(path, CHECKSUMS)) as f:
             sums = json.load(f)
     except (OSError, ValueError) as exc:
-        sums, bad = {}, f"{os.path.join(path, CHECKSUMS)} is unreadable ({exc})"
-    for i, name in enumerate(sorted(sums)):
-        if i % world != rank or bad:
-            continue
+        return f"{os.path.join(path, CHECKSUMS)} is unreadable ({exc})"
+    for name in sorted(sums)[rank::world]:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
-            bad = f"{file} is missing"
-        elif _crc(file) != sums[name]:
-            bad = f"{file} is corrupted or truncated (checksum mismatch)"
-    _agree(f"checkpoint {path}: {bad}" if bad else None)
+            return f"{file} is missing"
+        if _crc(file) != sums[name]:
+            return f"{file} is corrupted or truncated (checksum mismatch)"
+    return None
 
 
 def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_order: dict | None = None) -> int:
@@ -331,7 +339,7 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_orde
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure (a BaseException)
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: {_cause(exc)}") from exc
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {root_cause(exc)}") from exc
     comm.load_state_dict(state["model"])
     comm.load_optimizer_state_dict(opt, state["optim"])
     if wanted is not None and data_order is not None:

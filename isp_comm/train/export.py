@@ -30,10 +30,11 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
+from isp_comm.train import checkpoint
 from isp_comm.train.hf_model import HF_DIR
 from isp_comm.train.lora import ADAPTER, LORA_SCALING, merge_lora
 
@@ -57,20 +58,23 @@ def _lora_scaling(checkpoint_dir: str) -> float:
 
 
 def _resolve(checkpoint_dir: str) -> str:
-    """A run folder or its checkpoints/ folder means the latest checkpoint; anything
-    that is not a checkpoint is a ``ValueError`` saying what was expected."""
+    """A run folder or its checkpoints/ folder means its newest complete checkpoint (as
+    a resume takes it); anything that is not a checkpoint, or one whose files fail their
+    checksums, is a ``ValueError`` saying what was expected."""
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"{checkpoint_dir}: no such folder")
     if os.path.isdir(os.path.join(checkpoint_dir, "checkpoints")):  # the run folder
         checkpoint_dir = os.path.join(checkpoint_dir, "checkpoints")
-    if os.path.isfile(os.path.join(checkpoint_dir, "latest")):
-        with open(os.path.join(checkpoint_dir, "latest")) as f:
-            checkpoint_dir = os.path.join(checkpoint_dir, f.read().strip())
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):  # a checkpoints folder: as a resume takes it
+        checkpoint_dir = checkpoint.newest(checkpoint_dir) or checkpoint_dir
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise ValueError(
             f"{checkpoint_dir} is not a checkpoint (no .metadata): give a run folder, its checkpoints/ "
             "folder or one checkpoint step_N/ in it"
         )
+    bad = checkpoint.first_bad_file(checkpoint_dir)
+    if bad:  # what a resume refuses, an export does too
+        raise ValueError(f"checkpoint {checkpoint_dir}: {bad}")
     return checkpoint_dir
 
 
@@ -252,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 where = f"{args.checkpoint} is in no run folder (no run.json above it)"
                 raise ValueError(f"{where}: give -o OUTPUT") from None
         sd = export(args.checkpoint, args.output, args.merge_lora)
-    except (OSError, KeyError, ImportError, RuntimeError, ValueError) as exc:
-        print(f"isp-export: error: {exc}", file=sys.stderr)
+    except (OSError, KeyError, ImportError, RuntimeError, ValueError, CheckpointException) as exc:
+        unread = isinstance(exc, CheckpointException)  # DCP's, a BaseException: its cause in one line
+        why = f"{args.checkpoint} cannot be read: {checkpoint.root_cause(exc)}" if unread else exc
+        print(f"isp-export: error: {why}", file=sys.stderr)
         return 2
     print(f"{args.output}: {len(sd)} tensors, {sum(v.numel() for v in sd.values()) / 1e6:.2f}M values")
     return 0
