@@ -274,6 +274,25 @@ def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
         assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
 
 
+def test_a_failing_rank_stopped_by_the_launcher_leaves_quietly() -> None:
+    """A rank other than 0 waits a moment in its one-line failure (so that rank 0
+    prints); the launcher's SIGTERM then came to --no-save-on-signal's handler, which
+    raised inside that wait: 29 lines of traceback for a one-line mistake."""
+    code = (
+        "from isp_comm.train.signals import Signals; from isp_comm.train.config import fail; "
+        "Signals(armed=False); print('failing', flush=True); fail('a mistake')"
+    )
+    env = {**os.environ, "RANK": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout.readline().strip() == "failing"
+    time.sleep(0.2)  # inside fail's one-second wait
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "Traceback" not in err, (proc.returncode, err)
+
+
 def test_a_zombie_peer_counts_as_dead() -> None:
     """A process that exited and is not reaped yet (a launcher reaps its workers one by
     one) is not alive: a rank waiting for it in a shared-memory collective fails at

@@ -8,8 +8,10 @@ import dataclasses
 import inspect
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, fields
@@ -393,7 +395,15 @@ def fail(message: str, every_rank: bool = False) -> NoReturn:
     else:
         if every_rank:
             print(f"isp-train: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        if threading.current_thread() is threading.main_thread():  # the launcher's SIGTERM ends the wait, quietly
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _leave_failed)
         time.sleep(1.0)
+    raise SystemExit(2)
+
+
+def _leave_failed(_signum: int, _frame) -> None:
+    # not the run's own handler (--no-save-on-signal raises Stopped: a traceback here)
     raise SystemExit(2)
 
 
