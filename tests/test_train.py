@@ -805,3 +805,17 @@ def test_tokens_per_s_leaves_checkpoint_saves_out(tmp_path) -> None:
         rows = [json.loads(line) for line in f]
     per_step = 4 * 32 * (len(rows) - 1) / sum(r["step_s"] for r in rows[1:])  # --batch 4 --seq 32
     assert 0.6 * per_step < rows[-1]["tokens_per_s"] <= 1.05 * per_step, (rows[-1]["tokens_per_s"], per_step)
+
+
+def test_a_resume_takes_the_weight_decay_of_its_flags(tmp_path) -> None:
+    """--weight-decay on a resume: the checkpoint's optimizer state brought back its own
+    value and the flag was ignored, silently, while run.json recorded the flag."""
+    common = ["--steps", "6", "--lr", "1e-2", "--save-every", "3"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert _train1(*common, "--weight-decay", "0.01", "--out", a).returncode == 0
+    first = _train1(*common[:4], "--steps", "3", "--weight-decay", "0.01", "--out", b)
+    assert first.returncode == 0, first.stderr[-2000:]
+    res = _train1(*common, "--weight-decay", "0.5", "--resume", "--out", b)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert losses(a)[4] == losses(b)[4]  # step 4's loss: the weights of step 3, updated alike
+    assert losses(a)[6] != losses(b)[6]  # steps 4 and 5 decayed 50 times as much

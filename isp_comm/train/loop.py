@@ -127,8 +127,8 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
     """One optimizer step on the global batch: the mean loss over ranks, whether any
     rank got a signal, and the global gradient norm."""
     cfg, device = job.cfg, job.device
-    for g in job.opt.param_groups:
-        g["lr"] = lr_at(cfg, step)
+    for g in job.opt.param_groups:  # the flags' values, also over a checkpoint's (a resume with other flags)
+        g["lr"], g["weight_decay"] = lr_at(cfg, step), cfg.weight_decay
     step_loss = torch.zeros((), device=device)
     job.comm.set_step(step)
     inject_fault(job.rank, step, lambda: logits_of(job.model, batch.micros[0].to(device), bool(cfg.model)))
