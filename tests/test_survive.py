@@ -451,3 +451,14 @@ def test_resume_auto_config_and_schedule_line(tmp_path, monkeypatch) -> None:
     )
     assert res.returncode == 0 and _steps(new) == list(range(1, 9)), res.stderr[-2000:]
     held.close()
+
+
+def test_the_resume_line_names_the_run_that_saved_the_checkpoint() -> None:
+    """Step 3 saved at world 2; a world-4 resume saved nothing (--no-final-save); the
+    next resume's line named world 4, the folder's last run, and its --steps."""
+    from isp_comm.train.run_folder import resume_line, writer_of
+
+    first = {"config": {"wp": 0, "steps": 6}, "world": 2, "started_at": 0}
+    second = {"config": {"wp": 0, "steps": 9}, "world": 4, "started_at": 3, "history": [first]}
+    assert writer_of(second, 3) is first and writer_of(second, 6) is second
+    assert resume_line("run/checkpoints/step_000003", second).endswith("saved by a run at world 2, wp 2)")

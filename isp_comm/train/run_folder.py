@@ -135,10 +135,19 @@ def previous_run(out: str) -> dict:
         return {}
 
 
+def writer_of(previous: dict, step: int) -> dict:
+    """The run (of run.json: the last one, or one of its ``history``) that saved the
+    checkpoint of ``step``: the latest to start before it. A later run that saved
+    nothing (``--no-final-save``, or stopped first) is passed over."""
+    runs = [*previous.get("history", []), previous]
+    return next((r for r in reversed(runs) if r.get("started_at", 0) < step), previous)
+
+
 def resume_line(path: str, previous: dict) -> str:
-    """Where a resume starts: step, checkpoint, and the saved run's world and wp."""
-    cfg = previous.get("config", {})
-    world = previous.get("world", "?")
+    """Where a resume starts: step, checkpoint, and the saving run's world and wp."""
+    saver = writer_of(previous, checkpoint_step(path))
+    cfg = saver.get("config", {})
+    world = saver.get("world", "?")
     wp = cfg.get("wp") or (world if isinstance(world, int) else "?")
     return f"isp-train: resuming from {path} (step {checkpoint_step(path)}; saved by a run at world {world}, wp {wp})"
 
@@ -192,7 +201,7 @@ def stretch_line(previous: dict, cfg: TrainConfig, start: int, lr_at) -> str | N
     """One line when a resume changes ``--steps``: the cosine schedule is stretched,
     and the learning rate moves from the saved run's at ``start`` to this one's at
     ``start + 1``."""
-    old_steps = previous.get("config", {}).get("steps")
+    old_steps = writer_of(previous, start).get("config", {}).get("steps")
     if not isinstance(old_steps, int) or old_steps == cfg.steps:
         return None
     before, after = lr_at(dataclasses.replace(cfg, steps=old_steps), start), lr_at(cfg, start + 1)
