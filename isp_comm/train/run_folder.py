@@ -62,6 +62,8 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     error, path = None, None
     if dist.get_rank() == 0 or is_virtual():  # a virtual run's one process, whatever its rank
         try:
+            if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.out):  # not made for a refusal
+                raise ValueError(f"--resume: no run folder {cfg.out}")
             closing.callback(survive.lock_folder(cfg.out).close)
             error, path = _check(cfg)
         except ValueError as exc:
