@@ -263,7 +263,7 @@ class ShardedState:
         for i, (g, saved) in enumerate(zip(opt.param_groups, osd["param_groups"])):
             mine = [names[id(p)] for p in g["params"]]
             if list(saved["params"]) != mine:
-                raise ValueError(f"param group {i}: the state dict's parameters differ from the optimizer's")
+                raise ValueError(f"param group {i}: {_differ(list(saved['params']), mine)}")
             index.update({n: len(index) + j for j, n in enumerate(mine)})
             groups.append({**saved, "params": [index[n] for n in mine]})
         state = {}
@@ -346,3 +346,12 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     for group in _by_dtype(g for g in grads if g.numel() > 0).values():
         out.extend(torch._foreach_norm(group, norm_type))
     return out
+
+
+def _differ(saved: list[str], mine: list[str]) -> str:
+    """How a state dict's parameter names differ from the optimizer's, by example."""
+    only_saved, only_mine = [n for n in saved if n not in set(mine)], [n for n in mine if n not in set(saved)]
+    parts = [f"{len(only_mine)} of the model's are not in it (such as {only_mine[0]})"] if only_mine else []
+    parts += [f"{len(only_saved)} of its are not in the model (such as {only_saved[0]})"] if only_saved else []
+    what = "; ".join(parts) or "the same names in another order"
+    return f"the state dict's parameters differ from the optimizer's: {what} (a state of another model?)"
