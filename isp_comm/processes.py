@@ -10,6 +10,9 @@ killed stops, and writes no checkpoint after the kill.
 A child opts in where it starts (:func:`die_with_parent`), or when its parent set
 :data:`DIE_WITH_PARENT_ENV` in its environment (:func:`die_with_parent_if_asked`):
 ``preexec_fn`` would do it before ``exec``, but is unsafe in a process with threads.
+
+A process that has no handlers of its own yet, or is leaving after a failure it has
+reported, answers Ctrl-C and SIGTERM with a quiet exit (:func:`leave_on_signals`).
 """
 
 from __future__ import annotations
@@ -49,3 +52,16 @@ def die_with_parent_if_asked() -> None:
     """:func:`die_with_parent` when the parent asked for it (:data:`DIE_WITH_PARENT_ENV`)."""
     if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
         die_with_parent()
+
+
+def leave_on_signals(code: int | None = None) -> None:
+    """Ctrl-C and SIGTERM end this process quietly (``SystemExit``, through every
+    ``finally``) with ``code``, or 128 + the signal: for a process between its start
+    and its own handlers, or on its way out after a failure it has reported, where a
+    handler that raises something else (a ``KeyboardInterrupt``) prints a traceback."""
+
+    def leave(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum if code is None else code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)

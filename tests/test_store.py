@@ -110,7 +110,7 @@ def test_json_rows_null_and_bad_ones_name_their_line(tmp_path):
     cases = {
         b'{"text": "a"}\n{"text": 5}\n': "line 2: 'text' holds int 5, not text",
         b'{"text": ["x"]}\n': "line 1: 'text' holds list ['x'], not text",
-        b'{"text": "a"}\n{"text": "trunc\n': "line 2 is not JSON (",
+        b'{"text": "a"}\n{"text": "trunc\n': "not JSON at line 2, column 16 (Invalid control character",
         b'{"text": "a"}\n{"text": "caf\xe9"}\n': "line 2 is not UTF-8 text (byte b'\\xe9')",
     }
     for data, message in cases.items():

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 def main(argv: list[str] | None = None) -> None:
     """``isp-train``: quiet signals first (torch's import takes seconds), then the run."""
-    from isp_comm.train.signals import quiet_until_handled
+    from isp_comm.processes import leave_on_signals
 
-    quiet_until_handled()
+    leave_on_signals()  # until the run's own handlers (launch.Stopping, signals.Signals)
     from isp_comm.train.__main__ import main as run
 
     run(argv)

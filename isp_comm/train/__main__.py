@@ -18,9 +18,9 @@ setup (job), what a run writes (outputs), the loop (loop), signals (signals), an
 from __future__ import annotations
 
 if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch's import (seconds)
-    from isp_comm.train.signals import quiet_until_handled
+    from isp_comm.processes import leave_on_signals
 
-    quiet_until_handled()
+    leave_on_signals()  # until the run's own handlers (launch.Stopping, signals.Signals)
 
 import contextlib
 import dataclasses

@@ -8,7 +8,6 @@ import dataclasses
 import inspect
 import json
 import os
-import signal
 import sys
 import textwrap
 import threading
@@ -20,6 +19,7 @@ from typing import Literal, NoReturn, get_args
 import torch
 
 from isp_comm.config import BACKENDS, BackendName, StateSharding
+from isp_comm.processes import leave_on_signals
 from isp_comm.train import virtual
 from isp_comm.train.reporting.names import parse_report_to
 
@@ -396,14 +396,8 @@ def fail(message: str, every_rank: bool = False) -> NoReturn:
         if every_rank:
             print(f"isp-train: error: rank {rank}: {message}", file=sys.stderr, flush=True)
         if threading.current_thread() is threading.main_thread():  # the launcher's SIGTERM ends the wait, quietly
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, _leave_failed)
+            leave_on_signals(2)
         time.sleep(1.0)
-    raise SystemExit(2)
-
-
-def _leave_failed(_signum: int, _frame) -> None:
-    # not the run's own handler (--no-save-on-signal raises Stopped: a traceback here)
     raise SystemExit(2)
 
 

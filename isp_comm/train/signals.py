@@ -6,19 +6,6 @@ from __future__ import annotations
 import signal
 
 
-def quiet_until_handled() -> None:
-    """Ctrl-C and SIGTERM end the process with 128 + the signal, without a traceback,
-    until the run's own handlers replace these (the launcher's ``launch.Stopping``, a
-    rank's :class:`Signals`): from the command's first line, through torch's import
-    (seconds) and the flags, when the process has started nothing to save."""
-
-    def leave(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum)  # through every ``finally``: a --plan's calibration is ended too
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, leave)
-
-
 class Interrupted(Exception):
     """A signal arrived and a checkpoint was saved at the step boundary."""
 

@@ -165,12 +165,12 @@ def _json_texts(path: str, field: str) -> Iterator[str]:
         if f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # a JSON list
             f.seek(0)
             rows: Iterator[tuple[str, object]] = (
-                (f"item {n}", row) for n, row in enumerate(_json_list(path, _utf8(path, f.read(), 1)), 1)
+                (f"item {n}", row) for n, row in enumerate(_loads(path, _utf8(path, f.read(), 1)), 1)
             )
         else:
             f.seek(0)
             rows = (
-                (f"line {n}", _json_row(path, n, _utf8(path, raw, n)))
+                (f"line {n}", _loads(path, _utf8(path, raw, n), n))
                 for n, raw in enumerate(f, 1)
                 if raw.strip(b"\xef\xbb\xbf \t\r\n")
             )
@@ -195,18 +195,13 @@ def _utf8(path: str, raw: bytes, line: int) -> str:
         ) from None
 
 
-def _json_row(path: str, line: int, text: str) -> object:
+def _loads(path: str, text: str, line: int = 0) -> object:
+    """One JSON row (``line`` of the file), or a whole JSON file (``line`` 0)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--data {path}: line {line} is not JSON ({exc.msg}, column {exc.colno})") from None
-
-
-def _json_list(path: str, text: str) -> list:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--data {path}: not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
+        at = f"line {line}, column {exc.colno}" if line else f"line {exc.lineno}, column {exc.colno}"
+        raise ValueError(f"--data {path}: not JSON at {at} ({exc.msg})") from None
 
 
 def fingerprint(files: list[str], tokenizer_dir: str, text_field: str) -> str:
