@@ -50,8 +50,6 @@ class CommContext:
         self.clock: Clock = clock if clock is not None else HostClock()
         self.counters = CommCounters()
         self.tracer: Tracer | None = None
-        self.trace_wall_origin = 0.0
-        """The last trace's origin on the wall clock (:attr:`Tracer.wall_origin`)."""
         """Records compute and communication spans while set (``comm.start_trace()``)."""
         self.events: list[tuple[str, int, str]] | None = None
         """(kind, block, phase) of every gather, compute and reduce while set."""
@@ -154,7 +152,6 @@ class CommContext:
     def start_trace(self) -> None:
         """Record compute and communication spans from now on."""
         self.tracer = Tracer(self.clock)
-        self.trace_wall_origin = self.tracer.wall_origin
 
     def stop_trace(self) -> list[tuple[str, str, float, float]]:
         """Stop recording; the (lane, name, start_s, end_s) spans since :meth:`start_trace`."""

@@ -350,7 +350,8 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
 
 def _differ(saved: list[str], mine: list[str]) -> str:
     """How a state dict's parameter names differ from the optimizer's, by example."""
-    only_saved, only_mine = [n for n in saved if n not in set(mine)], [n for n in mine if n not in set(saved)]
+    theirs, ours = set(saved), set(mine)
+    only_saved, only_mine = [n for n in saved if n not in ours], [n for n in mine if n not in theirs]
     parts = [f"{len(only_mine)} of the model's are not in it (such as {only_mine[0]})"] if only_mine else []
     parts += [f"{len(only_saved)} of its are not in the model (such as {only_saved[0]})"] if only_saved else []
     what = "; ".join(parts) or "the same names in another order"

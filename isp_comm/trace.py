@@ -123,7 +123,7 @@ def aligned(traces: list[tuple[float, Spans]]) -> list[Spans]:
     return [[(lane, name, t0 + o - base, t1 + o - base) for lane, name, t0, t1 in spans] for o, spans in traces]
 
 
-def chrome_events(spans_by_rank: list[list[tuple[str, str, float, float]]]) -> list[dict]:
+def chrome_events(spans_by_rank: list[Spans]) -> list[dict]:
     """Chrome/Perfetto trace events: one process per rank, one thread per lane."""
     events: list[dict] = []
     for rank, spans in enumerate(spans_by_rank):

@@ -159,6 +159,25 @@ def _first_divergence(records: dict[int, dict[str, Any]]) -> dict[int, str]:
     return {r: line for r, (_, line) in found.items()}
 
 
+def _late_peer(
+    d: Diagnosis, peer: int, pw: dict[str, Any] | None, at: int, r: int, w: dict[str, Any], records: dict
+) -> None:
+    """``peer`` has issued ``at`` collectives of the group in which rank ``r`` waits for
+    number ``w["seq"]``: held up when its own wait ``pw`` waits on another rank (not a
+    cause), else behind (computing, or in a slow collective)."""
+    if pw is not None and _blocked(pw, peer, records):
+        d.held_up[peer] = (
+            f"rank {peer} is held up: it waits in {_where(pw, d.world)}, before collective #{w['seq']} "
+            f"over ranks [{w['group']}] that {_ranks([r])} waits for"
+        )
+        return
+    doing = f"waiting in {describe(pw)}" if pw else "computing"
+    d.behind[peer] = (
+        f"rank {peer} is behind: it has issued collective #{at} over ranks [{w['group']}], "
+        f"where {_ranks([r])} waits for #{w['seq']} ({doing})"
+    )
+
+
 def classify(
     records: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any] | None], world: int, now: float
 ) -> Diagnosis:
@@ -184,17 +203,7 @@ def classify(
                 continue
             at = prec.get("issued", {}).get(w["group"], 0)
             if at < w["seq"]:
-                pw = prec.get("waiting")
-                if pw is not None and _blocked(pw, peer, records):  # not a cause: it waits on another rank
-                    d.held_up[peer] = (
-                        f"rank {peer} is held up: it waits in {_where(pw, world)}, before collective #{w['seq']} "
-                        f"over ranks [{w['group']}] that {_ranks([r])} waits for"
-                    )
-                    continue
-                d.behind[peer] = (
-                    f"rank {peer} is behind: it has issued collective #{at} over ranks [{w['group']}], "
-                    f"where {_ranks([r])} waits for #{w['seq']} ({f'waiting in {describe(pw)}' if pw else 'computing'})"
-                )
+                _late_peer(d, peer, prec.get("waiting"), at, r, w, records)
     d.lines = [_not_responding_line(r, b, now) for r, b in sorted(d.not_responding.items())]
     d.lines += [d.out_of_step[r] for r in sorted(d.out_of_step)]
     d.lines += [d.behind[r] for r in sorted(d.behind) if r not in d.out_of_step]

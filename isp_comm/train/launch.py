@@ -89,8 +89,8 @@ class Stopping:
 
         name = signal.Signals(signum).name
         if self.signum:  # the second: not one more wait
-            print(f"isp-train: {name} again: stopped at once, the ranks killed; no checkpoint", file=sys.stderr)
-            sys.stderr.flush()
+            said = f"isp-train: {name} again: stopped at once, the ranks killed; no checkpoint"
+            print(said, file=sys.stderr, flush=True)
             os._exit(128 + self.signum)
         self.signum, self.at = signum, time.monotonic()
         self._notice = threading.Timer(NOTICE_S, self._waiting, args=(name,))

@@ -127,7 +127,8 @@ def finish(job: Job, start: int, last: dict) -> None:
     """The memory breakdown (--memory-breakdown), the final checkpoint, the trace and
     timeline, and rank 0's closing line."""
     cfg, comm = job.cfg, job.comm
-    local_spans = (comm.ctx.trace_wall_origin, comm.stop_trace())
+    tracer = comm.ctx.tracer  # its origin on the wall clock puts the ranks on one time line
+    local_spans = (tracer.wall_origin if tracer is not None else 0.0, comm.stop_trace())
     if job.breakdown is not None:  # collective: every rank, before the final save
         job.breakdown.report()
     if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
