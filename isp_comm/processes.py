@@ -13,6 +13,16 @@ A child opts in where it starts (:func:`die_with_parent`), or when its parent se
 
 A process that has no handlers of its own yet, or is leaving after a failure it has
 reported, answers Ctrl-C and SIGTERM with a quiet exit (:func:`leave_on_signals`).
+
+[Note: a signal inside an import]
+A handler that raises runs between two bytecodes of whatever the main thread is doing,
+and for the seconds of torch's import that is a module's body. There the exception
+may be caught (torch wraps numpy's import, Python wraps ``__set_name__``) and leave a
+half-built module behind: the next import of it fails with a traceback of its own
+(``cannot load module more than once``, a ``RecursionError`` in numpy's
+``__getattr__``). So a handler looks first at where it landed (:func:`importing`): a
+process still starting leaves at once, there being nothing yet to release; a run
+that has something to release raises a moment later, once the import is done.
 """
 
 from __future__ import annotations
@@ -20,8 +30,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
+from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 DIE_WITH_PARENT_ENV = "ISP_COMM_DIE_WITH_PARENT"
@@ -54,14 +66,43 @@ def die_with_parent_if_asked() -> None:
         die_with_parent()
 
 
+def importing(frame: FrameType | None) -> bool:
+    """Whether ``frame``, where a signal handler interrupted the main thread, runs
+    inside an import (see [Note: a signal inside an import])."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_after_import(signum: int, frame: FrameType | None) -> bool:
+    """For a handler about to raise: when ``frame`` is inside an import, send
+    ``signum`` again in 50 ms (the handler then raises outside it) and return True."""
+    if not importing(frame):
+        return False
+    again = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+    again.daemon = True
+    again.start()
+    return True
+
+
 def leave_on_signals(code: int | None = None) -> None:
     """Ctrl-C and SIGTERM end this process quietly (``SystemExit``, through every
     ``finally``) with ``code``, or 128 + the signal: for a process between its start
     and its own handlers, or on its way out after a failure it has reported, where a
-    handler that raises something else (a ``KeyboardInterrupt``) prints a traceback."""
+    handler that raises something else (a ``KeyboardInterrupt``) prints a traceback.
+    Inside an import it leaves at once (``os._exit``): a process still starting has
+    nothing to release."""
 
-    def leave(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum if code is None else code)
+    def leave(signum: int, frame: FrameType | None) -> None:
+        status = 128 + signum if code is None else code
+        if importing(frame):
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+            os._exit(status)
+        raise SystemExit(status)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, leave)

@@ -274,6 +274,44 @@ def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
         assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
 
 
+# a module whose body gets the signal and, as torch does around numpy's import,
+# swallows what its handler raises: the half-built library then fails later, its own way
+_SWALLOWING_MODULE = """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+except BaseException as exc:
+    print("swallowed", type(exc).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["starting", "no-save-on-signal"])
+def test_a_signal_inside_an_import_is_not_raised_there(tmp_path, handler: str) -> None:
+    """Ctrl-C while torch imports: the startup handler's SystemExit was raised in a
+    module's body, caught there, and the process went on to a RecursionError traceback
+    (CI, 1 run in several). Starting, the process now leaves at once; a run armed to
+    stop (--no-save-on-signal) raises once the import is done."""
+    (tmp_path / "swallowing.py").write_text(_SWALLOWING_MODULE)
+    if handler == "starting":
+        arm = "from isp_comm.processes import leave_on_signals; leave_on_signals()"
+    else:
+        arm = "from isp_comm.train.signals import Signals; Signals(armed=False)"
+    code = (
+        f"import time; {arm}\n"
+        "try:\n    import swallowing\n    time.sleep(2)\n"
+        "except BaseException as exc:\n    print('raised', type(exc).__name__, flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )  # fmt: skip
+    if handler == "starting":
+        assert proc.returncode == 130 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    else:
+        assert proc.stdout == "raised Stopped\n", (proc.returncode, proc.stdout, proc.stderr)
+
+
 def test_a_failing_rank_stopped_by_the_launcher_leaves_quietly() -> None:
     """A rank other than 0 waits a moment in its one-line failure (so that rank 0
     prints); the launcher's SIGTERM then came to --no-save-on-signal's handler, which

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal
 
+from isp_comm.processes import raise_after_import
+
 
 class Interrupted(Exception):
     """A signal arrived and a checkpoint was saved at the step boundary."""
@@ -36,7 +38,9 @@ class Signals:
     def _note(self, signum: int, _frame) -> None:
         self.got = signum
 
-    def _stop(self, signum: int, _frame) -> None:
+    def _stop(self, signum: int, frame) -> None:
+        if raise_after_import(signum, frame):  # [Note: a signal inside an import]
+            return
         # once: the launcher follows a Ctrl-C with a SIGTERM to every worker, which would
         # raise again in the middle of the first one's way out (a traceback)
         for sig in (signal.SIGINT, signal.SIGTERM):
