@@ -4,6 +4,7 @@ and isp-train whose rank 1 stops (SIGSTOP) or runs one extra forward."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -319,6 +320,50 @@ def test_every_collective_of_a_step_is_recorded_alike_on_every_rank(backend: str
 
 
 # ---- jobs: rank 1 stops, or runs one extra forward ----------------------------------------------
+_ENV = {**os.environ, "PYTHONPATH": "."}
+
+
+def _children(parent: int) -> dict[int, str]:
+    """The live children of ``parent`` and their states (``T``: stopped), from /proc."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent and state not in "ZX":
+            found[int(pid)] = state
+    return found
+
+
+@contextlib.contextmanager
+def _last_stopped_rank_killed(launcher: int):
+    """Once the stopped rank (the fault) is the launcher's last child, after its peers
+    have diagnosed the hang and left, kill it: torch's agent sends the ranks of a failed
+    job SIGTERM and then waits 30 s for one that cannot answer (a stopped process),
+    whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT says (``_stop_workers`` takes the default):
+    30 s of each test spent on torch's wait, which is not what the test checks."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            children = _children(launcher)
+            if children and set(children.values()) == {"T"}:
+                for pid in children:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _end(folder: str) -> None:
     """No rank outlives the test: a stopped one is continued and killed."""
     pids = os.path.join(folder, "pids")
@@ -360,13 +405,16 @@ def test_a_torchrun_job_names_the_rank_that_hangs(tmp_path, backend: str, fault:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     cmd += ["tests/scripts/hang_job.py", backend, fault, folder, DEADLINE]
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ENV)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env={**os.environ, "PYTHONPATH": "."})
+        with _last_stopped_rank_killed(proc.pid):
+            stdout, stderr = proc.communicate(timeout=130)
     finally:
         _end(folder)
-    assert res.returncode != 0
+        proc.kill()
+    assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
-    out = res.stdout + res.stderr
+    out = stdout + stderr
     if (backend, fault) == ("symm", "extra"):  # the backend checks what each rank issued: no wait, no hang
         assert "collectives out of step in group [0, 1, 2]" in out and "rank 1: all-gather" in out, out[-4000:]
         return
@@ -395,11 +443,12 @@ def test_isp_train_ends_a_hang_with_one_line_and_the_diagnosis(
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "isp_comm.train", "--nproc-per-node", str(world), *SMALL, "--steps", "8"]
     cmd += ["--no-trace", "--backend", "torch", "--comm-timeout", DEADLINE, "--out", out, *flags]
-    env = {**os.environ, "PYTHONPATH": ".", FAULT_ENV: f"{fault}:1:3"}
+    env = {**_ENV, FAULT_ENV: f"{fault}:1:3"}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        _, err = proc.communicate(timeout=130)
+        with _last_stopped_rank_killed(proc.pid):
+            _, err = proc.communicate(timeout=130)
     finally:
         _kill_ranks_of(proc.pid)
         proc.kill()
