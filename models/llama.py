@@ -127,7 +127,9 @@ def causal_attention(
     return _documents(q, k, v, cu_seqlens, gqa)
 
 
-@torch.compiler.disable  # host-read boundaries: traced, a compiled block would specialise on each packing
+# host-read boundaries: traced, a compiled block would specialise on each packing; torch's
+# lazy torch.compiler.disable, which imports dynamo at the first call, not at this import
+@torch._disable_dynamo
 def _documents(q, k, v, cu_seqlens: torch.Tensor | Sequence[int], gqa: bool) -> torch.Tensor:
     """Causal attention of each document alone (a slice per document, boundaries read
     on the host), outside any compiled graph: traced, the graph would depend on the

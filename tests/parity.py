@@ -159,14 +159,16 @@ def train_isp(
     wp: int,
     model: nn.Module | None = None,
     on_step: Callable[[ISPCommunicator], None] | None = None,
-    after_wrap: Callable[[ISPCommunicator], None] | None = None,
+    after_wrap: Callable[[ISPCommunicator], Callable | None] | None = None,
     **config_kw,
 ) -> tuple[dict[str, torch.Tensor], list[float], dict]:
     model = case.build() if model is None else model
     groups = ParallelGroups.create(wp_size=wp, sp_size=1)
     comm = ISPCommunicator(model, groups, ISPConfig(activation_checkpointing=case.ckpt, **config_kw))
-    if after_wrap is not None:
-        after_wrap(comm)
+    # what after_wrap returns, when it returns something, is called in the model's place
+    # (a torch.compile of the whole model)
+    run = after_wrap(comm) if after_wrap is not None else None
+    run = model if run is None else run
     opt = make_optim(case.optim, model.parameters())
     hook = comm.scheduler_hook()
     losses = []
@@ -175,7 +177,7 @@ def train_isp(
         for x, y in step:
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
             hook.before_forward()
-            loss = loss_fn(model(xs), ys) / case.micro
+            loss = loss_fn(run(xs), ys) / case.micro
             hook.before_backward()
             loss.backward()
             hook.after_backward()

@@ -13,15 +13,22 @@ instance attribute shadows ``Module.compile`` until ``close()``): the module's
 compiled call is cleared and the block's *original* forward is compiled instead, with
 the same compile context (backend, mode, fullgraph, dynamic). The compiled region is
 exactly the block's own compute, and its parameters are the gathered views the engine
-swapped in, seen by dynamo as graph inputs; the engine's forward runs eagerly. When
-dynamo is loaded at wrap time the engine's forward is also ``torch._dynamo.disable``d,
-so a compile around the whole model graph-breaks at each block instead of tracing the
-engine; dynamo is not imported for it otherwise (27 MiB of RSS per rank).
+swapped in, seen by dynamo as graph inputs; the engine's forward runs eagerly. The
+engine's forward is also kept out of dynamo's tracing, so a compile around the whole
+model graph-breaks at each block instead of tracing the engine.
+
+[Note: dynamo loaded on first call]
+``torch.compiler.disable`` imports dynamo where it decorates: a second of every
+process's start (the launcher's, before any rank can start; isp-export's) for a
+module that only a compiled run needs. What isp-comm and the reference llama keep out
+of graphs is marked with ``torch._disable_dynamo`` instead, torch's own form for its
+modules: the same ``disable``, applied at the first call. Dynamo skips the wrapper
+(it lives in ``torch._compile``, on dynamo's skip list), so a traced caller runs it
+eagerly, the function inside with dynamo off, as ``disable`` does.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +83,4 @@ class BlockCompute:
             self.take_over()
 
         block.__dict__["compile"] = compile
-        if "torch._dynamo" in sys.modules:
-            return torch._dynamo.disable(forward, recursive=True)
-        return forward
+        return torch._disable_dynamo(forward, recursive=True)  # [Note: dynamo loaded on first call]

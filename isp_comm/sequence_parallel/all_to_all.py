@@ -19,7 +19,7 @@ from isp_comm.backends.base import Backend, Handle
 from isp_comm.context import CommContext
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, lazily: [Note: dynamo loaded on first call] in hooks/compiled.py
 def _issue(recv: torch.Tensor, send: torch.Tensor, group: ProcessGroup, backend: Backend, comm: CommContext) -> Handle:
     """Issue one all-to-all and record it. Run eagerly inside a compiled block: the
     flight record reads the bytes sent, which a traced tensor of symbolic shape cannot

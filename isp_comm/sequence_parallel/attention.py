@@ -97,7 +97,7 @@ class DistributedAttention:
         (out,) = self._a2a((out,), 2, 1)
         return out
 
-    @torch.compiler.disable  # see [Note: packed documents under torch.compile] in local.py
+    @torch._disable_dynamo  # [Note: packed documents under torch.compile] in local.py
     def _documents(self, q, k, v, cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         cuts = check_cu_seqlens(self.boundaries.cuts(cu_seqlens), q.shape[2])
         return self.local(q, k, v, cu_seqlens=cuts)

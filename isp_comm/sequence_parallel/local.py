@@ -17,9 +17,10 @@ Attention over packed documents reads the boundaries on the host and slices each
 document (or builds flash-attn's varlen arguments). Traced by dynamo, the host read
 is a graph break and the code after it is specialised on the boundaries' count and
 values: a recompile for each new packing, seconds each, until dynamo's limit, then
-eager. So that part runs outside the graph (``torch.compiler.disable``, in
-``DistributedAttention`` and in the reference llama's attention): a compiled block
-over packed rows is its graphs before and after attention, whatever the packing.
+eager. So that part runs outside the graph (``torch.compiler.disable``, in the lazy
+form of [Note: dynamo loaded on first call], in ``DistributedAttention`` and in the
+reference llama's attention): a compiled block over packed rows is its graphs before
+and after attention, whatever the packing.
 """
 
 from __future__ import annotations

@@ -33,17 +33,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from isp_comm.errors import ISPCommTimeout
-from isp_comm.processes import die_with_parent, die_with_parent_if_asked
-from isp_comm.train import survive, virtual
-from isp_comm.train.config import check_layout, fail, parse_config, resolve_device
-from isp_comm.train.hang import hang_exit
+from isp_comm.processes import die_with_parent_if_asked
+from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config
 from isp_comm.train.launch import launch, worker_argv
-from isp_comm.train.loop import run
-from isp_comm.train.plan import plan
 from isp_comm.train.reporting.names import check_imports, parse_report_to
-from isp_comm.train.run_folder import Finished
-from isp_comm.train.signals import Interrupted, Stopped
 
 
 def dist_backend(device: torch.device) -> str:
@@ -64,6 +57,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     die_with_parent_if_asked()  # a calibration's run or plan: not past the calibration
     cfg = parse_config(argv)  # exits 2 with one line on a bad flag
     if cfg.plan:  # no process group, no launch: the forecast for the world the flags describe
+        from isp_comm.train.plan import plan
+
         world = int(os.environ.get("WORLD_SIZE", 0)) or (cfg.nproc_per_node or 1) * cfg.nnodes
         try:
             plan(cfg, world)
@@ -82,6 +77,21 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if launching:  # launch the ranks ourselves
         args = worker_argv(sys.argv[1:] if argv is None else argv)
         sys.exit(launch(cfg.nproc_per_node, cfg.nnodes, cfg.rdzv_endpoint, args, cfg.max_restarts))
+    rank_main(cfg)
+
+
+def rank_main(cfg: TrainConfig) -> NoReturn:
+    """One rank's run, and the end of its process. Its modules are imported here, not by
+    the launcher, which would spend seconds loading them before any rank starts."""
+    from isp_comm.errors import ISPCommTimeout
+    from isp_comm.processes import die_with_parent
+    from isp_comm.train import survive, virtual
+    from isp_comm.train.config import resolve_device
+    from isp_comm.train.hang import hang_exit
+    from isp_comm.train.loop import run
+    from isp_comm.train.run_folder import Finished
+    from isp_comm.train.signals import Interrupted, Stopped
+
     if "LOCAL_RANK" in os.environ:  # a launched rank dies with its launcher
         die_with_parent()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.resume:
