@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.nn.functional
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.testing import run_ranks
