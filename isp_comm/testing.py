@@ -24,8 +24,11 @@ START_ENV = "ISP_COMM_RANKS_START"
 """How :func:`run_ranks` starts its processes when the caller does not say:
 ``spawn`` (the default) or ``forkserver`` (the test suite's, see [Note: how ranks start])."""
 START_METHODS = ("spawn", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "isp_comm"]
-"""What a forkserver imports once, before it forks the ranks."""
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "isp_comm.communicator", "isp_comm.memory_forecast"]
+"""What a forkserver imports once, before it forks the ranks: the modules every rank
+loads. ``isp_comm`` alone is not enough, its names loading on first use; nor is torch
+alone, dynamo loading with the first meta tensor or optimizer step (a second or two a
+rank, each on its own, without it)."""
 
 
 def _entry(
