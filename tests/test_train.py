@@ -465,8 +465,9 @@ def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
 @pytest.mark.parametrize(
     "model_type, world, sharding",
     [
+        # llama at world 4 with wp sharding was a case too (50 s): llama at world 8 and
+        # qwen2 at world 4 cover what it did
         pytest.param("qwen2", 1, "wp", marks=pytest.mark.slow),
-        pytest.param("llama", 4, "wp", marks=pytest.mark.slow),
         pytest.param("qwen2", 4, "wp", marks=pytest.mark.slow),
         pytest.param("llama", 8, "world", marks=pytest.mark.slow),
     ],
