@@ -18,13 +18,14 @@ engine's forward is also kept out of dynamo's tracing, so a compile around the w
 model graph-breaks at each block instead of tracing the engine.
 
 [Note: dynamo loaded on first call]
-``torch.compiler.disable`` imports dynamo where it decorates: a second of every
-process's start (the launcher's, before any rank can start; isp-export's) for a
-module that only a compiled run needs. What isp-comm and the reference llama keep out
-of graphs is marked with ``torch._disable_dynamo`` instead, torch's own form for its
-modules: the same ``disable``, applied at the first call. Dynamo skips the wrapper
-(it lives in ``torch._compile``, on dynamo's skip list), so a traced caller runs it
-eagerly, the function inside with dynamo off, as ``disable`` does.
+``torch.compiler.disable`` imports dynamo where it decorates: a second or more of the
+start of every process that imports isp-comm, isp-train's launcher among them, which
+spent it before any rank could start. (A rank loads dynamo anyway: torch's meta
+kernels and the optimizer's step import it.) What isp-comm and the reference llama
+keep out of graphs is marked with ``torch._disable_dynamo`` instead, torch's own form
+for its modules: the same ``disable``, applied at the first call. Dynamo skips the
+wrapper (it lives in ``torch._compile``, on dynamo's skip list), so a traced caller
+runs it eagerly, the function inside with dynamo off, as ``disable`` does.
 """
 
 from __future__ import annotations
