@@ -27,6 +27,7 @@ that has something to release raises a moment later, once the import is done.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -76,15 +77,29 @@ def importing(frame: FrameType | None) -> bool:
     return False
 
 
-def raise_after_import(signum: int, frame: FrameType | None) -> bool:
-    """For a handler about to raise: when ``frame`` is inside an import, send
-    ``signum`` again in 50 ms (the handler then raises outside it) and return True."""
-    if not importing(frame):
-        return False
-    again = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
-    again.daemon = True
-    again.start()
-    return True
+class AfterImport:
+    """For a handler about to raise: a signal that lands inside an import is sent again
+    50 ms later, so that the handler raises outside it; for ``limit_s`` at most, after
+    which it raises where it is (a program run from inside an import, ``python -c
+    "import job"``, stays inside one)."""
+
+    def __init__(self, limit_s: float = 2.0) -> None:
+        self.limit_s = limit_s
+        self._since: float | None = None  # when the signal being put off first came
+
+    def defer(self, signum: int, frame: FrameType | None) -> bool:
+        """True when ``signum`` is put off (sent again in 50 ms): the handler returns."""
+        if not importing(frame):
+            self._since = None
+            return False
+        now = time.monotonic()
+        self._since = now if self._since is None else self._since
+        if now - self._since >= self.limit_s:
+            return False
+        again = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+        again.daemon = True
+        again.start()
+        return True
 
 
 def leave_on_signals(code: int | None = None) -> None:
@@ -99,7 +114,7 @@ def leave_on_signals(code: int | None = None) -> None:
         status = 128 + signum if code is None else code
         if importing(frame):
             for stream in (sys.stdout, sys.stderr):
-                if stream is not None:
+                with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted
                     stream.flush()
             os._exit(status)
         raise SystemExit(status)

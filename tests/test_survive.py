@@ -312,6 +312,22 @@ def test_a_signal_inside_an_import_is_not_raised_there(tmp_path, handler: str) -
         assert proc.stdout == "raised Stopped\n", (proc.returncode, proc.stdout, proc.stderr)
 
 
+def test_a_run_inside_an_import_still_stops(tmp_path) -> None:
+    """A program that runs from inside an import (``python -c "import job"``) is inside
+    one for good: the signal is put off for two seconds, then raised there."""
+    (tmp_path / "job.py").write_text(
+        "import os, signal, time\n"
+        "from isp_comm.train.signals import Signals, Stopped\n"
+        "Signals(armed=False)\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(10)\n"
+        "except Stopped:\n    print('stopped', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", "import job"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.stdout == "stopped\n" and time.monotonic() - t0 < 9, (proc.stdout, proc.stderr)
+
+
 def test_a_failing_rank_stopped_by_the_launcher_leaves_quietly() -> None:
     """A rank other than 0 waits a moment in its one-line failure (so that rank 0
     prints); the launcher's SIGTERM then came to --no-save-on-signal's handler, which

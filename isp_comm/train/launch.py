@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from isp_comm.processes import AfterImport
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -81,13 +83,16 @@ class Stopping:
     def __init__(self, grace_s: float) -> None:
         self.grace_s, self.signum, self.at = grace_s, 0, 0.0
         self._notice: threading.Timer | None = None
+        self._after_import = AfterImport()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum: int, _frame) -> None:
+    def _on_signal(self, signum: int, frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         name = signal.Signals(signum).name
+        if not self.signum and self._after_import.defer(signum, frame):  # [Note: a signal inside an import]
+            return
         if self.signum:  # the second: not one more wait
             said = f"isp-train: {name} again: stopped at once, the ranks killed; no checkpoint"
             print(said, file=sys.stderr, flush=True)

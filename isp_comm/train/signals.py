@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from isp_comm.processes import raise_after_import
+from isp_comm.processes import AfterImport
 
 
 class Interrupted(Exception):
@@ -32,6 +32,7 @@ class Signals:
 
     def __init__(self, armed: bool) -> None:
         self.armed, self.got = armed, 0
+        self._after_import = AfterImport()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._note if armed else self._stop)
 
@@ -39,7 +40,7 @@ class Signals:
         self.got = signum
 
     def _stop(self, signum: int, frame) -> None:
-        if raise_after_import(signum, frame):  # [Note: a signal inside an import]
+        if self._after_import.defer(signum, frame):  # [Note: a signal inside an import]
             return
         # once: the launcher follows a Ctrl-C with a SIGTERM to every worker, which would
         # raise again in the middle of the first one's way out (a traceback)
