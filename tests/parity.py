@@ -327,7 +327,7 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
             gc.collect()
             trace[-1]["tensors"] = _settled_tensors(trace[-2].get("tensors") if len(trace) > WARMUP else None)
             trace[-1]["objects"] = _isp_objects()
-            if len(trace) in (WARMUP, steps):
+            if len(trace) == WARMUP or len(trace) > steps - LAST:
                 trace[-1]["py"] = _isp_comm_python_bytes()
 
     try:
@@ -351,9 +351,12 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
     if exact:  # distinct (count, bytes) of live tensors after warm-up; isp_comm's Python bytes then and at the end
         out["tensors"] = sorted({t["tensors"] for t in trace[WARMUP - 1 :]})
         out["objects"] = sorted({t["objects"] for t in trace[WARMUP - 1 :]})
-        out["py_warm"], out["py_end"] = after["py"][0], trace[-1]["py"][0]
-        out["py_end_top"] = trace[-1]["py"][1]
+        # the least of the last steps' ends: a leak grows at every one of them, where
+        # the views autograd still holds at a step's end come and go
+        out["py_warm"], (out["py_end"], out["py_end_top"]) = after["py"][0], min(t["py"] for t in trace[-LAST:])
     return out
 
 
 KEYS = ("pool_bytes", "slots_held", "rs_buffers_in_use", "outstanding_handles", "live_gathered_bytes")
+LAST = 5
+"""The step ends whose least Python bytes count as the long run's end."""
