@@ -330,7 +330,7 @@ def _children(parent: int) -> dict[int, str]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             continue
         if int(ppid) == parent and state not in "ZX":
             found[int(pid)] = state
@@ -467,18 +467,12 @@ def test_isp_train_ends_a_hang_with_one_line_and_the_diagnosis(
 
 def _kill_ranks_of(launcher: int) -> None:
     """isp-train's ranks (children of its launcher): continued and killed if any is left."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(int(pid), sig)
-                except ProcessLookupError:
-                    break
+    for pid in _children(launcher):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
 
 
 def test_fault_env_is_test_only_and_checked() -> None:

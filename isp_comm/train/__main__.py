@@ -33,8 +33,9 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from isp_comm.processes import die_with_parent_if_asked
-from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config
+from isp_comm.errors import ISPCommTimeout
+from isp_comm.processes import die_with_parent, die_with_parent_if_asked
+from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config, resolve_device
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.reporting.names import check_imports, parse_report_to
 
@@ -83,10 +84,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 def rank_main(cfg: TrainConfig) -> NoReturn:
     """One rank's run, and the end of its process. Its modules are imported here, not by
     the launcher, which would spend seconds loading them before any rank starts."""
-    from isp_comm.errors import ISPCommTimeout
-    from isp_comm.processes import die_with_parent
     from isp_comm.train import survive, virtual
-    from isp_comm.train.config import resolve_device
     from isp_comm.train.hang import hang_exit
     from isp_comm.train.loop import run
     from isp_comm.train.run_folder import Finished
