@@ -392,9 +392,10 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict
     return out
 
 
-def predict(run: Run, device: torch.device | None = None) -> dict:
+def predict(run: Run, device: torch.device | None = None, compiled: bool = False) -> dict:
     """The planner's step and memory for the same layout, on the same links, on the
-    device the run is on."""
+    device the run is on; ``compiled``: the memory of compiled blocks (the step is
+    the eager one: the step model does not know what inductor fuses)."""
     from isp_comm.memory_forecast import forecast
     from isp_comm.planner.memory import device_memory
     from isp_comm.planner.step import step_time
@@ -408,7 +409,9 @@ def predict(run: Run, device: torch.device | None = None) -> dict:
     out = {"step_s": st.step_s, "comm_s": sum(st.comm_s.values()), "exposed_comm_s": sum(st.exposed_comm.values())}
     out["target"] = prof.name
     if prof.device == "cuda":
-        fc = forecast(model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device="cuda", local_world=1)
+        fc = forecast(
+            model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device="cuda", local_world=1, compiled=compiled
+        )
         dm = device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
         out["peak_alloc_mib"] = max(dm.forecast.peak(ph) for ph in ("wrap", "forward", "backward", "optimizer")) / 2**20
         out["peak_reserved_mib"] = dm.reserved / 2**20
@@ -559,6 +562,8 @@ def bench_config(
             runs.append(run_virtual(run_system, cfg.world, 0, which, system, steps, timeout_s=timeout_s))
         result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
     result["systems"]["planner"] = predict(run, device)
+    if any(s.endswith("compiled") and not s.startswith("fsdp2") for s in result["systems"]):
+        result["systems"]["planner compiled"] = predict(run, device, compiled=True)
     if "compute-only" not in result["systems"]:
         return _finish(result, cfg, lay)
     compute = result["systems"]["compute-only"]["step_s"]["median"]
@@ -655,6 +660,8 @@ def notes(result: dict) -> str:
         )
     else:
         lines.append(f"- planner: predicted from {target}'s published figures, nothing of it measured")
+    if "planner compiled" in result["systems"]:
+        lines.append("- planner compiled: the memory of compiled blocks (what inductor keeps); the eager step")
     if any(s.get("exposed_comm_derived") for s in result["systems"].values()):
         lines.append("- FSDP2's exposed comm: its step less the compute-only step (derived: its waits are not timed)")
     return "\n".join(lines)

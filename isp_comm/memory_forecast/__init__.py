@@ -7,7 +7,8 @@ what each unit shards, :class:`~isp_comm.layout.BlockLayout` how large its flat
 shard, gathered slot and reduce buffers are, and :func:`~isp_comm.memory_pool.make_plan`
 sizes the pool exactly as wrapping does. Activations come from one forward of the
 meta model at the rank's local shape, with ``saved_tensors_hooks`` counting what
-autograd keeps for backward (meta tensors: nothing is computed).
+autograd keeps for backward (meta tensors: nothing is computed); for compiled blocks,
+what inductor's partition keeps ([Note: what a compiled block saves]).
 
 [Note: what the forecast counts]
 All figures are bytes on one rank (rank 0, whose shards are the largest), above the

@@ -4,6 +4,18 @@ The model is copied and run on meta tensors at the rank's local shape; a
 ``saved_tensors_hooks`` pair counts each saved storage once (parameters never:
 gathered weights live in the pool) and attributes it to the block running when it
 was saved. Nothing is computed. The loss is modelled from the traced logits.
+
+[Note: what a compiled block saves]
+A block compiled with ``torch.compile`` (inductor) does not save what eager autograd
+does: AOTAutograd traces its forward and backward as one graph, and inductor's
+partitioner (min-cut rematerialisation) chooses the tensors to keep, recomputing
+cheap pointwise ones in backward. On the reference llama it keeps 24% less than eager in
+fp32 and 37% less in bf16, and on one H200 a compiled Llama-3-8B step peaked 25% below
+the eager one. So a compiled block is traced through the same machinery: AOTAutograd
+with inductor's decompositions and its partitioner (called as inductor calls it,
+without the joint-graph pattern passes, which do not run on meta), the forward graph
+then run on meta under the same hooks. What it keeps equals, storage for storage,
+what the real compiled block saves on CPU (tests/test_memory_forecast_compiled.py).
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterator
 
@@ -79,9 +92,16 @@ def _no_value_reads() -> Iterator[None]:
         masking.find_packed_sequence_indices = found  # type: ignore[union-attr]
 
 
+def _storage(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, shared by its views and by the aliases
+    AOTAutograd makes of a compiled block's inputs (valid while the storage lives)."""
+    return t.untyped_storage()._cdata
+
+
 class _SavedCounter:
     """Bytes autograd saves, each storage once and parameters never, attributed to the
-    block running (``current[0]``; -1: outside the blocks)."""
+    block running (``current[0]``; -1: outside the blocks); ``params``: the
+    parameters' storages (:func:`_storage`)."""
 
     def __init__(self, params: set[int], n_blocks: int) -> None:
         self.params = params
@@ -93,26 +113,65 @@ class _SavedCounter:
         self.input_saved = [False] * n_blocks
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        b = _base(t)
-        if id(b) in self.params or id(b) in self.seen:
+        key = _storage(t)
+        if key in self.params or key in self.seen:
             return t
-        self.seen[id(b)] = b  # kept alive: ids stay unique
-        nbytes = b.numel() * b.element_size()
+        self.seen[key] = t  # kept alive: storage identities stay unique
+        nbytes = t.untyped_storage().nbytes()
         i = self.current[0]
         if i < 0:
             self.outer += nbytes
         else:
             self.saved[i] += nbytes
             self.largest[i] = max(self.largest[i], nbytes)
-            self.input_saved[i] |= id(b) == self.input_base[i]
+            self.input_saved[i] |= key == self.input_base[i]
         return t
 
 
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns ``t``'s storage (``t`` itself unless it is a view)."""
-    while t._base is not None:
-        t = t._base
-    return t
+def _as_is(gm: torch.fx.GraphModule, _example_inputs: object) -> torch.fx.GraphModule:
+    return gm
+
+
+def compiled_forward(block: nn.Module, inside: list[bool]) -> Callable[..., object]:
+    """``block``'s forward as a compiled block runs it, for the trace ([Note: what a
+    compiled block saves]): each call traces AOTAutograd's joint graph at the call's
+    shapes, splits it with inductor's partitioner and runs the forward part (nothing
+    is compiled to code). While it traces, ``inside[0]`` is set and the returned
+    function calls the original forward (the tracer calls the block again)."""
+    import torch.utils._pytree as pytree
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    original = block.forward
+    state = dict(block.named_parameters(remove_duplicate=False))
+    state.update(block.named_buffers(remove_duplicate=False))
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+    def forward(*args: object, **kwargs: object) -> object:
+        if inside[0]:
+            return original(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+
+        def call(weights: dict[str, torch.Tensor], *tensors: torch.Tensor) -> object:
+            full = list(leaves)
+            for i, t in zip(where, tensors):
+                full[i] = t
+            a, k = pytree.tree_unflatten(full, spec)
+            inside[0] = True
+            try:
+                return torch.func.functional_call(block, weights, a, k)
+            finally:
+                inside[0] = False
+
+        run = aot_function(
+            call, fw_compiler=_as_is, bw_compiler=_as_is, partition_fn=partition,
+            decompositions=select_decomp_table(), num_params_buffers=len(state),
+        )  # fmt: skip
+        return run(state, *(leaves[i] for i in where))
+
+    return forward
 
 
 def _twins(blocks: list[nn.Module]) -> dict[int, int]:
@@ -183,30 +242,38 @@ def trace(
     param_dtype: torch.dtype | None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
     copies: dict | None = None,
+    compiled: bool = False,
 ) -> Traced:
     """One forward of a copy of the meta model at the rank's local shape, counting what
     autograd saves (each storage once, parameters never: gathered weights live in the
     pool), attributed to the block running when it was saved. A block with the same
     type and parameters as an earlier one keeps what that one kept: it is not run
-    (its forward passes the hidden state through), as tracing on meta is slow."""
+    (its forward passes the hidden state through), as tracing on meta is slow.
+    ``compiled``: the blocks run as ``torch.compile`` runs them ([Note: what a
+    compiled block saves])."""
     clone, blocks = meta_copy(model, block_list, param_dtype, copies)
     n = len(block_list)
-    count = _SavedCounter({id(p) for p in clone.parameters()}, n)
+    count = _SavedCounter({_storage(p) for p in clone.parameters()}, n)
     saved, inputs, largest, current = count.saved, [0] * n, count.largest, count.current
     outputs: dict[int, object] = {}
     twin_of = _twins(blocks)
+    inside = [False]  # a compiled block's tracer is calling it again: not a block's call
 
     def pre(i: int):
         def hook(_m, args, kwargs):
+            if inside[0]:
+                return
             current[0] = i
             x = args[0] if args else kwargs.get("hidden_states")
             inputs[i] = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
-            count.input_base[i] = id(_base(x)) if isinstance(x, torch.Tensor) else None
+            count.input_base[i] = _storage(x) if isinstance(x, torch.Tensor) else None
 
         return hook
 
     def post(i: int):
         def hook(_m, _a, out):
+            if inside[0]:
+                return
             current[0] = -1
             outputs.setdefault(i, out)
 
@@ -226,6 +293,8 @@ def trace(
         handles.append(b.register_forward_hook(post(i)))
         if i in twin_of:
             b.forward = same_as(i)
+        elif compiled:
+            b.forward = compiled_forward(b, inside)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
         with fused_attention(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
@@ -233,8 +302,8 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-        for i in twin_of:
-            del blocks[i].forward  # the copy may be traced again (``copies``)
+        for b in blocks:
+            b.__dict__.pop("forward", None)  # the copy may be traced again (``copies``)
     for i, j in twin_of.items():
         saved[i], largest[i], count.input_saved[i] = saved[j], largest[j], count.input_saved[j]
     return Traced(saved, inputs, largest, count.input_saved, count.outer, (logits.numel(), logits.dtype))

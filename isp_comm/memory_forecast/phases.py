@@ -54,6 +54,7 @@ def forecast(
     memo: dict | None = None,
     evaluate: bool = False,
     cuda_workspace: int | None = None,
+    compiled: bool | None = None,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
 
@@ -70,7 +71,10 @@ def forecast(
     reuses its layouts and traces (the planner's search forecasts many layouts);
     ``evaluate``: the run validates (``--eval-every``): an ``evaluate`` phase;
     ``cuda_workspace``: on CUDA, the bytes of one cuBLAS workspace (default: as torch
-    sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`)."""
+    sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`);
+    ``compiled``: the blocks run compiled (``isp-train --compile``: [Note: what a
+    compiled block saves]); ``None``: where a block of ``model`` was given
+    ``block.compile()``."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -81,9 +85,12 @@ def forecast(
     plan = pool_plan(layouts, config, wp)
     shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
     n_ckpt = round(config.activation_checkpointing * len(block_list))
-    tkey = ("trace", batch // (world // sp), seq // sp, config.param_dtype)
+    if compiled is None:
+        compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in block_list)
+    local = (batch // (world // sp), seq // sp)
+    tkey = ("trace", *local, config.param_dtype, compiled)
     if tkey not in memo:
-        memo[tkey] = trace(model, block_list, batch // (world // sp), seq // sp, config.param_dtype, forward, memo)
+        memo[tkey] = trace(model, block_list, *local, config.param_dtype, forward, memo, compiled=compiled)
     traced = _vocab_parallel_input(memo[tkey], config, wp)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)

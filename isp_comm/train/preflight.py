@@ -36,6 +36,7 @@ def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, w
         device=device.type,
         local_world=local_ranks(cfg, world),
         evaluate=bool(cfg.eval_every),
+        compiled=cfg.compile,
     )
 
 

@@ -1,0 +1,108 @@
+"""What a compiled block saves for backward: the forecast's meta trace against
+``torch.compile`` (inductor) on CPU, storage for storage ([Note: what a compiled block
+saves] in isp_comm/memory_forecast/activations.py).
+
+Exact comparisons: both sides count the same storages (each once, parameters never),
+and the trace runs the partition inductor runs, so no tolerance is needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from isp_comm.memory_forecast import forecast
+from isp_comm.memory_forecast.activations import trace
+from models.llama import LlamaConfig, build
+
+BATCH, SEQ = 2, 128
+CFG = LlamaConfig(vocab_size=512, hidden=256, ffn_hidden=704, n_layers=2, n_heads=8, n_kv_heads=2)
+
+
+class _Watched(nn.Module):
+    """A block whose calls set ``flag[0]`` (outside any compiled region, so it holds
+    while the compiled block's own forward runs)."""
+
+    def __init__(self, inner: nn.Module, flag: list[bool]) -> None:
+        super().__init__()
+        self.inner, self.flag = inner, flag
+
+    def forward(self, *args, **kwargs):
+        self.flag[0] = True
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.flag[0] = False
+
+
+def _saved_by_first_block(model: nn.Module, layers: nn.ModuleList, run, compiled: bool) -> int:
+    """Bytes autograd keeps while ``layers[0]`` runs (compiled by inductor or eager),
+    in one real forward of ``model``: each storage once, parameters never."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    flag = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if flag[0] and key not in params:
+            seen.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    torch._dynamo.reset()
+    layers[0] = _Watched(torch.compile(layers[0]) if compiled else layers[0], flag)
+    ids = torch.randint(0, CFG.vocab_size, (BATCH, SEQ))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(model, ids)
+    return sum(seen.values())
+
+
+def _reference(device: str):
+    with torch.device(device):
+        model = build(CFG)
+    return model, model.layers, lambda m, ids: m(ids)
+
+
+def _transformers(device: str):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=CFG.vocab_size, hidden_size=CFG.hidden, intermediate_size=CFG.ffn_hidden,
+        num_hidden_layers=CFG.n_layers, num_attention_heads=CFG.n_heads, num_key_value_heads=CFG.n_kv_heads,
+    )  # fmt: skip
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    return model, model.model.layers, lambda m, ids: m(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("reference", torch.float32), ("reference", torch.bfloat16), ("transformers", torch.float32)],
+)
+def test_the_trace_counts_what_a_compiled_block_saves(family, dtype):
+    make = _reference if family == "reference" else _transformers
+    meta, meta_layers, meta_run = make("meta")
+    blocks = list(meta_layers)
+    param_dtype = None if dtype == torch.float32 else dtype
+    eager = trace(meta, blocks, BATCH, SEQ, param_dtype, meta_run).saved[0]
+    compiled = trace(meta, blocks, BATCH, SEQ, param_dtype, meta_run, compiled=True).saved[0]
+
+    model, layers, run = make("cpu")
+    model.to(dtype)
+    assert compiled == _saved_by_first_block(model, layers, run, compiled=True)
+    model, layers, run = make("cpu")
+    model.to(dtype)
+    assert eager == _saved_by_first_block(model, layers, run, compiled=False)
+    assert compiled < eager  # inductor recomputes what eager autograd keeps
+
+
+def test_the_forecast_sees_blocks_given_compile():
+    """``forecast(compiled=None)`` counts a meta model whose blocks were given
+    ``block.compile()`` (as isp-train --compile does before wrapping) as compiled."""
+    meta, layers, _ = _reference("meta")
+    eager = forecast(meta, None, 1, 1, 1, BATCH, SEQ).activations_by_block
+    assert eager == forecast(meta, None, 1, 1, 1, BATCH, SEQ, compiled=False).activations_by_block
+    for block in layers:
+        block.compile()
+    seen = forecast(meta, None, 1, 1, 1, BATCH, SEQ).activations_by_block
+    assert seen == forecast(meta, None, 1, 1, 1, BATCH, SEQ, compiled=True).activations_by_block
+    assert sum(seen) < sum(eager)
