@@ -144,6 +144,10 @@ SYSTEMS = ("isp-comm", "fsdp2", "compute-only")
 """``--layout fixed``: eager runs."""
 BEST_SYSTEMS = ("isp-comm", "isp-comm compiled", "fsdp2", "fsdp2 compiled", "compute-only")
 """``--layout best``: eager and compiled (per block, as isp-train and torchtitan)."""
+IN_FSDP2_LAYOUT = "@fsdp2"
+"""``--layout best``, after an isp-comm system (``isp-comm@fsdp2``, ``isp-comm
+compiled@fsdp2``): isp-comm in FSDP2's fastest layout rather than its own, so that
+the two systems compare in one layout (FSDP2's has no SP and no vocab-parallel head)."""
 
 
 class NoLink:
@@ -550,19 +554,20 @@ def bench_config(
     if said is not None:
         result["search"] = said
         systems = systems or BEST_SYSTEMS
-        if any(s.startswith("fsdp2") for s in systems):
+        if any(s.startswith("fsdp2") or s.endswith(IN_FSDP2_LAYOUT) for s in systems):
             fsdp_lay, fsdp_said = best_layout(cfg, device, "fsdp2")
             fsdp_run = Run(cfg, fsdp_lay)
             result["fsdp2_layout"], result["fsdp2_search"] = dataclasses.asdict(fsdp_lay), fsdp_said
     for system in systems or SYSTEMS:
         runs = []
-        which = fsdp_run if system.startswith("fsdp2") else run
+        which = fsdp_run if system.startswith("fsdp2") or system.endswith(IN_FSDP2_LAYOUT) else run
+        built = system.removesuffix(IN_FSDP2_LAYOUT)
         for r in range(repeats):
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            runs.append(run_virtual(run_system, cfg.world, 0, which, system, steps, timeout_s=timeout_s))
+            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, timeout_s=timeout_s))
         result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
     result["systems"]["planner"] = predict(run, device)
-    if any(s.endswith("compiled") and not s.startswith("fsdp2") for s in result["systems"]):
+    if any(s.endswith("compiled") and s.startswith("isp-comm") for s in result["systems"]):
         result["systems"]["planner compiled"] = predict(run, device, compiled=True)
     if "compute-only" not in result["systems"]:
         return _finish(result, cfg, lay)
@@ -714,6 +719,12 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     if not args.quick and not torch.cuda.is_available():
         ap.error("the GPU configurations need CUDA: run with --quick on CPU")
+    known = (*BEST_SYSTEMS, *(f"isp-comm{c}{IN_FSDP2_LAYOUT}" for c in ("", " compiled")))
+    unknown = [s for s in args.systems.split(",") if s and s not in known]
+    if unknown:
+        ap.error(f"--systems: unknown {unknown} (one of {', '.join(known)})")
+    if IN_FSDP2_LAYOUT in args.systems and args.layout != "best":
+        ap.error(f"--systems ...{IN_FSDP2_LAYOUT}: only with --layout best (FSDP2's own fastest layout)")
     from isp_comm.train.metrics import peak_tflops
 
     peak = peak_tflops(_device())

@@ -129,3 +129,30 @@ def test_fsdp2_is_planned_with_its_own_loss() -> None:
     assert got["backward"] == {"acts": 100, LOSS: 12}  # the loss's backward (112) over the blocks' (111)
     fc.phases["backward"]["grads"] = 60
     assert _with_fsdp2_loss(fc, {"forward": 10, "backward": 12}).phases["backward"] == fc.phases["backward"]
+
+
+def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
+    """``--systems isp-comm@fsdp2``: isp-comm built as itself (eager, or compiled with
+    ``isp-comm compiled@fsdp2``) in FSDP2's fastest layout, so that the two compare in
+    one layout; plain ``isp-comm`` keeps its own. Each process is recorded, not run."""
+    sys.path.insert(0, ROOT)
+    import bench.virtual as virtual
+
+    calls = []
+
+    def record(fn, world, rank, run, system, steps, timeout_s):
+        calls.append((system, run.layout))
+        return {"step_s": 1.0, "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
+
+    monkeypatch.setattr(virtual, "run_virtual", record)
+    monkeypatch.setattr(virtual, "predict", lambda run, device=None, compiled=False: {"step_s": 1.0, "target": "x"})
+    systems = ("isp-comm", "isp-comm@fsdp2", "isp-comm compiled@fsdp2", "fsdp2")
+    result = virtual.bench_config("tiny-n4", virtual.QUICK["tiny-n4"], 1, 1, 60.0, "best", "any", systems)
+    own, fsdp = result["layout"], result["fsdp2_layout"]
+    assert own != fsdp  # the tiny config's fastest isp-comm layout uses SP, FSDP2's cannot
+    built = {s: (b, lay) for s, (b, lay) in zip(systems, calls)}
+    assert built["isp-comm"][0] == "isp-comm" and built["isp-comm"][1].sp == own["sp"]
+    for name, as_built in (("isp-comm@fsdp2", "isp-comm"), ("isp-comm compiled@fsdp2", "isp-comm compiled")):
+        assert built[name][0] == as_built and built[name][1].sp == fsdp["sp"] == 1, built[name]
+        assert built[name][1] == built["fsdp2"][1]
+    assert "planner compiled" not in result["systems"]  # the planner plans isp-comm's own layout only
