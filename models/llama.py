@@ -96,12 +96,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     backward at 6ae422e, 15.3 GiB with this, grouped attention and plain views for
     the heads; transformers' Llama 14.7, its rotary and its norm's weight product in
     bf16 where these stay in fp32 (``python bench/model_bytes.py``). In fp32 the
-    results are bitwise those of the pairwise form."""
+    results are bitwise those of the pairwise form.
+
+    Under ``torch.compile`` the pairwise form runs instead (:func:`_rope_pairs`):
+    inductor generates no code for complex numbers (it warns, and calls ATen's
+    kernels one by one), while it fuses the pairwise form's products, sums and
+    ``stack`` into the kernels around them."""
+    if torch.compiler.is_compiling():
+        return _rope_pairs(x, cos, sin)
     rot = torch.complex(cos.float(), sin.float()).unsqueeze(-2)  # (..., seq, 1, head_dim/2): every head alike
     # on the (batch, seq, heads, head_dim) layout the projections write: their views, so
     # that neither the forward nor the backward copies the pairs into another layout
     pairs = torch.view_as_complex(x.transpose(1, 2).float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype).transpose(1, 2)
+
+
+def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` as real products on the pairs, for compiled graphs."""
+    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
+    pairs = x.transpose(1, 2).float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return rotated.to(x.dtype).transpose(1, 2)
 
 
 def causal_attention(

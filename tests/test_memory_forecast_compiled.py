@@ -106,3 +106,46 @@ def test_the_forecast_sees_blocks_given_compile():
     seen = forecast(meta, None, 1, 1, 1, BATCH, SEQ).activations_by_block
     assert seen == forecast(meta, None, 1, 1, 1, BATCH, SEQ, compiled=True).activations_by_block
     assert sum(seen) < sum(eager)
+
+
+class _Branchy(nn.Module):
+    """A block that takes another path when compiled: a product saving its input
+    (eager), or two matmuls saving their input and the 4x wider middle (compiled)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(hidden))
+        self.a = nn.Parameter(torch.randn(hidden, 4 * hidden) / hidden)
+        self.b = nn.Parameter(torch.randn(4 * hidden, hidden) / hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return (x @ self.a) @ self.b
+        return x * self.w
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, 32)
+        self.layers = nn.ModuleList([_Branchy(32), _Branchy(32)])
+        self.head = nn.Linear(32, CFG.vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_the_trace_takes_the_path_a_compiled_block_takes():
+    """A block may branch on ``torch.compiler.is_compiling()`` (the reference llama's
+    rotary does); the trace of a compiled block takes the compiled path, as dynamo
+    does: input and middle kept (5 hidden states), not the eager path's input alone."""
+    with torch.device("meta"):
+        meta = _Tiny()
+    compiled = trace(meta, list(meta.layers), BATCH, SEQ, None, lambda m, ids: m(ids), compiled=True).saved[0]
+    hidden_state = BATCH * SEQ * 32 * 4
+    assert compiled == 5 * hidden_state
+    model = _Tiny()
+    assert compiled == _saved_by_first_block(model, model.layers, lambda m, ids: m(ids), compiled=True)

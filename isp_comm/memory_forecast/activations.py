@@ -159,11 +159,14 @@ def compiled_forward(block: nn.Module, inside: list[bool]) -> Callable[..., obje
             for i, t in zip(where, tensors):
                 full[i] = t
             a, k = pytree.tree_unflatten(full, spec)
-            inside[0] = True
+            # as dynamo does while it traces: a model may take another path when
+            # compiled (torch.compiler.is_compiling(), e.g. models/llama.py's rotary)
+            inside[0], compiling = True, torch.compiler._is_compiling_flag
+            torch.compiler._is_compiling_flag = True
             try:
                 return torch.func.functional_call(block, weights, a, k)
             finally:
-                inside[0] = False
+                inside[0], torch.compiler._is_compiling_flag = False, compiling
 
         run = aot_function(
             call, fw_compiler=_as_is, bw_compiler=_as_is, partition_fn=partition,
