@@ -18,8 +18,9 @@ done those (see docs/gpus.md for what each proves):
 - ``plan-gpu``: bench/plan_gpu.py at 680M, one run.
 
 ``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
-checks (``virtual-time``, ``virtual-8b``, ``virtual-70b``, ``virtual-70b-world``,
-``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
+checks (``virtual-time``, ``virtual-8b``, ``virtual-8b-best``,
+``virtual-8b-best-compiled``, ``virtual-8b-same-layout``, ``virtual-70b``,
+``virtual-70b-world``, ``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
 run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
 
