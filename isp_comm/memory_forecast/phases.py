@@ -72,9 +72,8 @@ def forecast(
     ``evaluate``: the run validates (``--eval-every``): an ``evaluate`` phase;
     ``cuda_workspace``: on CUDA, the bytes of one cuBLAS workspace (default: as torch
     sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`);
-    ``compiled``: the blocks run compiled (``isp-train --compile``: [Note: what a
-    compiled block saves]); ``None``: where a block of ``model`` was given
-    ``block.compile()``."""
+    ``compiled``: the blocks run compiled (``isp-train --compile``; ``None``: where a
+    block was given ``block.compile()``; [Note: what a compiled block saves])."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -85,13 +84,7 @@ def forecast(
     plan = pool_plan(layouts, config, wp)
     shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
     n_ckpt = round(config.activation_checkpointing * len(block_list))
-    if compiled is None:
-        compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in block_list)
-    local = (batch // (world // sp), seq // sp)
-    tkey = ("trace", *local, config.param_dtype, compiled)
-    if tkey not in memo:
-        memo[tkey] = trace(model, block_list, *local, config.param_dtype, forward, memo, compiled=compiled)
-    traced = _vocab_parallel_input(memo[tkey], config, wp)
+    traced = _traced(model, block_list, config, (world, wp, sp, batch, seq), forward, memo, compiled)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
     release = _releases_pairs(config, device) and not in_heap
@@ -123,6 +116,28 @@ def forecast(
         activations_by_block=acts,
         device_heap_bytes=heap,
     )
+
+
+def _traced(
+    model: nn.Module,
+    block_list: list[nn.Module],
+    config: ISPConfig,
+    shape: tuple[int, int, int, int, int],
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+    memo: dict,
+    compiled: bool | None,
+) -> Traced:
+    """The meta trace at a rank's local shape (``shape``: world, wp, sp, batch, seq),
+    kept in ``memo``, with the vocab-parallel head's input; ``compiled=None``:
+    compiled where a block was given ``block.compile()``."""
+    world, wp, sp, batch, seq = shape
+    if compiled is None:
+        compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in block_list)
+    local = (batch // (world // sp), seq // sp)
+    key = ("trace", *local, config.param_dtype, compiled)
+    if key not in memo:
+        memo[key] = trace(model, block_list, *local, config.param_dtype, forward, memo, compiled=compiled)
+    return _vocab_parallel_input(memo[key], config, wp)
 
 
 def _vocab_parallel_input(traced: Traced, config: ISPConfig, wp: int) -> Traced:
