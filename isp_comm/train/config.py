@@ -115,7 +115,8 @@ class TrainConfig:
     for cuda, off for cpu."""
     compile: bool = False
     """torch.compile every transformer block (the torchtitan recipe); the first step's
-    time, compilation included, is reported apart."""
+    time, compilation included, is reported apart. The memory forecast (and
+    ``--plan``) then counts what a compiled block keeps for backward."""
     peak_tflops: float = 0.0
     """The device's peak bf16 TFLOP/s for MFU (0: from a table of known GPUs; MFU is
     left out for an unknown one and on cpu)."""
