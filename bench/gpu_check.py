@@ -36,7 +36,9 @@ and plan_gpu write their own JSON beside them. ``--dry-run`` needs no GPU: one l
 ``NAME timeout=SECONDS: COMMAND``, and ``total timeout=SECONDS``.
 
 OUT defaults to bench/results/local/gpu_check. On the GPU machine: carry the wheels
-(see docs/gpus.md) and run ``python bench/gpu_check.py --out $OUT``.
+(see docs/gpus.md) and run ``python bench/gpu_check.py --out DIR --archive
+$OUT/gpu_check.tgz`` (the machine sends back a few files: ``--archive`` packs DIR
+into one, rewritten after every step).
 """
 
 from __future__ import annotations
@@ -274,6 +276,21 @@ def dry_run(chosen: list[Step]) -> str:
     lines = [s.line() for s in chosen]
     lines.append(f"total timeout={sum(s.timeout_s for s in chosen)}")
     return "\n".join(lines)
+
+
+def archive(out: str, path: str) -> None:
+    """Everything in ``out`` (the archive itself left out, when it lies there) as one
+    gzipped tar at ``path``, replaced whole: a run cut short leaves the last one."""
+    import tarfile
+
+    skip = {path, path + ".tmp"}
+    with tarfile.open(path + ".tmp", "w:gz") as tar:
+        for folder, _dirs, files in os.walk(out):
+            for name in sorted(files):
+                full = os.path.join(folder, name)
+                if full not in skip:
+                    tar.add(full, arcname=os.path.relpath(full, out))
+    os.replace(path + ".tmp", path)
 
 
 # ---- running one step ----------------------------------------------------------------
@@ -524,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated steps (the preamble always runs)")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their timeouts, run nothing")
     ap.add_argument("--wheels", default="", help="folder of carried wheels (default: .whl, then wheels)")
+    ap.add_argument(
+        "--archive", default="",
+        help="also write OUT as one .tar.gz here after every step (a lent GPU machine sends back few files)",
+    )  # fmt: skip
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the probe step itself
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)
@@ -550,10 +571,18 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         head = {"commit": commit(), "started": started}
-        records = run(chosen, out, tmp, env, after=lambda recs: write_report(out, head, recs))
+        keep = os.path.abspath(args.archive) if args.archive else ""
+
+        def after(recs: list[dict]) -> str:
+            table = write_report(out, head, recs)
+            if keep:
+                archive(out, keep)
+            return table
+
+        records = run(chosen, out, tmp, env, after=after)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n" + write_report(out, head, records))
+    print("\n" + after(records))
     return 0 if all(r["status"] in ("passed", "skipped") for r in records) else 1
 
 

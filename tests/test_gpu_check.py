@@ -192,6 +192,31 @@ def test_statuses_summaries_and_the_report(tmp_path, monkeypatch) -> None:
     assert ran == ["wheels", "probe", "ok"], ran
 
 
+def test_archive_packs_the_folder_after_every_step(tmp_path, monkeypatch) -> None:
+    """``--archive FILE``: the whole output folder as one .tar.gz, rewritten after each
+    step (a lent GPU machine sends back few files), never packing itself."""
+    import tarfile
+
+    fake = [
+        gc.Step("wheels", 5, ["echo", "no wheels carried"], "w"),
+        gc.Step("probe", 5, _py("print('{}')"), "p"),
+        gc.Step("ok", 5, _py("print('=== 1 passed in 0.1s ===')"), "passes"),
+    ]
+    monkeypatch.setattr(gc, "steps", lambda out, work, wheels, no_wheels="": fake)
+    packed, real = [], gc.archive
+    monkeypatch.setattr(gc, "archive", lambda out, path: packed.append(path) or real(out, path))
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "virtual.json").write_text("{}")  # what a step's own command wrote there
+    path = str(out / "run.tgz")
+    assert gc.main(["--out", str(out), "--archive", path]) == 0
+    assert packed == [path] * 4  # after each of the 3 steps, and at the end
+    with tarfile.open(path) as tar:
+        names = set(tar.getnames())
+    assert names == {"gpu_check.json", "gpu_check.md", "gpu_check.log", "sub/virtual.json"}, names
+    assert not os.path.exists(path + ".tmp")
+
+
 KILLED_UNDER_MPS = """
 import signal, sys, time
 sys.path.insert(0, {root!r})
