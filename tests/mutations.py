@@ -122,6 +122,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         'lanes.stream("virtual tiers", "one", self.device)',
         ["tests/test_virtual_tiers.py::test_the_cuda_path_gives_the_same_order_on_streams"],
     ),
+    "compiled blocks traced as eager ones": (
+        "isp_comm/memory_forecast/activations.py",
+        "        elif compiled:\n            b.forward = compiled_forward(b, inside)",
+        "        elif False:\n            b.forward = compiled_forward(b, inside)",
+        ["tests/test_memory_forecast_compiled.py"],
+    ),
+    "a compiled block's trace on the eager path": (
+        "isp_comm/memory_forecast/activations.py",
+        "            torch.compiler._is_compiling_flag = True\n",
+        "            torch.compiler._is_compiling_flag = compiling\n",
+        ["tests/test_memory_forecast_compiled.py::test_the_trace_takes_the_path_a_compiled_block_takes"],
+    ),
 }
 
 
