@@ -149,3 +149,19 @@ def test_the_trace_takes_the_path_a_compiled_block_takes():
     assert compiled == 5 * hidden_state
     model = _Tiny()
     assert compiled == _saved_by_first_block(model, model.layers, lambda m, ids: m(ids), compiled=True)
+
+
+def test_a_forward_set_on_a_block_survives_the_trace():
+    """A forward set on a block's instance (as accelerate's hooks do) is the block's
+    own: the traced copy, kept for the next trace (``copies``), still has it after the
+    trace replaced it for a twin (block 1) and for a compiled block (block 0)."""
+    import functools
+
+    meta, layers, run = _reference("meta")
+    for block in layers:
+        block.forward = functools.partial(type(block).forward, block)
+    copies: dict = {}
+    trace(meta, list(layers), BATCH, SEQ, None, run, copies, compiled=True)
+    _, copied = copies[("meta copy", None)]
+    assert all("forward" in b.__dict__ for b in copied)
+    assert [b.forward.args[0] for b in copied] == copied  # each its own copy's

@@ -291,6 +291,7 @@ def trace(
         return forward
 
     handles = []
+    own = [b.__dict__.get("forward") for b in blocks]  # a forward set on the instance (accelerate's hooks)
     for i, b in enumerate(blocks):
         handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
         handles.append(b.register_forward_hook(post(i)))
@@ -305,8 +306,11 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-        for b in blocks:
-            b.__dict__.pop("forward", None)  # the copy may be traced again (``copies``)
+        for b, forward_ in zip(blocks, own):  # the copy may be traced again (``copies``)
+            if forward_ is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = forward_
     for i, j in twin_of.items():
         saved[i], largest[i], count.input_saved[i] = saved[j], largest[j], count.input_saved[j]
     return Traced(saved, inputs, largest, count.input_saved, count.outer, (logits.numel(), logits.dtype))
