@@ -380,27 +380,30 @@ def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # up to four calibrations (two attempts each) on a busy machine
+@pytest.mark.timeout(600)  # one calibration, two attempts when the machine is busy
 def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:
-    """The first --plan without --target calibrates (world 1 here) and caches the
-    profile when it is steady; the second reads the cache. A noisy one (a busy
-    machine) is kept beside the cache, not in it, and the second plan measures again.
-    How long calibrating takes is measured by bench/calibrate.py, not judged here."""
+    """The first --plan without --target calibrates (world 1 here, every size and step
+    of the full calibration) and caches the profile when it is steady, or keeps it
+    beside the cache when it is noisy (a busy machine); a plan over a steady cached
+    profile reads it, whichever way the first one went (tests/test_calibration.py
+    follows the cache through recalibrations and noisy ones). How long calibrating
+    takes is measured by bench/calibrate.py, not judged here."""
     env = {"ISP_COMM_PLAN_CALIBRATE": "1", "ISP_COMM_CACHE_DIR": str(tmp_path)}
     res = _plan("--layers", "2", env=env, timeout=500)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "calibrating this machine once" in res.stderr
-    (cached,) = [f for f in os.listdir(tmp_path) if not f.endswith(".lock")]
-    prof = profiles.load(str(tmp_path / cached))
+    (kept,) = [f for f in os.listdir(tmp_path) if not f.endswith(".lock")]
+    prof = profiles.load(str(tmp_path / kept))
     assert prof.host_step_s and prof.runtime_bytes and "single" in prof.transient_share
-    assert cached.endswith(".noisy.json") != prof.noise["steady"]
-    again = _plan("--layers", "2", env=env, timeout=500)
+    assert kept.endswith(".noisy.json") != prof.noise["steady"]
+    assert prof.noise["steady"] or "not cached" in res.stderr
+    entry = str(tmp_path / profiles.machine_key(1))
+    if not prof.noise["steady"]:  # as if it had been: the measured profile, cached
+        dataclasses.replace(prof, noise={**prof.noise, "steady": True}).save(entry)
+    again = _plan("--layers", "2", env=env, timeout=100)
     assert again.returncode == 0, again.stderr[-2000:]
-    if prof.noise["steady"]:
-        assert "calibrating" not in again.stderr, again.stderr[-2000:]
-        assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
-    else:
-        assert "calibrating this machine once" in again.stderr and "not cached" in res.stderr
+    assert "calibrating" not in again.stderr, again.stderr[-2000:]
+    assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from isp_comm.memory_forecast import PHASES
 from isp_comm.planner.memory import transient
-from isp_comm.planner.profile import COLLECTIVES, Link, Profile, describe_noise, launcher_free_env
+from isp_comm.planner.profile import CALIBRATION_ATTEMPTS, COLLECTIVES, Link, Profile, describe_noise, launcher_free_env
 from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
 from isp_comm.processes import die_with_parent_if_asked
@@ -607,16 +607,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="measure this machine into a planner profile")
     ap.add_argument("--profile", required=True, help="where to write the profile")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--attempts", type=int, default=ATTEMPTS, help="calibrations at most, until one is steady")
+    ap.add_argument(
+        "--attempts", type=int, default=CALIBRATION_ATTEMPTS, help="calibrations at most, until one is steady"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer sizes and steps: a rough profile (tests)")
     args = ap.parse_args()
     steady_calibration(tuple(args.worlds), args.attempts, args.quick, print).save(args.profile)
-
-
-ATTEMPTS = 2
-"""Calibrations ``isp-train --plan`` runs at most until one is steady (:func:`noise`):
-a second costs another minute and a half; a third rarely helps where two in a row
-were noisy (the machine is busy, not unlucky)."""
 
 
 def steady_calibration(

@@ -321,6 +321,11 @@ CALIBRATION_WAIT_S = 1500.0
 ``CALIBRATION_TIMEOUT_S`` per attempt, two attempts at most."""
 CALIBRATION_TIMEOUT_S = 600.0
 """The most one calibration attempt may take before it counts as failed."""
+CALIBRATION_ATTEMPTS = 2
+"""Calibrations ``isp-train --plan`` runs at most until one is steady
+(:func:`~isp_comm.planner.calibrate.noise`): a second costs another minute and a half;
+a third rarely helps where two in a row were noisy (the machine is busy, not unlucky).
+A quick calibration, a rough profile for tests, is not repeated."""
 
 
 def cached(local_world: int, progress=print, *, recalibrate: bool = False, quick: bool = False) -> Profile:
@@ -386,8 +391,8 @@ def _calibrate_into(path: str, noisy: str, local_world: int, quick: bool, progre
     tmp = f"{path}.{os.getpid()}.tmp"
     cmd = [sys.executable, "-m", "isp_comm.planner.calibrate", "--profile", tmp]
     cmd += ["--worlds", "2" if local_world > 1 else "1"]  # the runs this plan reads
-    cmd += ["--quick"] if quick else []
-    attempts = 2
+    attempts = 1 if quick else CALIBRATION_ATTEMPTS
+    cmd += ["--attempts", str(attempts)] + (["--quick"] if quick else [])
     try:
         res = subprocess.run(
             cmd, capture_output=True, text=True, timeout=attempts * CALIBRATION_TIMEOUT_S, env=launcher_free_env()

@@ -26,8 +26,8 @@ from isp_comm.train.sources import load_tokens
 CALIBRATE_ENV = "ISP_COMM_PLAN_CALIBRATE"
 """``0``: --plan without --target or --profile does not calibrate this machine; it
 uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute).
-``quick``: it calibrates with fewer sizes and steps, a rough profile cached under a
-name of its own (tests of the calibration's coordination)."""
+``quick``: it calibrates with fewer sizes and steps, once (not repeated when noisy), a
+rough profile cached under a name of its own (tests of the calibration's coordination)."""
 NOT_FLAGS = {
     "plan", "target", "nodes", "profile", "search", "recalibrate", "nproc_per_node", "nnodes", "rdzv_endpoint",
 }  # fmt: skip
