@@ -259,24 +259,23 @@ def test_the_cache_is_read_recalibrated_and_measured_again_after_a_noisy_profile
 
     def calibration(cmd, **_kw):  # the calibration process: writes its profile where told
         calls.append(cmd)
-        prof = next(made)
-        prof = dataclasses.replace(prof, name=f"calibration {len(calls)}")
-        prof.save(cmd[cmd.index("--profile") + 1])
+        dataclasses.replace(next(made), name=f"calibration {len(calls)}").save(cmd[cmd.index("--profile") + 1])
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", calibration)
     said: list[str] = []
     entry = os.path.join(str(tmp_path), profiles.machine_key(2))
+    noisy = entry.replace(".json", ".noisy.json")  # kept beside the cache, as cached() names it
     assert profiles.cached(2, said.append).name == "calibration 1" and os.path.exists(entry)
     assert "calibrating this machine once" in said[0] and calls[0][calls[0].index("--worlds") + 1] == "2"
     assert calls[0][calls[0].index("--attempts") + 1] == "2" and "--quick" not in calls[0]
     assert profiles.cached(2, said.append).name == "calibration 1" and len(calls) == 1  # read, not measured
     assert profiles.cached(2, said.append, recalibrate=True).name == "calibration 2"  # noisy
     assert "calibrating this machine again" in said[1] and "not cached" in said[2]
-    assert not os.path.exists(entry) and os.path.exists(entry.replace(".json", ".noisy.json"))
+    assert not os.path.exists(entry) and os.path.exists(noisy)
     assert profiles.cached(2, said.append).name == "calibration 3" and len(calls) == 3  # measured again
     assert "calibrating this machine once" in said[3] and os.path.exists(entry)
-    assert not os.path.exists(entry.replace(".json", ".noisy.json"))
+    assert not os.path.exists(noisy)
 
 
 def _descendants(root: int) -> set[int]:
