@@ -20,6 +20,7 @@ EXACT = ("master shards", "replicated params", "pool slots and landing", "reduce
 """Parts the forecast counts from the engine's own decisions: equal, but for AdamW's
 step counts (a 4-byte tensor per parameter, which the forecast leaves out)."""
 SCALARS = 4096
+CPU = torch.device("cpu")
 
 
 def _check(b: Breakdown, pt: Point) -> None:
@@ -122,6 +123,88 @@ def test_reduce_scatter_pairs_given_back_between_backwards_leave_every_other_pea
     for b in (b0, b1):
         for ph in ("forward", "backward", "optimizer"):
             assert b.unattributed(ph) <= UNATTRIBUTED * b.tracked[ph], (ph, b.phases[ph])
+
+
+def _fsdp2_breakdown(rank: int, world: int) -> dict:
+    """bench/virtual.py's FSDP2 (as torchtitan sets it up, its collectives on the
+    virtual backend) on its smallest configuration, full sharding over 4: two steps,
+    then one under the breakdown; the figures the test checks."""
+    from bench.virtual import QUICK, Run, _fsdp2, fixed_layout
+
+    cfg = QUICK["tiny-n4"]
+    model, backend, clip, (per, seq, _), positions, loss_fn = _fsdp2(Run(cfg, fixed_layout(cfg)), "fsdp2", CPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, cfg.model.vocab_size, (per, seq + 1), generator=gen)
+        loss_fn(model(tokens[:, :-1], position_ids=positions), tokens[:, 1:]).backward()
+        clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(), step()
+    tracker = MemoryBreakdown()
+    with tracker:
+        tracker.attach(None, opt, model=model)
+        step()
+    params = list(model.parameters())
+    out = {
+        "breakdown": tracker.result(),
+        "shards": sum(p.to_local().untyped_storage().nbytes() for p in params),  # the padded local shards
+        "params": len(params),
+        # a DTensor's numel is the whole parameter's
+        "block": sum(p.numel() * p.element_size() for p in model.layers[0].parameters()),
+        "head": sum(p.numel() * p.element_size() for p in [*model.norm.parameters(), *model.lm_head.parameters()]),
+    }
+    backend.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_breakdown_of_fsdp2_counts_each_ranks_shard_and_what_it_gathers_for_a_moment() -> None:
+    """FSDP2 beside isp-comm ([Note: what the breakdown reads of FSDP2]): its DTensors
+    counted by their local shards (the moments are 2x this rank's fp32 shards, not 2x
+    the model's), its gathered parameters at the size of the moment though FSDP2
+    resizes their storages in place (a block's at the backward's peak, none when it
+    has resharded), its flat buffers named, and nothing held past its collective."""
+    from isp_comm.testing import run_virtual
+
+    got = run_virtual(_fsdp2_breakdown, 4, 0, timeout_s=150)
+    b, shards = got["breakdown"], got["shards"]
+    for ph in ("forward", "backward", "optimizer"):
+        parts = b.phases[ph]
+        assert sum(parts.values()) == b.tracked[ph], ph
+        assert b.unattributed(ph) <= UNATTRIBUTED * b.tracked[ph], (ph, parts)
+        assert parts["master shards"] == shards, (ph, parts)
+        assert parts["optimizer state"] == 2 * shards + 4 * got["params"], (ph, parts)  # moments and step counts
+    for ph in ("forward", "backward"):  # a block gathered at the peak, perhaps the head and norm (one unit)
+        assert got["block"] <= b.phases[ph]["unsharded params"] <= got["block"] + got["head"], b.phases[ph]
+    backward = b.phases["backward"]
+    assert backward["block gradients (unsharded)"] > 0 and backward["reduce-scatter buffers"] > 0, backward
+    assert backward["all-gather buffers"] > 0, backward
+    for part in ("unsharded params", "all-gather buffers", "reduce-scatter buffers"):  # all resharded, all done
+        assert b.phases["optimizer"].get(part, 0) == 0, (part, b.phases["optimizer"])
+    assert b.phases["optimizer"]["gradient shards"] == shards
+
+
+def test_fsdp2s_copies_name_the_buffers_they_fill() -> None:
+    """FSDP2's own operators name their flat buffers when they fill them, also one no
+    owner holds when the breakdown next reads the owners (the last unit's
+    reduce-scatter input, dropped in FSDP2's final callback of a backward)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines torch.ops.fsdp
+
+    grads, shards = [torch.ones(4), torch.ones(2, 6)], [torch.ones(8), torch.ones(8)]  # made before: untracked
+    tracker = MemoryBreakdown()
+    with tracker, tracker.phase("backward"):
+        rs_input = torch.empty(2, 8)
+        torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=2, out=rs_input)
+        flat = torch.empty(16)
+        torch.ops.fsdp.all_gather_copy_in(shards, flat, [8, 8], 16, 0)
+        gathered = [torch.empty(8), torch.empty(8)]
+        torch.ops.fsdp.split_with_sizes_copy(flat, [8, 8], out=gathered)
+        parts = tracker.result().phases["backward"]
+    assert parts == {"reduce-scatter buffers": 64, "all-gather buffers": 64, "unsharded params": 64}, parts
 
 
 def test_a_tracked_storage_leaves_the_total_when_freed_and_its_peak_stays() -> None:

@@ -206,6 +206,9 @@ class _CommThread:
             if now > end:
                 self.late_s += now - end
             heapq.heappush(pending, (end, next(self._order), handle))
+            # the job's closure holds the collective's tensors: drop it now, or the last
+            # one issued (a step's last reduce-scatter input) lives on until the next
+            job = body = None
 
     def close(self) -> None:
         self._jobs.put(None)

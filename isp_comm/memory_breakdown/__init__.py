@@ -1,6 +1,7 @@
 """Where every byte of a measured peak goes, by the memory forecast's parts.
 
-``MemoryBreakdown`` is a ``TorchDispatchMode`` a training loop runs inside: it notes
+``MemoryBreakdown`` is a ``TorchDispatchMode`` a training loop runs inside (an
+``ISPCommunicator``'s, or PyTorch FSDP2's for the same comparison): it notes
 every tensor storage made while it is active, names the part of the forecast each
 belongs to (its owner, a hook, or the phase it was made in: [Note: how a storage gets
 its part] in :mod:`.tracker`), follows the step's phases by itself, and keeps each
@@ -10,11 +11,12 @@ held beyond the tracked tensors at that moment (CUDA's workspaces and allocator 
 or the CPU process's allocator slack and runtime: [Note: the device lines]).
 
 [Note: the package]
-:mod:`.parts` (the lines and their categories), :mod:`.owners` (which tensors an
-``ISPCommunicator``, its model and optimizer own), :mod:`.result` (the figures and
-their table) and :mod:`.tracker` (the mode and its hooks), each importing only the
-ones before it. It sits above the memory forecast, whose parts it names, and below
-the planner and isp-train.
+:mod:`.parts` (the lines and their categories), :mod:`.fsdp2` (which tensors
+FSDP2's units hold), :mod:`.owners` (which tensors an ``ISPCommunicator``, its
+model and optimizer own), :mod:`.result` (the figures and their table) and
+:mod:`.tracker` (the mode and its hooks), each importing only the ones before it.
+It sits above the memory forecast, whose parts it names, and below the planner and
+isp-train.
 """
 
 from isp_comm.memory_breakdown.parts import CATEGORIES, category

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from isp_comm.memory_breakdown.fsdp2 import fsdp2_parts
+
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
@@ -125,14 +127,17 @@ def optimizer_parts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, tor
 
 
 def owned_parts(
-    comm: Any, optimizers: list[torch.optim.Optimizer], model: nn.Module | None
+    comm: Any, optimizers: list[torch.optim.Optimizer], model: nn.Module | None, fsdp: list[nn.Module] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every owned tensor's part: the communicator's buffers first (a shard's storage is
-    a master shard, not a replicated parameter), then the model's, then the optimizers'."""
+    a master shard, not a replicated parameter), then those of FSDP2's units
+    (``fsdp``: the model's ``fully_shard``-ed modules), then the model's, then the
+    optimizers'."""
     sharded: set[int] = set()
     if comm is not None:
         sharded = {id(s) for unit in comm.sharded_units for s in unit.shards}
         yield from communicator_parts(comm)
+    yield from fsdp2_parts(list(fsdp))
     if model is not None:
         yield from model_parts(model, sharded)
     for opt in optimizers:

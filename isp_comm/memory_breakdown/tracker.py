@@ -37,6 +37,17 @@ does); the forecast's phases are the same (its optimizer phase holds the gradien
 and the step's temporaries, not the loss the loop may still hold). ``wrap`` is the phase from
 entering the tracker to :meth:`MemoryBreakdown.attach`. ``with tracker.phase(name):``
 names any other stretch (``save``, ``load``).
+
+[Note: storages FSDP2 resizes]
+FSDP2 frees a unit's gathered parameters after its forward and brings them back for
+its backward by resizing their storages in place (to 0 bytes and back), which is no
+operator: a dispatch mode sees neither. The tracker keeps those storages apart (the
+``unsharded params`` its owners name, [Note: what the breakdown reads of FSDP2] in
+``fsdp2.py``) and reads their size again before every total it compares: after each
+operator (the copy that fills them after their gather is one), and when a phase
+begins. The size counted at a peak is the size of that moment. Parameters, gradients
+and optimizer state that are DTensors are counted by their local tensors: a rank
+holds its shard, not the tensor's global size.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from isp_comm.memory_breakdown.cuda import allocator_now
+from isp_comm.memory_breakdown.fsdp2 import OPERATOR_PARTS, UNSHARDED, fsdp2_parts, fsdp_modules, unsharded_params
 from isp_comm.memory_breakdown.owners import SHARED, owned_parts
 from isp_comm.memory_breakdown.parts import OTHER
 from isp_comm.memory_breakdown.result import Breakdown, PhasePeak
@@ -85,6 +97,15 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _flat_tensors(v)]
     return []
+
+
+def _size(st: torch.UntypedStorage, cuda: bool) -> tuple[int, int]:
+    """A storage's bytes (on CUDA as the caching allocator's blocks hold them) and its
+    address on the GPU (0 on the host, or when it holds nothing)."""
+    nbytes = st.nbytes()
+    if not cuda or nbytes == 0:
+        return nbytes, 0
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK, st.data_ptr()
 
 
 class MemoryBreakdown(TorchDispatchMode):
@@ -127,7 +148,9 @@ class MemoryBreakdown(TorchDispatchMode):
         self._model_grad = False  # the backward reached the model's output
         self._handles: list[Any] = []
         self._baseline: tuple[int, dict[str, int]] = (0, {})
-        self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors with our hook (by identity)
+        self._fsdp: list[torch.nn.Module] = []  # the model's fully_shard-ed modules
+        self._elastic: dict[int, tuple[weakref.ref, _Storage]] = {}  # [Note: storages FSDP2 resizes]
         self._entered = False
         self._untracked = 0  # untracked() blocks in progress
         # a storage can be freed on another thread (a collective's worker dropping the
@@ -167,28 +190,35 @@ class MemoryBreakdown(TorchDispatchMode):
         for unit in getattr(comm, "units", []):
             for module in {id(sp.module): sp.module for sp in unit.params}.values():
                 self._handles.append(module.register_forward_pre_hook(self._gathered_pre))
+        self._fsdp = fsdp_modules(self._model)
+        for module in self._fsdp:  # after FSDP2's own pre-forward (prepended): the unit is gathered
+            self._handles.append(module.register_forward_pre_hook(self._fsdp_pre))
         self.classify()
         self._enter_phase("idle")
         self._baseline = (self.current, self._device_now())
 
     def classify(self) -> None:
         """Name the owners' tensors alive now (see [Note: how a storage gets its part])."""
-        seen: set[int] = set()
-        for part, t in owned_parts(self._comm, self._optimizers, self._model):
+        self._classify(owned_parts(self._comm, self._optimizers, self._model, self._fsdp))
+
+    def _classify(self, parts: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Name the storages of ``parts`` by their owners (the first owner of a storage
+        names it)."""
+        for part, t in parts:
             if t.device.type == "meta":
                 continue
-            if part.startswith(SHARED):  # named when touched, not counted for existing
-                info = self._known.get(t.untyped_storage())
-            else:
-                info = self._note(t, part, OWNER)
-            if info is not None and id(info) not in seen and info.source < OWNER:
+            if not part.startswith(SHARED):
+                self._tag(t, part, OWNER)
+                continue
+            info = self._known.get(t.untyped_storage())  # named when touched, not counted for existing
+            if info is not None and info.source < OWNER:
                 info.part, info.source = part, OWNER
-            if info is not None:
-                seen.add(id(info))
 
     # ---- storages ---------------------------------------------------------------------
     def _note(self, t: torch.Tensor, part: str, source: int) -> _Storage | None:
-        """The storage of ``t``, tracked from now if it was not (with ``part``)."""
+        """The storage of ``t`` (a DTensor's: its local tensor's), tracked from now if it
+        was not (with ``part``)."""
+        t = getattr(t, "_local_tensor", t)
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
@@ -196,9 +226,7 @@ class MemoryBreakdown(TorchDispatchMode):
         info = self._known.get(st)
         if info is not None:
             return info
-        nbytes, ptr = st.nbytes(), 0
-        if t.device.type == "cuda":
-            nbytes, ptr = -(-max(nbytes, 1) // CUDA_BLOCK) * CUDA_BLOCK, st.data_ptr()
+        nbytes, ptr = _size(st, t.device.type == "cuda")
         info = _Storage(nbytes, part, source, ptr)
         with self._lock:
             self._known[st] = info
@@ -208,6 +236,25 @@ class MemoryBreakdown(TorchDispatchMode):
             self.current += nbytes
             self.current_cuda += nbytes if ptr else 0
         return info
+
+    def _resize_elastic(self) -> bool:
+        """Read the sizes of the storages FSDP2 resizes in place again (see [Note:
+        storages FSDP2 resizes]); whether the total grew."""
+        grew = False
+        with self._lock:
+            for key, (ref, info) in list(self._elastic.items()):
+                st = ref()
+                if st is None:
+                    del self._elastic[key]
+                    continue
+                nbytes, ptr = _size(st, st.device.type == "cuda")
+                if nbytes != info.nbytes:
+                    grew |= nbytes > info.nbytes
+                    self.current += nbytes - info.nbytes
+                    if st.device.type == "cuda":
+                        self.current_cuda += nbytes - info.nbytes
+                    info.nbytes, info.ptr = nbytes, ptr
+        return grew
 
     def _freed(self, ref: weakref.ref) -> None:
         with self._lock:
@@ -241,12 +288,18 @@ class MemoryBreakdown(TorchDispatchMode):
             return out
         if self.phase_name != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()
-        part, grew = None, False
+        part, grew = None, self._resize_elastic() if self._elastic else False
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 before = self.current
                 self._note(t, part or (part := self._context()), CONTEXT)
                 grew |= self.current > before
+        if getattr(func, "namespace", None) == "fsdp" and func.name() in OPERATOR_PARTS:  # FSDP2's copies
+            for t in tree_flatten((out, (kwargs or {}).get("out")))[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    before = self.current
+                    self._tag(t, OPERATOR_PARTS[func.name()])
+                    grew |= self.current > before
         if grew:
             self._bump()
         return out
@@ -275,6 +328,7 @@ class MemoryBreakdown(TorchDispatchMode):
 
     def _enter_phase(self, name: str) -> None:
         self.phase_name = name
+        self._resize_elastic()
         self._bump()
 
     def _bump(self) -> None:
@@ -345,13 +399,35 @@ class MemoryBreakdown(TorchDispatchMode):
         the block's unsharded ones."""
         for p in module._parameters.values():
             if p is not None and p.requires_grad and p.grad_fn is not None and p not in self._hooked:
-                self._hooked.add(p)  # a view the engine keeps across steps takes one hook
+                self._hooked[p] = True  # a view the engine keeps across steps takes one hook
                 p.register_hook(lambda g: self._tag(g, "block gradients (unsharded)"))
 
-    def _tag(self, t: torch.Tensor, part: str) -> None:
-        info = self._note(t, part, HOOK)
-        if info is not None and info.source < HOOK:
-            info.part, info.source = part, HOOK
+    def _fsdp_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        """An FSDP2 unit has gathered its parameters: name its buffers, and have the
+        gradients of the parameters it computes with named when they accumulate (with
+        the unit's buffers again: a backward's gathers and reduce-scatters)."""
+        self._classify(fsdp2_parts([module]))
+        for p in unsharded_params([module]):
+            if p not in self._hooked:
+                self._hooked[p] = True
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda p, m=module: self._fsdp_grad(p, m)))
+
+    def _fsdp_grad(self, p: torch.Tensor, module: torch.nn.Module) -> None:
+        if p.grad is not None:
+            self._tag(p.grad, "block gradients (unsharded)")
+        self._classify(fsdp2_parts([module]))
+
+    def _tag(self, t: torch.Tensor, part: str, source: int = HOOK) -> None:
+        """Name ``t``'s storage ``part`` unless a stronger source named it; follow its
+        size from now when FSDP2 resizes it ([Note: storages FSDP2 resizes])."""
+        info = self._note(t, part, source)
+        if info is None:
+            return
+        if info.source < source:
+            info.part, info.source = part, source
+        known = self._elastic.get(id(info))
+        if part == UNSHARDED and (known is None or known[1] is not info):  # an id outlives its storage
+            self._elastic[id(info)] = (weakref.ref(getattr(t, "_local_tensor", t).untyped_storage()), info)
 
     def _enter_backward(self) -> None:
         self._model_grad = False
