@@ -19,7 +19,7 @@ done those (see docs/gpus.md for what each proves):
 
 ``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
 checks (``virtual-time``, ``virtual-8b``, ``virtual-8b-best``,
-``virtual-8b-best-compiled``, ``virtual-8b-same-layout``, ``virtual-70b``,
+``virtual-8b-best-compiled``, ``virtual-8b-same-layout``, ``virtual-8b-breakdown``, ``virtual-70b``,
 ``virtual-70b-world``, ``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
 run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
@@ -211,6 +211,24 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
                 "5",
             ),
             "isp-comm in FSDP2's fastest Llama-3-8B layout at N=8, beside FSDP2, eager and compiled",
+            default=False,
+        ),
+        Step(
+            "virtual-8b-breakdown",
+            300,
+            _virtual(
+                out,
+                "virtual_8b_breakdown",
+                *best_8b,
+                "--systems",
+                "isp-comm,fsdp2",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+                "--breakdown",
+            ),
+            "the same eager runs, then a step of each under the memory breakdown: their peaks by part side by side",
             default=False,
         ),
         Step(

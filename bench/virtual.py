@@ -342,8 +342,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict:
-    """One process: build, two warm-up steps, ``steps`` timed ones (runs in a virtual world)."""
+def run_system(rank: int, world: int, run: Run, system: str, steps: int, breakdown: bool = False) -> dict:
+    """One process: build, two warm-up steps, ``steps`` timed ones (runs in a virtual
+    world); ``breakdown``: then one more step under the memory breakdown."""
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -359,13 +360,12 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict
     def gathered() -> int:  # all-gathers issued so far (FSDP2: its units' gathers on the backend)
         return stats()["all_gathers"] if stats else comm.issued["all_gather"]
 
-    for step in range(steps + 2):
+    def draw() -> list[torch.Tensor]:
         batches = [torch.randint(0, vocab, (per, seq + 1), generator=gen).to(device) for _ in range(accum)]
         _sync(device)
-        s0 = stats() if stats else None
-        m0 = comm.modelled_comm_s if not stats else 0.0
-        g0 = gathered()
-        t0 = time.perf_counter()
+        return batches
+
+    def step(batches: list[torch.Tensor]) -> torch.Tensor:
         for tokens in batches:
             loss = loss_fn(model(tokens[:, :-1], position_ids=positions), tokens[:, 1:]) / accum
             loss.backward()
@@ -373,8 +373,17 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
+        return loss
+
+    for i in range(steps + 2):
+        batches = draw()
+        s0 = stats() if stats else None
+        m0 = comm.modelled_comm_s if not stats else 0.0
+        g0 = gathered()
+        t0 = time.perf_counter()
+        loss = step(batches)
         dt = time.perf_counter() - t0
-        if step >= 2:
+        if i >= 2:
             times.append(dt)
             gathers.append(gathered() - g0)
             if stats:
@@ -384,7 +393,7 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict
             else:
                 issued.append(comm.modelled_comm_s - m0)
         if not math.isfinite(float(loss.detach())):
-            raise RuntimeError(f"{system}: loss {float(loss)} at step {step}")
+            raise RuntimeError(f"{system}: loss {float(loss)} at step {i}")
     out = {
         "step_s": statistics.median(times),
         "comm_s": statistics.median(issued),
@@ -392,8 +401,33 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int) -> dict
         "all_gathers": statistics.median(gathers),
         **_peak(device),
     }
+    if breakdown:
+        out["breakdown"] = measure_breakdown(lambda: step(draw()), comm, opt, model)
     comm.close()
     return out
+
+
+BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
+BREAKDOWN_SYSTEMS = ("isp-comm", "fsdp2")
+"""``--breakdown``: the systems whose step the memory breakdown sees (eager ones)."""
+
+
+def measure_breakdown(step, comm, opt, model: torch.nn.Module) -> dict:
+    """One step under ``isp_comm.memory_breakdown.MemoryBreakdown`` (``comm``: the
+    ``ISPCommunicator``, or FSDP2's backend: the breakdown then finds FSDP2's units in
+    ``model``): the phase whose tracked peak is highest, its parts, and what the device
+    held beyond the tracked tensors at that moment."""
+    from isp_comm import ISPCommunicator
+    from isp_comm.memory_breakdown import MemoryBreakdown
+
+    tracker = MemoryBreakdown()
+    with tracker:
+        tracker.attach(comm if isinstance(comm, ISPCommunicator) else None, opt, model=model)
+        step()
+    b = tracker.result()
+    phase = max(BREAKDOWN_PHASES, key=lambda ph: b.tracked.get(ph, 0))
+    parts = {k: v for k, v in b.phases[phase].items() if v}
+    return {"phase": phase, "tracked": b.tracked[phase], "parts": parts, "device": b.device[phase]}
 
 
 def predict(run: Run, device: torch.device | None = None, compiled: bool = False) -> dict:
@@ -542,10 +576,13 @@ def bench_config(
     layout: str = "fixed",
     kind: str = "any",
     systems: tuple[str, ...] | None = None,
+    breakdown: bool = False,
 ) -> dict:
     """Every system (or ``systems``), ``repeats`` processes each, and the planner's
     prediction. ``layout="best"``: isp-comm in the fastest layout of ``kind`` that
-    fits, FSDP2 in its own fastest that fits (full or hybrid sharding)."""
+    fits, FSDP2 in its own fastest that fits (full or hybrid sharding).
+    ``breakdown``: each eager system's processes end with one step under the memory
+    breakdown (compiled code is not seen inside, and compute-only is isp-comm's)."""
     device = _device()
     lay, said = (fixed_layout(cfg), None) if layout == "fixed" else best_layout(cfg, device, kind)
     run = Run(cfg, lay)
@@ -564,8 +601,11 @@ def bench_config(
         built = system.removesuffix(IN_FSDP2_LAYOUT)
         for r in range(repeats):
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, timeout_s=timeout_s))
-        result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0]}}
+            broken_down = breakdown and built in BREAKDOWN_SYSTEMS
+            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, broken_down, timeout_s=timeout_s))
+        result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0] if k != "breakdown"}}
+        if "breakdown" in runs[0]:
+            result["systems"][system]["breakdown"] = median_breakdown([r["breakdown"] for r in runs])
     result["systems"]["planner"] = predict(run, device)
     if any(s.endswith("compiled") and s.startswith("isp-comm") for s in result["systems"]):
         result["systems"]["planner compiled"] = predict(run, device, compiled=True)
@@ -672,6 +712,51 @@ def notes(result: dict) -> str:
     return "\n".join(lines)
 
 
+def median_breakdown(runs: list[dict]) -> dict:
+    """The runs' breakdowns (:func:`measure_breakdown`) as one: each part's and each
+    device line's median, at the phase most runs peaked in."""
+    phases = [b["phase"] for b in runs]
+    out: dict = {"phase": max(set(phases), key=phases.count), "runs": len(runs)}
+    for key in ("parts", "device"):
+        names = list(dict.fromkeys(n for b in runs for n in b[key]))
+        out[key] = {n: statistics.median(b[key].get(n, 0) for b in runs) for n in names}
+    out["tracked"] = statistics.median(b["tracked"] for b in runs)
+    return out
+
+
+def breakdown_tables(result: dict) -> str:
+    """``--breakdown``: each broken-down system's peak (the phase of its highest tracked
+    total) by category, then by part, in MiB side by side, with the device's lines."""
+    from isp_comm.memory_breakdown import CATEGORIES, category
+
+    named = {k: s["breakdown"] for k, s in result["systems"].items() if "breakdown" in s}
+    if not named:
+        return ""
+    header = ["", *(f"{k} ({b['phase']})" for k, b in named.items())]
+
+    def mib(v: float) -> str:
+        return f"{v / 2**20:,.2f}"
+
+    by_cat = {
+        c: [sum(v for p, v in b["parts"].items() if category(p) == c) for b in named.values()] for c in CATEGORIES
+    }
+    rows = [[c, *map(mib, vals)] for c, vals in by_cat.items() if any(vals)]
+    rows.append(["**tracked peak**", *(f"**{mib(b['tracked'])}**" for b in named.values())])
+    lines = list(dict.fromkeys(n for b in named.values() for n in b["device"]))
+    rows += [[f"device: {n}", *(mib(b["device"].get(n, 0)) for b in named.values())] for n in lines]
+    parts = sorted(
+        {p for b in named.values() for p in b["parts"]}, key=lambda p: (list(CATEGORIES).index(category(p)), p)
+    )
+    part_rows = [[f"{p} ({category(p)})", *(mib(b["parts"].get(p, 0)) for b in named.values())] for p in parts]
+    return (
+        "Memory at each system's peak, by category (MiB; one step after the timed ones, "
+        "tracked tensors and the device's lines at that moment):\n\n"
+        + markdown_table(header, rows, "l" + "r" * len(named))
+        + "\n\nBy part:\n\n"
+        + markdown_table(header, part_rows, "l" + "r" * len(named))
+    )
+
+
 def scaling_table(results: list[dict], peak_tflops: float) -> str:
     """``--scaling``: each world's tokens/s/GPU, and its efficiency against the first's."""
     rows, first = [], None
@@ -707,6 +792,10 @@ def main() -> None:
         "--scaling", action="store_true",
         help=f"{', '.join(SCALING)} in the planner's best layout each: tokens/s/GPU and efficiency against N=8",
     )  # fmt: skip
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="then one more step of each eager system under the memory breakdown: its peak by part, side by side",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=0, help="processes per system (default: 3; 1 with --quick)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after two warm-up steps")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a process may take")
@@ -732,12 +821,16 @@ def main() -> None:
     for name in names:
         cfg = {**CONFIGS, **QUICK}[name]
         systems = tuple(args.systems.split(",")) if args.systems else None
-        res = bench_config(name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems)
+        res = bench_config(
+            name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems, args.breakdown
+        )
         res["target"] = res["systems"]["planner"]["target"]
         results.append(res)
         print(f"\n### {name}: {describe(res)}\n")
         print(table(res, peak))
         print(f"\n{notes(res)}")
+        if args.breakdown:
+            print(f"\n{breakdown_tables(res)}")
     if args.scaling:
         print("\n### scaling\n")
         print(scaling_table(results, peak))

@@ -19,11 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> None:
     # tiny-n8-world: independent sharding (weights over WP 2, state over all 8) beside FSDP2
     cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--quick", "--config", config]
-    cmd += ["--steps", "1", "--out", str(tmp_path)]
+    cmd += ["--steps", "1", "--breakdown", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {ln.split("|")[1].strip(): ln for ln in res.stdout.splitlines() if ln.startswith("| ")}
     assert {"isp-comm", "fsdp2", "compute-only", "planner"} <= set(rows), res.stdout
+    # --breakdown: both eager systems' peaks by category, side by side, each adding up
+    assert "Memory at each system's peak, by category" in res.stdout and "**tracked peak**" in rows, res.stdout
     assert "measured: each system's compute" in res.stdout and "not calibrated on this machine" in res.stdout
     assert "FSDP2's exposed comm: its step less the compute-only step" in res.stdout
     with open(tmp_path / "virtual.json") as f:
@@ -43,11 +45,15 @@ def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> 
     ratio = systems["isp-comm"]["comm_s"]["median"] / systems["fsdp2"]["comm_s"]["median"]
     assert 0.5 < ratio < 2.0, ratio
     assert systems["compute-only"]["comm_s"]["median"] == 0
+    assert "breakdown" not in systems["compute-only"]
+    for name in ("isp-comm", "fsdp2"):
+        b = systems[name]["breakdown"]
+        assert sum(b["parts"].values()) == b["tracked"] > 0 and b["parts"].get("other", 0) <= 0.02 * b["tracked"], b
 
 
 def _summaries(system: dict) -> list[dict]:
-    """A system's figures summarised over its runs (every key but ``runs``)."""
-    return [v for k, v in system.items() if k != "runs" and isinstance(v, dict)]
+    """A system's figures summarised over its runs (every key but ``runs`` and the breakdown's)."""
+    return [v for k, v in system.items() if k not in ("runs", "breakdown") and isinstance(v, dict)]
 
 
 @pytest.mark.slow
@@ -140,7 +146,7 @@ def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
 
     calls = []
 
-    def record(fn, world, rank, run, system, steps, timeout_s):
+    def record(fn, world, rank, run, system, steps, breakdown, timeout_s):
         calls.append((system, run.layout))
         return {"step_s": 1.0, "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
 
