@@ -94,6 +94,13 @@ class Config:
     memory_gib: float = 0.0
     """``--layout best``: what a layout must fit in (0: the device's memory), e.g. 80 for
     "fits an 80 GB GPU" on an H200."""
+    release_reduce_buffers: bool | None = None
+    """isp-comm's ``ISPConfig.release_reduce_buffers`` (None: its default for the
+    device; True on CPU gives the reduce-scatter pairs back between backwards, as a
+    CUDA run does by default)."""
+    memory_pool: bool = True
+    """isp-comm's ``ISPConfig.memory_pool`` (False: each gathered block's buffer made
+    when it is gathered and freed when it is released, as FSDP2 does)."""
 
 
 def _llama(vocab, hidden, ffn, layers, heads, kv, seq) -> LlamaConfig:
@@ -139,6 +146,19 @@ QUICK = {  # on CPU: fp32, the nominal cpu target's links (5 GB/s in a node of N
         wp=2,
         state_sharding="world",
     ),  # fmt: skip
+}
+_LLAMA3_8B_64TH = Config(
+    world=8, target="cpux8", model=_llama(16032, 512, 1792, 4, 4, 1, 1024), seq=1024, release_reduce_buffers=True
+)
+SCALED = {
+    # on CPU, by name only: Llama-3-8B's fixed layout at N=8 (wp 8, the outer parameters sharded,
+    # every block checkpointed, bf16 compute) at 1/8 of its width (4 heads of 128, one KV head),
+    # vocabulary and sequence, 4 blocks: every per-block buffer, the embedding, the head and the
+    # logits are 1/64 of the 8B's (bench/memory_breakdown.py --review's point); the reduce-scatter
+    # pairs given back between backwards, as on CUDA
+    "llama3-8b-64th": _LLAMA3_8B_64TH,
+    # the same without isp-comm's pool: each block's gathered buffer made and freed around its use, as FSDP2's
+    "llama3-8b-64th-unpooled": dataclasses.replace(_LLAMA3_8B_64TH, memory_pool=False),
 }
 SYSTEMS = ("isp-comm", "fsdp2", "compute-only")
 """``--layout fixed``: eager runs."""
@@ -221,6 +241,8 @@ def _isp_config(cfg: Config, layout):
         shard_outer_params=layout.shard_outer,
         vocab_parallel=layout.vocab_parallel,
         state_sharding=layout.state_sharding,
+        release_reduce_buffers=cfg.release_reduce_buffers,
+        memory_pool=cfg.memory_pool,
         param_dtype=torch.bfloat16 if cfg.bf16 else None,
         reduce_dtype=torch.float32 if cfg.bf16 else None,
         # No init_seed: a seeded initialisation draws every module on the host's one
@@ -778,7 +800,10 @@ def scaling_table(results: list[dict], peak_tflops: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny configurations on CPU (under 5 minutes)")
-    ap.add_argument("--config", choices=[*CONFIGS, *QUICK], action="append", help="only these (repeatable)")
+    ap.add_argument(
+        "--config", choices=[*CONFIGS, *QUICK, *SCALED], action="append",
+        help=f"only these (repeatable); {', '.join(SCALED)} runs on CPU, named only",
+    )  # fmt: skip
     ap.add_argument(
         "--layout", choices=("fixed", "best"), default="fixed",
         help="the configuration's own layout, or --plan --search's fastest that fits, eager and compiled",
@@ -806,8 +831,8 @@ def main() -> None:
     if args.scaling:
         args.layout, args.systems = "best", args.systems or "isp-comm"
     repeats = args.repeats or (1 if args.quick else 3)
-    if not args.quick and not torch.cuda.is_available():
-        ap.error("the GPU configurations need CUDA: run with --quick on CPU")
+    if any(n in CONFIGS for n in names) and not torch.cuda.is_available():
+        ap.error(f"the GPU configurations need CUDA: run with --quick (or --config {', '.join(SCALED)}) on CPU")
     known = (*BEST_SYSTEMS, *(f"isp-comm{c}{IN_FSDP2_LAYOUT}" for c in ("", " compiled")))
     unknown = [s for s in args.systems.split(",") if s and s not in known]
     if unknown:
@@ -819,7 +844,7 @@ def main() -> None:
     peak = peak_tflops(_device())
     results = []
     for name in names:
-        cfg = {**CONFIGS, **QUICK}[name]
+        cfg = {**CONFIGS, **QUICK, **SCALED}[name]
         systems = tuple(args.systems.split(",")) if args.systems else None
         res = bench_config(
             name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems, args.breakdown

@@ -42,6 +42,7 @@ class Point:
     bf16: bool = False
     state_sharding: str = "wp"
     release_reduce_buffers: bool | None = None
+    memory_pool: bool = True
     optimizer: str = "adamw"
     model: str = "llama"  # or "qwen2" (transformers)
     batch: int = 4
@@ -61,6 +62,7 @@ class Point:
         knobs += ["bf16"] if self.bf16 else []
         knobs += [f"state over {self.state_sharding}"] if self.state_sharding != "wp" else []
         knobs += ["pairs released"] if self.release_reduce_buffers else []
+        knobs += ["no pool"] if not self.memory_pool else []
         return ", ".join(knobs)
 
 
@@ -106,6 +108,7 @@ def isp_config(pt: Point):
         vocab_parallel=pt.vocab_parallel,
         state_sharding=pt.state_sharding,
         release_reduce_buffers=pt.release_reduce_buffers,
+        memory_pool=pt.memory_pool,
         init_seed=0,
         **mp,
     )

@@ -21,6 +21,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+BREAKDOWN = "tests/test_memory_breakdown.py::"
+FSDP2_BREAKDOWN = BREAKDOWN + "test_fsdp2_breakdown_counts_local_shards_and_resized_gathers"
 # name -> (file, old text, new text, tests that must fail)
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "skipped update of one block": (
@@ -133,6 +135,30 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            torch.compiler._is_compiling_flag = True\n",
         "            torch.compiler._is_compiling_flag = compiling\n",
         ["tests/test_memory_forecast_compiled.py::test_the_trace_takes_the_path_a_compiled_block_takes"],
+    ),
+    "DTensors counted at their global size (memory breakdown)": (
+        "isp_comm/memory_breakdown/tracker.py",
+        '        t = getattr(t, "_local_tensor", t)\n        try:',
+        "        try:",
+        [FSDP2_BREAKDOWN],
+    ),
+    "storages resized in place counted at their first size (memory breakdown)": (
+        "isp_comm/memory_breakdown/tracker.py",
+        "        grew = False\n        with self._lock:",
+        "        grew = False\n        return grew\n        with self._lock:",
+        [FSDP2_BREAKDOWN, BREAKDOWN + "test_breakdown_follows_the_slots_made_and_freed_without_the_pool"],
+    ),
+    "FSDP2's copy operators name nothing (memory breakdown)": (
+        "isp_comm/memory_breakdown/fsdp2.py",
+        'OPERATOR_PARTS = {"fsdp::all_gather_copy_in"',
+        'OPERATOR_PARTS = {} and {"fsdp::all_gather_copy_in"',
+        [BREAKDOWN + "test_fsdp2s_copies_name_the_buffers_they_fill"],
+    ),
+    "the CPU virtual comm thread keeps its last collective's tensors": (
+        "isp_comm/backends/virtual.py",
+        "            job = body = None\n",
+        "            pass\n",
+        [FSDP2_BREAKDOWN],
     ),
 }
 

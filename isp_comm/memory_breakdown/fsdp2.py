@@ -9,7 +9,8 @@ before. A group's ``FSDPParam`` objects hold
 - ``_sharded_param_data``: the padded local shard of the parameter, in its own dtype
   (the fp32 master under a bf16 mixed-precision policy): a master shard;
 - ``sharded_param.grad``: a DTensor whose local tensor is the gradient shard (a view
-  of the reduce-scatter's output, when nothing was accumulated into it);
+  of the reduce-scatter's output, or of its cast to the parameter's dtype, when
+  nothing was accumulated into it);
 - ``all_gather_outputs`` (and ``_unsharded_inner_tensors`` for tensor subclasses):
   the unsharded parameters, in the gather dtype. FSDP2 frees and re-allocates them
   by resizing their storages in place (``free_storage``, ``alloc_storage``), which no
@@ -24,7 +25,8 @@ copy-out is ordered after it (``all_gather_state``), the reduce-scatter inputs s
 in flight (``reduce_scatter_states``, or ``reduce_scatter_state`` before 2.13), and
 a group its replicas' all-reduce input (``_all_reduce_state``) and the partial
 output of an accumulation without reduce (``_partial_reduce_output``). These are
-FSDP2's private names, checked against torch 2.11 and 2.13; a rename leaves those
+FSDP2's private names, checked against torch 2.11 (``_fsdp_param_group``,
+``reduce_scatter_state``) and 2.13; a rename leaves those
 tensors to a part named by when they were made, or to ``other``, which the
 breakdown's FSDP2 test bounds.
 """
@@ -42,17 +44,15 @@ UNSHARDED = "unsharded params"
 slots and outer gather play."""
 
 
-OPERATOR_PARTS = {
-    "fsdp::all_gather_copy_in": "all-gather buffers",
-    "fsdp::split_with_sizes_copy": UNSHARDED,
-    "fsdp::chunk_cat": "reduce-scatter buffers",
-}
+OPERATOR_PARTS = {"fsdp::all_gather_copy_in": "all-gather buffers", "fsdp::chunk_cat": "reduce-scatter buffers"}
 """FSDP2's own operators (``torch.ops.fsdp``) -> the part of the tensors they make or
-write: the flat all-gather buffer its inputs are copied into, the unsharded
-parameters the gathered bytes are copied out to, and the flat reduce-scatter input
-the gradients are copied into. They name a buffer the moment it is filled, also one
-that dies before any owner is read (the last unit's reduce-scatter input, dropped in
-FSDP2's final callback of a backward)."""
+write: the flat all-gather buffer its inputs are copied into, and the flat
+reduce-scatter input the gradients are copied into. They name a buffer the moment it
+is filled, also one that dies before any owner is read (the last unit's
+reduce-scatter input, dropped in FSDP2's final callback of a backward). Not
+``split_with_sizes_copy``, the copy out to the gathered parameters: for a parameter
+sharded on another dimension than the first it writes temporaries, which FSDP2 then
+copies in; the gathered parameters are named by their owners."""
 
 
 def fsdp_modules(model: nn.Module | None) -> list[nn.Module]:

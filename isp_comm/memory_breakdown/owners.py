@@ -7,7 +7,8 @@ The engine's buffers are found where the engine keeps them: every unit's
 aliasing]), and with pieces its ``flat_shard`` apart (the WP shard in the gather
 dtype) and the replica all-gather's send and landing buffers
 (``WeightRefresh._buffers``); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
-``_staging``, ``_send``) and the reduce-scatter pairs, free or in flight
+``_staging``, ``_send``; without the pool, the cast send buffers the gathers keep,
+``GatherResources.send``) and the reduce-scatter pairs, free or in flight
 (``ReduceScatterBuffers._made``; with ``release_reduce_buffers`` they are made in a
 backward and dropped when it ends, so the tracker reads the owners once more before
 the engine's end of backward: [Note: how a storage gets its part] in
@@ -63,6 +64,8 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for t in _tensors(buffers):
             yield part, t
     engine = comm.engine
+    for t in getattr(getattr(engine, "_res", None), "send", {}).values():  # the cast send buffers kept without the pool
+        yield "pool slots and landing", t
     region = getattr(engine, "_root_region", None)
     if region is not None:
         yield "outer gather", region

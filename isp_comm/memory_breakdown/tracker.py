@@ -41,11 +41,16 @@ names any other stretch (``save``, ``load``).
 [Note: storages FSDP2 resizes]
 FSDP2 frees a unit's gathered parameters after its forward and brings them back for
 its backward by resizing their storages in place (to 0 bytes and back), which is no
-operator: a dispatch mode sees neither. The tracker keeps those storages apart (the
+operator: a dispatch mode sees neither (isp-comm's slots without the pool,
+``memory_pool=False``, do the same). The tracker keeps those storages apart (the
 ``unsharded params`` its owners name, [Note: what the breakdown reads of FSDP2] in
-``fsdp2.py``) and reads their size again before every total it compares: after each
-operator (the copy that fills them after their gather is one), and when a phase
-begins. The size counted at a peak is the size of that moment. Parameters, gradients
+``fsdp2.py``, and the pool's slots) and reads their sizes again before the totals it
+compares: after each operator those that hold bytes (a free can only shrink them),
+and all of them after each of FSDP2's own operators (its copy into the gathered
+parameters follows their allocation) and each ``set_`` (isp-comm's view of a slot it
+has just resized), in FSDP2's hooks and when a phase begins. The size
+counted at a peak is the size of that moment. A resize between two of those points
+(FSDP2 at world 1 copies without an operator of its own) is counted at the next. Parameters, gradients
 and optimizer state that are DTensors are counted by their local tensors: a rank
 holds its shard, not the tensor's global size.
 """
@@ -75,6 +80,9 @@ CONTEXT, HOOK, OWNER = 0, 1, 2
 GATHERED_NODE = "UnshardBlock"
 """The autograd node whose backward receives a block's unsharded weight gradients and
 packs them for their reduce-scatter (``isp_comm/hooks/autograd.py``)."""
+RESIZED = (UNSHARDED, "pool slots and landing")
+"""Parts whose storages may be resized in place (see [Note: storages FSDP2 resizes]):
+FSDP2's gathered parameters, and isp-comm's slots with ``memory_pool=False``."""
 CUDA_BLOCK = 512
 """The CUDA caching allocator's smallest block and rounding (c10/cuda/CUDACachingAllocator.cpp)."""
 
@@ -151,6 +159,8 @@ class MemoryBreakdown(TorchDispatchMode):
         self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors with our hook (by identity)
         self._fsdp: list[torch.nn.Module] = []  # the model's fully_shard-ed modules
         self._elastic: dict[int, tuple[weakref.ref, _Storage]] = {}  # [Note: storages FSDP2 resizes]
+        self._holding: dict[int, tuple[weakref.ref, _Storage]] = {}  # of those, the ones not empty now
+        self._grad_hooked: list[torch.Tensor] = []  # FSDP2's parameters with our hook while entered
         self._entered = False
         self._untracked = 0  # untracked() blocks in progress
         # a storage can be freed on another thread (a collective's worker dropping the
@@ -171,6 +181,9 @@ class MemoryBreakdown(TorchDispatchMode):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self._grad_hooked:  # their hooks are gone: a later attach hooks them again
+            self._hooked.pop(p, None)
+        self._grad_hooked.clear()
         self._entered = False
         return super().__exit__(*exc)
 
@@ -237,18 +250,24 @@ class MemoryBreakdown(TorchDispatchMode):
             self.current_cuda += nbytes if ptr else 0
         return info
 
-    def _resize_elastic(self) -> bool:
-        """Read the sizes of the storages FSDP2 resizes in place again (see [Note:
-        storages FSDP2 resizes]); whether the total grew."""
+    def _resize_elastic(self, everything: bool = True) -> bool:
+        """Read the sizes of the storages resized in place again (see [Note: storages
+        FSDP2 resizes]): all of them, or (``everything=False``, after any operator) only
+        those holding bytes, the ones a free can shrink; whether the total grew."""
         grew = False
         with self._lock:
-            for key, (ref, info) in list(self._elastic.items()):
+            for key, (ref, info) in list((self._elastic if everything else self._holding).items()):
                 st = ref()
                 if st is None:
-                    del self._elastic[key]
+                    self._elastic.pop(key, None)
+                    self._holding.pop(key, None)
                     continue
                 nbytes, ptr = _size(st, st.device.type == "cuda")
-                if nbytes != info.nbytes:
+                if nbytes:
+                    self._holding[key] = (ref, info)
+                else:
+                    self._holding.pop(key, None)
+                if (nbytes, ptr) != (info.nbytes, info.ptr):
                     grew |= nbytes > info.nbytes
                     self.current += nbytes - info.nbytes
                     if st.device.type == "cuda":
@@ -288,15 +307,20 @@ class MemoryBreakdown(TorchDispatchMode):
             return out
         if self.phase_name != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()
-        part, grew = None, self._resize_elastic() if self._elastic else False
+        if func.overloadpacket is torch.ops.aten.set_:  # isp-comm's slot without the pool, resized to a block
+            grew = self._resize_elastic()
+        else:
+            grew = self._resize_elastic(everything=False) if self._holding else False
+        part = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 before = self.current
                 self._note(t, part or (part := self._context()), CONTEXT)
                 grew |= self.current > before
-        if getattr(func, "namespace", None) == "fsdp" and func.name() in OPERATOR_PARTS:  # FSDP2's copies
+        if getattr(func, "namespace", None) == "fsdp":  # FSDP2's: its gathered parameters were just allocated
+            grew |= self._resize_elastic()
             for t in tree_flatten((out, (kwargs or {}).get("out")))[0]:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if func.name() in OPERATOR_PARTS and isinstance(t, torch.Tensor) and t.device.type != "meta":
                     before = self.current
                     self._tag(t, OPERATOR_PARTS[func.name()])
                     grew |= self.current > before
@@ -410,12 +434,15 @@ class MemoryBreakdown(TorchDispatchMode):
         for p in unsharded_params([module]):
             if p not in self._hooked:
                 self._hooked[p] = True
+                self._grad_hooked.append(p)
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, m=module: self._fsdp_grad(p, m)))
+        self._resize_elastic()
 
     def _fsdp_grad(self, p: torch.Tensor, module: torch.nn.Module) -> None:
         if p.grad is not None:
             self._tag(p.grad, "block gradients (unsharded)")
         self._classify(fsdp2_parts([module]))
+        self._resize_elastic()
 
     def _tag(self, t: torch.Tensor, part: str, source: int = HOOK) -> None:
         """Name ``t``'s storage ``part`` unless a stronger source named it; follow its
@@ -426,8 +453,11 @@ class MemoryBreakdown(TorchDispatchMode):
         if info.source < source:
             info.part, info.source = part, source
         known = self._elastic.get(id(info))
-        if part == UNSHARDED and (known is None or known[1] is not info):  # an id outlives its storage
-            self._elastic[id(info)] = (weakref.ref(getattr(t, "_local_tensor", t).untyped_storage()), info)
+        if part in RESIZED and (known is None or known[1] is not info):  # an id outlives its storage
+            with self._lock:
+                self._elastic[id(info)] = (weakref.ref(getattr(t, "_local_tensor", t).untyped_storage()), info)
+                if info.nbytes:
+                    self._holding[id(info)] = self._elastic[id(info)]
 
     def _enter_backward(self) -> None:
         self._model_grad = False
@@ -459,5 +489,6 @@ class MemoryBreakdown(TorchDispatchMode):
         allocator holds now beyond the tracked tensors, by kind ([Note: untracked
         blocks]: a snapshot of the allocator, taken here)."""
         self.classify()
+        self._resize_elastic()
         untracked = allocator_now({info.ptr for info in self._live.values() if info.ptr})
         return Breakdown.of(self._peaks, self._baseline, untracked)
