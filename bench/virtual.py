@@ -6,6 +6,7 @@ collectives, the compute-only bound and the planner's prediction.
     python bench/virtual.py --config llama3-8b --repeats 3 --out DIR
     python bench/virtual.py --config llama3-8b --layout best    # the planner's fastest layout that fits
     python bench/virtual.py --quick --layout best                # the same, tiny, on CPU
+    python bench/virtual.py --config llama3-8b-64th --systems isp-comm,fsdp2 --breakdown   # CPU: peaks by part
 
 Each system runs in a process of its own as rank 0 of a virtual world of N ranks
 (torch's fake process group, ``isp_comm.virtual``), with the job's batch per rank.
