@@ -205,7 +205,7 @@ def test_fsdp2s_copies_name_the_buffers_they_fill() -> None:
     assert parts == {"reduce-scatter buffers": 64, "all-gather buffers": 64}, parts
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_breakdown_follows_the_slots_made_and_freed_without_the_pool() -> None:
     """``memory_pool=False``: a block's slot is resized to its bytes when gathered and
     to nothing when released, as FSDP2 does, which no operator shows ([Note: storages
@@ -223,6 +223,23 @@ def test_breakdown_follows_the_slots_made_and_freed_without_the_pool() -> None:
         assert b0.phases[ph]["pool slots and landing"] == send, (ph, b0.phases[ph])
     for ph in ("forward", "backward", "optimizer"):
         assert b0.unattributed(ph) <= UNATTRIBUTED * b0.tracked[ph], (ph, b0.phases[ph])
+    # the forecast of memory_pool=False: the kept send buffer alone outside the blocks' backward, the
+    # slots and the pairs in flight in it ([Note: slot lifetime]); its forward misses the measurement by
+    # what the pooled forecast misses (the log-sum-exp's chunk the tracker cannot see), its optimizer
+    # step matches but for AdamW's step counts, and its backward, whose moment adds up bounds (two
+    # reduces in flight, the head's gradients), is not under the measured peak
+    fc, pooled = forecast_point(pt), dataclasses.replace(pt, memory_pool=True)
+    (p0, _), fc_pooled = measure_breakdown(pooled), forecast_point(pooled)
+
+    def tensors(parts: dict[str, int]) -> int:
+        return sum(v for k, v in parts.items() if not k.startswith("runtime"))
+
+    for ph in ("forward", "optimizer"):
+        assert fc.phases[ph]["pool slots and landing"] == send, (ph, fc.phases[ph])
+    gap = tensors(fc_pooled.phases["forward"]) - p0.tracked["forward"]
+    assert abs(tensors(fc.phases["forward"]) - b0.tracked["forward"] - gap) <= SCALARS, (fc.phases["forward"], gap)
+    assert abs(tensors(fc.phases["optimizer"]) - b0.tracked["optimizer"]) <= SCALARS
+    assert tensors(fc.phases["backward"]) >= b0.tracked["backward"]
 
 
 def test_a_tracked_storage_leaves_the_total_when_freed_and_its_peak_stays() -> None:

@@ -9,7 +9,7 @@ dtype) and the replica all-gather's send and landing buffers
 (``WeightRefresh._buffers``); the pool's slots, landing and cast send buffers (``SlotPool._slots``,
 ``_staging``, ``_send``; without the pool, the cast send buffers the gathers keep,
 ``GatherResources.send``) and the reduce-scatter pairs, free or in flight
-(``ReduceScatterBuffers._made``; with ``release_reduce_buffers`` they are made in a
+(``ReduceScatterBuffers._made``, without the pool ``_lent``; with ``release_reduce_buffers`` they are made in a
 backward and dropped when it ends, so the tracker reads the owners once more before
 the engine's end of backward: [Note: how a storage gets its part] in
 ``tracker.py``); the outer unit's gathered region (``BlockEngine._root_region``) and
@@ -60,6 +60,7 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
         ("pool slots and landing", getattr(pool, "_staging", {})),
         ("pool slots and landing", getattr(pool, "_send", {})),
         ("reduce-scatter buffers", getattr(comm.rs_buffers, "_made", {})),
+        ("reduce-scatter buffers", getattr(comm.rs_buffers, "_lent", [])),
     ):
         for t in _tensors(buffers):
             yield part, t

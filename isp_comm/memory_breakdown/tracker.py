@@ -161,6 +161,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._elastic: dict[int, tuple[weakref.ref, _Storage]] = {}  # [Note: storages FSDP2 resizes]
         self._holding: dict[int, tuple[weakref.ref, _Storage]] = {}  # of those, the ones not empty now
         self._grad_hooked: list[torch.Tensor] = []  # FSDP2's parameters with our hook while entered
+        self._lent: list = []  # without the pool: the reduce-scatter pairs in flight (made and freed in a backward)
         self._entered = False
         self._untracked = 0  # untracked() blocks in progress
         # a storage can be freed on another thread (a collective's worker dropping the
@@ -203,6 +204,7 @@ class MemoryBreakdown(TorchDispatchMode):
         for unit in getattr(comm, "units", []):
             for module in {id(sp.module): sp.module for sp in unit.params}.values():
                 self._handles.append(module.register_forward_pre_hook(self._gathered_pre))
+        self._lent = getattr(getattr(comm, "rs_buffers", None), "_lent", None) or []  # read while they live
         self._fsdp = fsdp_modules(self._model)
         for module in self._fsdp:  # after FSDP2's own pre-forward (prepended): the unit is gathered
             self._handles.append(module.register_forward_pre_hook(self._fsdp_pre))
@@ -311,6 +313,9 @@ class MemoryBreakdown(TorchDispatchMode):
             grew = self._resize_elastic()
         else:
             grew = self._resize_elastic(everything=False) if self._holding else False
+        for pair in self._lent:  # named while they live: they are freed before any owner is read again
+            for t in pair:
+                self._tag(t, "reduce-scatter buffers", OWNER)
         part = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":

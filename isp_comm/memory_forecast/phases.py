@@ -87,8 +87,8 @@ def forecast(
     traced = _traced(model, block_list, config, (world, wp, sp, batch, seq), forward, memo, compiled)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
-    release = _releases_pairs(config, device) and not in_heap
-    persistent = _persistent(plan, w, in_heap, release)
+    release = (_releases_pairs(config, device) or not config.memory_pool) and not in_heap  # pairs in backward only
+    persistent = _persistent(plan, w, in_heap, release, config.memory_pool)
     # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
     # the WP-summed shards' only with replicas: without, they are divided where they are)
     allreduce = sum(w.replicated_trainable) + (w.wp_summed if world > wp else 0) if world > 1 else 0
@@ -104,8 +104,8 @@ def forecast(
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
-    pairs = _pairs_made(plan, blocks, config) if release else [0] * len(blocks)
-    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, pairs))
+    made = _made_in_backward(plan, blocks, config, release, persistent["pool slots and landing"])
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, made))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
     staging = _checkpoints(phases, steady, w, device)
@@ -189,41 +189,72 @@ def _releases_pairs(config: ISPConfig, device: str) -> bool:
     return releases_reduce_buffers(config.release_reduce_buffers, device, symmetric)
 
 
-def _pairs_made(plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig) -> list[int]:
+def _pairs_made(
+    plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig, pooled: bool = True
+) -> list[int]:
     """With the pairs given back between backwards ([Note: reduce-scatter pairs between
     backwards] in ``isp_comm/memory_pool/slots.py``): the bytes of the pairs alive when
     block i reduces, its own included, replaying the engine's bound of
     ``max_inflight_reduce_scatter`` reduces in flight (one without ``overlap``: each is
     completed as it is issued; a pair is made when a reduce finds none of its dtype
-    free), from the last block back."""
+    free), from the last block back. Without the pool (``pooled=False``) a pair is
+    made for each reduce, as large as its group, and freed when it completes: the
+    pairs alive are those in flight."""
     k = config.max_inflight_reduce_scatter if config.overlap else 1
     inflight: deque = deque()
     free: Counter = Counter()
     made: Counter = Counter()
     alive = []
     for lay, tr, _ in reversed(blocks):
-        for dt in [g.dtype for g in lay.full_groups if any(tr[i] for i in g.members)]:  # the groups it reduces
+        for g in [g for g in lay.full_groups if any(tr[i] for i in g.members)]:  # the groups it reduces
             while len(inflight) >= k:
-                free[inflight.popleft()] += 1
-            if free[dt]:
-                free[dt] -= 1
+                free[inflight.popleft()[0]] += 1
+            if free[g.dtype]:
+                free[g.dtype] -= 1
             else:
-                made[dt] += 1
-            inflight.append(dt)
-        alive.append(sum(n * plan.rs_pair_bytes(dt) for dt, n in made.items()))
+                made[g.dtype] += 1
+            inflight.append((g.dtype, (g.gathered_numel + -(-g.gathered_numel // plan.wp_size)) * g.dtype.itemsize))
+        if pooled:
+            alive.append(sum(n * plan.rs_pair_bytes(dt) for dt, n in made.items()))
+        else:
+            alive.append(sum(nbytes for _, nbytes in inflight))
     return alive[::-1]
 
 
-def _persistent(plan: MemoryPlan, w: Weights, in_heap: int, release: bool) -> dict[str, int]:
+def _made_in_backward(
+    plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig, release: bool, kept: int
+) -> tuple[list[int], list[int]]:
+    """Per block, what its backward's moment holds beyond the persistent parts: the
+    reduce-scatter pairs alive (when they are not kept all run) and, without the pool,
+    the slots alive with the cast send buffer kept (``kept``); zeros where persistent."""
+    pairs = _pairs_made(plan, blocks, config, config.memory_pool) if release else [0] * len(blocks)
+    slots = [0] * len(blocks) if config.memory_pool else [kept + s for s in _slots_made(blocks, config.n_slots)]
+    return pairs, slots
+
+
+def _slots_made(blocks: list[tuple[object, list[bool], int]], n_slots: int) -> list[int]:
+    """Without the pool (``memory_pool=False``, [Note: slot lifetime] in
+    ``isp_comm/memory_pool/slots.py``), a slot is made when a block is gathered and
+    freed when it is released: while block i's backward computes, its own slot and
+    those of the ``n_slots - 1`` blocks before it, prefetched, are alive (none at the
+    loss, after the forward has released every block)."""
+    own = [lay.gathered_numel * lay.gather_dtype.itemsize for lay, _, _ in blocks]
+    return [sum(own[max(0, i - n_slots + 1) : i + 1]) for i in range(len(own))]
+
+
+def _persistent(plan: MemoryPlan, w: Weights, in_heap: int, release: bool, pooled: bool = True) -> dict[str, int]:
     """What every phase holds; ``in_heap``: the bytes of the pool and of the master
     shards that NVSHMEM's heap holds, which the allocator does not see (0: none);
-    ``release``: the reduce-scatter pairs live only in a backward's blocks."""
+    ``release``: the reduce-scatter pairs live only in a backward's blocks;
+    ``pooled=False`` (``memory_pool=False``): of the pool, only the cast send buffer
+    the gathers keep (the slots live only in the blocks' backward, :func:`_slots_made`)."""
     moved = in_heap - plan.pool_bytes if in_heap else 0
+    gathered = plan.pool_bytes - plan.rs_bytes if pooled else sum(n * dt.itemsize for dt, n in plan.send_numel.items())
     return {
         "master shards": w.master - moved,
         "WP shards (gather dtype)": w.wp_shards,
         "replicated params": w.replicated,
-        "pool slots and landing": 0 if in_heap else plan.pool_bytes - plan.rs_bytes,
+        "pool slots and landing": 0 if in_heap else gathered,
         "reduce-scatter buffers": 0 if in_heap or release else plan.rs_bytes,
     }
 
@@ -248,7 +279,7 @@ def _step(
     blocks: list[tuple[object, list[bool], int]],
     head_grad: int,
     vocab_parallel: bool,
-    pairs: list[int],
+    made: tuple[list[int], list[int]],
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
@@ -257,8 +288,10 @@ def _step(
     ``vocab_parallel``), then at block i the gradient shards of the blocks after i
     (``blocks``: each block's layout, trainable flags and gradient shard bytes) and of
     the vocab-parallel head (``head_grad``), whose backward comes first (the gathered
-    outer region is gone by then), and the reduce-scatter pairs made by then when they are given back between backwards
-    (``pairs``, per block; 0 when they are kept, counted in ``steady``)."""
+    outer region is gone by then), and, per block (``made``), the reduce-scatter pairs
+    alive then when they are given back between backwards or made per reduce, and the
+    slots alive then without the pool (0 when they are kept, counted in ``steady``)."""
+    pairs, slots = made
     step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
@@ -291,6 +324,7 @@ def _step(
                 "replicated grads": head_grads,
                 "logits and loss": logits,
                 **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),
+                **({"pool slots and landing": slots[i]} if slots[i] else {}),
             }
         )
     return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}

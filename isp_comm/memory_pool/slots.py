@@ -144,6 +144,8 @@ class ReduceScatterBuffers:
         self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {dt: [] for dt in plan.rs_numel}
         self._made: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {dt: [] for dt in plan.rs_numel}
         """Every pooled pair alive, free or in use (what the memory breakdown reads)."""
+        self._lent: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Without the pool: the pairs made for the reduces in flight (the breakdown reads them too)."""
         if pooled and not self._release:
             for dt in plan.rs_numel:
                 for _ in range(plan.rs_buffers):
@@ -166,6 +168,7 @@ class ReduceScatterBuffers:
             assert inp.numel() >= numel and out.numel() >= out_numel, "the plan sized the buffers for every group"
         else:
             inp, out = self._alloc(numel, dtype), self._alloc(out_numel, dtype)
+            self._lent.append((inp, out))
         self.in_use += 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return inp, out
@@ -174,6 +177,8 @@ class ReduceScatterBuffers:
         self.in_use -= 1
         if self._pooled:
             self._free[dtype].append(pair)
+        else:
+            self._lent[:] = [p for p in self._lent if p[0] is not pair[0]]  # in place: the breakdown holds the list
 
     def held_bytes(self) -> int:
         """Bytes of the pooled pairs alive now."""
@@ -190,3 +195,4 @@ class ReduceScatterBuffers:
     def close(self) -> None:
         self._free.clear()
         self._made.clear()
+        self._lent.clear()
