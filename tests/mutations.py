@@ -154,6 +154,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         'OPERATOR_PARTS = {} and {"fsdp::all_gather_copy_in"',
         [BREAKDOWN + "test_fsdp2s_copies_name_the_buffers_they_fill"],
     ),
+    "the pool forecast all step without it (memory_pool=False)": (
+        "isp_comm/memory_forecast/phases.py",
+        "    gathered = plan.pool_bytes - plan.rs_bytes if pooled else",
+        "    gathered = plan.pool_bytes - plan.rs_bytes if True else",
+        [BREAKDOWN + "test_breakdown_follows_the_slots_made_and_freed_without_the_pool"],
+    ),
+    "the pairs made per reduce without the pool left unnamed (memory breakdown)": (
+        "isp_comm/memory_breakdown/tracker.py",
+        "        for pair in self._lent:",
+        "        for pair in ():",
+        [BREAKDOWN + "test_breakdown_follows_the_slots_made_and_freed_without_the_pool"],
+    ),
     "the CPU virtual comm thread keeps its last collective's tensors": (
         "isp_comm/backends/virtual.py",
         "            job = body = None\n",

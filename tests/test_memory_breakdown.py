@@ -214,11 +214,14 @@ def test_breakdown_follows_the_slots_made_and_freed_without_the_pool() -> None:
     cast send buffer the gathers keep is named."""
     from tests.memory_probe import build_model
 
-    pt = Point(world=2, wp=2, bf16=True, memory_pool=False, **SMALL)
+    # 4 blocks: the pairs of the first reduces have completed when the backward ends, so only
+    # naming them while they live names them
+    pt = Point(world=2, wp=2, bf16=True, memory_pool=False, **{**SMALL, "layers": 4})
     b0, _ = measure_breakdown(pt)
     block = sum(p.numel() * 2 for p in build_model(pt).layers[0].parameters())  # gathered in bf16
     send = block // pt.wp  # the rank's shard, cast for its gather
     assert b0.phases["backward/model"]["pool slots and landing"] == 2 * block + send, b0.phases["backward/model"]
+    assert b0.phases["backward/model"]["reduce-scatter buffers"] > 0  # a pair made for a reduce in flight
     for ph in ("backward/loss", "optimizer"):
         assert b0.phases[ph]["pool slots and landing"] == send, (ph, b0.phases[ph])
     for ph in ("forward", "backward", "optimizer"):

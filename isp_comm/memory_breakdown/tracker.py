@@ -204,7 +204,8 @@ class MemoryBreakdown(TorchDispatchMode):
         for unit in getattr(comm, "units", []):
             for module in {id(sp.module): sp.module for sp in unit.params}.values():
                 self._handles.append(module.register_forward_pre_hook(self._gathered_pre))
-        self._lent = getattr(getattr(comm, "rs_buffers", None), "_lent", None) or []  # read while they live
+        lent = getattr(getattr(comm, "rs_buffers", None), "_lent", None)
+        self._lent = lent if lent is not None else []  # the engine's own list (empty now): read while they live
         self._fsdp = fsdp_modules(self._model)
         for module in self._fsdp:  # after FSDP2's own pre-forward (prepended): the unit is gathered
             self._handles.append(module.register_forward_pre_hook(self._fsdp_pre))
