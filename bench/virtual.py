@@ -64,6 +64,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -435,7 +436,9 @@ BREAKDOWN_SYSTEMS = ("isp-comm", "fsdp2")
 """``--breakdown``: the systems whose step the memory breakdown sees (eager ones)."""
 
 
-def measure_breakdown(step, comm, opt, model: torch.nn.Module) -> dict:
+def measure_breakdown(
+    step: Callable[[], object], comm: object, opt: torch.optim.Optimizer, model: torch.nn.Module
+) -> dict:
     """One step under ``isp_comm.memory_breakdown.MemoryBreakdown`` (``comm``: the
     ``ISPCommunicator``, or FSDP2's backend: the breakdown then finds FSDP2's units in
     ``model``): the phase whose tracked peak is highest, its parts, and what the device
@@ -449,6 +452,8 @@ def measure_breakdown(step, comm, opt, model: torch.nn.Module) -> dict:
         step()
     b = tracker.result()
     phase = max(BREAKDOWN_PHASES, key=lambda ph: b.tracked.get(ph, 0))
+    if phase == "backward":  # which moment of it: the loss's backward, or the blocks'
+        phase = max(("backward/loss", "backward/model"), key=lambda ph: b.tracked.get(ph, 0))
     parts = {k: v for k, v in b.phases[phase].items() if v}
     return {"phase": phase, "tracked": b.tracked[phase], "parts": parts, "device": b.device[phase]}
 
@@ -736,14 +741,12 @@ def notes(result: dict) -> str:
 
 
 def median_breakdown(runs: list[dict]) -> dict:
-    """The runs' breakdowns (:func:`measure_breakdown`) as one: each part's and each
-    device line's median, at the phase most runs peaked in."""
-    phases = [b["phase"] for b in runs]
-    out: dict = {"phase": max(set(phases), key=phases.count), "runs": len(runs)}
-    for key in ("parts", "device"):
-        names = list(dict.fromkeys(n for b in runs for n in b[key]))
-        out[key] = {n: statistics.median(b[key].get(n, 0) for b in runs) for n in names}
-    out["tracked"] = statistics.median(b["tracked"] for b in runs)
+    """The runs' breakdowns (:func:`measure_breakdown`) as one: the run whose tracked
+    peak is the median, whole (its parts add up to it, at its phase), with the
+    number of runs and the tracked peaks' range."""
+    ordered = sorted(runs, key=lambda b: b["tracked"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out.update(runs=len(runs), tracked_range=[ordered[0]["tracked"], ordered[-1]["tracked"]])
     return out
 
 
@@ -773,7 +776,8 @@ def breakdown_tables(result: dict) -> str:
     part_rows = [[f"{p} ({category(p)})", *(mib(b["parts"].get(p, 0)) for b in named.values())] for p in parts]
     return (
         "Memory at each system's peak, by category (MiB; one step after the timed ones, "
-        "tracked tensors and the device's lines at that moment):\n\n"
+        "tracked tensors and the device's lines at that moment; of several runs, the run "
+        "whose tracked peak is the median):\n\n"
         + markdown_table(header, rows, "l" + "r" * len(named))
         + "\n\nBy part:\n\n"
         + markdown_table(header, part_rows, "l" + "r" * len(named))

@@ -148,9 +148,15 @@ def _fsdp2_breakdown(rank: int, world: int) -> dict:
     with tracker:
         tracker.attach(None, opt, model=model)
         step()
+    first = tracker.result()
+    with tracker:  # entered again: its hooks, removed on the way out, are made again
+        tracker.attach(None, opt, model=model)
+        tracker.reset_peaks()
+        step()
     params = list(model.parameters())
     out = {
-        "breakdown": tracker.result(),
+        "breakdown": first,
+        "again": tracker.result(),
         "shards": sum(p.to_local().untyped_storage().nbytes() for p in params),  # the padded local shards
         "params": len(params),
         # a DTensor's numel is the whole parameter's
@@ -178,14 +184,16 @@ def test_fsdp2_breakdown_counts_local_shards_and_resized_gathers() -> None:
         assert b.unattributed(ph) <= UNATTRIBUTED * b.tracked[ph], (ph, parts)
         assert parts["master shards"] == shards, (ph, parts)
         assert parts["optimizer state"] == 2 * shards + 4 * got["params"], (ph, parts)  # moments and step counts
-    for ph in ("forward", "backward"):  # a block gathered at the peak, perhaps the head and norm (one unit)
-        assert got["block"] <= b.phases[ph]["unsharded params"] <= got["block"] + got["head"], b.phases[ph]
+    for ph in ("forward", "backward/model"):  # the peak is inside a block: it alone is gathered
+        assert b.phases[ph]["unsharded params"] == got["block"], b.phases[ph]
+    assert b.phases["backward/loss"]["unsharded params"] == got["head"]  # the head and final norm, one unit
     backward = b.phases["backward"]
     assert backward["block gradients (unsharded)"] > 0 and backward["reduce-scatter buffers"] > 0, backward
     assert backward["all-gather buffers"] > 0, backward
     for part in ("unsharded params", "all-gather buffers", "reduce-scatter buffers"):  # all resharded, all done
         assert b.phases["optimizer"].get(part, 0) == 0, (part, b.phases["optimizer"])
     assert b.phases["optimizer"]["gradient shards"] == shards
+    assert got["again"].phases["backward"] == backward  # entered again, the same step seen the same way
 
 
 def test_fsdp2s_copies_name_the_buffers_they_fill() -> None:
@@ -243,6 +251,33 @@ def test_breakdown_follows_the_slots_made_and_freed_without_the_pool() -> None:
     assert abs(tensors(fc.phases["forward"]) - b0.tracked["forward"] - gap) <= SCALARS, (fc.phases["forward"], gap)
     assert abs(tensors(fc.phases["optimizer"]) - b0.tracked["optimizer"]) <= SCALARS
     assert tensors(fc.phases["backward"]) >= b0.tracked["backward"]
+
+
+def test_a_storage_resized_in_place_counts_at_its_size_of_the_moment() -> None:
+    """[Note: storages FSDP2 resizes], on plain tensors: a storage named as gathered
+    parameters is freed by a resize no operator shows, and the next operator's read
+    takes it out of the total; resized back, FSDP2's next operator brings it in, and
+    the peak counts it."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines torch.ops.fsdp
+
+    from isp_comm.memory_breakdown.fsdp2 import UNSHARDED
+
+    grads = [torch.ones(4), torch.ones(4)]  # made before: untracked
+    tracker = MemoryBreakdown()
+    with tracker, tracker.phase("backward"):
+        gathered = torch.zeros(1024)  # 4 KiB
+        tracker._tag(gathered, UNSHARDED)  # as its owners name FSDP2's gathered parameters
+        gathered.untyped_storage().resize_(0)  # FSDP2's free_storage
+        scratch = torch.zeros(16)  # any operator
+        assert tracker.current == 64
+        gathered.untyped_storage().resize_(4096)  # FSDP2's alloc_storage, before its copy
+        rs_input = torch.empty(2, 4)
+        assert tracker.current == 64 + 32  # no operator of FSDP2's yet: not seen
+        torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=2, out=rs_input)
+        assert tracker.current == 4096 + 64 + 32
+        peak = tracker.result()
+        del scratch
+    assert peak.phases["backward"][UNSHARDED] == 4096 and peak.tracked["backward"] == 4096 + 64 + 32
 
 
 def test_a_tracked_storage_leaves_the_total_when_freed_and_its_peak_stays() -> None:

@@ -196,8 +196,8 @@ class _CommThread:
             issued, group, demand, body, handle = job
             try:
                 body()
-            except Exception as exc:  # reported by the handle's wait
-                handle.error = exc
+            except Exception as exc:  # reported by the handle's wait (without its frames: they hold the tensors)
+                handle.error = exc.with_traceback(None)
             if demand is _DRAIN:
                 end = max(issued, self.schedule.horizon())
             else:

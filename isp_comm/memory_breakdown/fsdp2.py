@@ -24,7 +24,11 @@ state shared by all groups (``comm_ctx``) holds the last one until the next grou
 copy-out is ordered after it (``all_gather_state``), the reduce-scatter inputs still
 in flight (``reduce_scatter_states``, or ``reduce_scatter_state`` before 2.13), and
 a group its replicas' all-reduce input (``_all_reduce_state``) and the partial
-output of an accumulation without reduce (``_partial_reduce_output``). These are
+output of an accumulation without reduce (``_partial_reduce_output``). Not read:
+the partly gathered copies ``reshard_after_forward=N`` keeps
+(``_sharded_post_forward_param_data``) and the unsharded gradients accumulated
+without a reduce (``unsharded_accumulated_grad``), left to parts named by when
+they were made. These are
 FSDP2's private names, checked against torch 2.11 (``_fsdp_param_group``,
 ``reduce_scatter_state``) and 2.13; a rename leaves those
 tensors to a part named by when they were made, or to ``other``, which the

@@ -24,7 +24,7 @@ lines the forecast counts to the byte, so it cannot go unseen.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -131,7 +131,7 @@ def optimizer_parts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, tor
 
 
 def owned_parts(
-    comm: Any, optimizers: list[torch.optim.Optimizer], model: nn.Module | None, fsdp: list[nn.Module] = ()
+    comm: Any, optimizers: list[torch.optim.Optimizer], model: nn.Module | None, fsdp: Sequence[nn.Module] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every owned tensor's part: the communicator's buffers first (a shard's storage is
     a master shard, not a replicated parameter), then those of FSDP2's units

@@ -160,7 +160,7 @@ class MemoryBreakdown(TorchDispatchMode):
         self._fsdp: list[torch.nn.Module] = []  # the model's fully_shard-ed modules
         self._elastic: dict[int, tuple[weakref.ref, _Storage]] = {}  # [Note: storages FSDP2 resizes]
         self._holding: dict[int, tuple[weakref.ref, _Storage]] = {}  # of those, the ones not empty now
-        self._grad_hooked: list[torch.Tensor] = []  # FSDP2's parameters with our hook while entered
+        self._grad_hooked: list[torch.Tensor] = []  # tensors with our gradient hook while entered
         self._lent: list = []  # without the pool: the reduce-scatter pairs in flight (made and freed in a backward)
         self._entered = False
         self._untracked = 0  # untracked() blocks in progress
@@ -226,7 +226,7 @@ class MemoryBreakdown(TorchDispatchMode):
             if not part.startswith(SHARED):
                 self._tag(t, part, OWNER)
                 continue
-            info = self._known.get(t.untyped_storage())  # named when touched, not counted for existing
+            info = self._known.get(getattr(t, "_local_tensor", t).untyped_storage())  # named when touched
             if info is not None and info.source < OWNER:
                 info.part, info.source = part, OWNER
 
@@ -416,7 +416,7 @@ class MemoryBreakdown(TorchDispatchMode):
             if info is not None and info.source < HOOK:
                 info.part, info.source = "logits and loss", HOOK
             if t.requires_grad:
-                t.register_hook(self._logits_grad)
+                self._handles.append(t.register_hook(self._logits_grad))
         if self._depth == 0:
             self.classify()
 
@@ -430,7 +430,8 @@ class MemoryBreakdown(TorchDispatchMode):
         for p in module._parameters.values():
             if p is not None and p.requires_grad and p.grad_fn is not None and p not in self._hooked:
                 self._hooked[p] = True  # a view the engine keeps across steps takes one hook
-                p.register_hook(lambda g: self._tag(g, "block gradients (unsharded)"))
+                self._grad_hooked.append(p)
+                self._handles.append(p.register_hook(lambda g: self._tag(g, "block gradients (unsharded)")))
 
     def _fsdp_pre(self, module: torch.nn.Module, _args: Any) -> None:
         """An FSDP2 unit has gathered its parameters: name its buffers, and have the
@@ -442,13 +443,15 @@ class MemoryBreakdown(TorchDispatchMode):
                 self._hooked[p] = True
                 self._grad_hooked.append(p)
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, m=module: self._fsdp_grad(p, m)))
-        self._resize_elastic()
+        if self._resize_elastic():  # gathered since the last operator: a moment of its own
+            self._bump()
 
     def _fsdp_grad(self, p: torch.Tensor, module: torch.nn.Module) -> None:
         if p.grad is not None:
             self._tag(p.grad, "block gradients (unsharded)")
         self._classify(fsdp2_parts([module]))
-        self._resize_elastic()
+        if self._resize_elastic():
+            self._bump()
 
     def _tag(self, t: torch.Tensor, part: str, source: int = HOOK) -> None:
         """Name ``t``'s storage ``part`` unless a stronger source named it; follow its
@@ -458,12 +461,10 @@ class MemoryBreakdown(TorchDispatchMode):
             return
         if info.source < source:
             info.part, info.source = part, source
-        known = self._elastic.get(id(info))
-        if part in RESIZED and (known is None or known[1] is not info):  # an id outlives its storage
-            with self._lock:
-                self._elastic[id(info)] = (weakref.ref(getattr(t, "_local_tensor", t).untyped_storage()), info)
-                if info.nbytes:
-                    self._holding[id(info)] = self._elastic[id(info)]
+        if part in RESIZED and id(info) not in self._elastic:  # (the dict holds info: its id is not reused)
+            with self._lock:  # held from now; the next operator's read drops it while it is empty
+                entry = (weakref.ref(getattr(t, "_local_tensor", t).untyped_storage()), info)
+                self._elastic[id(info)] = self._holding[id(info)] = entry
 
     def _enter_backward(self) -> None:
         self._model_grad = False
@@ -496,5 +497,7 @@ class MemoryBreakdown(TorchDispatchMode):
         blocks]: a snapshot of the allocator, taken here)."""
         self.classify()
         self._resize_elastic()
-        untracked = allocator_now({info.ptr for info in self._live.values() if info.ptr})
+        with self._lock:  # the comm thread may free a storage meanwhile
+            pointers = {info.ptr for info in self._live.values() if info.ptr}
+        untracked = allocator_now(pointers)
         return Breakdown.of(self._peaks, self._baseline, untracked)
