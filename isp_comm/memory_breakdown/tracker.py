@@ -310,7 +310,7 @@ class MemoryBreakdown(TorchDispatchMode):
             return out
         if self.phase_name != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()
-        if func.overloadpacket is torch.ops.aten.set_:  # isp-comm's slot without the pool, resized to a block
+        if getattr(func, "overloadpacket", None) is torch.ops.aten.set_:  # isp-comm's slot without the pool
             grew = self._resize_elastic()
         else:
             grew = self._resize_elastic(everything=False) if self._holding else False
