@@ -213,7 +213,7 @@ def _pairs_made(
                 free[g.dtype] -= 1
             else:
                 made[g.dtype] += 1
-            inflight.append((g.dtype, (g.gathered_numel + -(-g.gathered_numel // plan.wp_size)) * g.dtype.itemsize))
+            inflight.append((g.dtype, sum(g.pair_numels) * g.dtype.itemsize))  # what the engine makes for it
         if pooled:
             alive.append(sum(n * plan.rs_pair_bytes(dt) for dt, n in made.items()))
         else:
