@@ -754,6 +754,7 @@ def breakdown_tables(result: dict) -> str:
     """``--breakdown``: each broken-down system's peak (the phase of its highest tracked
     total) by category, then by part, in MiB side by side, with the device's lines."""
     from isp_comm.memory_breakdown import CATEGORIES, category
+    from isp_comm.memory_breakdown.parts import by_category, part_order
 
     named = {k: s["breakdown"] for k, s in result["systems"].items() if "breakdown" in s}
     if not named:
@@ -763,16 +764,12 @@ def breakdown_tables(result: dict) -> str:
     def mib(v: float) -> str:
         return f"{v / 2**20:,.2f}"
 
-    by_cat = {
-        c: [sum(v for p, v in b["parts"].items() if category(p) == c) for b in named.values()] for c in CATEGORIES
-    }
-    rows = [[c, *map(mib, vals)] for c, vals in by_cat.items() if any(vals)]
+    cats = [by_category(b["parts"]) for b in named.values()]
+    rows = [[c, *(mib(got.get(c, 0)) for got in cats)] for c in CATEGORIES if any(c in got for got in cats)]
     rows.append(["**tracked peak**", *(f"**{mib(b['tracked'])}**" for b in named.values())])
     lines = list(dict.fromkeys(n for b in named.values() for n in b["device"]))
     rows += [[f"device: {n}", *(mib(b["device"].get(n, 0)) for b in named.values())] for n in lines]
-    parts = sorted(
-        {p for b in named.values() for p in b["parts"]}, key=lambda p: (list(CATEGORIES).index(category(p)), p)
-    )
+    parts = sorted({p for b in named.values() for p in b["parts"]}, key=part_order)
     part_rows = [[f"{p} ({category(p)})", *(mib(b["parts"].get(p, 0)) for b in named.values())] for p in parts]
     return (
         "Memory at each system's peak, by category (MiB; one step after the timed ones, "

@@ -7,6 +7,8 @@ line beside it. The categories group them the way a reader asks where a peak wen
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "parameter shards": ("master shards", "WP shards (gather dtype)", "replicated params", "one module materialised"),
     "pool slots": ("pool slots and landing", "shared memory: peers' pool pages"),
@@ -40,6 +42,19 @@ def category(part: str) -> str:
         if part.startswith(prefixes):
             return name
     return OTHER
+
+
+def by_category(parts: Mapping[str, int]) -> dict[str, int]:
+    """Parts' bytes added up by category, in :data:`CATEGORIES`' order (the empty ones left out)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for part, nbytes in parts.items():
+        out[category(part)] += nbytes
+    return {k: v for k, v in out.items() if v}
+
+
+def part_order(part: str) -> tuple[int, str]:
+    """A sort key that lists parts by their category, in :data:`CATEGORIES`' order."""
+    return list(CATEGORIES).index(category(part)), part
 
 
 def forecast_part(part: str) -> str:

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from isp_comm.memory_breakdown.parts import CATEGORIES, OTHER, category, forecast_part
+from isp_comm.memory_breakdown.parts import OTHER, by_category, category, forecast_part, part_order
 
 MIB = 2**20
 
@@ -76,10 +76,7 @@ class Breakdown:
 
     def categories(self, phase: str) -> dict[str, int]:
         """The phase's parts added up by category (:data:`~.parts.CATEGORIES`)."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for part, nbytes in self.phases[phase].items():
-            out[category(part)] += nbytes
-        return {k: v for k, v in out.items() if v}
+        return by_category(self.phases[phase])
 
     def unattributed(self, phase: str) -> int:
         """Tracked bytes of the phase's peak that no owner, hook or phase named."""
@@ -93,7 +90,7 @@ class Breakdown:
             fc[forecast_part(part)] = fc.get(forecast_part(part), 0) + nbytes
         measured = self.phases.get(phase, {})
         names = list(dict.fromkeys([*fc, *measured]))
-        names.sort(key=lambda n: (list(CATEGORIES).index(category(n)), n))
+        names.sort(key=part_order)
         return [(n, fc.get(n, 0), measured.get(n, 0)) for n in names]
 
     def table(self, phase: str, forecast_parts: Mapping[str, int] | None = None) -> str:
