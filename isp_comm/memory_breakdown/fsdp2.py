@@ -86,39 +86,32 @@ def _local(t: Any) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) else None
 
 
-def unsharded_storages(modules: list[nn.Module]) -> Iterator[torch.Tensor]:
-    """The tensors whose storages FSDP2 resizes in place: its gathered parameters."""
+def _groups(modules: list[nn.Module]) -> Iterator[Any]:
+    """The modules' parameter groups, each once (a unit of several modules, the final
+    norm with the head, has one state)."""
+    seen: set[int] = set()
     for module in modules:
         for group in param_groups(module):
-            for fp in group.fsdp_params:
-                yield from getattr(fp, "all_gather_outputs", None) or []
-                yield from getattr(fp, "_unsharded_inner_tensors", None) or []
+            if id(group) not in seen:
+                seen.add(id(group))
+                yield group
 
 
 def unsharded_params(modules: list[nn.Module]) -> Iterator[torch.Tensor]:
     """The parameters the modules compute with (made at their first all-gather)."""
-    for module in modules:
-        for group in param_groups(module):
-            for fp in group.fsdp_params:
-                p = getattr(fp, "_unsharded_param", None)
-                if p is not None and p.requires_grad:
-                    yield p
+    for group in _groups(modules):
+        for fp in group.fsdp_params:
+            p = getattr(fp, "_unsharded_param", None)
+            if p is not None and p.requires_grad:
+                yield p
 
 
-def _comm_buffers(group: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The flat buffers of a group's collectives alive now."""
-    ctx = group.comm_ctx
-    pending = [getattr(group, "_all_gather_result", None)]
-    if getattr(ctx, "all_gather_state", None) is not None:
-        pending.append(ctx.all_gather_state.all_gather_result)
-    for result in pending:
-        if result is not None:
-            yield "all-gather buffers", result.all_gather_output
-    states = list(getattr(ctx, "reduce_scatter_states", None) or [])
-    if getattr(ctx, "reduce_scatter_state", None) is not None:
-        states.append(ctx.reduce_scatter_state)
-    for state in states:
-        yield "reduce-scatter buffers", state.reduce_scatter_input
+def _group_buffers(group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """A group's own flat buffers alive now: its pending all-gather's output, its
+    replicas' all-reduce input, its partial reduce output."""
+    result = getattr(group, "_all_gather_result", None)
+    if result is not None:
+        yield "all-gather buffers", result.all_gather_output
     all_reduce = getattr(group, "_all_reduce_state", None)
     if all_reduce is not None:
         yield "all-reduce buffers", all_reduce.all_reduce_input
@@ -127,23 +120,39 @@ def _comm_buffers(group: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield "reduce-scatter buffers", partial
 
 
+def _context_buffers(ctx: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The flat buffers the groups' shared state keeps alive now: the last all-gather's
+    output, the reduce-scatter inputs in flight."""
+    if getattr(ctx, "all_gather_state", None) is not None:
+        yield "all-gather buffers", ctx.all_gather_state.all_gather_result.all_gather_output
+    states = list(getattr(ctx, "reduce_scatter_states", None) or [])
+    if getattr(ctx, "reduce_scatter_state", None) is not None:
+        states.append(ctx.reduce_scatter_state)
+    for state in states:
+        yield "reduce-scatter buffers", state.reduce_scatter_input
+
+
 def fsdp2_parts(modules: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """(part, tensor) of every buffer the ``fully_shard``-ed ``modules`` hold now (see
     [Note: what the breakdown reads of FSDP2]), in the forecast's parts where isp-comm
     has the same thing (master and gradient shards, reduce-scatter buffers, unsharded
     gradients) and in parts of FSDP2's own where it has not."""
-    for module in modules:
-        for group in param_groups(module):
-            for fp in group.fsdp_params:
-                yield "master shards", fp._sharded_param_data
-                grad = _local(fp.sharded_param.grad)
-                if grad is not None:
-                    yield "gradient shards", grad
-                for t in getattr(fp, "all_gather_outputs", None) or []:
-                    yield UNSHARDED, t
-                for t in getattr(fp, "_unsharded_inner_tensors", None) or []:
-                    yield UNSHARDED, t
-                p = getattr(fp, "_unsharded_param", None)
-                if p is not None and p.grad is not None:
-                    yield "block gradients (unsharded)", p.grad
-            yield from _comm_buffers(group)
+    contexts: dict[int, Any] = {}
+    for group in _groups(modules):
+        for fp in group.fsdp_params:
+            yield "master shards", fp._sharded_param_data
+            grad = _local(fp.sharded_param.grad)
+            if grad is not None:
+                yield "gradient shards", grad
+            for t in [
+                *(getattr(fp, "all_gather_outputs", None) or []),
+                *(getattr(fp, "_unsharded_inner_tensors", None) or []),
+            ]:
+                yield UNSHARDED, t
+            p = getattr(fp, "_unsharded_param", None)
+            if p is not None and p.grad is not None:
+                yield "block gradients (unsharded)", p.grad
+        yield from _group_buffers(group)
+        contexts[id(group.comm_ctx)] = group.comm_ctx
+    for ctx in contexts.values():  # shared by the groups of one model: read once
+        yield from _context_buffers(ctx)
