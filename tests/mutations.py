@@ -162,8 +162,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "the pairs made per reduce without the pool left unnamed (memory breakdown)": (
         "isp_comm/memory_breakdown/tracker.py",
-        "        for pair in self._lent:",
-        "        for pair in ():",
+        "        for pair in self._lent:  # named at any peak",
+        "        for pair in ():  # named at any peak",
         [BREAKDOWN + "test_breakdown_follows_the_slots_made_and_freed_without_the_pool"],
     ),
     "the CPU virtual comm thread keeps its last collective's tensors": (

@@ -314,9 +314,6 @@ class MemoryBreakdown(TorchDispatchMode):
             grew = self._resize_elastic()
         else:
             grew = self._resize_elastic(everything=False) if self._holding else False
-        for pair in self._lent:  # named while they live: they are freed before any owner is read again
-            for t in pair:
-                self._tag(t, "reduce-scatter buffers", OWNER)
         part = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -365,6 +362,9 @@ class MemoryBreakdown(TorchDispatchMode):
         """A new peak of this phase (or of its moment, ``backward/loss`` before the
         model's output has its gradient, ``backward/model`` after): keep what is alive,
         and the device's figures."""
+        for pair in self._lent:  # named at any peak they are in: they die before the owners are read again
+            for t in pair:
+                self._tag(t, "reduce-scatter buffers", OWNER)
         names = [self.phase_name]
         if self.phase_name == "backward":
             names.append("backward/model" if self._model_grad else "backward/loss")
