@@ -189,15 +189,13 @@ def _releases_pairs(config: ISPConfig, device: str) -> bool:
     return releases_reduce_buffers(config.release_reduce_buffers, device, symmetric)
 
 
-def _pairs_made(
-    plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig, pooled: bool = True
-) -> list[int]:
+def _pairs_made(plan: MemoryPlan, blocks: list[tuple[object, list[bool], int]], config: ISPConfig) -> list[int]:
     """With the pairs given back between backwards ([Note: reduce-scatter pairs between
     backwards] in ``isp_comm/memory_pool/slots.py``): the bytes of the pairs alive when
     block i reduces, its own included, replaying the engine's bound of
     ``max_inflight_reduce_scatter`` reduces in flight (one without ``overlap``: each is
     completed as it is issued; a pair is made when a reduce finds none of its dtype
-    free), from the last block back. Without the pool (``pooled=False``) a pair is
+    free), from the last block back. Without the pool (``memory_pool=False``) a pair is
     made for each reduce, as large as its group, and freed when it completes: the
     pairs alive are those in flight."""
     k = config.max_inflight_reduce_scatter if config.overlap else 1
@@ -214,7 +212,7 @@ def _pairs_made(
             else:
                 made[g.dtype] += 1
             inflight.append((g.dtype, sum(g.pair_numels) * g.dtype.itemsize))  # what the engine makes for it
-        if pooled:
+        if config.memory_pool:
             alive.append(sum(n * plan.rs_pair_bytes(dt) for dt, n in made.items()))
         else:
             alive.append(sum(nbytes for _, nbytes in inflight))
@@ -227,7 +225,7 @@ def _made_in_backward(
     """Per block, what its backward's moment holds beyond the persistent parts: the
     reduce-scatter pairs alive (when they are not kept all run) and, without the pool,
     the slots alive with the cast send buffer kept (``kept``); zeros where persistent."""
-    pairs = _pairs_made(plan, blocks, config, config.memory_pool) if release else [0] * len(blocks)
+    pairs = _pairs_made(plan, blocks, config) if release else [0] * len(blocks)
     slots = [0] * len(blocks) if config.memory_pool else [kept + s for s in _slots_made(blocks, config.n_slots)]
     return pairs, slots
 
@@ -242,7 +240,7 @@ def _slots_made(blocks: list[tuple[object, list[bool], int]], n_slots: int) -> l
     return [sum(own[max(0, i - n_slots + 1) : i + 1]) for i in range(len(own))]
 
 
-def _persistent(plan: MemoryPlan, w: Weights, in_heap: int, release: bool, pooled: bool = True) -> dict[str, int]:
+def _persistent(plan: MemoryPlan, w: Weights, in_heap: int, release: bool, pooled: bool) -> dict[str, int]:
     """What every phase holds; ``in_heap``: the bytes of the pool and of the master
     shards that NVSHMEM's heap holds, which the allocator does not see (0: none);
     ``release``: the reduce-scatter pairs live only in a backward's blocks;
