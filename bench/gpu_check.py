@@ -106,7 +106,8 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
     """Every step in priority order; ``out``: where results go, ``work``: scratch;
     ``wheels``: to install (none: the step says ``no_wheels``)."""
     shared = "tests/gpu/test_gpu_shared.py"
-    best_8b = ("--config", "llama3-8b", "--layout", "best", "--repeats", "3")  # the 8B goals, medians of 3
+    layout_8b = ("--config", "llama3-8b", "--layout", "best")
+    best_8b = (*layout_8b, "--repeats", "3")  # the 8B goals, medians of 3
     pip = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels]
     return [
         Step("wheels", 20, pip if wheels else ["echo", no_wheels], "carried nvshmem4py wheels"),
@@ -219,7 +220,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             _virtual(
                 out,
                 "virtual_8b_breakdown",
-                *best_8b,
+                *layout_8b,
                 "--systems",
                 "isp-comm,fsdp2",
                 "--repeats",
