@@ -336,10 +336,14 @@ class ISPCommunicator:
 
     # ---- pieces (state_sharding="world"; see [Note: refreshing the WP shards]) --------------
     def _after_step(self, opt: torch.optim.Optimizer) -> None:
-        """After any optimizer's step: the WP shards of the units whose trainable pieces
-        it stepped are stale. A frozen piece gets no gradient, so no step writes it: a
-        unit of frozen weights alone is not gathered over the replicas again."""
-        self.engine.refresh.mark_stale({id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad})
+        """After any optimizer's step: the WP shards of the units whose pieces it may
+        have stepped are stale: the trainable ones and any holding a gradient (an
+        optimizer steps every parameter with a ``.grad``, a frozen one that kept its
+        zeros included, which momentum and weight decay still move). A frozen piece
+        without a gradient is not written: a unit of those alone is not gathered over
+        the replicas again."""
+        params = (p for g in opt.param_groups for p in g["params"])
+        self.engine.refresh.mark_stale({id(p) for p in params if p.requires_grad or p.grad is not None})
 
     def params_updated(self) -> None:
         """Say that the parameters were written where the communicator cannot see it
@@ -421,7 +425,8 @@ class ISPCommunicator:
     def gather_full(self, unit: BlockUnit, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors from per-parameter shard-shaped tensors of ``unit`` (e.g. the
         shards themselves, or optimizer states shaped like them). Collective over WP:
-        one all-gather per dtype among ``shards``."""
+        one all-gather per dtype among ``shards``; with ``state_sharding="world"``,
+        over the replicas first."""
         return self._full.gather_full(unit, shards)
 
     def shard_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
@@ -500,7 +505,7 @@ class ISPCommunicator:
         sd = self._state.state_dict()
         if self.engine.refresh is not None:
             with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
-                self.engine.refresh.watch([v.to_local() for k, v in sd.items() if k in self._state.sharded])
+                self.engine.refresh.watch([(v, v.to_local()) for k, v in sd.items() if k in self._state.sharded])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

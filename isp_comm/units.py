@@ -161,8 +161,40 @@ class BlockUnit(BlockLayout):
             sp.module._parameters[sp.name] = shard
             shards.append(shard)
         self.shards = tuple(shards)
+        self._homes = tuple(s.data_ptr() for s in shards)
         for module, name, i, _ in self.aliases:
             module._parameters[name] = shards[i]
+
+    def reclaim(self) -> list[nn.Parameter]:
+        """The shard parameters re-pointed since the last look, each copied back into
+        its place and pointed at it again.
+
+        [Note: re-pointed parameters] The gathers read the master (or the flat shard
+        built from it), which the shard parameters are views of. ``p.data = t`` (as
+        ``torch.nn.utils.vector_to_parameters`` and peft's safe merge do) points a
+        parameter elsewhere: the optimizer and the state dicts would follow it while
+        the gathers kept the old bytes. The engine looks at each forward: same shape,
+        dtype and device, ``t``'s values are copied home; anything else (``model.to(
+        torch.bfloat16)`` after wrapping) is refused, since the shard's layout is fixed
+        at wrap. One pointer compared per shard when nothing moved."""
+        moved = []
+        for i, (pc, shard) in enumerate(zip(self.pieces, self.shards)):
+            if shard.data_ptr() == self._homes[i]:
+                continue
+            home = self.shard_view(self.master, pc)
+            new = shard.data
+            if (new.shape, new.dtype, new.device) != (home.shape, home.dtype, home.device):
+                raise ValueError(
+                    f"parameter {self.params[i].fqn} was re-pointed after wrapping to a {new.dtype} tensor of "
+                    f"shape {tuple(new.shape)} on {new.device}; its shard is {home.dtype} {tuple(home.shape)} on "
+                    f"{home.device}: write into it instead (under no_grad: p.copy_(t)), or convert the model "
+                    "before wrapping"
+                )
+            with torch.no_grad():
+                home.copy_(new)
+            shard.data = home
+            moved.append(shard)
+        return moved
 
     def move_shard(self, buffer: torch.Tensor) -> None:
         """Keep the flat shard in ``buffer`` (its numel and dtype; e.g. a symmetric one
@@ -174,6 +206,7 @@ class BlockUnit(BlockLayout):
             for pc, shard in zip(self.pieces, self.shards):
                 shard.data = self.shard_view(buffer, pc)
             self.master = buffer
+            self._homes = tuple(s.data_ptr() for s in self.shards)
         self.flat_shard = buffer
 
     def fill_send(self, send: torch.Tensor) -> None:

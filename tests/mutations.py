@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BREAKDOWN = "tests/test_memory_breakdown.py::"
 FSDP2_BREAKDOWN = BREAKDOWN + "test_fsdp2_breakdown_counts_local_shards_and_resized_gathers"
+WRITES = "tests/test_state_sharding.py::test_writes_nobody_announces_reach_the_gathers"
 # name -> (file, old text, new text, tests that must fail)
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "skipped update of one block": (
@@ -60,6 +61,36 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        self.engine.refresh.mark_stale({id(p) ",
         "        set() and self.engine.refresh.mark_stale({id(p) ",  # mutation: no step marks the WP shards stale
         ["tests/test_state_sharding.py::test_every_write_to_the_pieces_reaches_the_gathers"],
+    ),
+    "a frozen piece's step unseen": (
+        "isp_comm/communicator.py",
+        "if p.requires_grad or p.grad is not None})",
+        "if p.requires_grad})",  # mutation: a frozen parameter's zero gradient is stepped, unseen
+        [WRITES],
+    ),
+    "only the last state dict watched": (
+        "isp_comm/hooks/refresh.py",
+        "        self._watched += [(weakref.ref(h)",
+        "        self._watched = [(weakref.ref(h)",
+        [WRITES],
+    ),
+    "a block called alone reads stale shards": (
+        "isp_comm/hooks/refresh.py",
+        "        if id(unit) in self._versions:\n            self._look(unit)",
+        "        pass",
+        [WRITES],
+    ),
+    "a frozen parameter's gradient dropped": (
+        "isp_comm/hooks/reductions.py",
+        "            p.grad = old if p.grad is None else old.add_(p.grad)",
+        "            if p.requires_grad:\n                p.grad = old if p.grad is None else old.add_(p.grad)",
+        [WRITES],
+    ),
+    "re-pointed parameters left": (
+        "isp_comm/hooks/engine.py",
+        "            self._reclaim()",
+        "            pass",
+        [WRITES],
     ),
     "pieces cut unlike DTensor": (
         "isp_comm/layout.py",

@@ -290,6 +290,89 @@ def _writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
     return out
 
 
+def _more_writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
+    from models.llama import rope_tables
+
+    out = {}
+    x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model, ref = build(LlamaConfig(**TINY)), build(LlamaConfig(**TINY))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(state_sharding=sharding, timeout_s=30))
+
+    def diff() -> float:
+        with torch.no_grad():
+            return (model(x) - ref(x)).abs().max().item()
+
+    # every state dict handed out is watched, not only each rank's last: rank 0 takes one
+    # of its own, then all load into the first (a mismatch would hang the replica gathers)
+    other = build(LlamaConfig(**TINY), seed=2)
+    if rank == 0:
+        dcp.save(other.state_dict(), checkpoint_id=path, no_dist=True)
+    torch.distributed.barrier()
+    sd = comm.state_dict()
+    if rank == 0:
+        comm.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    ref.load_state_dict(other.state_dict())
+    out["first_of_two_state_dicts"] = diff()
+    # ... and one kept past a forward and a later state dict, loaded into again
+    comm.state_dict()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+    with torch.no_grad():
+        for p in sd.values():
+            p.to_local().mul_(0.5) if hasattr(p, "to_local") else p.mul_(0.5)
+    out["earlier_state_dict"] = diff()
+    # a block called on its own (an early-exit evaluation) after an in-place write
+    with torch.no_grad():
+        for p, q in zip(model.layers[0].parameters(), ref.layers[0].parameters()):
+            p.mul_(1.5), q.mul_(1.5)
+        tables = rope_tables(model.cfg, torch.arange(x.shape[1]))
+        direct = model.layers[0](model.embed(x), *tables) - ref.layers[0](ref.embed(x), *tables)
+    out["direct_block"] = direct.abs().max().item()
+    # a parameter re-pointed (vector_to_parameters: p.data = ...) is copied home ...
+    for m in (model, ref):
+        v = torch.nn.utils.parameters_to_vector(m.layers[1].parameters())
+        torch.nn.utils.vector_to_parameters(v * 0.75, m.layers[1].parameters())
+    out["repointed"] = diff()
+    # ... one re-pointed to another dtype is refused, by name
+    w = next(p for p in model.layers[0].parameters() if p.dim() == 2)
+    home, w.data = w.data, w.data.to(torch.float64)
+    try:
+        diff()
+        out["refused"] = ""
+    except ValueError as e:
+        out["refused"] = str(e)
+    w.data = home
+    # progressive freezing with zero_grad(set_to_none=False): the frozen block keeps its
+    # zero gradients, all of them, as autograd keeps them, and a fused optimizer still
+    # moves it (momentum, weight decay): its WP shards must follow
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    model.layers[1].requires_grad_(False)
+    model(x).float().pow(2).mean().backward()
+    out["frozen_grads_kept"] = all(p.grad is not None for p in model.layers[1].parameters())
+    opt.step()
+    ref.load_state_dict(comm.full_state_dict())
+    out["frozen_stepped"] = diff()
+    comm.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_writes_nobody_announces_reach_the_gathers(tmp_path) -> None:
+    # world 4, wp 2, fp32, as the test below; in both settings (a re-pointed parameter or
+    # a dropped frozen gradient would go wrong under "wp" too)
+    for sharding in ("world", "wp"):
+        for r in run_ranks(_more_writes_worker, 4, sharding, str(tmp_path / sharding), timeout_s=100):
+            for key in ("first_of_two_state_dicts", "earlier_state_dict", "direct_block", "repointed"):
+                assert r[key] < 1e-5, (sharding, key, r)
+            assert "layers.0." in r["refused"] and "torch.float64" in r["refused"], r
+            assert r["frozen_grads_kept"] and r["frozen_stepped"] < 1e-5, (sharding, r)
+
+
 @pytest.mark.timeout(200)
 def test_every_write_to_the_pieces_reaches_the_gathers(tmp_path) -> None:
     # world 4, wp 2: the forward after each write equals the unwrapped model's with the

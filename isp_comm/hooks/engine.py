@@ -134,6 +134,7 @@ class BlockEngine:
             self.ctx.phase = "forward"
         if not self._armed:  # not the second call of one forward (the scheduler hook's, then the root's)
             self._release_leftovers()
+            self._reclaim()
         self._armed = True
         if self.refresh is not None:  # see [Note: refreshing the WP shards]
             self.refresh.check()
@@ -148,6 +149,14 @@ class BlockEngine:
             self._root_forward()
         if self._outer_cast is None:  # see [Note: whole-model mixed precision]
             self._outer_cast = cast_params_in(self.outer, self.config.param_dtype)
+
+    def _reclaim(self) -> None:
+        """Parameters re-pointed since the last forward go home ([Note: re-pointed
+        parameters] in ``isp_comm/units.py``); with pieces, their units are stale."""
+        for unit in (u for u in (self.root, *self.summed, *self.units) if u is not None):
+            moved = unit.reclaim()
+            if moved and self.refresh is not None:
+                self.refresh.mark_stale({id(p) for p in moved})
 
     def _root_forward(self) -> None:
         """Gather the outer parameters (embedding, head, ...) for this forward, outside

@@ -371,9 +371,8 @@ class GradientReducer:
                         p.grad = piece.clone()
                     else:
                         p.grad.copy_(piece)
-        for p, old in self._stash.items():
-            if p.requires_grad:
-                p.grad = old if p.grad is None else old.add_(p.grad)
+        for p, old in self._stash.items():  # a frozen one's (say zeros) is kept, as autograd keeps it
+            p.grad = old if p.grad is None else old.add_(p.grad)
         self._stash.clear()
 
     def _divide_in_place(self, b: Bucket) -> None:

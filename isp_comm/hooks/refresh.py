@@ -7,14 +7,18 @@ its WP rows in the gather dtype. After the masters change, a unit's flat shard i
 rebuilt from every replica's pieces by one all-gather over the replica group, in the
 gather dtype, before the unit's next WP gather.
 
-* **What makes a unit stale.** An optimizer step over its trainable pieces (a step
-  post-hook the communicator registers; it sees fused optimizers too, whose writes
-  leave version counters alone; a frozen piece has no gradient, so no step writes it,
-  and a unit of frozen weights alone stays fresh); an in-place write that bumps a piece's version counter
-  (looked at when a forward begins), or that of a tensor of a state dict handed out
-  (``dcp.load`` writes into those: they share the pieces' memory under version
-  counters of their own, [Note: one storage per state-dict tensor] in
-  ``isp_comm/state.py``); and the explicit points: ``load_state_dict``,
+* **What makes a unit stale.** An optimizer step over pieces it may write, the
+  trainable ones and any still holding a gradient (a step post-hook the communicator
+  registers; it sees fused optimizers too, whose writes leave version counters
+  alone; a frozen piece without a gradient is not stepped, and a unit of those alone
+  stays fresh); an in-place write that bumps a piece's version counter (looked at
+  when a forward begins, and before each unit's gather, for a block called on its
+  own), or that of a tensor of a state dict handed out (``dcp.load`` writes into
+  those: they share the pieces' memory under version counters of their own, [Note:
+  one storage per state-dict tensor] in ``isp_comm/state.py``; [Note: watching the
+  state dicts handed out]); a parameter re-pointed (``p.data = t``), copied back at
+  the next forward ([Note: re-pointed parameters] in ``isp_comm/units.py``); and the
+  explicit points: ``load_state_dict``,
   ``load_full_state_dict``, the Hugging Face import and ``params_updated()``. Every
   rank must see the same ones (they decide which collectives it issues): each is a
   step, call or write every rank makes alike. A step that writes nothing (the one
@@ -43,6 +47,7 @@ gather dtype, before the unit's next WP gather.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +85,7 @@ class WeightRefresh:
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._watched: list[tuple[torch.Tensor, int]] = []  # the last state dict's tensors, their versions
+        self._watched: list[tuple[weakref.ref, torch.Tensor, int]] = []  # see watch()
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
 
@@ -92,22 +97,37 @@ class WeightRefresh:
                 self._marks[id(u)] += 1
                 self._stale.add(id(u))
 
-    def watch(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Tensors sharing the pieces' memory under version counters of their own (the
-        last state dict's): a write through one makes every unit stale (see the note).
-        Held, not weakly: ``dcp.load(comm.state_dict(), ...)`` drops the dict as soon
-        as it has written into it; they hold no memory of their own."""
-        self._watched = [(t, t._version) for t in tensors]
+    def watch(self, handed: Iterable[tuple[Any, torch.Tensor]]) -> None:
+        """A state dict's tensors, each sharing a piece's memory under a version counter
+        of its own, with the object the caller holds it by (its DTensor): a write
+        through one makes every unit stale at the next look (see the note).
+
+        [Note: watching the state dicts handed out] Every state dict handed out is
+        watched, not only the last: the ranks must agree on what was written, and one
+        rank may take another state dict of its own (to read its keys) before all of
+        them load into the first. Each tensor is held by a view, which shares its version
+        counter and no memory beyond the piece's, and the caller's object weakly. An
+        entry is dropped once nobody holds that object and its version was looked at
+        since: nothing can write it any more. ``dcp.load(comm.state_dict(), ...)``
+        drops the dict as soon as it has written into it; the view still shows the
+        write at the next look."""
+        self._watched = [(h, v, n) for h, v, n in self._watched if h() is not None or v._version != n]
+        self._watched += [(weakref.ref(h), t.view_as(t), t._version) for h, t in handed]
 
     def check(self) -> None:
         """A forward begins: a unit whose pieces' version counters moved is stale, and
         every unit when a watched tensor was written."""
-        if any(t._version != v for t, v in self._watched):
-            self._watched = [(t, t._version) for t, _ in self._watched]
+        written = any(v._version != n for _, v, n in self._watched)
+        self._watched = [(h, v, v._version) for h, v, _ in self._watched if h() is not None]
+        if written:
             self.mark_stale()
         for u in self.units:
-            if id(u) not in self._stale and _versions(u) != self._versions[id(u)]:
-                self._stale.add(id(u))
+            self._look(u)
+
+    def _look(self, unit: BlockUnit) -> None:
+        """``unit`` is stale when its pieces' version counters moved since its last gather read them."""
+        if id(unit) not in self._stale and _versions(unit) != self._versions[id(unit)]:
+            self._stale.add(id(unit))
 
     @contextlib.contextmanager
     def unwritten(self) -> Iterator[None]:
@@ -138,7 +158,11 @@ class WeightRefresh:
 
     def ensure(self, unit: BlockUnit, then: BlockUnit | None = None) -> None:
         """``unit``'s flat shard is up to date when this returns (on CUDA: on the
-        current stream); ``then``'s gather, when it is stale, is issued behind."""
+        current stream); ``then``'s gather, when it is stale, is issued behind. An
+        in-place write since the forward began is looked for here too: a block may be
+        called on its own (an early-exit evaluation), without the model's forward."""
+        if id(unit) in self._versions:
+            self._look(unit)
         while id(unit) in self._stale:  # again when the pieces changed after its gather read them
             if self._inflight is not None and self._inflight.unit is not unit:
                 self._finish()
