@@ -221,6 +221,8 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
         (["--data", "/nonexistent/file.txt"], "no such file"),
         (["--out", "/dev/null/run"], "--out /dev/null/run: cannot create it"),
+        (["--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3"),
+        (["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),
     ],
 )
 def test_bad_flags_fail_with_one_line(args: list[str], text: str) -> None:
@@ -823,3 +825,22 @@ def test_a_resume_takes_the_weight_decay_of_its_flags(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert losses(a)[4] == losses(b)[4]  # step 4's loss: the weights of step 3, updated alike
     assert losses(a)[6] != losses(b)[6]  # steps 4 and 5 decayed 50 times as much
+
+
+@pytest.mark.timeout(200)
+def test_a_resume_keeps_the_runs_flags_unless_given_anew(tmp_path) -> None:
+    """A flag left out of a --resume took its default, silently (a run at --lr 2e-2 with
+    accumulation went on at 3e-3 without it): the run's config.json now fills what is
+    not given, and a flag given anew is named beside the run's value."""
+    flags = ["--lr", "2e-2", "--grad-accum", "2", "--clip", "0.5", "--weight-decay", "0.1", "--save-every", "3"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert _train1("--steps", "6", *flags, "--out", a).returncode == 0
+    first = _train1("--steps", "3", *flags, "--out", b)
+    assert first.returncode == 0, first.stderr[-2000:]
+    res = _train1("--steps", "6", "--resume", "--out", b)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resuming with the flags" not in res.stdout, res.stdout  # nothing given anew differs
+    assert losses(a) == losses(b)  # bitwise: the same flags at the same layout
+    res = _train1("--steps", "8", "--resume", "--lr", "5e-2", "--out", b)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "except --lr 0.05 (the run had 0.02)\n" in res.stdout, res.stdout

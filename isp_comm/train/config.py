@@ -160,9 +160,11 @@ class TrainConfig:
     the next save, or the end of the run, waits for the previous one."""
     resume: bool | Literal["auto"] = False
     """Continue from the latest complete checkpoint in --out (metrics.jsonl is cut back
-    to its step; --steps must be larger). ``--resume auto``: continue when a complete
-    checkpoint exists, start fresh otherwise (one command that starts a run and
-    survives its restarts)."""
+    to its step; --steps must be larger), with the run's flags (OUT/config.json) for
+    those not given (one line names a flag given anew that changes the run's).
+    ``--resume auto``: continue when a complete checkpoint exists, start fresh
+    otherwise (one command that starts a run and survives its restarts; it takes
+    the whole command, no flags from config.json)."""
     overwrite: bool = False
     """Start again in an --out that holds a run: its metrics, trace, run files and
     checkpoints are removed first (without it, such a folder is refused)."""
@@ -172,7 +174,7 @@ class TrainConfig:
     line is one JSON object, phase -> MiB, comparable with the peak memory a run logs.
     The world is --nproc-per-node x --nnodes (or WORLD_SIZE). Also the predicted step
     time, tokens/s and MFU (the JSON gains step_s and tokens_per_s), on a profile of
-    this machine (calibrated on first use, under a minute, and cached), of --target
+    this machine (calibrated on first use, a minute or two, and cached), of --target
     or of --profile."""
     target: str = ""
     """With --plan: plan for a device you are not on: h100, h200, a100, b200 or cpu,
@@ -273,8 +275,12 @@ class TrainConfig:
             raise ValueError(f"--state-sharding must be wp or world, got {self.state_sharding!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
-            raise ValueError("--hidden / --heads must be an even head size and --heads a multiple of --kv-heads")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"--hidden {self.hidden} / --heads {self.heads} must be an even head size (rotary pairs)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+        if self.lora_targets != TrainConfig.lora_targets and not self.lora_rank:
+            raise ValueError(f"--lora-targets {self.lora_targets} needs --lora-rank R (without it every weight trains)")
         if self.data:
             from isp_comm.train.store import check_data
 
@@ -453,12 +459,46 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             values = read_config_file(args.config)
         except ValueError as exc:
             p.error(f"--config {args.config}: {exc}")
-    values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    values.update(given)
+    if values.get("resume") is True and not args.config:
+        try:
+            values = _resumed_values(values, given)
+        except ValueError as exc:
+            p.error(str(exc))
     try:
         return TrainConfig(**values)
     except (ValueError, TypeError) as exc:
         p.error(str(exc))
     raise AssertionError("unreachable")
+
+
+NOT_RESUMED = frozenset(
+    {"out", "resume", "overwrite", "plan", "target", "nodes", "profile", "recalibrate", "search", "rdzv_endpoint"}
+)
+"""Flags a ``--resume`` does not take from the run's config.json: where the run is, and
+what is asked of this command rather than of the run (a plan, the rendezvous)."""
+
+
+def _resumed_values(values: dict, given: dict) -> dict:
+    """``--resume`` (without ``--config``): the run's own flags, from ``OUT/config.json``,
+    under the ones given now, as torchtitan keeps a job's config (before, a flag left
+    out fell back to its default: a resume quietly trained with another accumulation,
+    checkpointing or learning rate). The flags given anew that change the run's are
+    named in one line on rank 0. ``--resume auto`` takes none: it is given the whole
+    command (a restart, a requeue) and may start a new run."""
+    out = values.get("out", TrainConfig.out)
+    path = os.path.join(out, "config.json")
+    if not os.path.isfile(path):
+        return values  # a folder from before config.json, or none: run_folder says what is missing
+    saved = {k: v for k, v in read_config_file(path).items() if k not in NOT_RESUMED}
+    anew = {k: v for k, v in given.items() if k in saved and saved[k] != v and k != "steps"}  # --steps: see run_folder
+    changed = [f"--{_flag(k)} {v} (the run had {saved[k]})" for k, v in anew.items()]
+    merged = {**saved, **values}
+    launcher = bool(merged.get("nproc_per_node")) and "LOCAL_RANK" not in os.environ  # its rank 0 says it
+    if changed and not launcher and os.environ.get("RANK", "0") == "0":
+        print(f"isp-train: resuming with the flags of {path}, except {'; '.join(changed)}", flush=True)
+    return merged
 
 
 def read_config_file(path: str) -> dict:
