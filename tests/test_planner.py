@@ -442,3 +442,26 @@ def test_the_cpu_validation_benchmark_runs_and_rescores(tmp_path) -> None:
     with open(tmp_path / "plan_check_rescore.json") as f:
         (scored,) = json.load(f)["rows"]
     assert scored["points"] == 1 and scored["step_error_pct"] == [pytest.approx(point["step_error_pct"])]
+
+
+@pytest.mark.timeout(120)
+def test_more_ranks_than_cores_share_them() -> None:
+    """4 ranks on 2 cores were planned as if each had a core of its own (an outside
+    check measured the step three times the plan). Each rank computes half the time,
+    so the step takes twice the core-per-rank one, phase by phase; with a core each,
+    nothing changes."""
+    model = _meta(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, vocab_size=256)
+    cpu = dataclasses.replace(profiles.from_target(parse_target("cpu")), per_node=4, nodes=1)
+    kw = dict(world=4, wp=2, sp=1, batch=4, seq=32)
+    alone = step_time(model, None, cpu, **kw)
+    assert step_time(model, None, dataclasses.replace(cpu, cores=4), **kw).step_s == alone.step_s
+    shared = step_time(model, None, dataclasses.replace(cpu, cores=2), **kw)
+    assert shared.step_s == pytest.approx(2 * alone.step_s, rel=1e-12)
+    assert shared.tokens_per_s == pytest.approx(alone.tokens_per_s / 2, rel=1e-12)
+    for ph, t in alone.phases.items():
+        assert shared.phases[ph] == pytest.approx(2 * t, rel=1e-12)
+    cores = len(os.sched_getaffinity(0))
+    n = 2 * cores
+    res = _plan("--nproc-per-node", str(n), "--batch", str(n), "--layers", "2", "--hidden", "32", "--heads", "4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{n} ranks on {cores} cores: each rank computes {cores}/{n} of the time" in res.stdout, res.stdout

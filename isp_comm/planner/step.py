@@ -585,10 +585,16 @@ def step_time(
     comm[replica_kind] += grad_accum * total([*c.rep, c.outer_rep, c.summed])
     for kind, ds in [*c.vocab_fwd.items(), *c.vocab_bwd.items()]:
         comm[kind] += grad_accum * total(ds)
-    mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
     compute = {k: grad_accum * v for k, v in c.compute.items()}
     compute["copies"] += sum(c.piece_send) + sum(c.unpack) + c.outer_refresh  # once a step ("world")
-    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=dict(clock.links.busy))
+    share = max(1.0, prof.per_node / prof.cores) if prof.cores else 1.0  # ranks per core (Profile.cores)
+    if share > 1.0:
+        scaled = ({k: v * share for k, v in d.items()} for d in (phases, exposed, comm, compute))
+        phases, exposed, comm, compute = scaled
+        step *= share
+    mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
+    busy = {k: v * share for k, v in clock.links.busy.items()}
+    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=busy)
 
 
 def backend_of(requested: str, prof: Profile) -> str:

@@ -64,7 +64,7 @@ def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, in
     if prof.device == "cpu":
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        prof = dataclasses.replace(prof, memory_bytes=avail // max(local, 1))
+        prof = dataclasses.replace(prof, memory_bytes=avail // max(local, 1), cores=len(os.sched_getaffinity(0)))
     return dataclasses.replace(prof, per_node=local, nodes=max(world // local, 1)), world
 
 
@@ -155,6 +155,11 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
         f"backward {ex['backward']:.3g} s, optimizer {ex['optimizer']:.3g} s"
     )
     print("predicted compute (forward and backward): " + ", ".join(f"{k} {v:.4g} s" for k, v in st.compute_s.items()))
+    if prof.cores and prof.per_node > prof.cores:
+        print(
+            f"{prof.per_node} ranks on {prof.cores} cores: each rank computes {prof.cores}/{prof.per_node} of the "
+            f"time, so the step is planned {prof.per_node / prof.cores:.3g}x what a core per rank would take"
+        )
 
 
 def _search(cfg: TrainConfig, planner: _Planner) -> None:
