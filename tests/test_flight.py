@@ -254,6 +254,10 @@ def test_doctor_live_asks_through_the_trigger_file(tmp_path) -> None:
     assert lines[2].startswith("  rank 1: computing; its last collective block 1 backward reduce-scatter #6")
     with pytest.raises(ValueError, match="no hang.json"):
         doctor.show(str(tmp_path))
+    # a restart set the dead run's diagnosis aside: the doctor shows it, and says whose it is
+    (tmp_path / "hang.previous.json").write_text(json.dumps({"header": "hang diagnosis", "lines": ["rank 1 died"]}))
+    assert doctor.show(str(tmp_path)).splitlines()[1:] == ["hang diagnosis", "  rank 1 died"]
+    assert "an earlier run's, set aside at a restart or resume" in doctor.show(str(tmp_path))
 
 
 class FakeEvent:

@@ -150,6 +150,7 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
     assert "resuming from" in stdout, stdout[-2000:]
+    assert stdout.count("isp-train: restart 1 of 1: a rank of the last attempt failed") == 1, stdout[-2000:]
     assert [s for s, _ in _losses(out)] == list(range(1, 25))
     assert _losses(out) == uninterrupted_losses  # bitwise: the same floats
 

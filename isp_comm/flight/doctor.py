@@ -14,15 +14,24 @@ from isp_comm.flight.diagnosis import HANG_JSON, classify
 from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER, POLL_S
 from isp_comm.flight.record import describe
 
+PREVIOUS_JSON = "hang.previous.json"
+"""Where isp-train sets an earlier run's ``hang.json`` aside when the folder's run is
+restarted or resumed (``isp_comm/train/run_folder.py``)."""
+
 
 def show(run: str) -> str:
-    """The diagnosis a hang left in ``run`` (``hang.json``); ``ValueError`` without one."""
-    path = os.path.join(run, HANG_JSON)
+    """The diagnosis a hang left in ``run`` (``hang.json``), else the one an earlier run
+    of the folder left before a restart or resume set it aside, said so; ``ValueError``
+    without either."""
+    path, note = os.path.join(run, HANG_JSON), []
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(run, PREVIOUS_JSON)):
+        path = os.path.join(run, PREVIOUS_JSON)
+        note = [f"(no {HANG_JSON} from the run now in {run}: an earlier run's, set aside at a restart or resume)"]
     if not os.path.isfile(path):
         raise ValueError(f"{run}: no {HANG_JSON} (no wait there passed its deadline, or no --out / diagnosis_dir)")
     with open(path) as f:
         doc = json.load(f)
-    return "\n".join([doc["header"]] + [f"  {line}" for line in doc["lines"]])
+    return "\n".join([*note, doc["header"]] + [f"  {line}" for line in doc["lines"]])
 
 
 def _world(run: str) -> int | None:

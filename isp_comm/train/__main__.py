@@ -92,8 +92,17 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
 
     if "LOCAL_RANK" in os.environ:  # a launched rank dies with its launcher
         die_with_parent()
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.resume:
-        cfg = dataclasses.replace(cfg, resume="auto")  # a restarted rank continues the run
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0:
+        if os.environ.get("RANK", "0") == "0":  # said once, before the resume line
+            of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            print(
+                f"isp-train: restart {restart} of {of}: a rank of the last attempt failed (its line is above; "
+                f"isp-comm doctor {cfg.out} shows a hang's diagnosis); the ranks go on from the latest checkpoint",
+                flush=True,
+            )
+        if not cfg.resume:
+            cfg = dataclasses.replace(cfg, resume="auto")  # a restarted rank continues the run
     torch.set_num_threads(1)
     device = resolve_device(cfg)
     if device.type == "cuda":
