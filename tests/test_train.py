@@ -180,6 +180,7 @@ def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
     assert not ours, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if "isp-train: error" in ln]
     assert len(lines) == 1 and text in lines[0], res.stderr[-2000:]
+    assert "isp-train: warning" not in res.stderr, res.stderr[-2000:]  # the mistake alone, not a warning of it too
 
 
 def test_the_embedded_corpus_walks_its_chain_and_keeps_its_tokens() -> None:
@@ -223,6 +224,7 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--out", "/dev/null/run"], "--out /dev/null/run: cannot create it"),
         (["--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3"),
         (["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),
+        (["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
     ],
 )
 def test_bad_flags_fail_with_one_line(args: list[str], text: str) -> None:

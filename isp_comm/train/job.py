@@ -86,16 +86,14 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model's
     flops_per_token = model_flops.flops_per_token(model, cfg.seq)
     icfg = isp_config(cfg, bf16)
-    forecast = None
-    if virtual.leads(rank):
-        lines, fc = memory_warnings(cfg, model, icfg, world, device)
-        for line in lines:
-            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
-        forecast = fc if cfg.memory_breakdown else None
+    lines, fc = memory_warnings(cfg, model, icfg, world, device) if virtual.leads(rank) else ([], None)
+    forecast = fc if cfg.memory_breakdown else None
+    if fc is not None:  # before the wrap allocates
+        warn(lines)
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
-    if virtual.leads(rank):
-        for line in start_warnings(cfg):
-            print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
+    if virtual.leads(rank):  # why there is no forecast: after the wrap, which refuses a mistake on its own line
+        warn(lines if fc is None else [])
+        warn(start_warnings(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return Job(
@@ -105,6 +103,11 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
         n_params=n_params, flops_per_token=flops_per_token, resume_from=resume_from, previous=previous,
         forecast=forecast,
     )  # fmt: skip
+
+
+def warn(lines: list[str]) -> None:
+    for line in lines:
+        print(f"isp-train: warning: {line}", file=sys.stderr, flush=True)
 
 
 def train_data(cfg: TrainConfig, tokens, offsets, vocab: int, world: int, rank: int) -> TrainData:
