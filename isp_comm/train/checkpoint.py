@@ -306,7 +306,19 @@ def verify(path: str) -> None:
     """Check every file of ``path`` against ``checksums.json`` (each rank reads a
     share); a ``CheckpointError`` on every rank names the first bad file."""
     bad = first_bad_file(path, dist.get_rank(), dist.get_world_size())
-    _agree(f"checkpoint {path}: {bad}" if bad else None)
+    _agree(f"checkpoint {path}: {bad}{way_on(path)}" if bad else None)
+
+
+def way_on(path: str) -> str:
+    """What to do about a bad checkpoint ``path``: the newest complete one before it, if
+    any (not checked here), and how a resume or an export comes to take it."""
+    root, name = os.path.split(os.path.normpath(path))
+    complete = lambda d: os.path.isfile(os.path.join(root, d, ".metadata"))  # noqa: E731
+    earlier = sorted(d for d in os.listdir(root) if d.startswith("step_") and PARTIAL not in d and d < name)
+    earlier = [d for d in earlier if complete(d)]
+    if not earlier:
+        return " (no earlier checkpoint)"
+    return f"; the newest before it is {earlier[-1]}: move {name} out of {root} and the next try takes that one"
 
 
 def first_bad_file(path: str, rank: int = 0, world: int = 1) -> str | None:

@@ -74,7 +74,7 @@ def _resolve(checkpoint_dir: str) -> str:
         )
     bad = checkpoint.first_bad_file(checkpoint_dir)
     if bad:  # what a resume refuses, an export does too
-        raise ValueError(f"checkpoint {checkpoint_dir}: {bad}")
+        raise ValueError(f"checkpoint {checkpoint_dir}: {bad}{checkpoint.way_on(checkpoint_dir)}")
     return checkpoint_dir
 
 
