@@ -191,9 +191,10 @@ class TrainConfig:
     misleads every later plan)."""
     virtual_world: int = 0
     """Train as one rank of a job of this many ranks, on this one process (torch's
-    fake process group): the layout flags apply to it, the batch per rank is the
-    job's, and every collective takes its modelled time (--virtual-gbps, or --target
-    and --nodes, or --profile). metrics.jsonl gains comm_s and exposed_comm_s. No
+    fake process group): the layout flags apply to it, --batch is the job's (this rank
+    takes its share, as in the real job), and every collective takes its modelled
+    time (--virtual-gbps, or --target and --nodes, or --profile). metrics.jsonl gains
+    comm_s, exposed_comm_s and comm_late_s; its tokens/s is the whole job's. No
     checkpoint: --save-every, --resume, --init-from and --async-save are refused
     (docs/virtual.md)."""
     virtual_rank: int = 0

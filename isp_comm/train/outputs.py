@@ -88,7 +88,7 @@ def write_run_files(job: Job, start: int) -> None:
     tqdm.write(
         f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
         f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
-        f"{job.n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank 0's shards), "
+        f"{job.n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank {job.rank}'s shards), "
         f"data {len(job.tokens)} tokens ({job.data.describe()}), vocabulary {job.vocab}, "
         f"unigram entropy {unigram_entropy(job.tokens, job.vocab):.3f} nats"
     )
