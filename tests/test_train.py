@@ -849,3 +849,17 @@ def test_a_resume_keeps_the_runs_flags_unless_given_anew(tmp_path) -> None:
     res = _train1("--steps", "8", "--resume", "--lr", "5e-2", "--out", b)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "except --lr 0.05 (the run had 0.02)\n" in res.stdout, res.stdout
+
+
+@pytest.mark.timeout(200)
+def test_keep_checkpoints_keeps_the_newest_and_a_resume_takes_them(tmp_path) -> None:
+    """--keep-checkpoints 2 (torchtitan's keep_latest_k): every --save-every checkpoint
+    was kept, a long run's disk filling with them; now the newest two are, and a
+    resume goes on from the newest."""
+    out = str(tmp_path / "run")
+    res = _train1("--steps", "5", "--save-every", "1", "--keep-checkpoints", "2", "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000004", "step_000005"]
+    res = _train1("--steps", "7", "--save-every", "1", "--resume", "--out", out)
+    assert res.returncode == 0 and "step_000005 (step 5" in res.stdout, res.stderr[-2000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006", "step_000007"]

@@ -168,9 +168,11 @@ def _state(
 class Checkpointer:
     """Saves (synchronously or not) and commits checkpoints under ``OUT/checkpoints``."""
 
-    def __init__(self, out: str, async_save: bool = False, pinned: bool = False) -> None:
+    def __init__(self, out: str, async_save: bool = False, pinned: bool = False, keep: int = 0) -> None:
         self.out = out
         self.async_save = async_save
+        self.keep = keep
+        """Complete checkpoints kept: older ones go once a newer one is committed (0: all)."""
         self._group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank
         # staged in the caller (so the state written is the one at the call), pinned on CUDA
         options = StagingOptions(pinned, False, False, False)
@@ -273,10 +275,22 @@ class Checkpointer:
                 with open(tmp, "w") as f:
                     f.write(os.path.basename(final))
                 os.replace(tmp, os.path.join(_root(self.out), LATEST))
+                self._prune(os.path.basename(final))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
                 error = f"{failed}: {root_cause(exc)}; {self._kept()}"
         _agree(error)
+
+    def _prune(self, committed: str) -> None:
+        """Rank 0, once ``committed`` is complete and ``latest`` names it: remove the
+        complete checkpoints beyond the newest ``keep`` (never ``committed``)."""
+        if not self.keep:
+            return
+        root = _root(self.out)
+        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and PARTIAL not in d)
+        for name in done[: -self.keep]:
+            if name != committed:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def latest(out: str) -> str | None:

@@ -158,6 +158,9 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints in the background (dcp.async_save) while training goes on;
     the next save, or the end of the run, waits for the previous one."""
+    keep_checkpoints: int = 0
+    """Keep the newest K complete checkpoints: once one is committed, older ones beyond
+    K are removed (0: keep every one; torchtitan's keep_latest_k)."""
     resume: bool | Literal["auto"] = False
     """Continue from the latest complete checkpoint in --out (metrics.jsonl is cut back
     to its step; --steps must be larger), with the run's flags (OUT/config.json) for
@@ -270,6 +273,8 @@ class TrainConfig:
             raise ValueError(f"--resume takes no value or auto, got {self.resume!r}")
         if self.max_restarts and not self.nproc_per_node:
             raise ValueError("--max-restarts needs --nproc-per-node (under torchrun, give torchrun --max-restarts)")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if self.state_sharding not in get_args(StateSharding):

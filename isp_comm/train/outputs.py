@@ -41,7 +41,9 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
             if stretched:
                 print(stretched, flush=True)
             run_folder.cut_metrics(cfg.out, start)
-    job.saver = checkpoint.Checkpointer(cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda")
+    job.saver = checkpoint.Checkpointer(
+        cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda", keep=cfg.keep_checkpoints
+    )
     closing.callback(job.saver.close)
     if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
