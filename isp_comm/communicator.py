@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 from isp_comm.backends import Backend, make_backend
@@ -64,16 +64,16 @@ def _check_types(model: nn.Module, groups: ParallelGroups, config: ISPConfig) ->
         raise TypeError(f"config must be an ISPConfig, got {type(config).__name__}")
 
 
-def _step_hook_of(comm: ISPCommunicator) -> Callable[..., None]:
-    """An optimizer step post-hook (torch's registry of them is global) calling
-    ``comm._after_step``, holding the communicator weakly: one dropped unclosed is
-    not kept alive by it."""
+def _step_hook_of(comm: ISPCommunicator, before: bool = False) -> Callable[..., None]:
+    """An optimizer step hook (torch's registries of them are global) calling
+    ``comm._after_step``, or with ``before`` ``comm._before_step``, holding the
+    communicator weakly: one dropped unclosed is not kept alive by it."""
     ref = weakref.ref(comm)
 
     def hook(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         alive = ref()
-        if alive is not None:
-            alive._after_step(opt)
+        if alive is not None and not alive.closed:
+            alive._before_step(opt) if before else alive._after_step(opt)
 
     return hook
 
@@ -136,6 +136,7 @@ class ISPCommunicator:
         pieces = any(u.replicas > 1 for u in units)
         refresh = WeightRefresh(self.ctx, self.backend, g.replica_group, units) if pieces else None
         self._step_hook = register_optimizer_step_post_hook(_step_hook_of(self)) if pieces else None
+        self._pre_step_hook = register_optimizer_step_pre_hook(_step_hook_of(self, before=True))
         return BlockEngine(
             self.ctx, self.units, g, self.backend, self.config, self.pool, self.rs_buffers, replicated, self.root,
             refresh,
@@ -335,6 +336,16 @@ class ISPCommunicator:
         block.forward = forward
 
     # ---- pieces (state_sharding="world"; see [Note: refreshing the WP shards]) --------------
+    def _before_step(self, opt: torch.optim.Optimizer) -> None:
+        """Before the step of an optimizer of this model's replicated parameters (another
+        model's, stepped between this one's forward and backward, leaves it alone): a
+        step that did not go as planned is settled ([Note: steps that did not go as
+        planned] in ``isp_comm/hooks/engine.py``)."""
+        r = self.engine.reducer
+        mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
+        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            self.engine.settle()
+
     def _after_step(self, opt: torch.optim.Optimizer) -> None:
         """After any optimizer's step: the WP shards of the units whose pieces it may
         have stepped are stale: the trainable ones and any holding a gradient (an
@@ -419,6 +430,7 @@ class ISPCommunicator:
     def _check_idle(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"{what}: the communicator is closed")
+        self.engine.settle(forward=True)  # a backward an exception escaped is ended (no stash is touched)
         if self.engine.phase is Phase.BACKWARD:
             raise RuntimeError(f"{what} must not be called during backward")
 
@@ -491,6 +503,7 @@ class ISPCommunicator:
         it after backward, before ``optimizer.step()``. The stock
         ``torch.nn.utils.clip_grad_norm_`` would see only this rank's shards."""
         self._check_idle("clip_grad_norm_()")
+        self.engine.settle()  # an accuracy forward since the backward: its stash goes back
         return self._state.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
@@ -505,7 +518,7 @@ class ISPCommunicator:
         sd = self._state.state_dict()
         if self.engine.refresh is not None:
             with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
-                self.engine.refresh.watch([(v, v.to_local()) for k, v in sd.items() if k in self._state.sharded])
+                self.engine.refresh.watch([v.to_local() for k, v in sd.items() if k in self._state.sharded])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -567,6 +580,7 @@ class ISPCommunicator:
         self._closed = True
         if self._step_hook is not None:
             self._step_hook.remove()
+        self._pre_step_hook.remove()
         self._flight.close(failed=self.ctx.failed or failed)
         cut_short = abandon or self.ctx.failed or self.engine.phase is Phase.BACKWARD  # peers may be gone
         if cut_short:

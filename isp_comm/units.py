@@ -161,9 +161,13 @@ class BlockUnit(BlockLayout):
             sp.module._parameters[sp.name] = shard
             shards.append(shard)
         self.shards = tuple(shards)
-        self._homes = tuple(s.data_ptr() for s in shards)
+        self._homes = self._offsets()
         for module, name, i, _ in self.aliases:
             module._parameters[name] = shards[i]
+
+    def _offsets(self) -> tuple[int, ...]:
+        """Where each shard parameter starts in the master, in bytes (see ``reclaim``)."""
+        return tuple(s.data_ptr() - self.master.data_ptr() for s in self.shards)
 
     def reclaim(self) -> list[nn.Parameter]:
         """The shard parameters re-pointed since the last look, each copied back into
@@ -176,10 +180,11 @@ class BlockUnit(BlockLayout):
         the gathers kept the old bytes. The engine looks at each forward: same shape,
         dtype and device, ``t``'s values are copied home; anything else (``model.to(
         torch.bfloat16)`` after wrapping) is refused, since the shard's layout is fixed
-        at wrap. One pointer compared per shard when nothing moved."""
+        at wrap. One pointer compared per shard when nothing moved, as an offset into
+        the master, whose storage may itself move in place (``share_memory_()``)."""
         moved = []
         for i, (pc, shard) in enumerate(zip(self.pieces, self.shards)):
-            if shard.data_ptr() == self._homes[i]:
+            if shard.data_ptr() - self.master.data_ptr() == self._homes[i]:
                 continue
             home = self.shard_view(self.master, pc)
             new = shard.data
@@ -206,7 +211,7 @@ class BlockUnit(BlockLayout):
             for pc, shard in zip(self.pieces, self.shards):
                 shard.data = self.shard_view(buffer, pc)
             self.master = buffer
-            self._homes = tuple(s.data_ptr() for s in self.shards)
+            self._homes = self._offsets()
         self.flat_shard = buffer
 
     def fill_send(self, send: torch.Tensor) -> None:

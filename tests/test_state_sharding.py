@@ -323,18 +323,45 @@ def _more_writes_worker(rank: int, world: int, sharding: str, path: str) -> dict
         for p in sd.values():
             p.to_local().mul_(0.5) if hasattr(p, "to_local") else p.mul_(0.5)
     out["earlier_state_dict"] = diff()
-    # a block called on its own (an early-exit evaluation) after an in-place write
+    # ... and what the caller keeps of a dropped one (its local tensors), past a forward
+    locs = {k: t.to_local() for k, t in comm.state_dict().items() if hasattr(t, "to_local")}  # the sharded ones
+    diff()
+    with torch.no_grad():
+        for k, t in locs.items():
+            t.mul_(0.5), ref.get_parameter(k).mul_(0.5)
+    del locs
+    out["kept_local_tensors"] = diff()
+    # a block called on its own (an early-exit evaluation) after an in-place write, a
+    # write into a state dict, and a parameter re-pointed (vector_to_parameters: p.data = ...)
+    tables = rope_tables(model.cfg, torch.arange(x.shape[1]))
+
+    def block_diff(i: int) -> float:
+        with torch.no_grad():
+            return (model.layers[i](model.embed(x), *tables) - ref.layers[i](ref.embed(x), *tables)).abs().max().item()
+
     with torch.no_grad():
         for p, q in zip(model.layers[0].parameters(), ref.layers[0].parameters()):
             p.mul_(1.5), q.mul_(1.5)
-        tables = rope_tables(model.cfg, torch.arange(x.shape[1]))
-        direct = model.layers[0](model.embed(x), *tables) - ref.layers[0](ref.embed(x), *tables)
-    out["direct_block"] = direct.abs().max().item()
-    # a parameter re-pointed (vector_to_parameters: p.data = ...) is copied home ...
+    out["direct_block"] = block_diff(0)
+    out["left_gathered"] = [i for i, st in enumerate(comm.engine.states) if st.state.name != "SHARDED"]
+    sd = comm.state_dict()
+    with torch.no_grad():
+        sd["layers.1.mlp.up_proj.weight"].to_local().mul_(2.0)
+        ref.layers[1].mlp.up_proj.weight.mul_(2.0)
+    del sd
+    out["direct_block_state_dict"] = block_diff(1)
     for m in (model, ref):
         v = torch.nn.utils.parameters_to_vector(m.layers[1].parameters())
         torch.nn.utils.vector_to_parameters(v * 0.75, m.layers[1].parameters())
+    out["direct_block_repointed"] = block_diff(1)
+    for m in (model, ref):
+        v = torch.nn.utils.parameters_to_vector(m.layers[0].parameters())
+        torch.nn.utils.vector_to_parameters(v * 0.75, m.layers[0].parameters())
     out["repointed"] = diff()
+    # storage moved in place (share_memory_) is no re-pointing
+    model.share_memory()
+    out["reclaimed_after_share_memory"] = sum(len(u.reclaim()) for u in comm.engine.units)
+    out["after_share_memory"] = diff()
     # ... one re-pointed to another dtype is refused, by name
     w = next(p for p in model.layers[0].parameters() if p.dim() == 2)
     home, w.data = w.data, w.data.to(torch.float64)
@@ -367,9 +394,13 @@ def test_writes_nobody_announces_reach_the_gathers(tmp_path) -> None:
     # a dropped frozen gradient would go wrong under "wp" too)
     for sharding in ("world", "wp"):
         for r in run_ranks(_more_writes_worker, 4, sharding, str(tmp_path / sharding), timeout_s=100):
-            for key in ("first_of_two_state_dicts", "earlier_state_dict", "direct_block", "repointed"):
+            keys = ("first_of_two_state_dicts", "earlier_state_dict", "kept_local_tensors", "direct_block")
+            keys += ("direct_block_state_dict", "direct_block_repointed", "repointed")
+            for key in keys:
                 assert r[key] < 1e-5, (sharding, key, r)
             assert "layers.0." in r["refused"] and "torch.float64" in r["refused"], r
+            assert r["reclaimed_after_share_memory"] == 0 and r["after_share_memory"] < 1e-5, (sharding, r)
+            assert r["left_gathered"] == [], (sharding, r)  # a block called alone prefetches none
             assert r["frozen_grads_kept"] and r["frozen_stepped"] < 1e-5, (sharding, r)
 
 

@@ -64,7 +64,8 @@ class BlockEngine:
         self._res = GatherResources(ctx, config, backend, pool, groups.wp_group, refresh)
         self.states = [BlockState(u, self._res) for u in units]
         self._pending: set[int] = set()
-        self._armed = False  # root_pre_forward ran and no block has computed since
+        self._hook_called = False  # the scheduler hook's root_pre_forward ran; the root's follows
+        self._in_root = False  # inside the model's forward (root pre- to post-forward)
         self._callback_queued = False
         self._outer_dtype: torch.dtype | None = None  # activations' dtype outside the blocks
         self.outer: list[ReplicatedParam] = []
@@ -125,17 +126,23 @@ class BlockEngine:
     # from root pre-forward to root post-forward. Casts are differentiable, so each
     # gradient reaches its master in the master's dtype. The logits come out in
     # ``param_dtype``; the loss upcasts them.
-    def root_pre_forward(self) -> None:
+    def root_pre_forward(self, from_hook: bool = False) -> None:
         """Forward begins: stash replicated grads of earlier micro-steps, bring the
-        outer units up to date, fetch block 0."""
+        outer units up to date, fetch block 0. ``from_hook``: the scheduler hook's
+        call, which the root's own call of the same forward follows."""
+        second, self._hook_called = self._hook_called, from_hook
+        if not second:
+            self.settle(forward=True)
+            if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
+                self.root_post_forward()
         if torch.is_grad_enabled() and self.phase is Phase.IDLE:
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
-        if not self._armed:  # not the second call of one forward (the scheduler hook's, then the root's)
+        if not second:
             self._release_leftovers()
             self._reclaim()
-        self._armed = True
+        self._in_root = True
         if self.refresh is not None:  # see [Note: refreshing the WP shards]
             self.refresh.check()
             order = [u for u in (self.root, *self.summed) if u is not None] + self.units[:1]
@@ -214,7 +221,7 @@ class BlockEngine:
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again, and the engine
         lets go of their gathered region (see [Note: the outer region's lifetime])."""
-        self._armed = False
+        self._in_root = False
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
@@ -237,8 +244,14 @@ class BlockEngine:
 
     def block_forward(self, unit: BlockUnit, orig: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The block's forward, wrapped. Also runs for a recompute in backward when the
-        checkpoint sits outside this wrapper (ours, or one around ``Module.__call__``)."""
-        self._armed = False
+        checkpoint sits outside this wrapper (ours, or one around ``Module.__call__``).
+
+        [Note: blocks called on their own] Outside the model's forward (an early-exit
+        evaluation calling blocks in turn), nothing has looked at the writes since the
+        last step: each such call looks as the model's forward does (re-pointed
+        parameters, and with pieces their version counters and the state dicts handed
+        out), gathers its block anew and prefetches none, since the caller may write
+        the weights between two calls, after a prefetch would have read them."""
         st = self.states[unit.index]
         out_dtype = None
         if self.config.param_dtype is not None:
@@ -260,8 +273,14 @@ class BlockEngine:
                 return orig(*args, **kwargs)
             finally:
                 st.swap_out()
+        if not self._in_root:  # a block called on its own (an early exit): see [Note: blocks called on their own]
+            self._release_leftovers()
+            self._reclaim()
+            if self.refresh is not None:
+                self.refresh.check()
         self.ensure_gathered(unit)
-        self.prefetch(unit.index + 1)
+        if self._in_root:
+            self.prefetch(unit.index + 1)
         self._event("compute", unit.index)
         st.begin_forward(self)
         t0 = self.ctx.mark()
@@ -288,6 +307,12 @@ class BlockEngine:
 
     # ---- backward -----------------------------------------------------------------
     def _enter_backward(self) -> None:
+        if self.phase is Phase.IDLE:  # no forward with grad armed this backward's reductions
+            raise RuntimeError(
+                "isp-comm: a backward through the wrapped model's blocks that no forward of the model with grad "
+                "began: a second backward over one forward (retain_graph=True), or one through blocks called "
+                "outside the model's forward, is not supported (run the model's forward again for each backward)"
+            )
         self.phase = Phase.BACKWARD
         self.ctx.phase = "backward"
         if not self._callback_queued:
@@ -322,6 +347,37 @@ class BlockEngine:
         st.post_backward()
         module = st.landing == "per-parameter"  # gradients go back the way weights came
         self.reducer.reduce_block(unit, grads, module, packed=lambda: self.release(unit))
+
+    def settle(self, forward: bool = False) -> None:
+        """Bring the engine back to IDLE after a step that did not go as planned, when it
+        is looked at outside a backward: before a forward (``forward``), an optimizer
+        step, a clip or a state dict.
+
+        [Note: steps that did not go as planned] An exception that escaped a backward
+        (an interrupt, a check that raised) leaves the phase BACKWARD, the callback that
+        ends it dropped by autograd: the next look ends it, finishing what every rank
+        issued, and drops every gradient the engine reduces (set to ``None``, as
+        ``zero_grad()`` does: that backward's are partial, and they would land after a
+        ``zero_grad()`` the caller made since), so the next step reduces its own
+        (before, none were averaged any more, and the ranks drifted apart, silently).
+        A forward with grad not
+        followed by a backward (an accuracy forward after the backward) left the
+        replicated parameters' gradients stashed: a step, clip or state dict puts them
+        back (they are averaged already, so a later backward averages them again to
+        the same values). A second forward before a backward keeps the stash."""
+        if torch._C._current_autograd_node() is not None:
+            return
+        if self.phase is Phase.BACKWARD:
+            self.end_backward()
+            for unit in (u for u in (self.root, *self.summed, *self.units) if u is not None):
+                for shard in unit.shards:
+                    shard.grad = None
+            for p in (*self.reducer.replicated, *self.reducer.wp_summed):
+                p.grad = None
+        elif self.phase is Phase.FORWARD and not forward:
+            self.reducer.unstash()
+            self.phase = Phase.IDLE
+            self.ctx.phase = "outer"
 
     def end_backward(self) -> None:
         """Drain reduce-scatters, average replicated grads, return to IDLE. Idempotent."""

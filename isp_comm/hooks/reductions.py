@@ -346,6 +346,17 @@ class GradientReducer:
         self.ctx.record(b.handle, "all-reduce", b.group, b.flat, -1, "backward")
         b.issued_at = self.ctx.issued(b.handle)
 
+    def unstash(self) -> None:
+        """No backward followed the forward that stashed: the stashed gradients go back
+        into ``.grad`` (added to what is there) and the buckets disarm."""
+        self._active = False
+        self._put_back()
+
+    def _put_back(self) -> None:
+        for p, old in self._stash.items():  # a frozen one's (say zeros) is kept, as autograd keeps it
+            p.grad = old if p.grad is None else old.add_(p.grad)
+        self._stash.clear()
+
     def reduce_whole(self) -> None:
         """The backward is over: issue the buckets that never became ready, wait for
         every bucket in order, divide, write ``.grad`` and add the stash back."""
@@ -371,9 +382,7 @@ class GradientReducer:
                         p.grad = piece.clone()
                     else:
                         p.grad.copy_(piece)
-        for p, old in self._stash.items():  # a frozen one's (say zeros) is kept, as autograd keeps it
-            p.grad = old if p.grad is None else old.add_(p.grad)
-        self._stash.clear()
+        self._put_back()
 
     def _divide_in_place(self, b: Bucket) -> None:
         """A bucket over one rank: its gradients averaged where they are, as a flat

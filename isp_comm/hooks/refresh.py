@@ -12,8 +12,8 @@ gather dtype, before the unit's next WP gather.
   registers; it sees fused optimizers too, whose writes leave version counters
   alone; a frozen piece without a gradient is not stepped, and a unit of those alone
   stays fresh); an in-place write that bumps a piece's version counter (looked at
-  when a forward begins, and before each unit's gather, for a block called on its
-  own), or that of a tensor of a state dict handed out (``dcp.load`` writes into
+  when the model's forward begins, or a block's when it is called on its own), or
+  that of a tensor of a state dict handed out (``dcp.load`` writes into
   those: they share the pieces' memory under version counters of their own, [Note:
   one storage per state-dict tensor] in ``isp_comm/state.py``; [Note: watching the
   state dicts handed out]); a parameter re-pointed (``p.data = t``), copied back at
@@ -85,7 +85,7 @@ class WeightRefresh:
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._watched: list[tuple[weakref.ref, torch.Tensor, int]] = []  # see watch()
+        self._watched: list[tuple[weakref.ref, torch.Tensor | None, int]] = []  # see watch()
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
 
@@ -97,28 +97,37 @@ class WeightRefresh:
                 self._marks[id(u)] += 1
                 self._stale.add(id(u))
 
-    def watch(self, handed: Iterable[tuple[Any, torch.Tensor]]) -> None:
-        """A state dict's tensors, each sharing a piece's memory under a version counter
-        of its own, with the object the caller holds it by (its DTensor): a write
-        through one makes every unit stale at the next look (see the note).
+    def watch(self, handed: Iterable[torch.Tensor]) -> None:
+        """A state dict's local tensors, each sharing a piece's memory under a version
+        counter of its own: a write through one, or through any view of it, makes every
+        unit stale at the next look (see the note).
 
         [Note: watching the state dicts handed out] Every state dict handed out is
         watched, not only the last: the ranks must agree on what was written, and one
         rank may take another state dict of its own (to read its keys) before all of
-        them load into the first. Each tensor is held by a view, which shares its version
-        counter and no memory beyond the piece's, and the caller's object weakly. An
-        entry is dropped once nobody holds that object and its version was looked at
-        since: nothing can write it any more. ``dcp.load(comm.state_dict(), ...)``
-        drops the dict as soon as it has written into it; the view still shows the
-        write at the next look."""
-        self._watched = [(h, v, n) for h, v, n in self._watched if h() is not None or v._version != n]
-        self._watched += [(weakref.ref(h), t.view_as(t), t._version) for h, t in handed]
+        them load into the first. Each entry is the root of its tensor's views (they all
+        share its version counter), held until the next look, then weakly: it lives as
+        long as anything the caller keeps of it does (the DTensor, a ``to_local()``),
+        so a write through what the caller still holds is seen at any later look, and
+        an entry nobody holds any more is dropped. ``dcp.load(comm.state_dict(), ...)``
+        drops the dict as soon as it has written into it: the strong hold shows that
+        write at the next look. Not seen: a write into a state dict kept past a look and
+        then dropped whole before the next one (call ``params_updated()`` there)."""
+        self._watched = [(r, strong, n) for r, strong, n in self._watched if strong is not None or r() is not None]
+        for t in handed:
+            root = t if t._base is None else t._base
+            self._watched.append((weakref.ref(root), root, root._version))
 
     def check(self) -> None:
         """A forward begins: a unit whose pieces' version counters moved is stale, and
         every unit when a watched tensor was written."""
-        written = any(v._version != n for _, v, n in self._watched)
-        self._watched = [(h, v, v._version) for h, v, _ in self._watched if h() is not None]
+        written, kept = False, []
+        for r, strong, n in self._watched:
+            root = strong if strong is not None else r()
+            if root is not None:
+                written |= root._version != n
+                kept.append((r, None, root._version))
+        self._watched = kept
         if written:
             self.mark_stale()
         for u in self.units:
@@ -158,11 +167,7 @@ class WeightRefresh:
 
     def ensure(self, unit: BlockUnit, then: BlockUnit | None = None) -> None:
         """``unit``'s flat shard is up to date when this returns (on CUDA: on the
-        current stream); ``then``'s gather, when it is stale, is issued behind. An
-        in-place write since the forward began is looked for here too: a block may be
-        called on its own (an early-exit evaluation), without the model's forward."""
-        if id(unit) in self._versions:
-            self._look(unit)
+        current stream); ``then``'s gather, when it is stale, is issued behind."""
         while id(unit) in self._stale:  # again when the pieces changed after its gather read them
             if self._inflight is not None and self._inflight.unit is not unit:
                 self._finish()

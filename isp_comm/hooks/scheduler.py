@@ -46,7 +46,7 @@ class SchedulerHook:
 
     def before_forward(self) -> None:
         self._advance("before_forward", _Step.FORWARD)
-        self._engine.root_pre_forward()
+        self._engine.root_pre_forward(from_hook=True)
 
     def after_forward(self) -> None:
         self._advance("after_forward", _Step.AFTER_FORWARD)
