@@ -257,7 +257,7 @@ def test_doctor_live_asks_through_the_trigger_file(tmp_path) -> None:
     # a restart set the dead run's diagnosis aside: the doctor shows it, and says whose it is
     (tmp_path / "hang.previous.json").write_text(json.dumps({"header": "hang diagnosis", "lines": ["rank 1 died"]}))
     assert doctor.show(str(tmp_path)).splitlines()[1:] == ["hang diagnosis", "  rank 1 died"]
-    assert "an earlier run's, set aside at a restart or resume" in doctor.show(str(tmp_path))
+    assert "an earlier run's, set aside when the next one started" in doctor.show(str(tmp_path))
 
 
 class FakeEvent:

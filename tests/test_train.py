@@ -110,7 +110,7 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
     victim = os.path.join(b, "checkpoints", "step_000006", "__1_0.distcp")
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
-    way_on = " (checksum mismatch); the newest before it is step_000004: move step_000006 out of"  # what a retry takes
+    way_on = " (checksum mismatch); the newest before it is step_000004 (not checked): move step_000006 out of"
     _one_line_error(
         torchrun(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated{way_on}"
     )
@@ -848,7 +848,7 @@ def test_a_resume_keeps_the_runs_flags_unless_given_anew(tmp_path) -> None:
     assert losses(a) == losses(b)  # bitwise: the same flags at the same layout
     res = _train1("--steps", "8", "--resume", "--lr", "5e-2", "--out", b)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "except --lr 0.05 (the run had 0.02)\n" in res.stdout, res.stdout
+    assert "except --lr 0.05 (the run had --lr 0.02)\n" in res.stdout, res.stdout
 
 
 @pytest.mark.timeout(200)
@@ -863,3 +863,45 @@ def test_keep_checkpoints_keeps_the_newest_and_a_resume_takes_them(tmp_path) -> 
     res = _train1("--steps", "7", "--save-every", "1", "--resume", "--out", out)
     assert res.returncode == 0 and "step_000005 (step 5" in res.stdout, res.stderr[-2000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006", "step_000007"]
+
+
+def test_a_resume_takes_the_flags_of_the_checkpoint_it_resumes_from(tmp_path, capsys) -> None:
+    """config.json is rewritten by every attempt, one that died before saving included:
+    a resume took that attempt's flags (its --lr 0.5). The checkpoint's own flags.json
+    comes first. Launch flags (the ranks never see them: a self-launched run recorded
+    --nproc-per-node 0) and --init-from (read by a new run only; a moved file refused
+    the resume) are not taken; a switch changed anew is shown as it is typed."""
+    from isp_comm.train.checkpoint import FLAGS
+    from isp_comm.train.config import parse_config
+
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("")
+    (step / FLAGS).write_text(json.dumps({"lr": 0.02, "grad_accum": 2, "trace": True, "nproc_per_node": 2}))
+    attempt = {"lr": 0.5, "grad_accum": 2, "max_restarts": 1, "init_from": str(tmp_path / "moved.pt")}
+    (out / "config.json").write_text(json.dumps(attempt))
+    cfg = parse_config(["--resume", "--out", str(out), "--no-trace"])
+    assert (cfg.lr, cfg.grad_accum, cfg.trace, cfg.nproc_per_node) == (0.02, 2, False, 0)
+    assert "except --no-trace (the run had --trace)" in capsys.readouterr().out
+    (step / FLAGS).unlink()  # a checkpoint from before flags.json: config.json, less what is not taken
+    cfg = parse_config(["--resume", "--out", str(out)])
+    assert (cfg.lr, cfg.max_restarts, cfg.init_from) == (0.5, 0, "")
+
+
+def test_checkpoints_are_ordered_by_step_and_a_bad_one_set_aside_is_none(tmp_path, monkeypatch) -> None:
+    """By name, step_1000000 sorted before step_999999: past a million steps a resume took
+    an old checkpoint and --keep-checkpoints removed the newest; a folder renamed aside
+    (step_N.bad) counted as one kept. And a bad checkpoint's way on, asked with a bare
+    relative path, listed '' and failed."""
+    from isp_comm.train.checkpoint import complete_steps, newest, way_on
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_999999", "step_1000000", "step_000002.bad", "step_000001", "step_000005.partial"):
+        (root / name).mkdir(parents=True)
+        (root / name / ".metadata").write_text("")
+    assert complete_steps(str(root)) == ["step_000001", "step_999999", "step_1000000"]
+    assert newest(str(root)) == str(root / "step_1000000")
+    monkeypatch.chdir(root)
+    assert way_on("step_1000000").startswith("; the newest before it is step_999999 (not checked)")
+    assert way_on("step_000001") == " (no earlier checkpoint)"

@@ -26,7 +26,7 @@ def show(run: str) -> str:
     path, note = os.path.join(run, HANG_JSON), []
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run, PREVIOUS_JSON)):
         path = os.path.join(run, PREVIOUS_JSON)
-        note = [f"(no {HANG_JSON} from the run now in {run}: an earlier run's, set aside at a restart or resume)"]
+        note = [f"(no {HANG_JSON} from the run now in {run}: an earlier run's, set aside when the next one started)"]
     if not os.path.isfile(path):
         raise ValueError(f"{run}: no {HANG_JSON} (no wait there passed its deadline, or no --out / diagnosis_dir)")
     with open(path) as f:

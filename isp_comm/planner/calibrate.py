@@ -578,6 +578,7 @@ def calibrate(
         device="cpu",
         per_node=1,
         nodes=1,
+        cores=len(os.sched_getaffinity(0)),
         memory_bytes=avail,
         peak_flops={"fp32": max(r for _, r in k["gemm"]["fp32"]), "bf16": max(r for _, r in k["gemm"]["bf16"])},
         gemm=k["gemm"],

@@ -128,10 +128,11 @@ class Profile:
     calibrated from two runs of the calibration model that differ only in tokens, by
     ``single`` / ``multi``."""
     cores: int = 0
-    """CPU: the cores this machine gives its ranks when the plan is for it (0: each
-    rank has a device of its own). With more ranks on a node than cores, each rank
-    computes and copies a share of the time: the step model takes the step ranks per
-    core times longer (the calibration ran a core per rank)."""
+    """CPU: the cores the calibrated machine gives its ranks (a plan on this machine
+    with an older profile takes its own; 0: each rank has a device of its own). With
+    more ranks on a node than cores, each rank computes and copies a share of the
+    time: the step model takes the step ranks per core times longer (the calibration
+    ran a core per rank)."""
     calibration: dict = dataclasses.field(default_factory=dict)
     """What the calibration's tiny runs measured and the model predicted for them (the
     figures behind ``host_block_s``, ``host_step_s``, ``runtime_bytes`` and

@@ -587,14 +587,22 @@ def step_time(
         comm[kind] += grad_accum * total(ds)
     compute = {k: grad_accum * v for k, v in c.compute.items()}
     compute["copies"] += sum(c.piece_send) + sum(c.unpack) + c.outer_refresh  # once a step ("world")
-    share = max(1.0, prof.per_node / prof.cores) if prof.cores else 1.0  # ranks per core (Profile.cores)
-    if share > 1.0:
-        scaled = ({k: v * share for k, v in d.items()} for d in (phases, exposed, comm, compute))
-        phases, exposed, comm, compute = scaled
-        step *= share
     mfu = 100.0 * per_token * tokens / step / world / peak if peak else 0.0
-    busy = {k: v * share for k, v in clock.links.busy.items()}
-    return StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=busy)
+    st = StepTime(step, tokens / step, mfu, phases, exposed, comm, compute, link_busy_s=dict(clock.links.busy))
+    return _on_shared_cores(st, prof)
+
+
+def _on_shared_cores(st: StepTime, prof: Profile) -> StepTime:
+    """``st`` for ranks sharing the profile's cores (``Profile.cores``): each rank runs a
+    share of the time, so every figure takes ranks per core times longer."""
+    share = max(1.0, prof.per_node / prof.cores) if prof.cores else 1.0
+    if share == 1.0:
+        return st
+    longer = lambda d: {k: v * share for k, v in d.items()}  # noqa: E731
+    return StepTime(
+        st.step_s * share, st.tokens_per_s / share, st.mfu_pct / share, longer(st.phases), longer(st.exposed_comm),
+        longer(st.comm_s), longer(st.compute_s), longer(st.link_busy_s),
+    )  # fmt: skip
 
 
 def backend_of(requested: str, prof: Profile) -> str:

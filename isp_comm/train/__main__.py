@@ -98,7 +98,8 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(
                 f"isp-train: restart {restart} of {of}: a rank of the last attempt failed (its line is above; "
-                f"isp-comm doctor {cfg.out} shows a hang's diagnosis); the ranks go on from the latest checkpoint",
+                f"isp-comm doctor {cfg.out} shows a hang's diagnosis); the ranks go on from the latest checkpoint, "
+                "or from the start without one",
                 flush=True,
             )
         if not cfg.resume:

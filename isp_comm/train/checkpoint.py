@@ -42,6 +42,8 @@ from isp_comm import ISPCommunicator
 from isp_comm.groups import first_error
 
 LATEST = "latest"
+FLAGS = "flags.json"
+"""In each checkpoint: the flags of the run that saved it (``--resume`` takes them)."""
 PARTIAL = ".partial"
 CHECKSUMS = "checksums.json"
 DATA_ORDER, DATA_ORDER_FIELDS = "data_order", ("position", "seed", "n_rows")
@@ -120,6 +122,20 @@ def _step_dir(out: str, step: int) -> str:
     return os.path.join(_root(out), f"step_{step:06d}")
 
 
+def complete_steps(root: str) -> list[str]:
+    """The complete checkpoints (``step_N`` with their ``.metadata``) of a checkpoints
+    folder, oldest first by step (``step_1000000`` after ``step_999999``); none when the
+    folder is missing. A folder renamed aside (``step_N.bad``) is not one."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for d in os.listdir(root):
+        n = d[len("step_") :]
+        if d.startswith("step_") and n.isdigit() and os.path.isfile(os.path.join(root, d, ".metadata")):
+            steps.append((int(n), d))
+    return [d for _, d in sorted(steps)]
+
+
 def _crc(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -168,11 +184,15 @@ def _state(
 class Checkpointer:
     """Saves (synchronously or not) and commits checkpoints under ``OUT/checkpoints``."""
 
-    def __init__(self, out: str, async_save: bool = False, pinned: bool = False, keep: int = 0) -> None:
+    def __init__(
+        self, out: str, async_save: bool = False, pinned: bool = False, keep: int = 0, flags: dict | None = None
+    ) -> None:
         self.out = out
         self.async_save = async_save
         self.keep = keep
         """Complete checkpoints kept: older ones go once a newer one is committed (0: all)."""
+        self.flags = flags
+        """The run's flags, written into each checkpoint (``FLAGS``): what ``--resume`` takes."""
         self._group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank
         # staged in the caller (so the state written is the one at the call), pinned on CUDA
         options = StagingOptions(pinned, False, False, False)
@@ -268,6 +288,9 @@ class Checkpointer:
                 sums[".metadata"] = _crc(os.path.join(path, ".metadata"))
                 with open(os.path.join(path, CHECKSUMS), "w") as f:
                     json.dump(sums, f, indent=0, sort_keys=True)
+                if self.flags is not None:
+                    with open(os.path.join(path, FLAGS), "w") as f:
+                        json.dump(self.flags, f, indent=1)
                 if os.path.exists(final):  # the same step saved again (e.g. after a resume)
                     shutil.rmtree(final)
                 os.replace(path, final)
@@ -275,19 +298,24 @@ class Checkpointer:
                 with open(tmp, "w") as f:
                     f.write(os.path.basename(final))
                 os.replace(tmp, os.path.join(_root(self.out), LATEST))
-                self._prune(os.path.basename(final))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
                 error = f"{failed}: {root_cause(exc)}; {self._kept()}"
         _agree(error)
+        if rank == 0:  # after the others go on: removing old checkpoints is no part of this save
+            self._prune(os.path.basename(final))
 
     def _prune(self, committed: str) -> None:
         """Rank 0, once ``committed`` is complete and ``latest`` names it: remove the
-        complete checkpoints beyond the newest ``keep`` (never ``committed``)."""
+        complete checkpoints beyond the newest ``keep`` (never ``committed``); a removal
+        that fails leaves the folder for the next one to try."""
         if not self.keep:
             return
         root = _root(self.out)
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and PARTIAL not in d)
+        try:
+            done = complete_steps(root)
+        except OSError:
+            return
         for name in done[: -self.keep]:
             if name != committed:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -302,17 +330,14 @@ def newest(root: str) -> str | None:
     """The newest committed checkpoint of a checkpoints folder: the one ``latest`` names
     when it is complete, else the highest complete ``step_N``; ``.partial`` folders
     never count."""
-    complete = lambda d: os.path.isfile(os.path.join(root, d, ".metadata"))  # noqa: E731
     try:
         with open(os.path.join(root, LATEST)) as f:
             name = f.read().strip()
-        if name and complete(name):
+        if name and os.path.isfile(os.path.join(root, name, ".metadata")):
             return os.path.join(root, name)
     except FileNotFoundError:
         pass
-    if not os.path.isdir(root):
-        return None
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(PARTIAL) and complete(d))
+    done = complete_steps(root)
     return os.path.join(root, done[-1]) if done else None
 
 
@@ -326,13 +351,15 @@ def verify(path: str) -> None:
 def way_on(path: str) -> str:
     """What to do about a bad checkpoint ``path``: the newest complete one before it, if
     any (not checked here), and how a resume or an export comes to take it."""
-    root, name = os.path.split(os.path.normpath(path))
-    complete = lambda d: os.path.isfile(os.path.join(root, d, ".metadata"))  # noqa: E731
-    earlier = sorted(d for d in os.listdir(root) if d.startswith("step_") and PARTIAL not in d and d < name)
-    earlier = [d for d in earlier if complete(d)]
+    root, name = os.path.split(os.path.abspath(path))
+    done = complete_steps(root)
+    earlier = done[: done.index(name)] if name in done else []
     if not earlier:
         return " (no earlier checkpoint)"
-    return f"; the newest before it is {earlier[-1]}: move {name} out of {root} and the next try takes that one"
+    return (
+        f"; the newest before it is {earlier[-1]} (not checked): move {name} out of {root} and a resume or an "
+        "export of the run takes that one"
+    )
 
 
 def first_bad_file(path: str, rank: int = 0, world: int = 1) -> str | None:

@@ -163,8 +163,9 @@ class TrainConfig:
     K are removed (0: keep every one; torchtitan's keep_latest_k)."""
     resume: bool | Literal["auto"] = False
     """Continue from the latest complete checkpoint in --out (metrics.jsonl is cut back
-    to its step; --steps must be larger), with the run's flags (OUT/config.json) for
-    those not given (one line names a flag given anew that changes the run's).
+    to its step; --steps must be larger), with the flags of the run that saved it for
+    those not given, launch flags and --init-from aside (one line names a flag given
+    anew that changes the run's).
     ``--resume auto``: continue when a complete checkpoint exists, start fresh
     otherwise (one command that starts a run and survives its restarts; it takes
     the whole command, no flags from config.json)."""
@@ -480,31 +481,53 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 NOT_RESUMED = frozenset(
-    {"out", "resume", "overwrite", "plan", "target", "nodes", "profile", "recalibrate", "search", "rdzv_endpoint"}
+    {
+        *("out", "resume", "overwrite"),  # where the run is, and how this command treats it
+        *("plan", "target", "nodes", "profile", "recalibrate", "search"),  # a plan asked of this command
+        *("nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts"),  # how it is launched now
+        "init_from",  # read by a new run only
+    }
 )
-"""Flags a ``--resume`` does not take from the run's config.json: where the run is, and
-what is asked of this command rather than of the run (a plan, the rendezvous)."""
+"""Flags a ``--resume`` does not take from the run's: where the run is, what is asked of
+this command (a plan), how it is launched (the ranks never see the launch flags, and a
+resume may change the world), and what only a new run reads."""
 
 
 def _resumed_values(values: dict, given: dict) -> dict:
-    """``--resume`` (without ``--config``): the run's own flags, from ``OUT/config.json``,
-    under the ones given now, as torchtitan keeps a job's config (before, a flag left
-    out fell back to its default: a resume quietly trained with another accumulation,
-    checkpointing or learning rate). The flags given anew that change the run's are
-    named in one line on rank 0. ``--resume auto`` takes none: it is given the whole
-    command (a restart, a requeue) and may start a new run."""
+    """``--resume`` (without ``--config``): the flags of the run that saved the
+    checkpoint it resumes from (its ``flags.json``; ``OUT/config.json`` for a checkpoint
+    from before those), under the ones given now, as torchtitan keeps a job's config
+    (before, a flag left out fell back to its default: a resume quietly trained with
+    another accumulation, checkpointing or learning rate). The flags given anew that
+    change the run's are named in one line on rank 0. ``--resume auto`` takes none: it
+    is given the whole command (a restart, a requeue) and may start a new run."""
+    from isp_comm.train.checkpoint import FLAGS, latest
+
     out = values.get("out", TrainConfig.out)
-    path = os.path.join(out, "config.json")
+    ck = latest(out)
+    path = os.path.join(ck, FLAGS) if ck else ""
     if not os.path.isfile(path):
-        return values  # a folder from before config.json, or none: run_folder says what is missing
-    saved = {k: v for k, v in read_config_file(path).items() if k not in NOT_RESUMED}
+        path = os.path.join(out, "config.json")
+    if not os.path.isfile(path):
+        return values  # no checkpoint, or a folder from before config.json: run_folder says what is missing
+    try:
+        saved = {k: v for k, v in read_config_file(path).items() if k not in NOT_RESUMED}
+    except ValueError as exc:
+        raise ValueError(f"--resume: {path}: {exc}") from exc
     anew = {k: v for k, v in given.items() if k in saved and saved[k] != v and k != "steps"}  # --steps: see run_folder
-    changed = [f"--{_flag(k)} {v} (the run had {saved[k]})" for k, v in anew.items()]
+    changed = [f"{_shown(k, v)} (the run had {_shown(k, saved[k])})" for k, v in anew.items()]
     merged = {**saved, **values}
     launcher = bool(merged.get("nproc_per_node")) and "LOCAL_RANK" not in os.environ  # its rank 0 says it
     if changed and not launcher and os.environ.get("RANK", "0") == "0":
         print(f"isp-train: resuming with the flags of {path}, except {'; '.join(changed)}", flush=True)
     return merged
+
+
+def _shown(key: str, value: object) -> str:
+    """A flag as it is typed: ``--lr 0.05``, ``--no-trace``."""
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{_flag(key)}"
+    return f"--{_flag(key)} {value}"
 
 
 def read_config_file(path: str) -> dict:
@@ -561,3 +584,9 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 def as_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def saved_flags(cfg: TrainConfig) -> dict:
+    """The flags a run records (config.json, and each checkpoint's flags.json): all but
+    ``resume``, so that ``--config`` of them starts the same run anew."""
+    return {k: v for k, v in as_dict(cfg).items() if k != "resume"}

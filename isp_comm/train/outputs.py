@@ -15,7 +15,7 @@ from tqdm import tqdm
 from isp_comm.groups import first_error
 from isp_comm.trace import aligned
 from isp_comm.train import checkpoint, hf_model, run_folder, virtual
-from isp_comm.train.config import as_dict
+from isp_comm.train.config import as_dict, saved_flags
 from isp_comm.train.data import unigram_entropy
 from isp_comm.train.evaluate import eval_note
 from isp_comm.train.job import Job, lr_at
@@ -42,7 +42,7 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
                 print(stretched, flush=True)
             run_folder.cut_metrics(cfg.out, start)
     job.saver = checkpoint.Checkpointer(
-        cfg.out, async_save=cfg.async_save, pinned=job.device.type == "cuda", keep=cfg.keep_checkpoints
+        cfg.out, cfg.async_save, job.device.type == "cuda", keep=cfg.keep_checkpoints, flags=saved_flags(cfg)
     )
     closing.callback(job.saver.close)
     if virtual.leads(rank):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, survive
-from isp_comm.train.config import TrainConfig, as_dict
+from isp_comm.train.config import TrainConfig, as_dict, saved_flags
 from isp_comm.virtual import is_virtual
 
 OWN = (
@@ -192,7 +192,7 @@ def write_config(out: str, cfg: TrainConfig) -> None:
     """config.json, written as the run starts: its flags without ``resume``, so that
     ``--config OUT/config.json --out NEW`` starts the same run anew (also after an
     interrupted or resumed run)."""
-    values = {k: v for k, v in as_dict(cfg).items() if k != "resume"}
+    values = saved_flags(cfg)
     tmp = os.path.join(out, "config.json.tmp")
     with open(tmp, "w") as f:
         json.dump(values, f, indent=1)
