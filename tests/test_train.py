@@ -230,8 +230,9 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
     ],
 )
-def test_bad_flags_fail_with_one_line(args: list[str], text: str) -> None:
-    res = torchrun(2, *args, timeout=100)
+def test_bad_flags_fail_with_one_line(args: list[str], text: str, tmp_path) -> None:
+    out = [] if "--out" in args else ["--out", str(tmp_path / "run")]  # not the main job's folder, which holds a run
+    res = torchrun(2, *args, *out, timeout=100)
     _one_line_error(res, text)
 
 
