@@ -360,11 +360,11 @@ class BlockEngine:
         ``zero_grad()`` does: that backward's are partial, and they would land after a
         ``zero_grad()`` the caller made since), so the next step reduces its own
         (before, none were averaged any more, and the ranks drifted apart, silently).
-        A forward with grad not
-        followed by a backward (an accuracy forward after the backward) left the
-        replicated parameters' gradients stashed: a step, clip or state dict puts them
-        back (they are averaged already, so a later backward averages them again to
-        the same values). A second forward before a backward keeps the stash."""
+        A forward with grad that no backward followed (an accuracy forward after the
+        backward) left the replicated parameters' gradients stashed: a step of their
+        optimizer, or a clip, puts them back (they are averaged already, so a later
+        backward averages them again to the same values). A second forward before a
+        backward, or a state dict, keeps the stash."""
         if torch._C._current_autograd_node() is not None:
             return
         if self.phase is Phase.BACKWARD:
