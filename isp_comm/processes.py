@@ -67,6 +67,17 @@ def die_with_parent_if_asked() -> None:
         die_with_parent()
 
 
+def shutting_down(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is the interpreter's shutdown, joining the threads left
+    (``threading._shutdown``): an exception raised there is printed with a traceback
+    ("Exception ignored in ... threading"), not propagated."""
+    while frame is not None:
+        if frame.f_code.co_name == "_shutdown" and frame.f_code.co_filename.endswith("threading.py"):
+            return True
+        frame = frame.f_back
+    return sys.is_finalizing()
+
+
 def importing(frame: FrameType | None) -> bool:
     """Whether ``frame``, where a signal handler interrupted the main thread, runs
     inside an import (see [Note: a signal inside an import])."""
@@ -108,11 +119,12 @@ def leave_on_signals(code: int | None = None) -> None:
     and its own handlers, or on its way out after a failure it has reported, where a
     handler that raises something else (a ``KeyboardInterrupt``) prints a traceback.
     Inside an import it leaves at once (``os._exit``): a process still starting has
-    nothing to release."""
+    nothing to release; so does one already shutting down (the launcher's SIGTERM to a
+    rank joining its last threads after it reported its failure), which has released it."""
 
     def leave(signum: int, frame: FrameType | None) -> None:
         status = 128 + signum if code is None else code
-        if importing(frame):
+        if importing(frame) or shutting_down(frame):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted
                     stream.flush()

@@ -517,3 +517,21 @@ def test_the_resume_line_names_the_run_that_saved_the_checkpoint() -> None:
     second = {"config": {"wp": 0, "steps": 9}, "world": 4, "started_at": 3, "history": [first]}
     assert writer_of(second, 3) is first and writer_of(second, 6) is second
     assert resume_line("run/checkpoints/step_000003", second).endswith("saved by a run at world 2, wp 2)")
+
+
+def test_a_signal_while_the_interpreter_joins_its_threads_ends_it_quietly() -> None:
+    """A rank that reported its failure and is joining its last threads got the
+    launcher's SIGTERM: the handler's SystemExit, raised inside threading's shutdown,
+    printed "Exception ignored ... Traceback" from isp_comm's code beside the one line."""
+    script = (
+        "import os, signal, threading, time\n"
+        "from isp_comm.processes import leave_on_signals\n"
+        "leave_on_signals(2)\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "threading.Thread(target=late).start()\n"  # not a daemon: the shutdown joins it
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, (res.returncode, res.stderr)
