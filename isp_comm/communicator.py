@@ -341,6 +341,8 @@ class ISPCommunicator:
         model's, stepped between this one's forward and backward, leaves it alone): a
         step that did not go as planned is settled ([Note: steps that did not go as
         planned] in ``isp_comm/hooks/engine.py``)."""
+        if self.engine.phase is Phase.IDLE:  # every step that went as planned: nothing to look at
+            return
         r = self.engine.reducer
         mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
         if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
