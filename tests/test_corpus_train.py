@@ -215,10 +215,11 @@ def test_random_windows_resume_only_on_their_data(tmp_path) -> None:
 @pytest.mark.slow  # four world-1/2 launches (~50 s)
 @pytest.mark.timeout(400)
 def test_packed_order_resumes_at_another_world_size(tmp_path) -> None:
-    """World 2 with SP 2 checkpoints at step 3; resumed on 1 rank and on 2, both take
-    the next unseen rows: their losses match the uninterrupted world-2 run's (world 2
-    bitwise; world 1 to 1e-5, the summation order differs), where other rows would
-    differ by ~1e-2. --no-pack-boundaries keeps the random windows (no data order)."""
+    """World 2 with SP 2 checkpoints at step 3; resumed on 1 rank (at --sp 1: a resume
+    takes the run's --sp 2 otherwise) and on 2, both take the next unseen rows: their
+    losses match the uninterrupted world-2 run's (world 2 bitwise; world 1 to 1e-5, the
+    summation order differs), where other rows would differ by ~1e-2.
+    --no-pack-boundaries keeps the random windows (no data order)."""
     store = _store(str(tmp_path / "s"))
     common = ["--data", store, "--sp", "2", "--save-every", "3"]
     straight, cut = str(tmp_path / "straight"), str(tmp_path / "cut")
@@ -226,7 +227,7 @@ def test_packed_order_resumes_at_another_world_size(tmp_path) -> None:
     assert _train(*common, "--steps", "3", "--out", cut, n=2).returncode == 0
     one = str(tmp_path / "one")
     shutil.copytree(cut, one)
-    res = _train(*common[:2], "--steps", "6", "--out", one, "--resume")
+    res = _train(*common[:2], "--sp", "1", "--steps", "6", "--out", one, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     res = _train(*common, "--steps", "6", "--out", cut, "--resume", n=2)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -890,6 +890,33 @@ def test_a_resume_takes_the_flags_of_the_checkpoint_it_resumes_from(tmp_path, ca
     assert (cfg.lr, cfg.max_restarts, cfg.init_from) == (0.5, 0, "")
 
 
+def test_a_resume_on_another_world_names_the_layout_it_took(tmp_path, capsys, monkeypatch) -> None:
+    """A 2-rank run at --sp 2, resumed on one rank: the resume took --sp 2 from the run's
+    flags and stopped with "--sp 2 does not divide the world size 1", a flag the user
+    never typed. The line now says where it came from and which flag to give; given,
+    the resume goes on (a checkpoint reshards). A flag typed anew is refused as typed."""
+    from isp_comm.train.checkpoint import FLAGS
+    from isp_comm.train.config import parse_config
+
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    step = tmp_path / "run" / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("")
+    (step / FLAGS).write_text(json.dumps({"sp": 2, "batch": 2, "seq": 64}))
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit):
+        parse_config(["--resume", "--out", out])
+    err = capsys.readouterr().err
+    assert "--sp 2 does not divide the world size 1 (--sp 2: the resumed run's, from " in err, err
+    assert f"{FLAGS}; give --sp for this world)" in err, err
+    assert parse_config(["--resume", "--out", out, "--sp", "1"]).sp == 1
+    with pytest.raises(SystemExit):
+        parse_config(["--resume", "--out", out, "--sp", "4"])
+    err = capsys.readouterr().err
+    assert "--sp 4 does not divide the world size 1\n" in err and "resumed run" not in err, err
+
+
 def test_checkpoints_are_ordered_by_step_and_a_bad_one_set_aside_is_none(tmp_path, monkeypatch) -> None:
     """By name, step_1000000 sorted before step_999999: past a million steps a resume took
     an old checkpoint and --keep-checkpoints removed the newest; a folder renamed aside

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from isp_comm.errors import ISPCommTimeout
 from isp_comm.processes import die_with_parent, die_with_parent_if_asked
-from isp_comm.train.config import TrainConfig, check_layout, fail, parse_config, resolve_device
+from isp_comm.train.config import TrainConfig, check_layout, fail, job_world, parse_config, resolve_device
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.reporting.names import check_imports, parse_report_to
 
@@ -67,10 +67,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
             fail(str(exc), every_rank=True)
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
-    world = (cfg.nproc_per_node * cfg.nnodes) if launching else int(os.environ.get("WORLD_SIZE", "1"))
-    world = cfg.virtual_world or world
     try:  # before any rank starts: one line, exit 2
-        check_layout(cfg, world)
+        check_layout(cfg, job_world(cfg))
         if launching:
             check_imports(parse_report_to(cfg.report_to))
     except ValueError as exc:

@@ -468,16 +468,19 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             p.error(f"--config {args.config}: {exc}")
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
     values.update(given)
+    taken: dict = {}
     if values.get("resume") is True and not args.config:
         try:
-            values = _resumed_values(values, given)
+            values, taken = _resumed_values(values, given)
         except ValueError as exc:
             p.error(str(exc))
     try:
-        return TrainConfig(**values)
+        cfg = TrainConfig(**values)
+        if taken:
+            _check_resumed_layout(cfg, taken)
     except (ValueError, TypeError) as exc:
         p.error(str(exc))
-    raise AssertionError("unreachable")
+    return cfg
 
 
 NOT_RESUMED = frozenset(
@@ -493,14 +496,15 @@ this command (a plan), how it is launched (the ranks never see the launch flags,
 resume may change the world), and what only a new run reads."""
 
 
-def _resumed_values(values: dict, given: dict) -> dict:
+def _resumed_values(values: dict, given: dict) -> tuple[dict, dict]:
     """``--resume`` (without ``--config``): the flags of the run that saved the
     checkpoint it resumes from (its ``flags.json``; ``OUT/config.json`` for a checkpoint
     from before those), under the ones given now, as torchtitan keeps a job's config
     (before, a flag left out fell back to its default: a resume quietly trained with
     another accumulation, checkpointing or learning rate). The flags given anew that
     change the run's are named in one line on rank 0. ``--resume auto`` takes none: it
-    is given the whole command (a restart, a requeue) and may start a new run."""
+    is given the whole command (a restart, a requeue) and may start a new run. Also
+    returns the flags taken, each with the file it came from."""
     from isp_comm.train.checkpoint import FLAGS, latest
 
     out = values.get("out", TrainConfig.out)
@@ -509,7 +513,7 @@ def _resumed_values(values: dict, given: dict) -> dict:
     if not os.path.isfile(path):
         path = os.path.join(out, "config.json")
     if not os.path.isfile(path):
-        return values  # no checkpoint, or a folder from before config.json: run_folder says what is missing
+        return values, {}  # no checkpoint, or a folder from before config.json: run_folder says what is missing
     try:
         saved = {k: v for k, v in read_config_file(path).items() if k not in NOT_RESUMED}
     except ValueError as exc:
@@ -520,7 +524,35 @@ def _resumed_values(values: dict, given: dict) -> dict:
     launcher = bool(merged.get("nproc_per_node")) and "LOCAL_RANK" not in os.environ  # its rank 0 says it
     if changed and not launcher and os.environ.get("RANK", "0") == "0":
         print(f"isp-train: resuming with the flags of {path}, except {'; '.join(changed)}", flush=True)
-    return merged
+    return merged, {k: path for k in saved if k not in given}
+
+
+def _check_resumed_layout(cfg: TrainConfig, taken: dict) -> None:
+    """The layout a ``--resume`` took against the world it resumes on, which may be
+    another (a checkpoint reshards): a layout flag that no longer fits names the file
+    it came from, since the user did not type it (``--sp 2`` of a 2-rank run, resumed
+    on one rank, needs ``--sp 1``)."""
+    if cfg.plan:  # a plan checks the world it is asked for
+        return
+    try:
+        check_layout(cfg, job_world(cfg))
+    except ValueError as exc:
+        named = [k for k in ("sp", "wp", "batch", "seq") if k in taken and f"--{k} " in str(exc)]
+        if not named:
+            raise
+        flags = ", ".join(_shown(k, getattr(cfg, k)) for k in named)
+        raise ValueError(
+            f"{exc} ({flags}: the resumed run's, from {taken[named[0]]}; give --{named[0]} for this world)"
+        ) from exc
+
+
+def job_world(cfg: TrainConfig) -> int:
+    """The number of ranks the job's flags and launch describe: ``--nproc-per-node`` ×
+    ``--nnodes`` for the launcher, torchrun's ``WORLD_SIZE`` in a rank, and
+    ``--virtual-world`` over both."""
+    launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
+    world = cfg.nproc_per_node * cfg.nnodes if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    return cfg.virtual_world or world
 
 
 def _shown(key: str, value: object) -> str:
