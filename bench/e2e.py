@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MIB, add_out, proc_status_bytes, progress, reset_peak_rss, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from isp_comm.models.llama import LlamaConfig, build  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-from models.llama import LlamaConfig, build  # noqa: E402
 
 SEQ, BATCH, CORES = 256, 4, os.cpu_count() or 1
 

@@ -91,7 +91,7 @@ def big_models(seq: int) -> list[dict]:
 
     from isp_comm import ISPConfig
     from isp_comm.memory_forecast import forecast
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
 
     rows = []
     for name, (h, f, n, a, kv, v) in LLAMAS.items():

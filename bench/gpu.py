@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.common import LOCAL, wrap_world1  # noqa: E402
 from isp_comm.model_flops import flops_per_token  # noqa: E402
+from isp_comm.models.llama import Llama, LlamaConfig  # noqa: E402
 from isp_comm.train.metrics import peak_tflops  # noqa: E402
-from models.llama import Llama, LlamaConfig  # noqa: E402
 
 RUNS = ("plain", "fsdp2", "isp", "plain+compile", "fsdp2+compile", "isp+compile")
 BIG = dict(vocab_size=32000, hidden=2048, ffn_hidden=5632, n_layers=12, n_heads=16, n_kv_heads=8, max_seq_len=2048)

@@ -48,8 +48,8 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MIB, add_out, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
+from isp_comm.models.llama import LlamaConfig, build  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-from models.llama import LlamaConfig, build  # noqa: E402
 
 SEQ, BATCH, CORES = 128, 4, os.cpu_count() or 1
 PHASES = ("init", "train", "save", "async save", "load")

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import MIB, add_out, markdown_table, proc_status_bytes, reset_peak_rss, save_results  # noqa: E402
 from bench.e2e import BATCH, CORES, SEQ, batch, model_config  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from isp_comm.models.llama import build  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-from models.llama import build  # noqa: E402
 
 RUNS = (("isp", "full"), ("isp", "lora"), ("fsdp2", "full"), ("fsdp2", "lora"))
 

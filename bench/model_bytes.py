@@ -1,4 +1,4 @@
-"""Bytes a block moves: the reference llama (models/llama.py) and transformers' Llama
+"""Bytes a block moves: the reference llama (isp_comm/models/llama.py) and transformers' Llama
 at the same shape, from the planner's meta trace (isp_comm/planner/ops.py).
 
     python bench/model_bytes.py                      # Llama-3-8B's block at 8,192 tokens, bf16
@@ -30,7 +30,7 @@ LLAMA3_8B = dict(vocab=128256, hidden=4096, ffn=14336, heads=32, kv_heads=8, the
 
 
 def reference(seq: int):
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
 
     s = LLAMA3_8B
     cfg = LlamaConfig(
@@ -93,7 +93,7 @@ def main() -> None:
     add_out(ap)
     args = ap.parse_args()
     rows = []
-    for name, build in (("models.llama", reference), ("transformers Llama (sdpa)", transformers_llama)):
+    for name, build in (("isp_comm.models.llama", reference), ("transformers Llama (sdpa)", transformers_llama)):
         got = block_bytes(build(args.seq), args.seq)
         rows.append({"model": name, **got})
     print(f"one block of Llama-3-8B's shape, {args.seq} tokens, bf16; element-wise bytes from a meta trace\n")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import LOCAL, wrap_world1  # noqa: E402
-from models.llama import Llama, LlamaConfig  # noqa: E402
+from isp_comm.models.llama import Llama, LlamaConfig  # noqa: E402
 
 RUNS = ("plain", "fsdp2", "isp")
 

@@ -248,10 +248,10 @@ def torchtitan_point() -> list[dict]:
     import torch
 
     from isp_comm import ISPConfig
+    from isp_comm.models.llama import LlamaConfig, build
     from isp_comm.planner.profile import from_target
     from isp_comm.planner.step import step_time
     from isp_comm.planner.targets import parse_target
-    from models.llama import LlamaConfig, build
 
     cfg = LlamaConfig(vocab_size=128256, hidden=4096, ffn_hidden=14336, n_layers=32, n_heads=32, n_kv_heads=8)
     with torch.device("meta"):

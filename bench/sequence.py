@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import MIB, add_out, markdown_table, proc_status_bytes, save_results  # noqa: E402
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
+from isp_comm.models.llama import LlamaConfig, build  # noqa: E402
 from isp_comm.testing import run_ranks  # noqa: E402
-from models.llama import LlamaConfig, build  # noqa: E402
 
 WORLD = 4
 CFG = dict(vocab_size=256, hidden=256, ffn_hidden=688, n_layers=4, n_heads=8, n_kv_heads=4)

@@ -71,8 +71,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from isp_comm.models.llama import LlamaConfig  # noqa: E402
 from isp_comm.testing import run_virtual  # noqa: E402
-from models.llama import LlamaConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,7 +229,7 @@ def _device() -> torch.device:
 
 
 def _meta_model(cfg: Config):
-    from models.llama import build
+    from isp_comm.models.llama import build
 
     with torch.device("meta"):
         return build(cfg.model)  # each module made real on the device while it is sharded

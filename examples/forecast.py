@@ -3,7 +3,7 @@
 import torch
 
 from isp_comm import ISPConfig, forecast
-from models.llama import Llama, LlamaConfig
+from isp_comm.models.llama import Llama, LlamaConfig
 
 with torch.device("meta"):  # no memory: the forecast reads shapes and traces one forward
     cfg = LlamaConfig(vocab_size=32000, hidden=4096, ffn_hidden=11008, n_layers=32, n_heads=32, n_kv_heads=32)

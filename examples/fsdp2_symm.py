@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from isp_comm.integrations.fsdp2 import use_symm_collectives
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 dist.init_process_group()
 model = build(LlamaConfig(n_layers=2), seed=0)

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 dist.init_process_group()  # under torchrun: gloo for CPU tensors, nccl for CUDA ones
 model = build(LlamaConfig(n_layers=4), seed=0)  # the same weights on every rank

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, forecast
 from isp_comm.memory_breakdown import MemoryBreakdown
-from models.llama import Llama, LlamaConfig, build
+from isp_comm.models.llama import Llama, LlamaConfig, build
 
 dist.init_process_group()
 cfg = LlamaConfig(n_layers=4)

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 dist.init_process_group()
 model = build(LlamaConfig(n_layers=2), seed=0)

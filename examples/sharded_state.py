@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 dist.init_process_group()
 cfg = LlamaConfig(n_layers=2)

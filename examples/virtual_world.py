@@ -3,11 +3,11 @@
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.planner.links import ProfileLink
 from isp_comm.planner.profile import from_target
 from isp_comm.planner.targets import parse_target
 from isp_comm.virtual import init_virtual_world, virtual_backend
-from models.llama import LlamaConfig, build
 
 init_virtual_world(world=64, rank=0)  # torch's fake process group: no peers exist
 groups = ParallelGroups.create(wp_size=8)  # the 64-rank job's groups: WP 8, 8 replicas

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 dist.init_process_group()
 model = build(LlamaConfig(n_layers=2, vocab_size=1024), seed=0)

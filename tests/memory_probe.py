@@ -85,7 +85,7 @@ def build_model(pt: Point):
                 attn_implementation="sdpa",
             )
             return Qwen2ForCausalLM(cfg)
-        from models.llama import LlamaConfig, build
+        from isp_comm.models.llama import LlamaConfig, build
 
         return build(
             LlamaConfig(

@@ -21,7 +21,7 @@ from torch import nn
 
 import isp_comm
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-from models.llama import MLP, LlamaConfig, RMSNorm, build
+from isp_comm.models.llama import MLP, LlamaConfig, RMSNorm, build
 
 # Uneven on purpose: ffn 50 and head-dim 6 pad at wp 3 and 4; one KV head (k/v out 6)
 # leaves rank 3 of wp=4 with zero rows.

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from isp_comm import ISPCommTimeout, ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import TINY
 
 

@@ -213,7 +213,7 @@ def test_one_block_compiles_to_one_graph_without_breaks() -> None:
     model = Case().build()
     block = model.layers[0]
     x = torch.randn(2, 7, 36)
-    from models.llama import rope_tables
+    from isp_comm.models.llama import rope_tables
 
     cos, sin = rope_tables(model.cfg, torch.arange(7))
     info = torch._dynamo.explain(block.forward)(x, cos, sin)

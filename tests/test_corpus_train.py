@@ -97,10 +97,10 @@ def parity_worker(rank: int, world: int, path: str) -> dict:
     code) against the same documents run one by one on an unwrapped copy; then a
     validation pass, counting the collectives it issues."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.models.llama import LlamaConfig, build
     from isp_comm.train.batching import eval_set, packed_step
     from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
     from isp_comm.train.packing import DataOrder
-    from models.llama import LlamaConfig, build
 
     store = open_store(path)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden=32, ffn_hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

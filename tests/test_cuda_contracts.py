@@ -128,7 +128,7 @@ def test_nccl_is_known_from_the_groups_device_config(monkeypatch) -> None:
 def test_building_the_reference_llama_leaves_gpu_generators_alone(monkeypatch) -> None:
     """``torch.manual_seed`` reseeds every CUDA generator: a per-rank CUDA seed set
     before building the model (dropout) would be lost on every rank."""
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
 
     calls = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))

@@ -170,7 +170,7 @@ def _inference_worker(rank: int, world: int, cfg: dict, evaluate: bool) -> list[
     """Two AdamW steps on a tiny llama, with (``evaluate``) a forward under
     ``torch.inference_mode`` before the first and after each: its final logits."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
 
     model = build(LlamaConfig(vocab_size=40, hidden=16, ffn_hidden=24, n_layers=2, n_heads=4, n_kv_heads=2))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(**cfg))
@@ -211,7 +211,7 @@ def _unplanned_worker(rank: int, world: int, shard_outer: bool) -> dict:
     would (see [Note: steps that did not go as planned]); the model after them is
     compared with the single-process model trained on the same batches."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
     from tests.parity import TINY, loss_fn
 
     g = torch.Generator().manual_seed(0)

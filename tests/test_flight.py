@@ -546,7 +546,7 @@ def _closing(rank: int, world: int) -> list:
     import torch.distributed as dist
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
     from tests.parity import TINY
 
     model = build(LlamaConfig(**TINY), seed=0)

@@ -15,8 +15,8 @@ import isp_comm
 from isp_comm import ISPConfig
 from isp_comm.loss import CHUNK_BYTES
 from isp_comm.memory_forecast import PHASES, forecast
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.train.metrics import proc_status_bytes, reset_peak_rss
-from models.llama import LlamaConfig, build
 from tests.memory_probe import Point, forecast_point, measure
 
 TOLERANCE = 0.10

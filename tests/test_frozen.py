@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import TINY, loss_fn, max_diff
 
 SEQ, STEPS = 8, 3

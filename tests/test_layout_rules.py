@@ -231,3 +231,19 @@ def test_the_import_check_sees_a_planted_cycle_and_an_upward_import(tmp_path) ->
         graph = import_graph(_write(tmp_path / f"upward{i}", dict(CLEAN, **{"pkg/util.py": dynamic})))
         assert upward(graph, SYNTHETIC_LAYERS) == ["pkg.util -> pkg.top.app"], dynamic
         assert cycles(graph) == [["pkg.top.app", "pkg.util"]], dynamic
+
+
+def test_the_distribution_installs_one_top_level_package() -> None:
+    """``pip install isp-comm`` put a top-level ``models`` package (the reference llama)
+    beside ``isp_comm``: a user's own ``models`` package, which most training projects
+    have, then shadowed it or was shadowed, and ``isp-train`` failed to import its
+    model. Everything installed lives under ``isp_comm``."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = find_packages(where=str(ROOT.parent), include=include)
+    assert packages and {name.split(".")[0] for name in packages} == {"isp_comm"}, packages
+    assert "isp_comm.models" in packages

@@ -173,8 +173,8 @@ def test_mfu_counts_a_frozen_base_at_four_flops_a_parameter() -> None:
     frozen one (no weight gradient); a LoRA run counted 6 for its frozen base, which
     put its MFU half as high again as the work done."""
     from isp_comm.model_flops import flops_per_token
+    from isp_comm.models.llama import LlamaConfig, build
     from isp_comm.train.lora import apply_lora
-    from models.llama import LlamaConfig, build
 
     cfg = LlamaConfig(vocab_size=37, hidden=16, ffn_hidden=32, n_layers=2, n_heads=4, n_kv_heads=2)
     model = build(cfg)

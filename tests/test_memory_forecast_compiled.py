@@ -14,7 +14,7 @@ from torch import nn
 
 from isp_comm.memory_forecast import forecast
 from isp_comm.memory_forecast.activations import trace
-from models.llama import LlamaConfig, build
+from isp_comm.models.llama import LlamaConfig, build
 
 BATCH, SEQ = 2, 128
 CFG = LlamaConfig(vocab_size=512, hidden=256, ffn_hidden=704, n_layers=2, n_heads=8, n_kv_heads=2)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import Case, batches, loss_fn, make_optim, max_diff, train_isp, train_reference
 
 

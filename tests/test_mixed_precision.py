@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import build
 from isp_comm.testing import run_ranks
-from models.llama import build
 from tests.parity import Case, batches, loss_fn, make_optim, max_diff, train_isp, train_reference
 
 
@@ -244,7 +244,7 @@ def test_whole_model_bf16_matches_fsdp2_policy(outer: bool) -> None:
         # bf16 copy; the embedding's fp32 masters differ by 4.8e-7 after the first step
         # (every other parameter bitwise equal), and the losses stay equal until that
         # drift crosses a bf16 rounding of the looked-up rows: at step 7 of 10 with
-        # models/llama.py before its GQA attention (6ae422e), at step 4 with it, by at
+        # isp_comm/models/llama.py before its GQA attention (6ae422e), at step 4 with it, by at
         # most 9.2e-4 over 10 steps. 5e-4 over 4 steps, 5x the 1.8e-4 measured.
         diffs = [abs(a - b) for a, b in zip(r["isp"], r["fsdp"])]
         assert max(diffs) < (5e-4 if outer else 1e-5), (diffs, r)

@@ -226,7 +226,7 @@ def _train_worker(rank: int, world: int, backend: str, granularity: str, dtype: 
     so that every collective of a step is a pool gather or reduce-scatter."""
     import isp_comm.communicator as communicator
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
     from tests.fakes import FakeNvshmem
 
     os.environ.pop("NVSHMEM_SYMMETRIC_SIZE", None)  # isp-comm sizes the heap
@@ -311,10 +311,10 @@ def test_forecast_and_planner_count_the_heap_outside_the_allocator() -> None:
     heap as the backend sizes it, and the planner counts it on the device."""
     from isp_comm import ISPConfig
     from isp_comm.memory_forecast import forecast
+    from isp_comm.models.llama import LlamaConfig, build
     from isp_comm.planner import profile as profiles
     from isp_comm.planner.memory import device_memory
     from isp_comm.planner.targets import parse_target
-    from models.llama import LlamaConfig, build
 
     with torch.device("meta"):
         model = build(LlamaConfig(vocab_size=512, hidden=64, ffn_hidden=160, n_layers=4, n_heads=4, n_kv_heads=2))

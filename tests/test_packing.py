@@ -40,7 +40,7 @@ def test_rows_cover_the_stream_with_document_boundaries(tmp_path):
 
 def test_packed_loss_and_grads_equal_documents_one_by_one(tmp_path):
     """Single-process reference llama; fp32, tolerance for summation order only."""
-    from models.llama import LlamaConfig, build
+    from isp_comm.models.llama import LlamaConfig, build
 
     docs = _docs(1, n=6)
     store = write_store(str(tmp_path / "s"), docs, 50)

@@ -15,12 +15,12 @@ import torch
 
 from isp_comm import ISPConfig
 from isp_comm.memory_forecast import PHASES, forecast
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.planner import profile as profiles
 from isp_comm.planner import search
 from isp_comm.planner.memory import device_memory
 from isp_comm.planner.step import collective_time, step_time
 from isp_comm.planner.targets import gpu_target, parse_target
-from models.llama import LlamaConfig, build
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 

@@ -1,4 +1,4 @@
-"""The reference llama's rotary embedding and grouped attention (models/llama.py):
+"""The reference llama's rotary embedding and grouped attention (isp_comm/models/llama.py):
 the same numbers as the pairwise rotary and repeated KV heads they replace, in fewer
 bytes (see [Note: rotary as one complex product])."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.llama import LlamaConfig, apply_rope, build, causal_attention, rope_tables
+from isp_comm.models.llama import LlamaConfig, apply_rope, build, causal_attention, rope_tables
 
 
 def _pairwise_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

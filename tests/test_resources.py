@@ -25,7 +25,7 @@ from tests.test_train import SMALL, _one_line_error, losses
 # ---- the same weights on every rank -----------------------------------------------------------
 def _seeds_worker(rank: int, world: int) -> tuple[str, dict, list[float]]:
     from isp_comm import ISPCommunicator, ParallelGroups
-    from models.llama import build
+    from isp_comm.models.llama import build
 
     case = Case()
     try:  # a forgotten torch.manual_seed: every rank its own weights

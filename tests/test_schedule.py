@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import build
 from isp_comm.testing import run_ranks
-from models.llama import build
 from tests.parity import Case, batches, loss_fn, train_isp
 
 

@@ -1,5 +1,5 @@
 """Sequence parallel: all-to-all against gloo, and ISP (SP x WP) training equal to
-single-process training on whole sequences, for models/llama.py and transformers."""
+single-process training on whole sequences, for isp_comm/models/llama.py and transformers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.backends import SymmCpuBackend, TorchBackend
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.sequence_parallel import all_to_all
 from isp_comm.testing import HostReads, run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import loss_fn, max_diff
 
 SP_CFG = dict(vocab_size=37, hidden=48, ffn_hidden=50, n_layers=2, n_heads=8, n_kv_heads=2)
@@ -301,8 +301,8 @@ def test_sp_refuses_a_document_that_starts_at_a_chunks_edge() -> None:
 
 def test_local_attention_varlen_and_packed_forms() -> None:
     # single process: varlen equals each document alone, packed forms equal separate
+    from isp_comm.models.llama import causal_attention
     from isp_comm.sequence_parallel.local import local_attention
-    from models.llama import causal_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))

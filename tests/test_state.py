@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.materialize import init_weights
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import TINY, loss_fn, max_diff
 
 SEQ = 8

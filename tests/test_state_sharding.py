@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 from tests.parity import (
     ATOL,
     TINY,
@@ -258,7 +258,7 @@ def _writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
     ropt = torch.optim.SGD(ref.parameters(), lr=0.0)
     opt.step(), ropt.step()
     with torch.no_grad():
-        from models.llama import rope_tables
+        from isp_comm.models.llama import rope_tables
 
         model.layers[0](model.embed(x), *rope_tables(model.cfg, torch.arange(x.shape[1])))
         for p, q in zip(model.layers[1].parameters(), ref.layers[1].parameters()):
@@ -291,7 +291,7 @@ def _writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
 
 
 def _more_writes_worker(rank: int, world: int, sharding: str, path: str) -> dict:
-    from models.llama import rope_tables
+    from isp_comm.models.llama import rope_tables
 
     out = {}
     x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
@@ -453,7 +453,7 @@ def test_isp_train_state_sharding_world_resumes_under_wp(tmp_path) -> None:
     pt = str(tmp_path / "model.pt")
     res = export_cli(os.path.join(a, "checkpoints"), "-o", pt)
     assert res.returncode == 0, res.stderr
-    from models.llama import LlamaConfig, llama_ffn_hidden
+    from isp_comm.models.llama import LlamaConfig, llama_ffn_hidden
 
     plain = build(
         LlamaConfig(vocab_size=256, hidden=32, ffn_hidden=llama_ffn_hidden(32), n_layers=2, n_heads=4, n_kv_heads=2)

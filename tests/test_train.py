@@ -129,7 +129,7 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
 def _plain_run_and_export(out: str, pt: str) -> torch.nn.Module:
     """6 steps at world 2 with checkpoints every 2, exported and loaded strictly into
     the unwrapped reference model (returned)."""
-    from models.llama import LlamaConfig, build, llama_ffn_hidden
+    from isp_comm.models.llama import LlamaConfig, build, llama_ffn_hidden
 
     assert torchrun(2, *SMALL, "--steps", "6", "--save-every", "2", "--no-trace", "--out", out).returncode == 0
     res = export_cli(os.path.join(out, "checkpoints"), "-o", pt)
@@ -288,7 +288,7 @@ def _export(checkpoint: str, out: str, *extra: str) -> dict:
 def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     """--lora-rank: the base weights stay bitwise where they were, the adapters move,
     and isp-export --merge-lora gives the plain model's state dict."""
-    from models.llama import LlamaConfig, build, llama_ffn_hidden
+    from isp_comm.models.llama import LlamaConfig, build, llama_ffn_hidden
 
     out = str(tmp_path / "lora")
     res = torchrun(2, *SMALL, "--steps", "3", "--save-every", "1", "--lora-rank", "4", "--no-trace", "--out", out)
@@ -629,9 +629,9 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
 @pytest.mark.slow  # CI: test_resume_after_kill_export_and_corruption exports a run and loads it strictly
 def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
     """isp-export on the run folder itself writes model.pt and its config into it;
-    models.llama.from_export rebuilds the unwrapped model with the trained weights;
+    isp_comm.models.llama.from_export rebuilds the unwrapped model with the trained weights;
     a wrong folder is one line."""
-    from models.llama import from_export
+    from isp_comm.models.llama import from_export
 
     out = str(tmp_path / "run")
     assert _train1("--steps", "2", "--out", out).returncode == 0

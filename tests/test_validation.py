@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from isp_comm import HookOrderError, ISPCommunicator, ISPConfig, ParallelGroups, find_blocks
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_ranks
-from models.llama import LlamaConfig, build
 
 
 @pytest.fixture(scope="module")

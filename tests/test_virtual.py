@@ -11,9 +11,9 @@ import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.backends.virtual import FlatLink
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.testing import run_virtual
 from isp_comm.virtual import virtual_backend
-from models.llama import LlamaConfig, build
 
 BW = 1e8  # bytes/s: a 4 MiB all-gather over 4 ranks takes 31 ms, long beside the host's noise
 RING = {  # a ring over 4 ranks: each rank sends 3/4 of the buffer, twice for an all-reduce

@@ -28,12 +28,12 @@ import torch
 
 from isp_comm import ISPConfig
 from isp_comm.backends.tiers import INTER, INTRA, Demand, TierSchedule
+from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.planner.links import ProfileLink, collective_demand
 from isp_comm.planner.profile import COLLECTIVES, Link, from_target
 from isp_comm.planner.step import _Clock, collective_time, step_time
 from isp_comm.planner.targets import parse_target
 from isp_comm.testing import run_virtual
-from models.llama import LlamaConfig, build
 
 NVLINK = 450e9  # bytes/s one way: 900 GB/s bidirectional (H100 SXM data sheet)
 IB = 400e9 / 8  # bytes/s: one 400 Gb/s ConnectX-7 per GPU (DGX H100)

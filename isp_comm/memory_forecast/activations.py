@@ -160,7 +160,7 @@ def compiled_forward(block: nn.Module, inside: list[bool]) -> Callable[..., obje
                 full[i] = t
             a, k = pytree.tree_unflatten(full, spec)
             # as dynamo does while it traces: a model may take another path when
-            # compiled (torch.compiler.is_compiling(), e.g. models/llama.py's rotary)
+            # compiled (torch.compiler.is_compiling(), e.g. isp_comm/models/llama.py's rotary)
             inside[0], compiling = True, torch.compiler._is_compiling_flag
             torch.compiler._is_compiling_flag = True
             try:

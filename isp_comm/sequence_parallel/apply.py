@@ -26,7 +26,7 @@ def apply_sequence_parallel(
 ) -> Callable[[], None]:
     """Attention goes through all-to-all over the SP group: transformers models via
     their attention registry, other models via modules exposing ``attention_fn``
-    (and ``n_heads`` / ``n_kv_heads``), like ``models/llama.py``. A peft wrapper
+    (and ``n_heads`` / ``n_kv_heads``), like ``isp_comm/models/llama.py``. A peft wrapper
     (``get_base_model()``) is seen through. Returns the undo."""
     base = _without_peft(model)
     if is_hf_model(base):
@@ -35,7 +35,7 @@ def apply_sequence_parallel(
     if not hooked:
         raise ValueError(
             "sp_size > 1 but the model exposes no attention hook: give its attention modules an "
-            "attention_fn(q, k, v) attribute (see models/llama.py) or use a supported transformers model"
+            "attention_fn(q, k, v) attribute (see isp_comm/models/llama.py) or use a supported transformers model"
         )
     for m in hooked:  # every check before any change
         kv_repeats(m.n_heads, m.n_kv_heads, sp_size)
@@ -57,7 +57,7 @@ def _without_peft(model: nn.Module) -> nn.Module:
 
 def boundaries_key(model: nn.Module) -> str:
     """The forward keyword of the document boundaries: transformers' flash-attention
-    one for its models, ``cu_seqlens`` for models like ``models/llama.py``."""
+    one for its models, ``cu_seqlens`` for models like ``isp_comm/models/llama.py``."""
     return "cu_seq_lens_q" if is_hf_model(_without_peft(model)) else "cu_seqlens"
 
 

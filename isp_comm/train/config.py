@@ -61,7 +61,7 @@ class TrainConfig:
     model: str = ""
     """A transformers model folder: config.json of type llama, mistral, qwen2 or qwen3,
     and its safetensors weights when present (trained from them; otherwise the model
-    gets its own initialisation). Empty = the reference llama of models/llama.py,
+    gets its own initialisation). Empty = the reference llama of isp_comm/models/llama.py,
     shaped by --layers, --hidden, --heads and --kv-heads (ignored with --model)."""
     tokenizer: str = ""
     """A tokenizer folder (what transformers' AutoTokenizer reads, local files only)

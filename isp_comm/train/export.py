@@ -193,7 +193,7 @@ def _export_adapter(
 def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, torch.Tensor]:
     """The full state dict of a checkpoint, written to ``output`` with the reference
     model's config beside it (``OUTPUT_STEM.config.json``, for
-    ``models.llama.from_export``)."""
+    ``isp_comm.models.llama.from_export``)."""
     model_config = _run_config_file(checkpoint_dir).get("model_config")
     checkpoint_dir = _resolve(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint, model_flops
 from isp_comm.discovery import find_blocks
+from isp_comm.models.llama import LlamaConfig
 from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
 from isp_comm.train.config import TrainConfig, check_layout, resolve_device
@@ -24,7 +25,6 @@ from isp_comm.train.preflight import memory_warnings, start_warnings
 from isp_comm.train.reporting import Reporters
 from isp_comm.train.signals import Signals, Stopped
 from isp_comm.train.sources import load_data
-from models.llama import LlamaConfig
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

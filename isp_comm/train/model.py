@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from isp_comm import ISPConfig
+from isp_comm.models.llama import LlamaConfig, build, llama_ffn_hidden
 from isp_comm.train import hf_model, lora
 from isp_comm.train.config import TrainConfig
-from models.llama import LlamaConfig, build, llama_ffn_hidden
 
 
 def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.nn.Module, LlamaConfig | None]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups  # noqa: E402
-from models.llama import LlamaConfig, build  # noqa: E402
+from isp_comm.models.llama import LlamaConfig, build  # noqa: E402
 from tests.gpu.mps import nvshmem_status  # noqa: E402
 
 
