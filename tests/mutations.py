@@ -117,6 +117,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        if False:\n            self.end_backward()",
         [UNPLANNED],
     ),
+    "a second forward's gather in another slot": (
+        "isp_comm/hooks/block_state.py",
+        "(backward and self.saved_views) or self.views_held",
+        "backward and self.saved_views",
+        ["tests/test_engine_parity.py::test_a_gather_keeps_the_slot_a_live_forward_saved_views_of"],
+    ),
     "an accuracy forward's stash kept at the step": (
         "isp_comm/hooks/engine.py",
         "            self.reducer.unstash()",

@@ -32,6 +32,7 @@ a bump. The guard is entered in :meth:`BlockState.unshard` and always left, by
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -48,16 +49,18 @@ from isp_comm.memory_pool import SlotPool, gather_landing
 from isp_comm.units import BlockUnit
 
 
-def swap_in_views(unit: BlockUnit, region: torch.Tensor, hooks: BackwardHooks) -> None:
+def swap_in_views(unit: BlockUnit, region: torch.Tensor, hooks: BackwardHooks) -> list[torch.Tensor]:
     """Point ``unit``'s modules at full views of its gathered ``region``: out of an
     ``UnshardBlock`` node when grad is enabled and the unit trains (its backward marks
     the end of the unit's backward), else detached. A block's state swaps it in
-    through this; the engine swaps the root unit (outside the pool) in through it too."""
+    through this; the engine swaps the root unit (outside the pool) in through it too.
+    Returns the views."""
     if torch.is_grad_enabled() and unit.requires_grad:
         views = list(UnshardBlock.apply(unit.anchor, hooks, unit, region))
     else:
         views = [v.detach() for v in unit.full_views(region)]
     unit.swap_in(views)
+    return views
 
 
 class GatherState(Enum):
@@ -95,7 +98,7 @@ class BlockState:
         self.issued_at: Any = None  # the last gather's issue mark (tracing, see CommContext.issued)
         self.backward_at: Any = None  # when the block's backward began (tracing)
         self.saved_views = False  # the last forward saved views of the slot for backward
-        self.reduced = False  # this backward already reduce-scattered the block
+        self._forwards: list[weakref.ref] = []  # the graph nodes of forwards with grad (see views_held)
         self._staging: torch.Tensor | None = None
         self._landing: Any = None
         self._cast: list | None = None  # in-block replicated params cast while swapped in
@@ -103,6 +106,17 @@ class BlockState:
     @property
     def swapped_in(self) -> bool:
         return self._cast is not None
+
+    @property
+    def views_held(self) -> bool:
+        """A forward with grad since the last backward took views of the slot, and its
+        graph is alive: the views may be saved for a backward still to come (see
+        [Note: forwards before one backward])."""
+        return any(ref() is not None for ref in self._forwards)
+
+    def end_backward(self) -> None:
+        """The backward is over: the graphs it ran freed what they saved."""
+        self._forwards.clear()
 
     # ---- SHARDED -> GATHERING -> GATHERED ------------------------------------------------
     def unshard(self, backward: bool) -> bool:
@@ -114,7 +128,7 @@ class BlockState:
         dt = unit.gather_dtype
         n_slots = res.config.n_slots
         preferred = self.slot if self.slot >= 0 else unit.index % n_slots
-        slot = res.pool.free_slot(dt, preferred, backward and self.saved_views)
+        slot = res.pool.free_slot(dt, preferred, (backward and self.saved_views) or self.views_held)
         if slot is None:
             return False
         if res.refresh is not None:
@@ -221,10 +235,8 @@ class BlockState:
             self.swap_in(hooks)
 
     def post_backward(self) -> None:
-        """Every weight gradient of the block exists: swap out (the engine then
-        reduce-scatters them and frees the slot)."""
-        assert not self.reduced, f"block {self.unit.index}'s gradients were produced twice in one backward"
-        self.reduced = True
+        """Every weight gradient of the block's use by one forward exists: swap out
+        (the engine then reduce-scatters them and frees the slot)."""
         self.swap_out()
         self.res.ctx.trace("compute", f"backward block {self.unit.index}", self.backward_at)
 
@@ -232,23 +244,43 @@ class BlockState:
     def begin_forward(self, hooks: BackwardHooks) -> None:
         """A forward of the gathered block begins (not a recompute): with grad, the
         unit follows its shards' ``requires_grad`` (the backward reduces what this
-        forward saw) and the slot's views are saved for that backward; then swap in."""
+        forward saw) and the slot's views are saved for that backward; then swap in.
+
+        [Note: forwards before one backward] Two forwards with grad may share one
+        backward (DPO's chosen and rejected, summed into one loss): autograd then runs
+        each block's backward once per forward, and each use's gradients are
+        reduce-scattered into the shards in turn (the sum, as a plain model's
+        ``.grad`` accumulates it). Each forward's saved weights are views of the
+        block's slot, which the backward gathers again; so while a forward's graph is
+        alive, every later gather of the block (the second forward's, the
+        backward's) must land in that same slot: ``views_held`` makes the slot
+        choice strict, and a block that cannot have it stops with the slot error,
+        never computing on another block's bytes. It holds a weak reference to each
+        forward's ``UnshardBlock`` node (the views themselves are gone: a linear
+        saves a transpose of its weight), so a graph that was dropped (an accuracy
+        forward's) lets the slot go, and the end of a backward forgets them all (it
+        freed what they saved). A frozen block's views come out of no node: its
+        backward still gets its slot back, as before, but not its second forward."""
         grad = torch.is_grad_enabled()
         if grad:
             self.unit.refresh_trainable()
-        self.saved_views, self.reduced = grad, False
-        self.swap_in(hooks)
+        self.saved_views = grad
+        views = self.swap_in(hooks)
+        node = views[0].grad_fn if views else None
+        if grad and node is not None:
+            self._forwards = [ref for ref in self._forwards if ref() is not None] + [weakref.ref(node)]
 
-    def swap_in(self, hooks: BackwardHooks) -> None:
+    def swap_in(self, hooks: BackwardHooks) -> list[torch.Tensor]:
         """Point the block's linears at full views of its slot (and cast in-block
         replicated params to ``param_dtype``). With grad enabled the views come out of
         an ``UnshardBlock`` node, whose backward marks the end of the block's backward."""
         unit = self.unit
         assert self._cast is None, f"block {unit.index} is already swapped in"
         assert self.region is not None and self.state is GatherState.GATHERED
-        swap_in_views(unit, self.region, hooks)
+        views = swap_in_views(unit, self.region, hooks)
         # (replicated parameter, its master) while a cast copy stands in
         self._cast = cast_params_in(unit.replicated, self.res.config.param_dtype)
+        return views
 
     def swap_out(self) -> None:
         if self._cast is None:

@@ -388,7 +388,7 @@ class BlockEngine:
         self._pending.clear()
         for unit, st in zip(self.units, self.states):  # blocks whose weights got no gradient still hold slots
             self.release(unit)
-            st.reduced = False
+            st.end_backward()
         self._root_region = None
         self.reducer.reduce_whole()
         self.phase = Phase.IDLE
