@@ -123,6 +123,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "backward and self.saved_views",
         ["tests/test_engine_parity.py::test_a_gather_keeps_the_slot_a_live_forward_saved_views_of"],
     ),
+    "an early exit's prefetched block kept": (
+        "isp_comm/hooks/engine.py",
+        "        self._in_root = False\n        self._release_leftovers()\n",
+        "        self._in_root = False\n",
+        ["tests/test_engine_parity.py::test_a_forward_that_exits_early_trains_as_a_plain_model[config_kw0]"],
+    ),
     "an accuracy forward's stash kept at the step": (
         "isp_comm/hooks/engine.py",
         "            self.reducer.unstash()",

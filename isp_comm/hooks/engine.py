@@ -195,10 +195,13 @@ class BlockEngine:
         swap_in_views(root, self._root_region, self)
 
     def _release_leftovers(self) -> None:
-        """A forward begins: a block still gathered, or gathering, was prefetched by a
-        forward that stopped before it (an early-exit evaluation); its slot may hold
-        weights written since, so it is released and gathered again when its turn
-        comes (a whole forward and backward leave no block gathered)."""
+        """A forward begins or ends: a block still gathered, or gathering, was
+        prefetched by a forward that stopped before it (an early exit). Released at
+        the forward's end, it leaves its slot to the backward of the block before it,
+        which must gather into that slot again (before, that backward stopped with the
+        slot error); at a forward's beginning, its slot may hold weights written
+        since, so it is gathered again when its turn comes (a whole forward and
+        backward leave no block gathered)."""
         if self.phase is Phase.BACKWARD:
             return
         self._pending.clear()
@@ -220,8 +223,10 @@ class BlockEngine:
 
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again, and the engine
-        lets go of their gathered region (see [Note: the outer region's lifetime])."""
+        lets go of their gathered region (see [Note: the outer region's lifetime]),
+        and of a block prefetched for a part of the model the forward skipped."""
         self._in_root = False
+        self._release_leftovers()
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
