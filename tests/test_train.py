@@ -917,6 +917,35 @@ def test_a_resume_on_another_world_names_the_layout_it_took(tmp_path, capsys, mo
     assert "--sp 4 does not divide the world size 1\n" in err and "resumed run" not in err, err
 
 
+def test_a_run_records_its_paths_absolute_for_a_resume_from_elsewhere(tmp_path, capsys, monkeypatch) -> None:
+    """A run started with --data corpus.txt recorded the path as typed: resumed from
+    another directory (a job script's cd, a requeue), the resume took it relative to
+    there and found no data. Paths are recorded absolute; the same relative path
+    typed again where the run started is not a change."""
+    from isp_comm.train.checkpoint import FLAGS
+    from isp_comm.train.config import parse_config, saved_flags
+
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    (home / "corpus.txt").write_text("some text to train on\n" * 50)
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("")
+    monkeypatch.chdir(home)
+    flags = saved_flags(parse_config(["--data", "corpus.txt", "--out", str(out)]))
+    assert flags["data"] == str(home / "corpus.txt") and flags["model"] == "", flags
+    (step / FLAGS).write_text(json.dumps(flags))
+    monkeypatch.chdir(elsewhere)
+    assert parse_config(["--resume", "--out", str(out)]).data == str(home / "corpus.txt")
+    monkeypatch.chdir(home)
+    capsys.readouterr()
+    parse_config(["--resume", "--out", str(out), "--data", "corpus.txt"])
+    assert "resuming with the flags" not in capsys.readouterr().out
+
+
 def test_checkpoints_are_ordered_by_step_and_a_bad_one_set_aside_is_none(tmp_path, monkeypatch) -> None:
     """By name, step_1000000 sorted before step_999999: past a million steps a resume took
     an old checkpoint and --keep-checkpoints removed the newest; a folder renamed aside

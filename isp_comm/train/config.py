@@ -518,7 +518,9 @@ def _resumed_values(values: dict, given: dict) -> tuple[dict, dict]:
         saved = {k: v for k, v in read_config_file(path).items() if k not in NOT_RESUMED}
     except ValueError as exc:
         raise ValueError(f"--resume: {path}: {exc}") from exc
-    anew = {k: v for k, v in given.items() if k in saved and saved[k] != v and k != "steps"}  # --steps: see run_folder
+    anew = {  # --steps: see run_folder
+        k: v for k, v in given.items() if k in saved and _absolute(k, saved[k]) != _absolute(k, v) and k != "steps"
+    }
     changed = [f"{_shown(k, v)} (the run had {_shown(k, saved[k])})" for k, v in anew.items()]
     merged = {**saved, **values}
     launcher = bool(merged.get("nproc_per_node")) and "LOCAL_RANK" not in os.environ  # its rank 0 says it
@@ -618,7 +620,17 @@ def as_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+PATH_FLAGS = frozenset({"data", "data_cache", "eval_data", "model", "tokenizer", "init_from", "profile"})
+"""Flags naming files or folders: a run records them absolute."""
+
+
+def _absolute(key: str, value: object) -> object:
+    return os.path.abspath(value) if key in PATH_FLAGS and isinstance(value, str) and value else value
+
+
 def saved_flags(cfg: TrainConfig) -> dict:
     """The flags a run records (config.json, and each checkpoint's flags.json): all but
-    ``resume``, so that ``--config`` of them starts the same run anew."""
-    return {k: v for k, v in as_dict(cfg).items() if k != "resume"}
+    ``resume``, so that ``--config`` of them starts the same run anew; paths absolute,
+    so that a resume, or ``--config``, from another working directory reads the same
+    files (before, ``--data corpus.txt`` resumed from elsewhere found no data)."""
+    return {k: _absolute(k, v) for k, v in as_dict(cfg).items() if k != "resume"}
