@@ -328,3 +328,27 @@ def test_a_killed_plan_takes_its_calibration_with_it(tmp_path) -> None:
     while _alive(below) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(below)
+
+
+def test_the_cores_a_plan_counts_are_capped_by_the_cgroup_quota(tmp_path) -> None:
+    """A container limited to fewer CPUs than its affinity shows (docker --cpus,
+    a Kubernetes limit): the plan counted the affinity, giving each rank a core it did
+    not have. The cgroup's quota caps it, v2's cpu.max or v1's CFS quota; no quota, or
+    no cgroup files, leaves the affinity."""
+    from isp_comm.planner.profile import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(str(tmp_path)) == affinity  # no cgroup files
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text(f"{100000 * (affinity + 3)} 100000\n")
+    assert usable_cores(str(tmp_path)) == affinity  # a quota above the affinity: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(str(tmp_path)) == min(2, affinity)  # 1.5 CPUs: two cores run, at a share
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(str(tmp_path)) == affinity

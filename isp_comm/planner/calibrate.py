@@ -49,7 +49,15 @@ import torch.nn.functional as F
 
 from isp_comm.memory_forecast import PHASES
 from isp_comm.planner.memory import transient
-from isp_comm.planner.profile import CALIBRATION_ATTEMPTS, COLLECTIVES, Link, Profile, describe_noise, launcher_free_env
+from isp_comm.planner.profile import (
+    CALIBRATION_ATTEMPTS,
+    COLLECTIVES,
+    Link,
+    Profile,
+    describe_noise,
+    launcher_free_env,
+    usable_cores,
+)
 from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
 from isp_comm.processes import die_with_parent_if_asked
@@ -573,12 +581,12 @@ def calibrate(
     when = datetime.date.today().isoformat()
     prof = Profile(
         name="this machine",
-        source=f"calibrated {when}: {os.cpu_count()} cores, torch {torch.__version__}, "
+        source=f"calibrated {when}: {usable_cores()} cores, torch {torch.__version__}, "
         f"{torch.backends.cpu.get_cpu_capability()}" + (" (quick)" if quick else ""),
         device="cpu",
         per_node=1,
         nodes=1,
-        cores=len(os.sched_getaffinity(0)),
+        cores=usable_cores(),
         memory_bytes=avail,
         peak_flops={"fp32": max(r for _, r in k["gemm"]["fp32"]), "bf16": max(r for _, r in k["gemm"]["bf16"])},
         gemm=k["gemm"],

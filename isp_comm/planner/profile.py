@@ -275,6 +275,38 @@ framework runs over 30 steps; 5: its ``noise``, and only steady ones cached), so
 older cache is not read in its place."""
 
 
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity, capped by the CPU quota of
+    its cgroup (a container's ``--cpus``, a Kubernetes limit), which the affinity does
+    not show: a container limited to 2 CPUs on a 64-core host sees 64 in its affinity,
+    and a plan would give each of its ranks a core of its own. Reads cgroup v2's
+    ``cpu.max`` (of the process's own cgroup, else the root's) or v1's CFS quota."""
+    n = len(os.sched_getaffinity(0))
+    own = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
+    except OSError:
+        pass
+    candidates = [os.path.join(cgroup_root, own.lstrip("/"), "cpu.max"), os.path.join(cgroup_root, "cpu.max")]
+    candidates += [os.path.join(cgroup_root, v1, "cpu.cfs_quota_us") for v1 in ("cpu", "cpu,cpuacct")]
+    for path in candidates:
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if path.endswith("cpu.max"):
+                quota, period = fields[0], fields[1]
+            else:
+                with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as f:
+                    quota, period = fields[0], f.read().strip()
+        except (OSError, IndexError):
+            continue
+        if quota not in ("max", "-1") and int(period) > 0:
+            return max(1, min(n, math.ceil(int(quota) / int(period))))
+        return n
+    return n
+
+
 def machine_key(local_world: int) -> str:
     """A cached profile's name: this machine's cores, CPU capability and torch, and the
     ranks it was calibrated for (1, or 2 and more)."""
@@ -282,7 +314,7 @@ def machine_key(local_world: int) -> str:
 
     ranks = "multi" if local_world > 1 else "single"
     cap = torch.backends.cpu.get_cpu_capability()
-    return f"cpu-{os.cpu_count()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}-v{PROFILE_VERSION}.json"
+    return f"cpu-{usable_cores()}c-{cap}-torch{torch.__version__.split('+')[0]}-{ranks}-v{PROFILE_VERSION}.json"
 
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -64,7 +64,7 @@ def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, in
     if prof.device == "cpu":
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        cores = prof.cores or len(os.sched_getaffinity(0))  # a calibration's own, else this machine's
+        cores = prof.cores or profiles.usable_cores()  # a calibration's own, else this machine's
         prof = dataclasses.replace(prof, memory_bytes=avail // max(local, 1), cores=cores)
     return dataclasses.replace(prof, per_node=local, nodes=max(world // local, 1)), world
 
