@@ -352,3 +352,5 @@ def test_the_cores_a_plan_counts_are_capped_by_the_cgroup_quota(tmp_path) -> Non
     assert usable_cores(str(tmp_path)) == min(2, affinity)  # 1.5 CPUs: two cores run, at a share
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert usable_cores(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text("not a quota\n")  # malformed: not a crash, the next file
+    assert usable_cores(str(tmp_path)) == affinity

@@ -266,7 +266,7 @@ class BlockState:
             self.unit.refresh_trainable()
         self.saved_views = grad
         views = self.swap_in(hooks)
-        node = views[0].grad_fn if views else None
+        node = next((v.grad_fn for v in views if v.grad_fn is not None), None)  # a frozen first one has none
         if grad and node is not None:
             self._forwards = [ref for ref in self._forwards if ref() is not None] + [weakref.ref(node)]
 

@@ -295,15 +295,16 @@ def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
             with open(path) as f:
                 fields = f.read().split()
             if path.endswith("cpu.max"):
-                quota, period = fields[0], fields[1]
+                quota, period = fields[0], int(fields[1])
             else:
                 with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as f:
-                    quota, period = fields[0], f.read().strip()
-        except (OSError, IndexError):
+                    quota, period = fields[0], int(f.read().strip())
+            if quota in ("max", "-1"):
+                return n
+            if period > 0 and int(quota) > 0:
+                return max(1, min(n, math.ceil(int(quota) / period)))
+        except (OSError, IndexError, ValueError):  # absent, or not what the kernel writes: the affinity
             continue
-        if quota not in ("max", "-1") and int(period) > 0:
-            return max(1, min(n, math.ceil(int(quota) / int(period))))
-        return n
     return n
 
 
