@@ -123,6 +123,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "backward and self.saved_views",
         ["tests/test_engine_parity.py::test_a_gather_keeps_the_slot_a_live_forward_saved_views_of"],
     ),
+    "a frozen block's views held by nothing": (
+        "isp_comm/hooks/engine.py",
+        "            self.states[unit.index].hold_views_for(marked[0].grad_fn)",
+        "            pass",
+        ["tests/test_engine_parity.py::test_a_gather_keeps_the_slot_a_live_forward_saved_views_of[frozen]"],
+    ),
+    "a frozen block's backward ends only at the next block's": (
+        "isp_comm/hooks/engine.py",
+        "        for index in sorted(self._frozen_in_backward):",
+        "        for index in sorted(self._frozen_in_backward & {unit.index + 1}):",
+        ["tests/test_engine_parity.py::test_two_forwards_then_one_backward_train_as_a_plain_model"],
+    ),
     "an early exit's prefetched block kept": (
         "isp_comm/hooks/engine.py",
         "        self._in_root = False\n        self._release_leftovers()\n",

@@ -289,10 +289,10 @@ def test_steps_that_did_not_go_as_planned_train_on_like_a_plain_loop(shard_outer
         assert r["phase_after_abort"] == "BACKWARD", r  # the case needs the backward begun
 
 
-def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen_attention: bool = False) -> tuple:
+def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "") -> tuple:
     """The tiny llama wrapped and a plain copy (its forward replaced by ``forward``
-    in both when given; every block's attention frozen in both when asked), each with
-    SGD at lr 0.1."""
+    in both when given; ``frozen`` in both: every block's ``"attention"``, or the
+    whole ``"first block"``), each with SGD at lr 0.1."""
     import types
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
@@ -302,9 +302,11 @@ def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen_attention:
     model, ref = build(LlamaConfig(**TINY)), build(LlamaConfig(**TINY))
     if forward is not None:
         model.forward, ref.forward = types.MethodType(forward, model), types.MethodType(forward, ref)
-    for m in (model, ref) if frozen_attention else ():
-        for layer in m.layers:
+    for m in (model, ref):
+        for layer in m.layers if frozen == "attention" else ():
             layer.attn.requires_grad_(False)
+        if frozen == "first block":
+            m.layers[0].requires_grad_(False)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     return model, ref, comm, opt, ropt
@@ -317,7 +319,7 @@ def _distance_and_close(comm, ref) -> float:
     return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
 
 
-def _two_forwards_worker(rank: int, world: int, wp: int, config_kw: dict, frozen: bool) -> float:
+def _two_forwards_worker(rank: int, world: int, wp: int, config_kw: dict, frozen: str) -> float:
     """Two forwards with grad, then one backward of their summed losses (DPO's chosen
     and rejected), with an evaluation forward without grad between them and the
     backward; two micro-steps of accumulation, two steps of SGD. Returns the largest
@@ -325,7 +327,7 @@ def _two_forwards_worker(rank: int, world: int, wp: int, config_kw: dict, frozen
     from tests.parity import loss_fn
 
     g = torch.Generator().manual_seed(0)
-    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw, frozen_attention=frozen)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw, frozen=frozen)
     mine = lambda t: t.chunk(world)[rank]  # noqa: E731
 
     def pair(m, a, b, part) -> torch.Tensor:
@@ -349,24 +351,29 @@ def test_two_forwards_then_one_backward_train_as_a_plain_model() -> None:
     # fp32 SGD, the global batch split over ranks: 1e-5 covers the sums' order.
     # Before: the second use of a block in one backward stopped with an assertion
     # ("gradients were produced twice in one backward").
+    # A whole frozen block has no post-backward and its views no node: before, block
+    # 0's first backward never ended (the next forward's last block then found its
+    # slot held: the slot error; with a slot each, "already swapped in").
     cases = (
-        (2, 2, {}, False),
-        (2, 2, {"shard_outer_params": True}, True),  # the blocks' first weights frozen: their views have no node
-        (2, 2, {"activation_checkpointing": 1.0, "comm_granularity": "module"}, False),
-        (4, 2, {"state_sharding": "world", "overlap": False}, False),
-        (4, 2, {"state_sharding": "world", "backend": "torch"}, True),
+        (2, 2, {}, ""),
+        (2, 2, {"shard_outer_params": True}, "attention"),  # the blocks' first weights frozen: no node
+        (2, 2, {"activation_checkpointing": 1.0, "comm_granularity": "module"}, ""),
+        (2, 2, {}, "first block"),
+        (2, 2, {"n_slots": 3, "activation_checkpointing": 1.0}, "first block"),
+        (4, 2, {"state_sharding": "world", "overlap": False}, ""),
+        (4, 2, {"state_sharding": "world", "backend": "torch"}, "attention"),
     )
     for world, wp, kw, frozen in cases:
         diffs = run_ranks(_two_forwards_worker, world, wp, kw, frozen, timeout_s=120)
         assert max(diffs) < 1e-5, (world, wp, kw, frozen, diffs)
 
 
-def _held_slot_worker(rank: int, world: int) -> tuple[str, str]:
+def _held_slot_worker(rank: int, world: int, frozen: bool) -> tuple[str, str]:
     """Block 0's slot taken by another owner while a forward's views of it are alive:
     its next gather waits for that slot (the gather raises the slot error here, where
     nothing will free it) instead of landing elsewhere, where the first forward's
     backward would read another block's bytes. Once that graph is dropped, any free
-    slot does."""
+    slot does. ``frozen``: the whole block 0 (its views out of no node)."""
     import gc
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
@@ -374,6 +381,7 @@ def _held_slot_worker(rank: int, world: int) -> tuple[str, str]:
     from tests.parity import TINY
 
     model = build(LlamaConfig(**TINY))
+    model.layers[0].requires_grad_(not frozen)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
     engine = comm.engine
     unit, st = engine.units[0], engine.states[0]
@@ -396,8 +404,11 @@ def _held_slot_worker(rank: int, world: int) -> tuple[str, str]:
     return held, dropped
 
 
-def test_a_gather_keeps_the_slot_a_live_forward_saved_views_of() -> None:
-    held, dropped = run_ranks(_held_slot_worker, 2, timeout_s=60)[0]
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_a_gather_keeps_the_slot_a_live_forward_saved_views_of(frozen: bool) -> None:
+    # Before, a frozen block's gather took any free slot: its first forward's backward
+    # would have read another block's bytes.
+    held, dropped = run_ranks(_held_slot_worker, 2, frozen, timeout_s=60)[0]
     assert "block 0 needs slot" in held, held
     assert dropped == "slot 1, was 0", dropped
 

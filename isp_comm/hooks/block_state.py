@@ -259,8 +259,9 @@ class BlockState:
         forward's ``UnshardBlock`` node (the views themselves are gone: a linear
         saves a transpose of its weight), so a graph that was dropped (an accuracy
         forward's) lets the slot go, and the end of a backward forgets them all (it
-        freed what they saved). A frozen block's views come out of no node: its
-        backward still gets its slot back, as before, but not its second forward."""
+        freed what they saved). A block with nothing trainable has no such node: the
+        engine holds the ``PreBackward`` node of its outputs instead: every backward
+        that reads its views passes through it."""
         grad = torch.is_grad_enabled()
         if grad:
             self.unit.refresh_trainable()
@@ -268,7 +269,12 @@ class BlockState:
         views = self.swap_in(hooks)
         node = next((v.grad_fn for v in views if v.grad_fn is not None), None)  # a frozen first one has none
         if grad and node is not None:
-            self._forwards = [ref for ref in self._forwards if ref() is not None] + [weakref.ref(node)]
+            self.hold_views_for(node)
+
+    def hold_views_for(self, node: Any) -> None:
+        """``node`` lives as long as the graph of a forward that may have saved views of
+        the slot for its backward (see ``views_held``)."""
+        self._forwards = [ref for ref in self._forwards if ref() is not None] + [weakref.ref(node)]
 
     def swap_in(self, hooks: BackwardHooks) -> list[torch.Tensor]:
         """Point the block's linears at full views of its slot (and cast in-block

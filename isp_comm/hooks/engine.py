@@ -64,6 +64,8 @@ class BlockEngine:
         self._res = GatherResources(ctx, config, backend, pool, groups.wp_group, refresh)
         self.states = [BlockState(u, self._res) for u in units]
         self._pending: set[int] = set()
+        self._frozen_in_backward: set[int] = set()
+        """Blocks with nothing trainable whose backward began and has not been seen to end."""
         self._hook_called = False  # the scheduler hook's root_pre_forward ran; the root's follows
         self._in_root = False  # inside the model's forward (root pre- to post-forward)
         self._callback_queued = False
@@ -307,8 +309,11 @@ class BlockEngine:
         map_tensors(out, lambda t: tensors.append(t) if t.requires_grad else None)
         if not tensors:
             return out
-        marked = iter(PreBackward.apply(self, unit, *tensors))
-        return map_tensors(out, lambda t: next(marked) if t.requires_grad else t)
+        marked = PreBackward.apply(self, unit, *tensors)
+        if not unit.requires_grad:  # its views come out of no node: this one lives as long as they may
+            self.states[unit.index].hold_views_for(marked[0].grad_fn)
+        left = iter(marked)
+        return map_tensors(out, lambda t: next(left) if t.requires_grad else t)
 
     # ---- backward -----------------------------------------------------------------
     def _enter_backward(self) -> None:
@@ -329,11 +334,19 @@ class BlockEngine:
         gradients exist, so a recompute that calls the block's original forward
         directly (a checkpoint inside the wrapper, as transformers does) sees them."""
         self._enter_backward()
-        later = unit.index + 1
-        if later < len(self.units) and not self.units[later].requires_grad:
-            # a block with nothing trainable has no post-backward: its backward (input
-            # gradients only) is over once the block before it begins, so free its slot
-            self.release(self.units[later])
+        # A block with nothing trainable has no post-backward: its backward (input
+        # gradients only) is over once another block's begins, the one before it or,
+        # under [Note: forwards before one backward], the next forward's last one (or
+        # itself again); autograd runs one forward's backward through before the
+        # earlier forward's. So free its slot then, or only swap it out to reuse it.
+        for index in sorted(self._frozen_in_backward):
+            if index == unit.index:
+                self.states[index].swap_out()
+            else:
+                self.release(self.units[index])
+        self._frozen_in_backward.clear()
+        if not unit.requires_grad:
+            self._frozen_in_backward.add(unit.index)
         st = self.ensure_gathered(unit)
         self.prefetch(unit.index - 1)
         self._event("compute", unit.index)
@@ -391,6 +404,7 @@ class BlockEngine:
         self.reducer.drain()
         self.reducer.rs_buffers.release_idle()  # see [Note: reduce-scatter pairs between backwards]
         self._pending.clear()
+        self._frozen_in_backward.clear()
         for unit, st in zip(self.units, self.states):  # blocks whose weights got no gradient still hold slots
             self.release(unit)
             st.end_backward()
