@@ -71,14 +71,20 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "only the last state dict watched": (
         "isp_comm/hooks/refresh.py",
-        "            self._watched.append((weakref.ref(root), root, root._version))",
-        "            self._watched[:] = [(weakref.ref(root), root, root._version)]",
+        "            self._watched.append((weakref.ref(root), root.detach(), root._version))",
+        "            self._watched[:] = [(weakref.ref(root), root.detach(), root._version)]",
         [WRITES],
     ),
     "a dropped state dict's kept tensors unwatched": (
         "isp_comm/hooks/refresh.py",
-        "            root = strong if strong is not None else r()",
-        "            root = strong",
+        "for r, alias, _ in self._watched if r() is not None]",
+        "for r, alias, _ in self._watched if False]",
+        [WRITES],
+    ),
+    "a state dict dropped before a look unseen": (
+        "isp_comm/hooks/refresh.py",
+        "        written = any(alias._version != n for _, alias, n in self._watched)",
+        "        written = any(alias._version != n for r, alias, n in self._watched if r() is not None)",
         [WRITES],
     ),
     "a block called alone reads stale shards": (

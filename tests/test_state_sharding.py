@@ -331,6 +331,15 @@ def _more_writes_worker(rank: int, world: int, sharding: str, path: str) -> dict
             t.mul_(0.5), ref.get_parameter(k).mul_(0.5)
     del locs
     out["kept_local_tensors"] = diff()
+    # ... and a whole state dict kept past a forward, written, then dropped before the next
+    sd = comm.state_dict()
+    diff()
+    with torch.no_grad():
+        for k, t in sd.items():
+            if hasattr(t, "to_local"):
+                t.to_local().mul_(0.5), ref.get_parameter(k).mul_(0.5)
+    del sd
+    out["kept_past_a_forward_then_dropped"] = diff()
     # a block called on its own (an early-exit evaluation) after an in-place write, a
     # write into a state dict, and a parameter re-pointed (vector_to_parameters: p.data = ...)
     tables = rope_tables(model.cfg, torch.arange(x.shape[1]))
@@ -395,6 +404,7 @@ def test_writes_nobody_announces_reach_the_gathers(tmp_path) -> None:
     for sharding in ("world", "wp"):
         for r in run_ranks(_more_writes_worker, 4, sharding, str(tmp_path / sharding), timeout_s=100):
             keys = ("first_of_two_state_dicts", "earlier_state_dict", "kept_local_tensors", "direct_block")
+            keys += ("kept_past_a_forward_then_dropped",)
             keys += ("direct_block_state_dict", "direct_block_repointed", "repointed")
             for key in keys:
                 assert r[key] < 1e-5, (sharding, key, r)

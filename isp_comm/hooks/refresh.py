@@ -85,7 +85,7 @@ class WeightRefresh:
         self._versions = {id(u): _versions(u) for u in self.units}
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._watched: list[tuple[weakref.ref, torch.Tensor | None, int]] = []  # see watch()
+        self._watched: list[tuple[weakref.ref, torch.Tensor, int]] = []  # see watch()
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
 
@@ -105,29 +105,23 @@ class WeightRefresh:
         [Note: watching the state dicts handed out] Every state dict handed out is
         watched, not only the last: the ranks must agree on what was written, and one
         rank may take another state dict of its own (to read its keys) before all of
-        them load into the first. Each entry is the root of its tensor's views (they all
-        share its version counter), held until the next look, then weakly: it lives as
-        long as anything the caller keeps of it does (the DTensor, a ``to_local()``),
-        so a write through what the caller still holds is seen at any later look, and
-        an entry nobody holds any more is dropped. ``dcp.load(comm.state_dict(), ...)``
-        drops the dict as soon as it has written into it: the strong hold shows that
-        write at the next look. Not seen: a write into a state dict kept past a look and
-        then dropped whole before the next one (call ``params_updated()`` there)."""
-        self._watched = [(r, strong, n) for r, strong, n in self._watched if strong is not None or r() is not None]
+        them load into the first. Each entry holds the root of its tensor's views
+        weakly, and a detached alias of it: the alias shares the root's version counter
+        and memory (a piece's, alive anyway) but not the root itself. A write through
+        anything the caller keeps (the DTensor, a ``to_local()``) is seen at any later
+        look, and one made just before the caller dropped the whole dict
+        (``dcp.load(comm.state_dict(), ...)`` drops it as soon as it has written, or a
+        dict kept past a forward, written, then dropped) at the next look, through the
+        alias; an entry whose root is gone is dropped once a look has read it."""
         for t in handed:
             root = t if t._base is None else t._base
-            self._watched.append((weakref.ref(root), root, root._version))
+            self._watched.append((weakref.ref(root), root.detach(), root._version))
 
     def check(self) -> None:
         """A forward begins: a unit whose pieces' version counters moved is stale, and
         every unit when a watched tensor was written."""
-        written, kept = False, []
-        for r, strong, n in self._watched:
-            root = strong if strong is not None else r()
-            if root is not None:
-                written |= root._version != n
-                kept.append((r, None, root._version))
-        self._watched = kept
+        written = any(alias._version != n for _, alias, n in self._watched)
+        self._watched = [(r, alias, alias._version) for r, alias, _ in self._watched if r() is not None]
         if written:
             self.mark_stale()
         for u in self.units:
