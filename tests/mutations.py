@@ -129,6 +129,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "backward and self.saved_views",
         ["tests/test_engine_parity.py::test_a_gather_keeps_the_slot_a_live_forward_saved_views_of"],
     ),
+    "a forward after a dropped one leaves the reductions armed for before": (
+        "isp_comm/hooks/engine.py",
+        "        arm, self._trainable_at = self.phase is Phase.IDLE or changed, now",
+        "        arm, self._trainable_at = self.phase is Phase.IDLE, now",
+        ["tests/test_engine_parity.py::test_requires_grad_changed_after_a_forward_with_grad"],
+    ),
+    "requires_grad changed between live forwards let through": (
+        "isp_comm/hooks/engine.py",
+        "        if changed and not second and any(st.views_held for st in self.states):",
+        "        if False:",
+        ["tests/test_engine_parity.py::test_requires_grad_changed_after_a_forward_with_grad"],
+    ),
     "a frozen block's views held by nothing": (
         "isp_comm/hooks/engine.py",
         "            self.states[unit.index].hold_views_for(marked[0].grad_fn)",

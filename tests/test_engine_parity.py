@@ -368,6 +368,46 @@ def test_two_forwards_then_one_backward_train_as_a_plain_model() -> None:
         assert max(diffs) < 1e-5, (world, wp, kw, frozen, diffs)
 
 
+def _unfrozen_after_a_forward_worker(rank: int, world: int, wp: int, config_kw: dict, live: bool) -> str | float:
+    """Block 1 frozen for a forward with grad, whose outputs are dropped (an accuracy
+    forward) or kept (``live``); then unfrozen, its weights and its norms, and one
+    forward, backward and SGD step. Returns the refusal, or the largest difference from
+    the single-process model doing the same."""
+    from tests.parity import loss_fn
+
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+    mine = lambda t: t.chunk(world)[rank]  # noqa: E731
+    model.layers[1].requires_grad_(False)
+    kept = model(mine(a)) if live else model(mine(a)).sum().item()
+    for m in (model, ref):
+        m.layers[1].requires_grad_(True)
+    try:
+        loss_fn(model(mine(a)), mine(b)).backward()
+    except RuntimeError as e:
+        del kept
+        comm.close()
+        return str(e)
+    loss_fn(ref(a), b).backward()
+    opt.step(), ropt.step()
+    return _distance_and_close(comm, ref)
+
+
+@pytest.mark.timeout(200)
+def test_requires_grad_changed_after_a_forward_with_grad() -> None:
+    # After a forward whose graph is gone, the next arms the reductions anew: before,
+    # block 1's norms, unfrozen in between, got no bucket and were never averaged (the
+    # ranks drifted apart by ~1e-3). fp32 SGD: 1e-5 covers the sums' order.
+    for world, wp, kw in ((2, 2, {}), (2, 1, {}), (4, 2, {"state_sharding": "world"})):
+        diffs = run_ranks(_unfrozen_after_a_forward_worker, world, wp, kw, False, timeout_s=120)
+        assert max(diffs) < 1e-5, (world, wp, kw, diffs)
+    # with the first forward's graph alive, one backward could run through both, each
+    # reduced as the later says: refused (before, block 1's first gradients were lost)
+    for said in run_ranks(_unfrozen_after_a_forward_worker, 2, 2, {}, True, timeout_s=120):
+        assert "requires_grad changed between two forwards with grad whose graphs are both alive" in said, said
+
+
 def _held_slot_worker(rank: int, world: int, frozen: bool) -> tuple[str, str]:
     """Block 0's slot taken by another owner while a forward's views of it are alive:
     its next gather waits for that slot (the gather raises the slot error here, where
@@ -411,6 +451,55 @@ def test_a_gather_keeps_the_slot_a_live_forward_saved_views_of(frozen: bool) -> 
     held, dropped = run_ranks(_held_slot_worker, 2, frozen, timeout_s=60)[0]
     assert "block 0 needs slot" in held, held
     assert dropped == "slot 1, was 0", dropped
+
+
+def _checkpointed_run_worker(rank: int, world: int, blocks: int, reentrant: bool) -> str | float:
+    """A forward that wraps its first ``blocks`` blocks in one ``torch.utils.checkpoint``
+    region (a user's own recomputation of a run of layers); two steps of SGD. Returns
+    the refusal, or the largest difference from the single-process model."""
+    from torch.utils.checkpoint import checkpoint
+
+    from isp_comm.models.llama import rope_tables
+    from tests.parity import loss_fn
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.cfg, torch.arange(input_ids.shape[1]))
+
+        def run(h: torch.Tensor, layers) -> torch.Tensor:
+            for layer in layers:
+                h = layer(h, cos, sin, None)
+            return h
+
+        h = checkpoint(run, self.embed(input_ids), self.layers[:blocks], use_reentrant=reentrant)
+        return self.lm_head(self.norm(run(h, self.layers[blocks:])))
+
+    g = torch.Generator().manual_seed(0)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(world, {}, forward)  # three blocks, two slots
+    mine = lambda t: t.chunk(world)[rank]  # noqa: E731
+    for _ in range(2):
+        a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+        try:
+            loss_fn(model(mine(a)), mine(b)).backward()
+        except RuntimeError as e:
+            comm.close()
+            return str(e)
+        loss_fn(ref(a), b).backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    return _distance_and_close(comm, ref)
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_around_a_run_of_blocks() -> None:
+    # fp32 SGD: 1e-5 covers the sums' order. A region of as many blocks as slots trains
+    for reentrant in (False, True):
+        diffs = run_ranks(_checkpointed_run_worker, 2, 2, reentrant, timeout_s=120)
+        assert max(diffs) < 1e-5, (reentrant, diffs)
+    # one more is refused, saying why (before: "blocks must run in the order of the
+    # block list", which they did)
+    for reentrant in (False, True):
+        for said in run_ranks(_checkpointed_run_worker, 2, 3, reentrant, timeout_s=120):
+            assert "a torch.utils.checkpoint region may hold at most n_slots blocks" in said, said
 
 
 def _early_exit_worker(rank: int, world: int, config_kw: dict) -> float:

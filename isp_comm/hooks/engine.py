@@ -66,6 +66,7 @@ class BlockEngine:
         self._pending: set[int] = set()
         self._frozen_in_backward: set[int] = set()
         """Blocks with nothing trainable whose backward began and has not been seen to end."""
+        self._trainable_at: tuple[bool, ...] = ()  # requires_grad at the last forward with grad
         self._hook_called = False  # the scheduler hook's root_pre_forward ran; the root's follows
         self._in_root = False  # inside the model's forward (root pre- to post-forward)
         self._callback_queued = False
@@ -91,11 +92,20 @@ class BlockEngine:
             self.refresh.prefetch(self.units[st.unit.index + 1])  # see [Note: refreshing the WP shards]
         return True
 
-    def ensure_gathered(self, unit: BlockUnit) -> BlockState:
+    def ensure_gathered(self, unit: BlockUnit, recompute: bool = False) -> BlockState:
+        """Gather ``unit`` into a free slot now, if it is not gathered or gathering
+        (``recompute``: for a checkpoint's recompute inside the backward)."""
         st = self.states[unit.index]
         if st.state is GatherState.SHARDED and not self._unshard(st):
             dt = unit.gather_dtype
             owners = [self.pool.owner(dt, i) for i in range(self.config.n_slots)]
+            if recompute:  # each recomputed block keeps its slot until its own backward
+                raise RuntimeError(
+                    f"isp-comm: the backward recomputes block {unit.index} while the slots hold blocks {owners}: "
+                    "a torch.utils.checkpoint region may hold at most n_slots blocks. Checkpoint fewer blocks a "
+                    "region (ISPConfig.activation_checkpointing checkpoints each block on its own) or raise "
+                    "ISPConfig.n_slots"
+                )
             raise RuntimeError(
                 f"isp-comm: block {unit.index} needs slot {st.slot} but the slots are held by "
                 f"blocks {owners}; blocks must run in the order of the block list"
@@ -137,7 +147,7 @@ class BlockEngine:
             self.settle(forward=True)
             if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
                 self.root_post_forward()
-        if torch.is_grad_enabled() and self.phase is Phase.IDLE:
+        if torch.is_grad_enabled() and self._arms_reductions(second):
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
@@ -158,6 +168,34 @@ class BlockEngine:
             self._root_forward()
         if self._outer_cast is None:  # see [Note: whole-model mixed precision]
             self._outer_cast = cast_params_in(self.outer, self.config.param_dtype)
+
+    def _arms_reductions(self, second: bool) -> bool:
+        """Whether this forward with grad arms the reductions of the next backward: the
+        first forward since a backward, or one after ``requires_grad`` changed.
+
+        [Note: requires_grad between forwards] The reductions of a backward are armed
+        by its first forward: each block's reduce groups, and the buckets of the
+        replicated gradients, for what was trainable then. After a forward whose graph
+        is gone (an accuracy forward with grad) the next forward arms them again, so
+        a parameter unfrozen in between is averaged (before, its gradient stayed this
+        rank's own, and the ranks drifted apart). While an earlier forward's graph is
+        alive, one backward may run through both, whose gradients would be reduced as
+        the later one says: that is refused. ``second``: the root's call after the
+        scheduler hook's, which looked already."""
+        if self.phase is Phase.BACKWARD:  # the model's forward recomputed inside a backward
+            return False
+        units = [u for u in (self.root, *self.summed, *self.units) if u is not None]
+        whole = (*self.reducer.replicated, *self.reducer.wp_summed)
+        now = tuple(p.requires_grad for p in (*(s for u in units for s in u.shards), *whole))
+        changed = self.phase is Phase.FORWARD and now != self._trainable_at
+        if changed and not second and any(st.views_held for st in self.states):
+            raise RuntimeError(
+                "isp-comm: requires_grad changed between two forwards with grad whose graphs are both alive; one "
+                "backward through both is not supported. Change it after the backward, or first drop the earlier "
+                "forward's outputs (or run that forward under torch.no_grad())"
+            )
+        arm, self._trainable_at = self.phase is Phase.IDLE or changed, now
+        return arm
 
     def _reclaim(self) -> None:
         """Parameters re-pointed since the last forward go home ([Note: re-pointed
@@ -273,7 +311,7 @@ class BlockEngine:
             self._enter_backward()
             if st.swapped_in:  # swapped in for this block's backward already
                 return orig(*args, **kwargs)
-            self.ensure_gathered(unit)
+            self.ensure_gathered(unit, recompute=True)
             self.prefetch(unit.index - 1)
             st.swap_in(self)
             try:
