@@ -41,11 +41,11 @@ from isp_comm.memory_pool import (
     releases_reduce_buffers,
     shared_memory_need,
 )
-from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel, boundaries_key
+from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel
 from isp_comm.state import ShardedState
 from isp_comm.trace import clock_for
 from isp_comm.units import BlockUnit
-from isp_comm.vocab_parallel import VocabParallelHead, WPComm, vocab_parallel_cross_entropy
+from isp_comm.vocab_parallel import VocabParallelHead, WPComm, refuse_labels, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
 
@@ -251,9 +251,12 @@ class ISPCommunicator:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
+        self._labels_check = (
+            None if self.vocab_unit is None else model.register_forward_pre_hook(refuse_labels, with_kwargs=True)
+        )
         self._chunk_check = None
         if g.sp_size > 1:
-            check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, boundaries_key(model))
+            check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, model)
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
     def _add_summed(self, unit: BlockUnit) -> None:
@@ -590,8 +593,9 @@ class ISPCommunicator:
         self.engine.close(abandon=abandon)
         self._root_handle.remove()
         self._root_post_handle.remove()
-        if self._chunk_check is not None:
-            self._chunk_check.remove()
+        for handle in (self._chunk_check, self._labels_check):
+            if handle is not None:
+                handle.remove()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):
             if unit is None:
                 continue

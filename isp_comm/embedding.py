@@ -30,8 +30,12 @@ from isp_comm.vocab_parallel import WPComm
 
 
 def supports_hidden_split(embedding: nn.Embedding) -> bool:
-    """The lookups this module reproduces exactly (no max_norm renorm, dense grads)."""
-    return embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
+    """The lookups this module reproduces exactly (no max_norm renorm, dense grads),
+    by an ``nn.Embedding`` whose forward is the plain lookup: a subclass with a forward
+    of its own (Gemma's, scaled by the square root of the hidden size) stays with the
+    gathered outer parameters, which run it as it is."""
+    plain = type(embedding).forward is nn.Embedding.forward
+    return plain and embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
 
 
 class _HiddenSplitLookup(torch.autograd.Function):

@@ -200,7 +200,11 @@ class ShardedState:
         """Give a fresh optimizer its states with one step at learning rate 0 on zero
         gradients (what ``torch.distributed.checkpoint.state_dict`` does), so that
         ``dcp.load`` finds every tensor to fill. With lr 0 the step leaves the
-        parameters bitwise as they were (weight decay too is scaled by lr)."""
+        parameters bitwise as they were (weight decay too is scaled by lr), and its
+        count is put back to 0: the first real step is the first (Adam's bias
+        correction; before, a step-0 save made every later step one step late). What
+        the step wrote from weight decay alone stays (Adam's L2 decay in its moments,
+        SGD's in its momentum)."""
         if opt.state:
             return
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
@@ -214,6 +218,9 @@ class ShardedState:
             p.grad = torch.zeros_like(p)
         try:
             opt.step()
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
         finally:
             for g, lr in zip(opt.param_groups, lrs):
                 if lr is not None:

@@ -146,6 +146,18 @@ class VocabParallelHead:
         return F.linear(x_all, self.head.weight.to(x.dtype))
 
 
+def refuse_labels(_module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
+    """The model's forward pre-hook under ``vocab_parallel``: a model's own loss
+    (transformers' ``labels=``) would read the logits, this rank's vocab rows of every
+    token of the WP group, as whole rows of its own tokens, and train on that silently."""
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            "with vocab_parallel the logits are this rank's vocab rows of every token of its WP group, and a "
+            "model's own loss (labels=) would read them as whole rows: call the model without labels and take "
+            "the loss with comm.cross_entropy(logits, labels)"
+        )
+
+
 def find_output_head(model: nn.Module, head: nn.Module | None, blocks: list[nn.Module]) -> nn.Linear:
     """The head to split: ``head`` if given, else transformers' output embeddings,
     else the last ``nn.Linear`` outside the blocks; ``ValueError`` if it cannot be."""
@@ -159,6 +171,11 @@ def find_output_head(model: nn.Module, head: nn.Module | None, blocks: list[nn.M
         raise ValueError("vocab_parallel needs the output head as an nn.Linear: pass head=")
     if head.bias is not None:
         raise ValueError("vocab_parallel supports an output head without bias")
+    if type(head).forward is not nn.Linear.forward:
+        raise ValueError(
+            f"vocab_parallel replaces the output head's forward, and {type(head).__name__} has one of its own; "
+            "leave vocab_parallel off for this model"
+        )
     if any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(False)):
         raise ValueError("vocab_parallel does not support a head tied to the embedding")
     return head

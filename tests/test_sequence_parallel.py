@@ -72,11 +72,16 @@ def _model(kind: str, tied: bool = False, **overrides):
     return model
 
 
-def _logits(kind: str, model, x: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+def _logits(
+    kind: str, model, x: torch.Tensor, pos: torch.Tensor | None, cu: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``pos`` None: the call names no positions, as one to the unwrapped model may."""
     if kind == "llama":
-        return model(x, position_ids=pos, cu_seqlens=cu)
+        return model(x, cu_seqlens=cu) if pos is None else model(x, position_ids=pos, cu_seqlens=cu)
     extra = {} if cu is None else {"cu_seq_lens_q": cu}
-    return model(input_ids=x, position_ids=pos[None], use_cache=False, **extra).logits  # as isp-train calls it
+    if pos is not None:
+        extra["position_ids"] = pos[None]
+    return model(input_ids=x, use_cache=False, **extra).logits  # as isp-train calls it
 
 
 def _data(dp: int, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,6 +105,7 @@ def _sp_worker(
     opts = dict(opts or {})
     varlen = opts.pop("varlen", False)
     vocab_parallel = opts.pop("vocab_parallel", False)
+    positions = opts.pop("positions", True)
     sharding = opts.pop("state_sharding", "wp")
     dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
     ref = _model(kind, tied, **opts)
@@ -115,7 +121,7 @@ def _sp_worker(
     lo, hi = sp_rank * seq // sp, (sp_rank + 1) * seq // sp
     for x, y in _data(dp, seq):
         xs, ys = x.chunk(dp)[dp_rank][:, lo:hi], y.chunk(dp)[dp_rank][:, lo:hi]
-        logits = _logits(kind, model, xs, pos[lo:hi], cu)
+        logits = _logits(kind, model, xs, pos[lo:hi] if positions else None, cu)
         if vocab_parallel:  # every token of the WP group against this rank's vocab rows, never all 37
             chunk = -(-37 // wp)
             rows = min(chunk, 37 - (rank % wp) * chunk)
@@ -158,6 +164,15 @@ def check_sp_cases(cases: list[tuple]) -> None:
     for per_rank in run_ranks(sp_cases_worker, 4, cases, timeout_s=280):
         bad = [(case, err) for case, err in per_rank if not err < 2e-6]  # fp32 SGD parity, as in test_engine_parity
         assert not bad, bad
+
+
+@pytest.mark.timeout(300)
+def test_a_call_without_positions_gets_the_chunks_global_ones() -> None:
+    import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
+
+    # Before, each chunk was numbered from 0: every rank after the first rotated its
+    # queries and keys as the sequence's start, and trained on (~1e-4 off, silently).
+    check_sp_cases([(sp, 2, kind, False, False, {"positions": False}) for sp in (2, 4) for kind in ("llama", "hf")])
 
 
 @pytest.mark.timeout(300)

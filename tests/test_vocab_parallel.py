@@ -73,19 +73,37 @@ def test_vocab_parallel_cross_entropy_matches_full_logits(
         assert all(e < 1e-6 for e in err), err  # fp32, only the softmax summation order differs (NaN fails)
 
 
-def _refusal_worker(rank: int, world: int) -> str:
+def _refusal_worker(rank: int, world: int, case: str) -> str:
     import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
 
+    model = _model("hf", tied=case == "tied")
+    if case == "own forward":  # a head whose forward is not the plain product (a scale of its own)
+        scaled = type(
+            "ScaledHead", (torch.nn.Linear,), {"forward": lambda self, x: 2 * super(type(self), self).forward(x)}
+        )
+        model.lm_head.__class__ = scaled
     try:
-        ISPCommunicator(_model("hf", tied=True), ParallelGroups.create(wp_size=2), ISPConfig(vocab_parallel=True))
+        ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(vocab_parallel=True))
+        x = torch.randint(0, 37, (1, 8))
+        model(input_ids=x, labels=x)  # transformers' own loss on the sharded logits
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
 @pytest.mark.timeout(60)
-def test_vocab_parallel_refuses_a_tied_head() -> None:
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("tied", "tied to the embedding"),
+        # before: ScaledHead's forward replaced silently, its scale lost
+        ("own forward", "ScaledHead has one of its own"),
+        # before: the loss read [wp, batch, seq, vocab/wp] logits as [batch, seq, vocab] (~3e-2 off, silently)
+        ("labels", "call the model without labels and take the loss with comm.cross_entropy"),
+    ],
+)
+def test_vocab_parallel_refuses_what_it_cannot_split(case: str, said: str) -> None:
     import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
 
-    for text in run_ranks(_refusal_worker, 2, timeout_s=50):
-        assert "tied to the embedding" in text, text
+    for text in run_ranks(_refusal_worker, 2, case, timeout_s=50):
+        assert said in text, text

@@ -75,24 +75,39 @@ class SequenceCheck:
       token of a chunk after the first, need the document boundaries
       (``boundaries_key``), or attention would cross documents: checked once per
       forward, without stopping the host (``check_async``).
+    - A call without ``position_ids`` gets the chunk's global positions (``lo, lo +
+      1, ...``, as the unwrapped model numbers the whole sequence), where the model
+      would number each chunk from 0: every rank after the first would rotate its
+      queries and keys as the sequence's start (before, silently). With document
+      boundaries the positions restart per document: they must be passed.
     """
 
-    def __init__(self, sp_group: ProcessGroup, sp_size: int, backend: Backend, ctx: CommContext, boundaries_key: str):
+    def __init__(self, sp_group: ProcessGroup, sp_size: int, backend: Backend, ctx: CommContext, model: nn.Module):
         self.group, self.size, self.backend, self.ctx = sp_group, sp_size, backend, ctx
-        self.boundaries_key = boundaries_key
+        self.boundaries_key = boundaries_key(model)
+        self.batched_positions = is_hf_model(_without_peft(model))  # transformers' take [batch, seq]
         self.rank = dist.get_rank(sp_group)
         self._checked: set[int] = set()
 
-    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if x is None:
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None or x.dim() < 2:
-            return
+            return None
         if x.shape[1] not in self._checked:
             self._check_lengths(x)
             self._checked.add(x.shape[1])
         pos = kwargs.get("position_ids")
+        if pos is None and len(args) <= 1:  # no positions, neither by keyword nor after the input
+            if kwargs.get(self.boundaries_key) is not None:
+                raise ValueError(
+                    f"under sequence parallel, {self.boundaries_key} needs position_ids: each document's positions "
+                    "restart at 0, over the whole sequence (pass this rank's chunk of them)"
+                )
+            lo = self.rank * x.shape[1]  # equal chunks (checked above)
+            pos = torch.arange(lo, lo + x.shape[1], device=x.device)
+            return args, {**kwargs, "position_ids": pos[None] if self.batched_positions else pos}
         if pos is not None and pos.shape[-1] > 1 and kwargs.get(self.boundaries_key) is None:
             check_async(
                 (pos.diff(dim=-1) == 1).all(),
@@ -106,6 +121,7 @@ class SequenceCheck:
                 f"first token (packed documents: pass {self.boundaries_key} with the boundaries of the whole "
                 "sequence), or the positions are the chunk's own (pass the sequence's: lo, lo + 1, ...)",
             )
+        return None
 
     def _check_lengths(self, x: torch.Tensor) -> None:
         mine = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
