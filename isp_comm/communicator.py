@@ -20,7 +20,7 @@ from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
-from isp_comm.discovery import build_units, find_blocks, outer_replicated, target_device, validate
+from isp_comm.discovery import CLOSED_SHARDS, build_units, find_blocks, outer_replicated, target_device, validate
 from isp_comm.embedding import HiddenSplitEmbedding
 from isp_comm.flight.diagnosis import attach
 from isp_comm.full_state import FullState
@@ -76,6 +76,15 @@ def _step_hook_of(comm: ISPCommunicator, before: bool = False) -> Callable[..., 
             alive._before_step(opt) if before else alive._after_step(opt)
 
     return hook
+
+
+def _closed_block(*_args: Any, **_kwargs: Any) -> None:
+    """A block's forward after ``close()`` at wp > 1, where its parameters are this
+    rank's shards: a forward, or a second wrap, says so."""
+    raise RuntimeError(CLOSED_SHARDS)
+
+
+_closed_block._isp_comm_wrapped = "closed"  # type: ignore[attr-defined]
 
 
 class ISPCommunicator:
@@ -573,7 +582,9 @@ class ISPCommunicator:
         hf_checkpoint.save_hf_checkpoint(self.model, self._state.state_dict(), path, max_shard_bytes)
 
     def close(self, abandon: bool = False, failed: bool = False) -> None:
-        """Drain communication, restore the blocks' forwards and free the pool.
+        """Drain communication, restore the blocks' forwards and free the pool. At wp > 1
+        the parameters stay this rank's shards: a block's forward, or a second wrap,
+        then raises saying so (take ``full_state_dict()`` before closing).
         ``abandon``: the step was cut short where peers may not join the collectives in
         flight (a run stopped by a signal in its forward): none is waited for, and their
         buffers are kept ([Note: buffers of a failed step]). A failed wait or an
@@ -606,7 +617,9 @@ class ISPCommunicator:
         if self._undo_sp is not None:
             self._undo_sp()
         for block, fwd in self._orig_forwards:
-            if fwd is None:
+            if self.groups.wp_size > 1:  # its parameters stay this rank's shards: say so, not a shape error
+                block.forward = _closed_block
+            elif fwd is None:
                 del block.forward
             else:
                 block.forward = fwd

@@ -46,8 +46,15 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def wrapped_marker(fn: Any) -> bool:
-    """Whether ``fn`` is a block forward installed by an ISPCommunicator."""
+CLOSED_SHARDS = (
+    "isp-comm: this model's blocks hold the shards a closed ISPCommunicator left (wp > 1), not the full weights: "
+    "take comm.full_state_dict() before close() and load it into a new model to use or wrap again"
+)
+
+
+def wrapped_marker(fn: Any) -> bool | str:
+    """Whether ``fn`` is a block forward installed by an ISPCommunicator (``"closed"``:
+    one a closed communicator left on a block whose parameters are shards)."""
     return getattr(fn, "_isp_comm_wrapped", False)
 
 
@@ -72,7 +79,10 @@ def validate(model: nn.Module, blocks: list[nn.Module]) -> None:
     for i, b in enumerate(blocks):
         if not isinstance(b, nn.Module):
             raise TypeError(f"block {i} is a {type(b).__name__}, not an nn.Module")
-        if wrapped_marker(b.__dict__.get("forward")):
+        marker = wrapped_marker(b.__dict__.get("forward"))
+        if marker == "closed":
+            raise ValueError(CLOSED_SHARDS)
+        if marker:
             raise ValueError("this model is already wrapped by an ISPCommunicator (close() it first)")
         if not any(isinstance(m, nn.Linear) for m in b.modules()):
             raise ValueError(f"block {i} ({type(b).__name__}) has no nn.Linear layers to shard")

@@ -224,6 +224,7 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
         (["--data", "/nonexistent/file.txt"], "no such file"),
+        (["--init-from", "tests"], "--init-from tests is a folder: it takes an exported model.pt"),  # was: no such file
         (["--out", "/dev/null/run"], "--out /dev/null/run: cannot create it"),
         (["--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3"),
         (["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),

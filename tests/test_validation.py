@@ -110,6 +110,34 @@ def test_wrap_twice(world1) -> None:
     with pytest.raises(ValueError, match="already wrapped"):
         ISPCommunicator(model, world1)
     comm.close()
+    # at wp 1 the shards are the whole weights: closed, the model runs and wraps again
+    model(torch.randint(0, 11, (2, 8)))
+    ISPCommunicator(model, world1).close()
+
+
+def _closed_worker(rank: int, world: int) -> list[str]:
+    model = tiny()
+    ISPCommunicator(model, ParallelGroups.create(wp_size=world)).close()
+    said = []
+    for attempt in (
+        lambda: model(torch.randint(0, 11, (2, 8))),
+        lambda: ISPCommunicator(model, ParallelGroups.create(wp_size=world)),
+    ):
+        try:
+            attempt()
+            said.append("nothing")
+        except (RuntimeError, ValueError) as e:
+            said.append(str(e))
+    return said
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_models_shards_say_so() -> None:
+    # Before: a forward stopped in F.linear on a shape mismatch, and a second wrap said
+    # the ranks' weights differ and to pass sync_module_states=True, which would
+    # broadcast one rank's shard as if it were the whole weight.
+    for said in run_ranks(_closed_worker, 2, timeout_s=50):
+        assert all("hold the shards a closed ISPCommunicator left" in s for s in said), said
 
 
 def test_releasing_symmetric_reduce_scatter_buffers_is_refused_before_sharding(world1) -> None:

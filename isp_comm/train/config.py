@@ -296,6 +296,11 @@ class TrainConfig:
             from isp_comm.train.hf_model import check_model_folder
 
             check_model_folder(self.model)  # one line naming the supported types, or unread weights
+        if self.init_from and os.path.isdir(self.init_from):
+            raise ValueError(
+                f"--init-from {self.init_from} is a folder: it takes an exported model.pt or .safetensors file "
+                "(isp-export RUN writes one from a run's checkpoint; --resume continues a run)"
+            )
         if self.init_from and not os.path.isfile(self.init_from):
             raise ValueError(f"--init-from {self.init_from}: no such file")
         if self.tokenizer:
