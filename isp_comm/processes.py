@@ -78,6 +78,17 @@ def shutting_down(frame: FrameType | None) -> bool:
     return sys.is_finalizing()
 
 
+def in_exit_callback(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs in an exit callback (``atexit``, a ``weakref.finalize``
+    at exit): the interpreter calls those on its way out, with no frame of the program
+    beneath them (the main thread's stack otherwise starts at the program's module, or
+    at ``runpy`` for ``python -m``, or at threading's shutdown)."""
+    bottom = None
+    while frame is not None:
+        bottom, frame = frame, frame.f_back
+    return bottom is not None and bottom.f_code.co_name not in ("<module>", "_run_module_as_main", "_shutdown")
+
+
 def importing(frame: FrameType | None) -> bool:
     """Whether ``frame``, where a signal handler interrupted the main thread, runs
     inside an import (see [Note: a signal inside an import])."""
@@ -120,10 +131,15 @@ def leave_on_signals(code: int | None = None) -> None:
     handler that raises something else (a ``KeyboardInterrupt``) prints a traceback.
     Inside an import it leaves at once (``os._exit``): a process still starting has
     nothing to release; so does one already shutting down (the launcher's SIGTERM to a
-    rank joining its last threads after it reported its failure), which has released it."""
+    rank joining its last threads after it reported its failure), which has released it.
+    In an exit callback the signal is let go: the process is leaving with its own
+    status, and the callbacks after it still release what they hold (raised there, the
+    ``SystemExit`` was printed as "Exception ignored in atexit callback", a traceback)."""
 
     def leave(signum: int, frame: FrameType | None) -> None:
         status = 128 + signum if code is None else code
+        if in_exit_callback(frame):
+            return
         if importing(frame) or shutting_down(frame):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted

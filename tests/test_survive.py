@@ -535,3 +535,24 @@ def test_a_signal_while_the_interpreter_joins_its_threads_ends_it_quietly() -> N
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "Traceback" not in res.stderr, (res.returncode, res.stderr)
+
+
+def test_a_signal_during_the_exit_callbacks_lets_them_finish_quietly() -> None:
+    """A rank leaving with its one line got the launcher's SIGTERM inside an exit
+    callback (torch's library finalizer): the handler's SystemExit was printed as
+    "Exception ignored in atexit callback" with a traceback from isp_comm's code. The
+    callbacks after it must still run (they release what the run holds)."""
+    script = (
+        "import atexit, os, signal, sys, time\n"
+        "from isp_comm.processes import leave_on_signals\n"
+        "leave_on_signals(2)\n"
+        "atexit.register(lambda: print('released', flush=True))\n"  # runs last
+        "def signalled():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.3)\n"
+        "atexit.register(signalled)\n"
+        "sys.exit(2)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, (res.returncode, res.stderr)
+    assert res.stdout == "released\n", res.stdout
