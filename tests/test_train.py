@@ -186,6 +186,18 @@ def _one_line_error(res: subprocess.CompletedProcess, text: str) -> None:
     assert "isp-train: warning" not in res.stderr, res.stderr[-2000:]  # the mistake alone, not a warning of it too
 
 
+@pytest.mark.timeout(200)
+def test_a_resume_whose_model_flags_differ_names_them(tmp_path) -> None:
+    """A checkpoint loads only into the model its run built: resumed with other model
+    flags (--resume auto takes none of the run's), the one line names the flag and the
+    run's value. Before, it gave DCP's message alone: a size mismatch for embed.weight."""
+    out = str(tmp_path / "run")
+    small = [*SMALL[:3], "48", *SMALL[4:]]  # --hidden 48
+    assert torchrun(2, *small, "--steps", "2", "--out", out).returncode == 0
+    res = torchrun(2, *SMALL, "--steps", "4", "--out", out, "--resume", "auto")
+    _one_line_error(res, "its run had --hidden 48 (this run: --hidden 32): give its model flags")
+
+
 def test_the_embedded_corpus_walks_its_chain_and_keeps_its_tokens() -> None:
     """Each token is one of its predecessor's successors, and the default corpus is
     the one every documented loss was measured on (its first tokens and a checksum,

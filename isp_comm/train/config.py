@@ -526,7 +526,7 @@ def _resumed_values(values: dict, given: dict) -> tuple[dict, dict]:
     anew = {  # --steps: see run_folder
         k: v for k, v in given.items() if k in saved and _absolute(k, saved[k]) != _absolute(k, v) and k != "steps"
     }
-    changed = [f"{_shown(k, v)} (the run had {_shown(k, saved[k])})" for k, v in anew.items()]
+    changed = [f"{shown(k, v)} (the run had {shown(k, saved[k])})" for k, v in anew.items()]
     merged = {**saved, **values}
     launcher = bool(merged.get("nproc_per_node")) and "LOCAL_RANK" not in os.environ  # its rank 0 says it
     if changed and not launcher and os.environ.get("RANK", "0") == "0":
@@ -547,7 +547,7 @@ def _check_resumed_layout(cfg: TrainConfig, taken: dict) -> None:
         named = [k for k in ("sp", "wp", "batch", "seq") if k in taken and f"--{k} " in str(exc)]
         if not named:
             raise
-        flags = ", ".join(_shown(k, getattr(cfg, k)) for k in named)
+        flags = ", ".join(shown(k, getattr(cfg, k)) for k in named)
         raise ValueError(
             f"{exc} ({flags}: the resumed run's, from {taken[named[0]]}; give --{named[0]} for this world)"
         ) from exc
@@ -562,7 +562,7 @@ def job_world(cfg: TrainConfig) -> int:
     return cfg.virtual_world or world
 
 
-def _shown(key: str, value: object) -> str:
+def shown(key: str, value: object) -> str:
     """A flag as it is typed: ``--lr 0.05``, ``--no-trace``."""
     if isinstance(value, bool):
         return f"--{'' if value else 'no-'}{_flag(key)}"

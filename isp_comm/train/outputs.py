@@ -33,7 +33,13 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
         raise ValueError(f"--out {cfg.out}: cannot create it ({exc.strerror or exc})") from exc
     start, saved_order = 0, {}
     if job.resume_from is not None:
-        start = checkpoint.load(job.resume_from, job.comm, job.opt, saved_order)
+        try:
+            start = checkpoint.load(job.resume_from, job.comm, job.opt, saved_order)
+        except checkpoint.CheckpointError as exc:
+            changed = run_folder.model_flags_changed(job.resume_from, cfg)
+            if changed is None:
+                raise
+            raise checkpoint.CheckpointError(f"{exc}; {changed}") from exc
         job.data.resume(saved_order, start)
         if virtual.leads(rank):
             print(run_folder.resume_line(job.resume_from, job.previous), flush=True)

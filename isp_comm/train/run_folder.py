@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, survive
-from isp_comm.train.config import TrainConfig, as_dict, saved_flags
+from isp_comm.train.config import TrainConfig, as_dict, read_config_file, saved_flags, shown
 from isp_comm.virtual import is_virtual
 
 OWN = (
@@ -152,6 +152,30 @@ def resume_line(path: str, previous: dict) -> str:
     world = saver.get("world", "?")
     wp = cfg.get("wp") or (world if isinstance(world, int) else "?")
     return f"isp-train: resuming from {path} (step {checkpoint_step(path)}; saved by a run at world {world}, wp {wp})"
+
+
+MODEL_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "lora_rank", "lora_targets")
+"""The flags that decide the model's parameters: a checkpoint loads only into the model
+they built (the layout flags reshard, these do not)."""
+
+
+def model_flags_changed(path: str, cfg: TrainConfig) -> str | None:
+    """For a checkpoint that failed to load: the model flags its run had (its
+    ``flags.json``) that this run does not, as one clause, or ``None``."""
+    try:
+        saved = read_config_file(os.path.join(path, checkpoint.FLAGS))
+    except (OSError, ValueError):
+        return None
+    ours = as_dict(cfg)
+
+    def value(key: str, v: object) -> object:  # the model folder as a path from anywhere
+        return os.path.abspath(v) if key == "model" and isinstance(v, str) and v else v
+
+    differ = [k for k in MODEL_FLAGS if k in saved and value(k, saved[k]) != value(k, ours[k])]
+    if not differ:
+        return None
+    had = ", ".join(f"{shown(k, saved[k])} (this run: {shown(k, ours[k])})" for k in differ)
+    return f"its run had {had}: give its model flags (a plain --resume takes them from {checkpoint.FLAGS})"
 
 
 def cut_metrics(out: str, step: int) -> None:
