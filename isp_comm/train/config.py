@@ -524,7 +524,7 @@ def _resumed_values(values: dict, given: dict) -> tuple[dict, dict]:
     except ValueError as exc:
         raise ValueError(f"--resume: {path}: {exc}") from exc
     anew = {  # --steps: see run_folder
-        k: v for k, v in given.items() if k in saved and _absolute(k, saved[k]) != _absolute(k, v) and k != "steps"
+        k: v for k, v in given.items() if k in saved and absolute(k, saved[k]) != absolute(k, v) and k != "steps"
     }
     changed = [f"{shown(k, v)} (the run had {shown(k, saved[k])})" for k, v in anew.items()]
     merged = {**saved, **values}
@@ -629,7 +629,8 @@ PATH_FLAGS = frozenset({"data", "data_cache", "eval_data", "model", "tokenizer",
 """Flags naming files or folders: a run records them absolute."""
 
 
-def _absolute(key: str, value: object) -> object:
+def absolute(key: str, value: object) -> object:
+    """A flag's value with a path made absolute (``PATH_FLAGS``), as a run records it."""
     return os.path.abspath(value) if key in PATH_FLAGS and isinstance(value, str) and value else value
 
 
@@ -638,4 +639,4 @@ def saved_flags(cfg: TrainConfig) -> dict:
     ``resume``, so that ``--config`` of them starts the same run anew; paths absolute,
     so that a resume, or ``--config``, from another working directory reads the same
     files (before, ``--data corpus.txt`` resumed from elsewhere found no data)."""
-    return {k: _absolute(k, v) for k, v in as_dict(cfg).items() if k != "resume"}
+    return {k: absolute(k, v) for k, v in as_dict(cfg).items() if k != "resume"}

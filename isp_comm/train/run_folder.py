@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, survive
-from isp_comm.train.config import TrainConfig, as_dict, read_config_file, saved_flags, shown
+from isp_comm.train.config import TrainConfig, absolute, as_dict, read_config_file, saved_flags, shown
 from isp_comm.virtual import is_virtual
 
 OWN = (
@@ -167,11 +167,7 @@ def model_flags_changed(path: str, cfg: TrainConfig) -> str | None:
     except (OSError, ValueError):
         return None
     ours = as_dict(cfg)
-
-    def value(key: str, v: object) -> object:  # the model folder as a path from anywhere
-        return os.path.abspath(v) if key == "model" and isinstance(v, str) and v else v
-
-    differ = [k for k in MODEL_FLAGS if k in saved and value(k, saved[k]) != value(k, ours[k])]
+    differ = [k for k in MODEL_FLAGS if k in saved and absolute(k, saved[k]) != absolute(k, ours[k])]
     if not differ:
         return None
     had = ", ".join(f"{shown(k, saved[k])} (this run: {shown(k, ours[k])})" for k in differ)
