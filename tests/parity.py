@@ -327,8 +327,7 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
             gc.collect()
             trace[-1]["tensors"] = _settled_tensors(trace[-2].get("tensors") if len(trace) > WARMUP else None)
             trace[-1]["objects"] = _isp_objects()
-            if len(trace) == WARMUP or len(trace) > steps - LAST:
-                trace[-1]["py"] = _isp_comm_python_bytes()
+            trace[-1]["py"] = _isp_comm_python_bytes()
 
     try:
         train_isp(case, rank, world, world, on_step=on_step, backend=backend)
@@ -351,12 +350,24 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
     if exact:  # distinct (count, bytes) of live tensors after warm-up; isp_comm's Python bytes then and at the end
         out["tensors"] = sorted({t["tensors"] for t in trace[WARMUP - 1 :]})
         out["objects"] = sorted({t["objects"] for t in trace[WARMUP - 1 :]})
-        # the least of the last steps' ends: a leak grows at every one of them, where
-        # the views autograd still holds at a step's end come and go
-        out["py_warm"], (out["py_end"], out["py_end_top"]) = after["py"][0], min(t["py"] for t in trace[-LAST:])
+        # the least of LAST steps' ends, once settled and at the end: a leak grows at
+        # every one of them, where the views autograd still holds at a step's end come
+        # and go (see PY_SETTLE)
+        settled = trace[WARMUP - 1 + PY_SETTLE :][:LAST]
+        out["py_steps"] = len(trace) - (WARMUP - 1 + PY_SETTLE + LAST)  # from the first window's end to the last's
+        out["py_settled"], (out["py_end"], out["py_end_top"]) = (
+            min(t["py"] for t in settled)[0],
+            min(t["py"] for t in trace[-LAST:]),
+        )
     return out
 
 
 KEYS = ("pool_bytes", "slots_held", "rs_buffers_in_use", "outstanding_handles", "live_gathered_bytes")
 LAST = 5
-"""The step ends whose least Python bytes count as the long run's end."""
+"""The step ends whose least Python bytes count as a window's (the settled one and the end)."""
+PY_SETTLE = 15
+"""Steps past WARMUP before isp_comm's Python bytes (tracemalloc) settle: they rise by
+2-8 KiB over the first 10 to 15 (the flight record's sequence numbers passing 256 among
+it), then swing by about 1.5 KiB between step ends with no trend (160 steps, both
+ranks, several runs, 2026-12-02). Read from WARMUP on, its 16 KiB over 40 steps was
+passed by 16.1 to 19.4 KiB in 2 runs of 5 with no leak behind it."""
