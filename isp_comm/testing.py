@@ -40,6 +40,7 @@ def _entry(
     args: tuple,
     backend: str,
     gpu: int,
+    released: Any,
     env: dict[str, str] | None = None,
 ) -> None:
     import torch
@@ -59,11 +60,25 @@ def _entry(
         # bytes, not tensors: torch would share tensors through /dev/shm and file
         # descriptors that die with this process
         results.put((rank, "ok", pickle.dumps(out)))
+        released.wait(RELEASE_S)  # [Note: leaving together]
     except BaseException:  # noqa: BLE001 - the traceback is the point
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# [Note: leaving together]
+# A rank that has returned its result leaves (destroy_process_group closes its gloo
+# connections) only once run_ranks has every rank's result, or its first error, or
+# RELEASE_S has passed. ``new_group``'s connectFullMesh can return on one rank before
+# a peer has finished connecting to it; a rank whose function then returned at once
+# tore the group down under that peer, whose new_group failed with "Connection closed
+# by peer" (a group made and not used, at world 2, on the CI tier under load,
+# 2026-12-01). The wait is an Event's: no polling.
+RELEASE_S = 30.0
+"""How long a rank that has returned its result waits for its peers' before it leaves
+anyway ([Note: leaving together])."""
 
 
 def _all_joined(store: Any, world: int, timeout_s: float = 60.0) -> None:
@@ -132,11 +147,11 @@ def run_ranks(
     ``start``: ``"spawn"`` or ``"forkserver"``; by default ``$ISP_COMM_RANKS_START``,
     else spawn (see :func:`_context`)."""
     ctx, env = _context(start)
-    results = ctx.Queue()
+    results, released = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend, gpu, env))
+            ctx.Process(target=_entry, args=(fn, r, world, store, results, args, backend, gpu, released, env))
             for r in range(world)
         ]
         for p in procs:
@@ -171,6 +186,7 @@ def run_ranks(
                     errors.append(f"--- rank {rank} ---\n{value}")
                     break
         finally:
+            released.set()
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)
             for p in procs:
