@@ -30,6 +30,7 @@ other dict (full tensors, another run's DTensors) work.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,68 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_dlpack(t.detach())
 
 
+def _never_stepped(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state's count says it has taken no step (SGD's has none)."""
+    step = state.get("step")
+    return step is not None and float(step) == 0
+
+
+class MadeStates:
+    """States an optimizer was given for a checkpoint, until its first step.
+
+    [Note: states made for a checkpoint]
+    torch's optimizers make each state in their first step, from that step's gradient
+    and the group's settings, and update it in the same step. A checkpoint needs the
+    states before that: as what ``dcp.load`` fills, or to save before the first step.
+    One step at learning rate 0 on zero gradients makes them (what
+    ``torch.distributed.checkpoint.state_dict`` does), but what that step wrote is not
+    a fresh optimizer's state: NAdam's ``mu_product`` has moved, ASGD's ``eta`` and
+    Rprop's step sizes were taken from lr 0, SGD's momentum buffer exists (so its
+    dampening applies to the first step) and, like Adam's moments under L2 decay,
+    holds weight decay's term. So such states live only until the optimizer's first
+    step: a pre-hook then drops them, and the step makes them as a fresh optimizer
+    would. A state that ``dcp.load`` has written into since is kept (its tensors'
+    version counters moved: nothing is read from the device in the step). After
+    ``load_optimizer_state_dict`` the states are a checkpoint's; those whose count is 0
+    (saved before any step) are dropped too, which the load reads off (outside a
+    step). SGD's momentum has no count: loaded from a checkpoint saved before the first
+    step, it stays (docs/state.md)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, loaded: bool) -> None:
+        self._marks: dict[int, list[tuple[weakref.ref, int]] | None] = (
+            {id(p): None for p, st in opt.state.items() if _never_stepped(st)}
+            if loaded
+            else {id(p): [(weakref.ref(t), t._version) for t in _tensors(st)] for p, st in opt.state.items()}
+        )
+        """Per parameter id: ``None`` (drop it), or the made tensors and their versions
+        (drop it if they are still those, unwritten)."""
+        self._handle = opt.register_step_pre_hook(self._first_step)
+
+    def __bool__(self) -> bool:
+        return bool(self._marks)
+
+    def cancel(self) -> None:
+        self._handle.remove()
+
+    def _first_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._handle.remove()
+        for p, st in list(opt.state.items()):
+            marks = self._marks.get(id(p), [])
+            now = _tensors(st)
+            made = marks is not None and len(marks) == len(now) > 0
+            if marks is None or (made and _unwritten(now, marks)):
+                del opt.state[p]
+
+
+def _tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
+    return [v for v in state.values() if torch.is_tensor(v)]
+
+
+def _unwritten(now: list[torch.Tensor], marks: list[tuple[weakref.ref, int]]) -> bool:
+    """Whether ``now`` are still the tensors made, none written since."""
+    return all(r() is t and t._version == v for t, (r, v) in zip(now, marks))
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -92,6 +155,8 @@ class ShardedState:
         self._piece_mesh: DeviceMesh | None = None
         self.pieces = any(u.replicas > 1 for u in units)
         """Whether the parameters are pieces (``state_sharding="world"`` with replicas)."""
+        self._made: weakref.WeakKeyDictionary[torch.optim.Optimizer, MadeStates] = weakref.WeakKeyDictionary()
+        """Optimizers whose states await their first step ([Note: states made for a checkpoint])."""
 
     # ---- DTensor views -----------------------------------------------------------------
     @property
@@ -194,17 +259,13 @@ class ShardedState:
         """id(parameter) -> its FQN (the first, for tied parameters)."""
         return {id(p): n for n, p in reversed(list(self.model.named_parameters(remove_duplicate=False)))}
 
-    @staticmethod
     @torch.no_grad()
-    def _init_states(opt: torch.optim.Optimizer) -> None:
+    def _init_states(self, opt: torch.optim.Optimizer) -> None:
         """Give a fresh optimizer its states with one step at learning rate 0 on zero
-        gradients (what ``torch.distributed.checkpoint.state_dict`` does), so that
-        ``dcp.load`` finds every tensor to fill. With lr 0 the step leaves the
+        gradients, so that ``dcp.load`` finds every tensor to fill, until its first
+        step ([Note: states made for a checkpoint]). With lr 0 the step leaves the
         parameters bitwise as they were (weight decay too is scaled by lr), and its
-        count is put back to 0: the first real step is the first (Adam's bias
-        correction; before, a step-0 save made every later step one step late). What
-        the step wrote from weight decay alone stays (Adam's L2 decay in its moments,
-        SGD's in its momentum)."""
+        count is put back to 0, as a checkpoint saved now must say."""
         if opt.state:
             return
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
@@ -221,6 +282,7 @@ class ShardedState:
             for state in opt.state.values():
                 if "step" in state:
                     state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
+            self._await_first_step(opt, loaded=False)  # after the step: the hook is for the first real one
         finally:
             for g, lr in zip(opt.param_groups, lrs):
                 if lr is not None:
@@ -280,6 +342,20 @@ class ShardedState:
             p = params[fqn]
             state[index[fqn]] = {k: self._local_state(fqn, p, v) for k, v in st.items()}
         opt.load_state_dict({"state": state, "param_groups": groups})
+        self._await_first_step(opt, loaded=True)
+
+    def _await_first_step(self, opt: torch.optim.Optimizer, loaded: bool) -> None:
+        """Drop at ``opt``'s next step the states made here, or, ``loaded``, those
+        loaded that never stepped (read now, outside a step): [Note: states made for a
+        checkpoint]."""
+        earlier = self._made.pop(opt, None)
+        if earlier is not None:
+            earlier.cancel()
+        made = MadeStates(opt, loaded)
+        if made:
+            self._made[opt] = made
+        else:
+            made.cancel()
 
     def _local_state(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
         from torch.distributed.tensor import DTensor
