@@ -305,17 +305,23 @@ class ShardedState:
         state: dict[str, dict[str, Any]] = {}
         for p, st in opt.state.items():
             fqn = names[id(p)]
-            state[fqn] = {k: self._state_value(fqn, p, v) for k, v in st.items()}
+            state[fqn] = {k: self._state_value(fqn, k, p, v) for k, v in st.items()}
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in opt.param_groups
         ]
         return {"state": state, "param_groups": groups}
 
-    def _state_value(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
-        if fqn in self.sharded and torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
-            return self.as_dtensor(fqn, v)
-        return v
+    def _state_value(self, fqn: str, key: str, p: torch.Tensor, v: Any) -> Any:
+        if fqn not in self.sharded or not torch.is_tensor(v) or v.dim() == 0:
+            return v
+        if v.shape != p.shape:  # DCP would keep one rank's as everyone's, and loading would fail
+            raise ValueError(
+                f"optimizer state {key!r} of {fqn} has shape {tuple(v.shape)}, not its parameter's "
+                f"{tuple(p.shape)} (this rank's shard): a state of another shape, as a factored "
+                "optimizer's (Adafactor's row and column statistics), cannot be split with the shard"
+            )
+        return self.as_dtensor(fqn, v)
 
     def load_optimizer_state_dict(self, opt: torch.optim.Optimizer, osd: Mapping[str, Any]) -> None:
         """Load ``osd`` (from :meth:`optimizer_state_dict`, here or in a run of another

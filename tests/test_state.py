@@ -402,6 +402,26 @@ def test_states_dcp_loaded_in_place_outlive_the_first_step(tmp_path) -> None:
         assert all(d == 0.0 for d in out.values()), out
 
 
+def _factored_worker(rank: int, world: int) -> str:
+    model = _model()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    try:
+        comm.optimizer_state_dict(torch.optim.Adafactor(model.parameters(), lr=1e-2))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        comm.close()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_factored_optimizers_state_is_refused_at_the_save() -> None:
+    # Before, DCP saved rank 0's row statistics as everyone's, and the load failed
+    # with a shape error naming the parameter alone (an outside review)
+    for said in run_ranks(_factored_worker, 2, timeout_s=50):
+        assert "optimizer state 'row_var' of layers.0." in said and "cannot be split with the shard" in said, said
+
+
 def _optim_copy_worker(rank: int, world: int) -> float:
     """An optimizer state dict that shares no memory with the optimizer it is loaded
     into (full tensors, as a user's own file would hold) must land in it."""
