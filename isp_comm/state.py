@@ -91,18 +91,19 @@ class MadeStates:
     step). SGD's momentum has no count: loaded from a checkpoint saved before the first
     step, it stays (docs/state.md)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, loaded: bool) -> None:
-        self._marks: dict[int, list[tuple[weakref.ref, int]] | None] = (
-            {id(p): None for p, st in opt.state.items() if _never_stepped(st)}
-            if loaded
-            else {id(p): [(weakref.ref(t), t._version) for t in _tensors(st)] for p, st in opt.state.items()}
-        )
+    def __init__(self, opt: torch.optim.Optimizer, marks: dict[int, list[tuple[weakref.ref, int]] | None]) -> None:
+        self._marks = marks
         """Per parameter id: ``None`` (drop it), or the made tensors and their versions
         (drop it if they are still those, unwritten)."""
         self._handle = opt.register_step_pre_hook(self._first_step)
 
-    def __bool__(self) -> bool:
-        return bool(self._marks)
+    @staticmethod
+    def marks(opt: torch.optim.Optimizer, loaded: bool) -> dict[int, list[tuple[weakref.ref, int]] | None]:
+        """What to drop at the first step: the states loaded that never stepped, or
+        every state made, unless written since."""
+        if loaded:
+            return {id(p): None for p, st in opt.state.items() if _never_stepped(st)}
+        return {id(p): [(weakref.ref(t), t._version) for t in _tensors(st)] for p, st in opt.state.items()}
 
     def cancel(self) -> None:
         self._handle.remove()
@@ -357,11 +358,9 @@ class ShardedState:
         earlier = self._made.pop(opt, None)
         if earlier is not None:
             earlier.cancel()
-        made = MadeStates(opt, loaded)
-        if made:
-            self._made[opt] = made
-        else:
-            made.cancel()
+        marks = MadeStates.marks(opt, loaded)
+        if marks:
+            self._made[opt] = MadeStates(opt, marks)
 
     def _local_state(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
         from torch.distributed.tensor import DTensor
