@@ -80,8 +80,10 @@ def test_host_clock_counts_waits_at_once() -> None:
     issued = ctx.issued(handle)
     assert isinstance(issued, float)  # the host clock cannot see a stream's end: the span ends at the wait
     ctx.wait(handle, "reduce-scatter of block 0", ("reduce-scatter", "block 0", issued))
-    (lane, _, t0, t1), *_ = ctx.tracer.spans()
-    assert lane == "reduce-scatter" and 0.0 <= t0 <= t1
+    # the wait's own span is there too when it lasted 10 us or more (a busy machine)
+    spans = {lane: (t0, t1) for lane, _, t0, t1 in ctx.tracer.spans()}
+    t0, t1 = spans["reduce-scatter"]
+    assert 0.0 <= t0 <= t1 and set(spans) <= {"reduce-scatter", "wait"}
     assert ctx.counters.exposed_comm_s >= 0.0 and not ctx._unresolved
 
 
