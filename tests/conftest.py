@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -51,6 +52,37 @@ def no_leaked_shared_memory():
     yield
     left = {n for n in _segments() - before if _ours(n)}
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+# [Note: serial tests under pytest -n]
+# CI runs the suite on two pytest-xdist workers (``-n 2``): most tests are ranks that
+# share the cores and their own temporary folders, and run fine beside another test.
+# A test marked ``serial`` does not: it times a deadline or a calibration, or plants
+# segments of a dead job in /dev/shm that another test's run would clean up (and that
+# another test's teardown would take for its own leak). It runs with no other test
+# beside it: every test holds a lock on this file around its whole run (set-up, call,
+# teardown), shared for most, exclusive for a serial one. The gate (this folder)
+# makes the lock favour the waiting serial test: a worker passes the gate before it
+# asks for its lock, and a serial test holds the gate while it waits, so the other
+# worker cannot keep taking shared locks ahead of it. Both are taken before
+# pytest-timeout's timer starts (``tryfirst``), so a wait counts against no test.
+# Outside xdist nothing is locked. Python opens files close-on-exec, so the ranks a
+# test starts (spawned, or forked from a server that was itself spawned) hold neither.
+_LOCK, _GATE = __file__, os.path.dirname(__file__)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    lock, gate = os.open(_LOCK, os.O_RDONLY), os.open(_GATE, os.O_RDONLY)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("serial") else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)
+    finally:
+        os.close(gate), os.close(lock)  # closing releases the lock
 
 
 SLOW_ENV = "ISP_SLOW"

@@ -184,6 +184,7 @@ def _stalled_peer_worker(rank: int, world: int) -> str:
     return f"{time.monotonic() - t0:.2f} {info.value}"
 
 
+@pytest.mark.serial  # a 2 s deadline, timed
 @pytest.mark.timeout(60)
 def test_stalled_peer_times_out_naming_it() -> None:
     msg = run_ranks(_stalled_peer_worker, 2, timeout_s=40)[0]

@@ -22,6 +22,9 @@ from isp_comm.planner import calibrate
 from isp_comm.planner import profile as profiles
 from isp_comm.planner.targets import parse_target
 
+# alone under pytest -n (tests/conftest.py): calibrations time this machine and judge their noise
+pytestmark = pytest.mark.serial
+
 TORCHRUN_ENV = {  # what torchrun gives rank 3 of 4 (the port: nobody listens there)
     "RANK": "3",
     "LOCAL_RANK": "3",

@@ -53,6 +53,7 @@ def _stalled(rank: int, world: int, backend: str) -> tuple[str, float] | None:
     return "no timeout", time.monotonic() - t0
 
 
+@pytest.mark.serial  # a 3 s deadline, timed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "symm"])
 def test_a_stalled_peer_ends_the_all_reduce_at_the_deadline(backend: str) -> None:

@@ -28,6 +28,9 @@ from isp_comm.testing import run_ranks
 from isp_comm.train.hang import FAULT_ENV
 from tests.parity import Case, batches, loss_fn
 
+# alone under pytest -n (tests/conftest.py): deadlines of seconds and heartbeat windows that name the silent rank
+pytestmark = pytest.mark.serial
+
 
 class DictStore:
     """The c10d store calls the flight code makes (set, get, check, add), in memory and

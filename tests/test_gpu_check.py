@@ -18,6 +18,9 @@ from bench import gpu_check as gc
 from tests.gpu.mps import _alive
 from tests.test_shared_gpu import fake_mps  # noqa: F401 - the fixture
 
+# alone under pytest -n (tests/conftest.py): signals and graces timed in seconds
+pytestmark = pytest.mark.serial
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"^([a-z][a-z-]*) timeout=(\d+): (\S.*)$")
 

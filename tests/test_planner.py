@@ -353,6 +353,7 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
     assert res.returncode == 2 and "give them with --plan" in res.stderr
 
 
+@pytest.mark.serial  # it calibrates this machine
 @pytest.mark.timeout(120)
 def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:
     """A layout a run would refuse is refused by --plan too, in one line naming the
@@ -379,6 +380,7 @@ def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:
         assert commands and not any(w in c for c in commands for w in unwanted), commands
 
 
+@pytest.mark.serial  # it calibrates this machine
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # one calibration, two attempts when the machine is busy
 def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:

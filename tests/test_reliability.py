@@ -49,6 +49,7 @@ def _kill_worker(rank: int, world: int, backend: str, where: str) -> str:
     return "no error"
 
 
+@pytest.mark.serial  # a 4 s deadline, timed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -76,6 +77,7 @@ def test_same_seed_is_bitwise_identical(backend: str) -> None:
     assert a == b
 
 
+@pytest.mark.serial  # plants a dead job's segment
 def test_cleanup_removes_only_stale_segments() -> None:
     # a dead pid: spawn a process and wait for it, so its pid is (almost surely) free
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -116,6 +118,7 @@ def test_optimizer_created_before_wrapping_is_refused() -> None:
         assert "optimizer" in msg and "after wrapping" in msg, msg
 
 
+@pytest.mark.serial  # the job is timed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_torchrun_job_with_killed_rank_leaves_no_orphans(backend: str) -> None:
@@ -327,6 +330,7 @@ def _cut_short_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.serial  # 2 s deadlines on every wait
 @pytest.mark.timeout(120)
 def test_a_step_cut_short_hands_back_no_buffer_still_in_flight() -> None:
     """The CPU shared-memory backend's handles say (without waiting) whether their

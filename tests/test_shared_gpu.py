@@ -20,6 +20,9 @@ from isp_comm.testing import run_ranks
 from tests.gpu import test_gpu_shared as shared
 from tests.gpu.mps import PrivateMps, _alive, pe_share
 
+# alone under pytest -n (tests/conftest.py): daemons stopped within a second or a deadline
+pytestmark = pytest.mark.serial
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -15,6 +15,9 @@ import time
 import numpy as np
 import pytest
 
+# alone under pytest -n (tests/conftest.py): signals at set times, two-second windows, planted segments of dead jobs
+pytestmark = pytest.mark.serial
+
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 # a step long enough (tens of ms on one CPU core) that a kill lands between two checkpoints
 SLOW = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--batch", "8", "--seq", "128"]
