@@ -79,9 +79,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(LOCAL, "overhead.json"), help="the raw JSON (untracked by default)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29573")
-    dist.init_process_group("gloo")
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port: one process
     w = args.width
     cfg = LlamaConfig(vocab_size=32, hidden=w, ffn_hidden=2 * w, n_layers=args.blocks, n_heads=2, n_kv_heads=1)
     times: dict[str, list[float]] = {k: [] for k in RUNS}

@@ -50,39 +50,57 @@ def no_leaked_shared_memory():
     """A test that leaves an isp-comm segment in /dev/shm fails."""
     before = _segments()
     yield
-    left = {n for n in _segments() - before if _ours(n)}
+    # exists again after _ours: a peer job's segment unlinked just before its creator
+    # exited, between the listing and the pid's check, is not this test's
+    left = {n for n in _segments() - before if _ours(n) and os.path.exists(f"/dev/shm/{n}")}
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
 # [Note: serial tests under pytest -n]
-# CI runs the suite on two pytest-xdist workers (``-n 2``): most tests are ranks that
-# share the cores and their own temporary folders, and run fine beside another test.
-# A test marked ``serial`` does not: it times a deadline or a calibration, or plants
-# segments of a dead job in /dev/shm that another test's run would clean up (and that
-# another test's teardown would take for its own leak). It runs with no other test
-# beside it: every test holds a lock on this file around its whole run (set-up, call,
-# teardown), shared for most, exclusive for a serial one. The gate (this folder)
-# makes the lock favour the waiting serial test: a worker passes the gate before it
-# asks for its lock, and a serial test holds the gate while it waits, so the other
-# worker cannot keep taking shared locks ahead of it. Both are taken before
-# pytest-timeout's timer starts (``tryfirst``), so a wait counts against no test.
-# Outside xdist nothing is locked. Python opens files close-on-exec, so the ranks a
-# test starts (spawned, or forked from a server that was itself spawned) hold neither.
+# CI runs the suite on two pytest-xdist workers (``-n 2``, each taking whole files):
+# most tests are ranks that share the cores and their own temporary folders, and run
+# fine beside another test. A test marked ``serial`` does not: it times a deadline, a
+# window or a calibration, or plants segments of a dead job in /dev/shm that another
+# test's run would clean up (and another test's teardown take for its own leak). It
+# runs with no other test beside it: every test holds a lock on this file around its
+# whole run (set-up, call, teardown), shared for most, exclusive for a serial one.
+# - The gate (this folder) favours the waiting serial test: a worker passes the gate
+#   before it asks for its lock, and a serial test holds the gate while it waits, so
+#   the other worker cannot keep taking shared locks ahead of it.
+# - A worker keeps its exclusive lock while its next test is serial too (a serial
+#   file's tests run in a row): one wait for the other worker's test per run of them,
+#   not one per test.
+# - Both are taken before pytest-timeout's timer starts (``tryfirst``): a wait counts
+#   against no test.
+# - Only an xdist worker locks (``config.workerinput``; not an environment variable,
+#   which a pytest that a serial test starts would inherit, and wait for its parent).
+# Python opens files close-on-exec: the ranks a test starts (spawned, or forked from a
+# server that was itself spawned) hold neither.
 _LOCK, _GATE = __file__, os.path.dirname(__file__)
+_held: list[int] = []  # this worker's exclusive lock, while a run of serial tests lasts
+
+
+def _serial(item) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    if not hasattr(item.config, "workerinput"):
         return (yield)
-    lock, gate = os.open(_LOCK, os.O_RDONLY), os.open(_GATE, os.O_RDONLY)
-    try:
+    lock = _held.pop() if _held else None
+    if lock is None:
+        lock, gate = os.open(_LOCK, os.O_RDONLY), os.open(_GATE, os.O_RDONLY)
         fcntl.flock(gate, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("serial") else fcntl.LOCK_SH)
-        fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if _serial(item) else fcntl.LOCK_SH)
+        os.close(gate)  # closing releases a lock
+    try:
         return (yield)
     finally:
-        os.close(gate), os.close(lock)  # closing releases the lock
+        if _serial(item) and _serial(nextitem):
+            _held.append(lock)
+        else:
+            os.close(lock)
 
 
 SLOW_ENV = "ISP_SLOW"

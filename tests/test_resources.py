@@ -52,6 +52,7 @@ def test_different_weights_are_refused_or_synced_from_rank0() -> None:
         assert max(abs(a - b) for a, b in zip(got, ref_losses)) < 2e-6
 
 
+@pytest.mark.serial  # reads /dev/shm's free space, which other tests' segments move
 # ---- shared memory ------------------------------------------------------------------------------------
 def test_segment_reservation_takes_the_space_at_once() -> None:
     from isp_comm.backends.shm import shm_free_bytes

@@ -35,6 +35,7 @@ def losses(out: str) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+@pytest.mark.serial  # ranks' collectives line up within 100 us
 @pytest.mark.timeout(240)
 def test_contract_outputs_and_loss_falls(tmp_path) -> None:
     out = str(tmp_path / "run")
@@ -819,6 +820,7 @@ def test_an_isp_train_step_reads_the_host_once_and_copies_nothing_to_the_device(
         assert seen[1] == (["tolist"], []), seen
 
 
+@pytest.mark.serial  # a ratio of two timings
 def test_tokens_per_s_leaves_checkpoint_saves_out(tmp_path) -> None:
     """Saving every step of a tiny model takes longer than its steps: tokens/s counted
     the saves (2,248 against 13,965 from the steps' own times); like evaluations, they

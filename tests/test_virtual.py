@@ -70,6 +70,7 @@ def _collectives(rank: int, world: int) -> dict:
     return got
 
 
+@pytest.mark.serial  # ends timed within 30 ms
 @pytest.mark.timeout(120)
 def test_each_collective_takes_its_modelled_time_and_writes_local_bytes() -> None:
     got = run_virtual(_collectives, 8, 5, timeout_s=100)

@@ -147,6 +147,7 @@ def test_virtual_memory_against_real_runs_and_across_worlds(tmp_path) -> None:
     assert abs((v[2] - v[8]) - share) <= 0.25 * share, (v, share)
 
 
+@pytest.mark.serial  # two runs timed against each other
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_without_overlap_the_step_grows_by_the_modelled_time(tmp_path) -> None:
