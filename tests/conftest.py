@@ -57,7 +57,7 @@ def no_leaked_shared_memory():
 
 
 # [Note: serial tests under pytest -n]
-# CI runs the suite on two pytest-xdist workers (``-n 2``, each taking whole files):
+# CI runs the suite on two pytest-xdist workers (``-n 2``, handed tests one by one):
 # most tests are ranks that share the cores and their own temporary folders, and run
 # fine beside another test. A test marked ``serial`` does not: it times a deadline, a
 # window or a calibration, or plants segments of a dead job in /dev/shm that another
@@ -67,9 +67,9 @@ def no_leaked_shared_memory():
 # - The gate (this folder) favours the waiting serial test: a worker passes the gate
 #   before it asks for its lock, and a serial test holds the gate while it waits, so
 #   the other worker cannot keep taking shared locks ahead of it.
-# - A worker keeps its exclusive lock while its next test is serial too (a serial
-#   file's tests run in a row): one wait for the other worker's test per run of them,
-#   not one per test.
+# - The serial tests are one xdist group, so one worker runs them in a row, and it
+#   keeps its exclusive lock while its next test is serial too: one wait for the other
+#   worker's test, not one per serial test.
 # - Both are taken before pytest-timeout's timer starts (``tryfirst``): a wait counts
 #   against no test.
 # - Only an xdist worker locks (``config.workerinput``; not an environment variable,
@@ -106,9 +106,15 @@ def pytest_runtest_protocol(item, nextitem):
 SLOW_ENV = "ISP_SLOW"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked ``slow`` run with ``ISP_SLOW=1`` only: the suite must stay under 15
-    minutes on CI's 2 cores; what is in that tier is listed in the README."""
+    minutes on CI's 2 cores; what is in that tier is listed in the README. Serial tests
+    are one xdist group: one worker runs them in a row (see [Note: serial tests under
+    pytest -n])."""
+    for item in items:
+        if _serial(item):
+            item.add_marker(pytest.mark.xdist_group("serial"))
     if os.environ.get(SLOW_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"slow tier: run with {SLOW_ENV}=1")

@@ -157,6 +157,7 @@ def calibrated_profile(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.xdist_group("calibrated_profile")  # one worker: its module fixture calibrates once
 @pytest.mark.slow  # a calibration (a minute and a half) and two runs of about 15 s each
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize(
