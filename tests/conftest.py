@@ -88,8 +88,9 @@ def _serial(item) -> bool:
 def pytest_runtest_protocol(item, nextitem):
     if not hasattr(item.config, "workerinput"):
         return (yield)
-    lock = _held.pop() if _held else None
-    if lock is None:
+    if _held:  # the previous test was serial, and so is this one
+        lock = _held.pop()
+    else:
         lock, gate = os.open(_LOCK, os.O_RDONLY), os.open(_GATE, os.O_RDONLY)
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if _serial(item) else fcntl.LOCK_SH)
