@@ -317,11 +317,16 @@ def run(name: str) -> tuple[bool, float, str]:
         with open(target, "w") as f:
             f.write(text.replace(old, new))
         t0 = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": tmp}
+        # ISP_SLOW=1: a test of the slow tier named here runs (it would be skipped, and
+        # the mutation counted as missed); a run in which nothing ran proves nothing
+        env = {**os.environ, "PYTHONPATH": tmp, "ISP_SLOW": "1"}
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
         res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
         lines = [line for line in res.stdout.splitlines() if line.strip()]
-        return res.returncode != 0, time.monotonic() - t0, lines[-1] if lines else ""
+        last = lines[-1] if lines else ""
+        if res.returncode == 0 and " passed" not in last:
+            raise SystemExit(f"mutation {name!r}: no test ran ({last!r})")
+        return res.returncode != 0, time.monotonic() - t0, last
 
 
 def main() -> int:

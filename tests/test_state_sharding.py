@@ -44,9 +44,10 @@ CASES = [
     [(4, 2), (8, 2), pytest.param(8, 4, marks=pytest.mark.slow), pytest.param(8, 1, marks=pytest.mark.slow)],
 )
 def test_world_sharding_matches_single_process(world: int, wp: int) -> None:
-    # the whole matrix at world 4; at world 8 (8 processes on the CI's cores) two
-    # cases that together cover both optimizers, accumulation and clipping, the
-    # whole matrix and wp 4 x 2 in the slow tier (the CI tier's pieces at wp 4 are
+    # the whole matrix at world 4; at wp 2 x 4 (8 processes on the CI's cores) two
+    # cases that together cover both optimizers, accumulation and clipping (the whole
+    # matrix only under ISP_SLOW=1 without -m slow); the whole matrix at wp 4 x 2 and
+    # 1 x 8 in the slow tier (the CI tier's pieces at wp 4 are
     # test_pieces_are_the_local_tensors_dtensor_computes's)
     slow = os.environ.get("ISP_SLOW") == "1"
     cases = CASES if world == 4 or slow else [CASES[3], CASES[4]]
