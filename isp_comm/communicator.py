@@ -29,6 +29,7 @@ from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
+from isp_comm.hooks.unused import UnusedGradients
 from isp_comm.layout import replica_collectives, replica_largest
 from isp_comm.loss import cross_entropy
 from isp_comm.memory_pool import (
@@ -140,16 +141,21 @@ class ISPCommunicator:
 
     def _make_engine(self, replicated: list[nn.Parameter]) -> BlockEngine:
         """The engine; with pieces (``state_sharding="world"`` and replicas), the
-        refresh of the WP shards it drives and the optimizer hook that marks them stale."""
+        refresh of the WP shards it drives and the optimizer hook that marks them stale;
+        with ``find_unused_parameters``, the record of what the backwards used."""
         g, units = self.groups, self.sharded_units
         pieces = any(u.replicas > 1 for u in units)
         refresh = WeightRefresh(self.ctx, self.backend, g.replica_group, units) if pieces else None
         self._step_hook = register_optimizer_step_post_hook(_step_hook_of(self)) if pieces else None
         self._pre_step_hook = register_optimizer_step_pre_hook(_step_hook_of(self, before=True))
-        return BlockEngine(
+        engine = BlockEngine(
             self.ctx, self.units, g, self.backend, self.config, self.pool, self.rs_buffers, replicated, self.root,
             refresh,
         )  # fmt: skip
+        if self.config.find_unused_parameters:  # the shards are the model's parameters by now
+            params = list(self.model.parameters())
+            engine.unused = UnusedGradients(params, self.collectives, g.world_group, g.world_size)
+        return engine
 
     def _index_shards(self, device: torch.device) -> list[nn.Parameter]:
         """Every sharded parameter's FQN (tied aliases included) mapped to its unit, the
@@ -352,13 +358,16 @@ class ISPCommunicator:
         """Before the step of an optimizer of this model's replicated parameters (another
         model's, stepped between this one's forward and backward, leaves it alone): a
         step that did not go as planned is settled ([Note: steps that did not go as
-        planned] in ``isp_comm/hooks/engine.py``)."""
-        if self.engine.phase is Phase.IDLE:  # every step that went as planned: nothing to look at
-            return
-        r = self.engine.reducer
-        mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
-        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-            self.engine.settle()
+        planned] in ``isp_comm/hooks/engine.py``). With ``find_unused_parameters``, the
+        gradients no rank produced go back to ``None`` ([Note: unused parameters])."""
+        if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
+            r = self.engine.reducer
+            mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
+            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+                self.engine.settle()
+        unused = self.engine.unused
+        if unused is not None and unused.steps(opt):
+            unused.settle()
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:
         """After any optimizer's step: the WP shards of the units whose pieces it may

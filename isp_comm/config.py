@@ -111,6 +111,15 @@ class ISPConfig:
     gradients exist, during backward, as DDP's ``bucket_cap_mb``. Larger buckets mean
     fewer, later collectives."""
 
+    find_unused_parameters: bool = False
+    """Leave ``None`` the gradient of a parameter that no rank used since the last
+    optimizer step (a sub-module a step skipped, a head the loop does not train), as a
+    plain model, DDP and FSDP2 do, so the optimizer skips it. ``False``: such a
+    parameter gets a zero gradient, which AdamW's weight decay and momentum still
+    move. ``True`` costs one all-reduce of a flag per parameter and a host read of it
+    before each optimizer step, as DDP's option of that name does (see [Note: unused
+    parameters] in ``isp_comm/hooks/unused.py``)."""
+
     backend: BackendName = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
     ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
@@ -164,6 +173,8 @@ class ISPConfig:
             raise ValueError(f"release_reduce_buffers must be True, False or None, got {self.release_reduce_buffers!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(f"find_unused_parameters must be True or False, got {self.find_unused_parameters!r}")
         if self.state_sharding not in get_args(StateSharding):
             raise ValueError(f"state_sharding must be 'wp' or 'world', got {self.state_sharding!r}")
         if self.comm_granularity not in get_args(CommGranularity):

@@ -288,6 +288,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        self._handle = opt.register_step_pre_hook(lambda *_: None)\n",
         ["tests/test_state.py::test_a_fresh_optimizers_state_dict_leaves_its_training_as_it_was"],
     ),
+    "unused parameters decided by each rank alone (find_unused_parameters)": (
+        "isp_comm/hooks/unused.py",
+        '        self.collectives.all_reduce(used, self.group, self.size, "all-reduce of the parameters\' use")',
+        "        pass",
+        ["tests/test_unused_parameters.py"],
+    ),
     "states dcp.load filled dropped at the first step": (
         "isp_comm/state.py",
         "            if marks is None or (made and _unwritten(now, marks)):",

@@ -42,6 +42,7 @@ def tiny() -> nn.Module:
         (dict(timeout_s=0), "timeout_s"),
         (dict(debug_delay_s=-1), "debug_delay_s"),
         (dict(release_reduce_buffers=1), "release_reduce_buffers"),
+        (dict(find_unused_parameters="yes"), "find_unused_parameters must be True or False"),
     ],
 )
 def test_config_errors(kw: dict, msg: str) -> None:

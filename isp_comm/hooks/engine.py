@@ -23,6 +23,7 @@ from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState,
 from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
 from isp_comm.hooks.reductions import GradientReducer
 from isp_comm.hooks.refresh import WeightRefresh
+from isp_comm.hooks.unused import UnusedGradients
 from isp_comm.units import BlockUnit, ReplicatedParam
 
 log = logging.getLogger("isp_comm")
@@ -76,6 +77,8 @@ class BlockEngine:
         self._outer_cast: list | None = None
         self.leaked: list = []
         """Buffers a step cut short left to collectives in flight (see [Note: buffers of a failed step])."""
+        self.unused: UnusedGradients | None = None
+        """With ``find_unused_parameters``: what this rank's backwards produced (see [Note: unused parameters])."""
 
     def _event(self, kind: str, index: int) -> None:
         if self.ctx.events is not None:  # every block, every step: nothing to do unless recording
@@ -148,6 +151,8 @@ class BlockEngine:
             if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
                 self.root_post_forward()
         if torch.is_grad_enabled() and self._arms_reductions(second):
+            if self.unused is not None:  # before the stash takes the whole gradients aside
+                self.unused.forward_begins()
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
@@ -392,6 +397,8 @@ class BlockEngine:
 
     def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._enter_backward()
+        if self.unused is not None:
+            self.unused.produced(unit.shards, grads)
         if unit is self.root:
             self._root_region = None
             self.reducer.reduce_root(unit, grads)
@@ -447,6 +454,8 @@ class BlockEngine:
             self.release(unit)
             st.end_backward()
         self._root_region = None
+        if self.unused is not None:  # this backward's own whole gradients, before their reduction
+            self.unused.holding((*self.reducer.replicated, *self.reducer.wp_summed))
         self.reducer.reduce_whole()
         self.phase = Phase.IDLE
         self.ctx.phase = "outer"

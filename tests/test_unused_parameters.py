@@ -1,0 +1,103 @@
+"""``ISPConfig(find_unused_parameters=True)``: a parameter no rank used since the last
+optimizer step keeps ``.grad`` ``None``, as in a plain model, so that AdamW's weight
+decay and momentum leave it where single-process training leaves it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from isp_comm.testing import run_ranks
+
+# Each step's plan, per rank: (blocks run, whether block 0 runs its MLP), one entry per
+# micro-step. Step 1: every rank stops after block 1 (block 2 unused by all) and rank 0
+# alone skips block 0's MLP (used by rank 1: its gradient is rank 1's half). Step 2:
+# every rank skips block 0's MLP in both micro-steps. Step 3: block 2 runs in the
+# first micro-step only (used in the window). The pooler never runs.
+PLANS = [
+    [[(None, True)], [(None, True)]],
+    [[(2, False)], [(2, True)]],
+    [[(None, False), (None, False)], [(None, False), (None, False)]],
+    [[(None, True), (2, True)], [(None, True), (2, True)]],
+]
+
+
+def _model():
+    from isp_comm.models.llama import LlamaConfig, build, rope_tables
+    from tests.parity import TINY
+
+    model = build(LlamaConfig(**TINY))
+    model.pooler = torch.nn.Linear(TINY["hidden"], 4)  # never used: a head this loop does not train
+    with torch.no_grad():  # the same weights in every model on every rank
+        g = torch.Generator().manual_seed(1)
+        for p in model.pooler.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    plan = {"depth": None, "mlp": True}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.cfg, torch.arange(input_ids.shape[1]))
+        h = self.embed(input_ids)
+        for layer in self.layers[: plan["depth"]]:
+            h = layer(h, cos, sin, None)
+        return self.lm_head(self.norm(h))
+
+    def first_block(self, x, cos, sin, cu_seqlens=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.mlp_norm(x)) if plan["mlp"] else x
+
+    model.forward = types.MethodType(forward, model)
+    model.layers[0].forward = types.MethodType(first_block, model.layers[0])
+    return model, plan
+
+
+def _unused_worker(rank: int, world: int, wp: int, config_kw: dict) -> list[tuple[float, list[str]]]:
+    """Four AdamW steps (weight decay 0.1) of the wrapped model, with and without
+    ``find_unused_parameters``, against the plain one trained on every rank's half with
+    that rank's plan. Returns, for each setting: the largest weight difference from the
+    plain model, and the parameters whose ``.grad`` was ``None`` in one model and not
+    in the other at a step."""
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from tests.parity import loss_fn
+
+    results = []
+    for find in (True, False):
+        (model, plan), (ref, ref_plan) = _model(), _model()
+        groups = ParallelGroups.create(wp_size=wp)
+        comm = ISPCommunicator(model, groups, ISPConfig(find_unused_parameters=find, **config_kw))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(0)
+        mismatched: set[str] = set()
+        for step in PLANS:
+            for micro in range(len(step[0])):
+                a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+                plan["depth"], plan["mlp"] = step[rank % 2][micro]
+                loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()
+                for r in range(world):  # the plain model: each rank's half with its plan
+                    ref_plan["depth"], ref_plan["mlp"] = step[r % 2][micro]
+                    (loss_fn(ref(a.chunk(world)[r]), b.chunk(world)[r]) / world).backward()
+            opt.step(), ropt.step()  # the step's pre-hook settles which gradients stay None
+            mine, plain = dict(model.named_parameters()), dict(ref.named_parameters())
+            mismatched |= {n for n, p in plain.items() if (p.grad is None) != (mine[n].grad is None)}
+            opt.zero_grad(), ropt.zero_grad()
+        full = comm.full_state_dict()
+        comm.close()
+        diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
+        results.append((diff, sorted(mismatched)))
+    return results
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "world, wp, config_kw",
+    [(2, 2, {}), (4, 2, {"state_sharding": "world", "shard_outer_params": True})],
+    ids=["wp2", "wp2x2-world"],
+)
+def test_unused_parameters_keep_no_gradient_and_stay_put(world: int, wp: int, config_kw: dict) -> None:
+    for (found, found_none), (zeroed, zeroed_none) in run_ranks(_unused_worker, world, wp, config_kw, timeout_s=150):
+        # fp32 AdamW over four steps: 1e-5 covers the sums' order (the parity tests' bound)
+        assert found < 1e-5 and found_none == [], (found, found_none)
+        # without it, the unused parameters get zeros, which weight decay and momentum move
+        assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
