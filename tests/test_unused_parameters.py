@@ -52,18 +52,23 @@ def _model():
     return model, plan
 
 
-def _unused_worker(rank: int, world: int, wp: int, config_kw: dict) -> list[tuple[float, list[str]]]:
+def _unused_worker(
+    rank: int, world: int, wp: int, config_kw: dict, device: str | torch.device = "cpu"
+) -> list[tuple[float, list[str]]]:
     """Four AdamW steps (weight decay 0.1) of the wrapped model, with and without
     ``find_unused_parameters``, against the plain one trained on every rank's half with
-    that rank's plan. Returns, for each setting: the largest weight difference from the
-    plain model, and the parameters whose ``.grad`` was ``None`` in one model and not
-    in the other at a step."""
+    that rank's plan, on ``device`` (tests/gpu: ``cuda:0``). Returns, for each setting:
+    the largest weight difference from the plain model, and the parameters whose
+    ``.grad`` was ``None`` in one model and not in the other at a step."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from tests.parity import loss_fn
 
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
     results = []
     for find in (True, False):
         (model, plan), (ref, ref_plan) = _model(), _model()
+        model.to(device), ref.to(device)
         groups = ParallelGroups.create(wp_size=wp)
         comm = ISPCommunicator(model, groups, ISPConfig(find_unused_parameters=find, **config_kw))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -72,7 +77,7 @@ def _unused_worker(rank: int, world: int, wp: int, config_kw: dict) -> list[tupl
         mismatched: set[str] = set()
         for step in PLANS:
             for micro in range(len(step[0])):
-                a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+                a, b = (torch.randint(0, 37, (2 * world, 8), generator=g).to(device) for _ in range(2))
                 plan["depth"], plan["mlp"] = step[rank % 2][micro]
                 loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()
                 for r in range(world):  # the plain model: each rank's half with its plan

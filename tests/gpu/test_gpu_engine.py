@@ -105,6 +105,17 @@ def test_fp32_parity_two_ranks_on_one_gpu(kind: str) -> None:
         assert r["weights"] < 1e-4, r  # AdamW's normalised updates of lr 1e-2 amplify ulps of tiny grads
 
 
+@pytest.mark.timeout(200)
+def test_unused_parameters_keep_no_gradient_two_ranks_on_one_gpu() -> None:
+    # find_unused_parameters on CUDA: the flags copied to the device, all-reduced
+    # (gloo with CUDA tensors) and read back before each step (tests/test_unused_parameters.py)
+    from tests.test_unused_parameters import _unused_worker
+
+    for (found, found_none), (zeroed, _) in run_ranks(_unused_worker, 2, 2, {}, DEV, timeout_s=150):
+        assert found < 1e-4 and found_none == [], (found, found_none)  # as the fp32 parity above
+        assert zeroed > 1e-3, zeroed  # without it, weight decay moves the unused parameters
+
+
 @pytest.mark.timeout(300)
 def test_bf16_tracks_fp32_two_ranks_on_one_gpu() -> None:
     for r in run_ranks(_parity_worker, 2, "llama", torch.bfloat16, False, timeout_s=280):
