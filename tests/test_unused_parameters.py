@@ -106,3 +106,25 @@ def test_unused_parameters_keep_no_gradient_and_stay_put(world: int, wp: int, co
         assert found < 1e-5 and found_none == [], (found, found_none)
         # without it, the unused parameters get zeros, which weight decay and momentum move
         assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
+
+
+def _fresh_states_worker(rank: int, world: int) -> tuple[int, int]:
+    """An evaluation forward with grad (no backward), then a fresh optimizer's state
+    dict: (parameters with a state, parameters)."""
+    from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+
+    model, _ = _model()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(find_unused_parameters=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 37, (1, 8)))  # its graph dropped: no backward
+    states = comm.optimizer_state_dict(opt)["state"]
+    comm.close()
+    return sum("exp_avg" in s for s in states.values()), len(list(model.parameters()))
+
+
+@pytest.mark.timeout(100)
+def test_a_fresh_optimizers_states_after_a_forward_without_backward() -> None:
+    # the state dict's step at lr 0 on zero gradients follows no backward: before,
+    # find_unused_parameters took every gradient back and AdamW made no state
+    for with_state, params in run_ranks(_fresh_states_worker, 2, timeout_s=60):
+        assert with_state == params, (with_state, params)

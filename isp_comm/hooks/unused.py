@@ -43,6 +43,7 @@ class UnusedGradients:
         self.collectives, self.group, self.size = collectives, group, size
         self._used: set[int] = set()
         self._none_at_start: set[int] | None = None  # None: no window open
+        self._backward = False  # a backward of the window ended: the reductions wrote gradients
 
     def forward_begins(self) -> None:
         """A forward with grad begins; the first of a window notes which gradients are ``None``."""
@@ -57,10 +58,18 @@ class UnusedGradients:
         """The backward ended: ``params`` (gradients autograd left whole, before their
         reduction) were used here if they hold one."""
         self._used.update(id(p) for p in params if p.grad is not None)
+        self._backward = True
 
     def steps(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether a window is open and ``opt`` steps any of the model's parameters."""
-        return self._none_at_start is not None and any(id(p) in self.ids for g in opt.param_groups for p in g["params"])
+        """Whether a window in which a backward ended is open and ``opt`` steps any of
+        the model's parameters. A step with no backward behind it (the step at lr 0 that
+        makes a fresh optimizer's states for a checkpoint, after an evaluation forward
+        with grad) finds no gradient of the reductions' to take back."""
+        return (
+            self._backward
+            and self._none_at_start is not None
+            and any(id(p) in self.ids for g in opt.param_groups for p in g["params"])
+        )
 
     def settle(self) -> None:
         """Before the step: every rank's use, summed over the job; a parameter none
@@ -75,4 +84,4 @@ class UnusedGradients:
             if n == 0 and id(p) in start:
                 p.grad = None
         self._used.clear()
-        self._none_at_start = None
+        self._none_at_start, self._backward = None, False
