@@ -159,11 +159,13 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        self._in_root = False\n",
         ["tests/test_engine_parity.py::test_a_forward_that_exits_early_trains_as_a_plain_model[config_kw0]"],
     ),
-    "an accuracy forward's stash kept at the step": (
-        "isp_comm/hooks/engine.py",
-        "            self.reducer.unstash()",
-        "            pass",
-        [UNPLANNED],
+    "whole gradients set aside at the forward, out of zero_grad()'s reach": (
+        "isp_comm/hooks/reductions.py",
+        "            self._armed, self._arrived = True, set()\n",
+        "            self._armed, self._arrived = True, set()\n"
+        "            for p in (*self.replicated, *self.wp_summed):\n"
+        "                self._set_aside(p)\n",
+        ["tests/test_engine_parity.py::test_zero_grad_between_forward_and_backward"],
     ),
     "a failed forward's outer region kept": (
         "isp_comm/hooks/engine.py",

@@ -575,3 +575,28 @@ def test_a_forward_that_exits_early_trains_as_a_plain_model(config_kw: dict) -> 
     # block's backward needed ("block 0 needs slot 0 but the slots are held by blocks
     # [2, None]").
     assert max(run_ranks(_early_exit_worker, 2, config_kw, timeout_s=90)) < 1e-5
+
+
+def _zero_after_forward_worker(rank: int, world: int, wp: int, config_kw: dict) -> float:
+    """Three steps of SGD in the order forward, ``zero_grad()``, backward, step (the
+    earlier step's gradients still in ``.grad`` at the forward), against the plain model."""
+    from tests.parity import loss_fn
+
+    g = torch.Generator().manual_seed(0)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw)
+    for _ in range(3):
+        a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+        loss, ref_loss = loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]), loss_fn(ref(a), b)
+        opt.zero_grad(), ropt.zero_grad()
+        loss.backward(), ref_loss.backward()
+        opt.step(), ropt.step()
+    return _distance_and_close(comm, ref)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, wp, config_kw", [(2, 2, {}), (4, 2, {"state_sharding": "world"})])
+def test_zero_grad_between_forward_and_backward(world: int, wp: int, config_kw: dict) -> None:
+    # fp32 SGD: 1e-5 covers the sums' order. Before, the forward set the last step's
+    # replicated gradients aside, zero_grad() could not see them, and the backward
+    # added them back: the norms, embedding and head stepped on two steps' gradients.
+    assert max(run_ranks(_zero_after_forward_worker, world, wp, config_kw, timeout_s=90)) < 1e-5

@@ -12,7 +12,9 @@ import torch
 from isp_comm.testing import run_ranks
 
 # Each step's plan, per rank: (blocks run, whether block 0 runs its MLP), one entry per
-# micro-step. Step 1: every rank stops after block 1 (block 2 unused by all) and rank 0
+# micro-step. Before each step but the first, an iteration uses everything and its
+# step is skipped (zero_grad() alone); each step's first micro-step runs in the order
+# forward, zero_grad(), backward. Step 1: every rank stops after block 1 (block 2 unused by all) and rank 0
 # alone skips block 0's MLP (used by rank 1: its gradient is rank 1's half). Step 2:
 # every rank skips block 0's MLP in both micro-steps. Step 3: block 2 runs in the
 # first micro-step only (used in the window). The pooler never runs.
@@ -75,13 +77,18 @@ def _unused_worker(
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         g = torch.Generator().manual_seed(0)
         mismatched: set[str] = set()
-        for step in PLANS:
-            for micro in range(len(step[0])):
+        for i, step in enumerate(PLANS):
+            for micro in range(-1 if i else 0, len(step[0])):
+                # micro-step -1: an iteration whose step is skipped (zero_grad() alone);
+                # micro-step 0 in the order forward, zero_grad(), backward
                 a, b = (torch.randint(0, 37, (2 * world, 8), generator=g).to(device) for _ in range(2))
-                plan["depth"], plan["mlp"] = step[rank % 2][micro]
-                loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()
+                plan["depth"], plan["mlp"] = step[rank % 2][micro] if micro >= 0 else (None, True)
+                loss = loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank])
+                if micro == 0:
+                    opt.zero_grad(), ropt.zero_grad()
+                loss.backward()
                 for r in range(world):  # the plain model: each rank's half with its plan
-                    ref_plan["depth"], ref_plan["mlp"] = step[r % 2][micro]
+                    ref_plan["depth"], ref_plan["mlp"] = step[r % 2][micro] if micro >= 0 else (None, True)
                     (loss_fn(ref(a.chunk(world)[r]), b.chunk(world)[r]) / world).backward()
             opt.step(), ropt.step()  # the step's pre-hook settles which gradients stay None
             mine, plain = dict(model.named_parameters()), dict(ref.named_parameters())

@@ -142,7 +142,7 @@ class BlockEngine:
     # gradient reaches its master in the master's dtype. The logits come out in
     # ``param_dtype``; the loss upcasts them.
     def root_pre_forward(self, from_hook: bool = False) -> None:
-        """Forward begins: stash replicated grads of earlier micro-steps, bring the
+        """Forward begins: arm the reductions of whole gradients, bring the
         outer units up to date, fetch block 0. ``from_hook``: the scheduler hook's
         call, which the root's own call of the same forward follows."""
         second, self._hook_called = self._hook_called, from_hook
@@ -151,8 +151,6 @@ class BlockEngine:
             if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
                 self.root_post_forward()
         if torch.is_grad_enabled() and self._arms_reductions(second):
-            if self.unused is not None:  # before the stash takes the whole gradients aside
-                self.unused.forward_begins()
             self.reducer.stash()
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
@@ -366,6 +364,8 @@ class BlockEngine:
                 "began: a second backward over one forward (retain_graph=True), or one through blocks called "
                 "outside the model's forward, is not supported (run the model's forward again for each backward)"
             )
+        if self.unused is not None and self.phase is not Phase.BACKWARD:
+            self.unused.backward_begins(self._shards())
         self.phase = Phase.BACKWARD
         self.ctx.phase = "backward"
         if not self._callback_queued:
@@ -411,6 +411,11 @@ class BlockEngine:
         module = st.landing == "per-parameter"  # gradients go back the way weights came
         self.reducer.reduce_block(unit, grads, module, packed=lambda: self.release(unit))
 
+    def _shards(self) -> list[torch.nn.Parameter]:
+        """Every unit's trainable shards (pieces), the outer unit's included."""
+        units = (u for u in (self.root, *self.summed, *self.units) if u is not None)
+        return [s for u in units for s in u.shards if s.requires_grad]
+
     def settle(self, forward: bool = False) -> None:
         """Bring the engine back to IDLE after a step that did not go as planned, when it
         is looked at outside a backward: before a forward (``forward``), an optimizer
@@ -424,10 +429,9 @@ class BlockEngine:
         ``zero_grad()`` the caller made since), so the next step reduces its own
         (before, none were averaged any more, and the ranks drifted apart, silently).
         A forward with grad that no backward followed (an accuracy forward after the
-        backward) left the replicated parameters' gradients stashed: a step of their
-        optimizer, or a clip, puts them back (they are averaged already, so a later
-        backward averages them again to the same values). A second forward before a
-        backward, or a state dict, keeps the stash."""
+        backward) left the reductions of whole gradients armed: a step of their
+        optimizer, or a clip, disarms them. A second forward before a backward, or a
+        state dict, keeps them armed."""
         if torch._C._current_autograd_node() is not None:
             return
         if self.phase is Phase.BACKWARD:
@@ -454,9 +458,11 @@ class BlockEngine:
             self.release(unit)
             st.end_backward()
         self._root_region = None
-        if self.unused is not None:  # this backward's own whole gradients, before their reduction
-            self.unused.holding((*self.reducer.replicated, *self.reducer.wp_summed))
         self.reducer.reduce_whole()
+        if self.unused is not None:
+            r = self.reducer
+            arrived = r.arrived if self.groups.world_size > 1 else None
+            self.unused.backward_ends(self._shards(), (*r.replicated, *r.wp_summed), r.made, arrived)
         self.phase = Phase.IDLE
         self.ctx.phase = "outer"
         self._callback_queued = False

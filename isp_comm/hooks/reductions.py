@@ -21,6 +21,7 @@ graph in the same order on every rank, as DDP relies on too.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,8 +125,14 @@ class GradientReducer:
         self._bucket_of: dict[int, Bucket] = {}
         self._trainable: tuple[int, ...] | None = None
         self._next_bucket = 0  # buckets issued this backward, in order
-        self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
+        self._hooks: dict[int, tuple[Any, Any]] = {}  # id(parameter) -> its two hooks (arriving, accumulated)
         self._active = False  # a forward with grad began: hooks issue buckets
+        self._armed = False  # a forward with grad began: arriving gradients set earlier ones aside
+        self._arrived: set[int] = set()  # ids of the parameters whose gradient arrived this backward
+        self.arrived: set[int] = set()
+        """The last backward's ``_arrived`` (its whole gradients produced on this rank)."""
+        self.made: set[int] = set()
+        """The whole gradients the last backward's reduction made, ``.grad`` having been ``None``."""
 
     # ---- sharded gradients ------------------------------------------------------------
     def _make_room(self) -> None:
@@ -263,10 +270,14 @@ class GradientReducer:
     # WP-summed shards') are averaged like DDP's: in buckets of one dtype and group,
     # each all-reduced as soon as autograd has accumulated every gradient in it (a
     # post-accumulate-grad hook counts them), so the reduction overlaps the rest of
-    # the backward. ``stash`` sets earlier micro-steps' gradients aside at the forward,
-    # so ``.grad`` holds this backward's alone when a bucket is packed; ``reduce_whole``
-    # issues what never became ready (unused parameters count as zero), waits in order,
-    # divides and adds the stash back.
+    # the backward. Earlier micro-steps' gradients are set aside so that ``.grad``
+    # holds this backward's alone when a bucket is packed: a parameter's when its
+    # gradient arrives (a hook on the parameter, which runs before autograd
+    # accumulates), the others' when the backward ends. Not at the forward: a
+    # ``zero_grad()`` between the forward and the backward (the order of many loops)
+    # must still drop them, and a gradient set aside there would have come back after
+    # it. ``reduce_whole`` issues what never became ready (unused parameters count as
+    # zero), waits in order, divides and adds what was set aside back.
     def _plan_buckets(self) -> None:
         """(Re)build the buckets when the set of trainable parameters changed (the same
         decision on every rank: the same model, the same ``requires_grad``)."""
@@ -282,7 +293,8 @@ class GradientReducer:
         for params, *_ in sets:  # a frozen parameter takes no hook: it gets one when it thaws
             for p in params:
                 if p.requires_grad and id(p) not in self._hooks:
-                    self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._grad_ready)
+                    arriving = p.register_hook(functools.partial(self._grad_arriving, p))
+                    self._hooks[id(p)] = (arriving, p.register_post_accumulate_grad_hook(self._grad_ready))
         cap = int(self.config.bucket_mb * 2**20)
         self._buckets, self._bucket_of = [], {}
         for params, group, size, what in sets:
@@ -296,19 +308,28 @@ class GradientReducer:
                 self._bucket_of[id(p)] = b
 
     def stash(self) -> None:
-        """A forward with grad begins: keep earlier micro-steps' gradients of the
-        whole-gradient parameters aside (added back once this backward's are averaged)
-        and arm the buckets."""
-        for p in (*self.replicated, *self.wp_summed):
-            if p.grad is not None and p not in self._stash:
-                self._stash[p] = p.grad
-                p.grad = None
+        """A forward with grad begins: arm the buckets, and the hooks that set earlier
+        micro-steps' gradients aside as this backward's arrive (see [Note: bucketed
+        whole gradients]; one process sums them as autograd would)."""
         if self.groups.world_size > 1:
             self._plan_buckets()
             for b in self._buckets:
                 b.waiting, b.done, b.handle = len(b.params), set(), None
             self._next_bucket = 0
             self._active = self.config.overlap  # without overlap, reduce_whole issues every bucket
+            self._armed, self._arrived = True, set()
+
+    def _grad_arriving(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Autograd is about to accumulate ``p``'s gradient of this backward: the one
+        ``.grad`` holds now (earlier micro-steps') goes aside first."""
+        if self._armed and id(p) not in self._arrived:
+            self._arrived.add(id(p))
+            self._set_aside(p)
+
+    def _set_aside(self, p: nn.Parameter) -> None:
+        if p.grad is not None and p not in self._stash:
+            self._stash[p] = p.grad
+            p.grad = None
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """Autograd accumulated ``p``'s gradient of this backward (see [Note: bucketed whole gradients])."""
@@ -347,9 +368,9 @@ class GradientReducer:
         b.issued_at = self.ctx.issued(b.handle)
 
     def unstash(self) -> None:
-        """No backward followed the forward that stashed: the stashed gradients go back
-        into ``.grad`` (added to what is there) and the buckets disarm."""
-        self._active = False
+        """No backward followed the forward that armed the buckets: they disarm (and
+        anything set aside goes back into ``.grad``)."""
+        self._active = self._armed = False
         self._put_back()
 
     def _put_back(self) -> None:
@@ -362,7 +383,13 @@ class GradientReducer:
         every bucket in order, divide, write ``.grad`` and add the stash back."""
         world = self.groups.world_size
         if world > 1 and self._buckets:
-            self._active = False
+            self._active = self._armed = False
+            for b in self._buckets:  # no gradient arrived this backward: earlier ones aside too
+                for p in b.params:
+                    if id(p) not in self._arrived:
+                        self._set_aside(p)
+            self.arrived = self._arrived
+            self.made = {id(p) for b in self._buckets for p in b.params if p not in self._stash}
             for b in self._buckets[self._next_bucket :]:
                 self._issue_bucket(b)
             self._next_bucket = len(self._buckets)
@@ -413,7 +440,8 @@ class GradientReducer:
             self._active = False
         else:
             self.drain()
-        for h in self._hooks.values():
-            h.remove()
+        for hooks in self._hooks.values():
+            for h in hooks:
+                h.remove()
         self._hooks.clear()
         self._buckets, self._bucket_of, self._trainable = [], {}, None
