@@ -462,7 +462,8 @@ class BlockEngine:
         if self.unused is not None:
             r = self.reducer
             arrived = r.arrived if self.groups.world_size > 1 else None
-            self.unused.backward_ends(self._shards(), (*r.replicated, *r.wp_summed), r.made, arrived)
+            whole = [p for p in (*r.replicated, *r.wp_summed) if p.requires_grad]
+            self.unused.backward_ends(self._shards(), whole, r.made, arrived)
         self.phase = Phase.IDLE
         self.ctx.phase = "outer"
         self._callback_queued = False

@@ -382,6 +382,7 @@ class GradientReducer:
         """The backward is over: issue the buckets that never became ready, wait for
         every bucket in order, divide, write ``.grad`` and add the stash back."""
         world = self.groups.world_size
+        self.arrived, self.made = set(), set()
         if world > 1 and self._buckets:
             self._active = self._armed = False
             for b in self._buckets:  # no gradient arrived this backward: earlier ones aside too
