@@ -118,7 +118,9 @@ class ISPConfig:
     parameter gets a zero gradient, which AdamW's weight decay and momentum still
     move. ``True`` costs one all-reduce of a flag per parameter and a host read of it
     before each optimizer step, as DDP's option of that name does (see [Note: unused
-    parameters] in ``isp_comm/hooks/unused.py``)."""
+    parameters] in ``isp_comm/hooks/unused.py``), and the whole gradients' buckets
+    wait for the backward's end, so that ranks may use different parameters (see
+    [Note: bucketed whole gradients] in ``isp_comm/hooks/reductions.py``)."""
 
     backend: BackendName = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),

@@ -296,6 +296,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        pass",
         ["tests/test_unused_parameters.py"],
     ),
+    "whole buckets issued mid-backward with find_unused_parameters": (
+        "isp_comm/hooks/reductions.py",
+        "            self._active = self.config.overlap and not self.config.find_unused_parameters",
+        "            self._active = self.config.overlap",
+        ["tests/test_unused_parameters.py::test_whole_parameters_used_by_some_ranks_on_one_queue"],
+    ),
     "states dcp.load filled dropped at the first step": (
         "isp_comm/state.py",
         "            if marks is None or (made and _unwritten(now, marks)):",

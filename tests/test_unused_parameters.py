@@ -26,16 +26,17 @@ PLANS = [
 ]
 
 
-def _model():
+def _model(pooler: bool = True):
     from isp_comm.models.llama import LlamaConfig, build, rope_tables
     from tests.parity import TINY
 
     model = build(LlamaConfig(**TINY))
-    model.pooler = torch.nn.Linear(TINY["hidden"], 4)  # never used: a head this loop does not train
-    with torch.no_grad():  # the same weights in every model on every rank
-        g = torch.Generator().manual_seed(1)
-        for p in model.pooler.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
+    if pooler:
+        model.pooler = torch.nn.Linear(TINY["hidden"], 4)  # never used: a head this loop does not train
+        with torch.no_grad():  # the same weights in every model on every rank
+            g = torch.Generator().manual_seed(1)
+            for p in model.pooler.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
     plan = {"depth": None, "mlp": True}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -55,21 +56,29 @@ def _model():
 
 
 def _unused_worker(
-    rank: int, world: int, wp: int, config_kw: dict, device: str | torch.device = "cpu"
+    rank: int,
+    world: int,
+    wp: int,
+    config_kw: dict,
+    device: str | torch.device = "cpu",
+    settings: tuple[bool, ...] = (True, False),
+    plans: list = PLANS,
+    pooler: bool = True,
 ) -> list[tuple[float, list[str]]]:
-    """Four AdamW steps (weight decay 0.1) of the wrapped model, with and without
-    ``find_unused_parameters``, against the plain one trained on every rank's half with
-    that rank's plan, on ``device`` (tests/gpu: ``cuda:0``). Returns, for each setting:
-    the largest weight difference from the plain model, and the parameters whose
-    ``.grad`` was ``None`` in one model and not in the other at a step."""
+    """AdamW steps (weight decay 0.1) of the wrapped model, with and without
+    ``find_unused_parameters`` (``settings``), against the plain one trained on every
+    rank's half with that rank's plan (``plans``, as PLANS), on ``device`` (tests/gpu:
+    ``cuda:0``). Returns, for each setting: the largest weight difference from the plain
+    model, and the parameters whose ``.grad`` was ``None`` in one model and not in the
+    other at a step."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from tests.parity import loss_fn
 
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     results = []
-    for find in (True, False):
-        (model, plan), (ref, ref_plan) = _model(), _model()
+    for find in settings:
+        (model, plan), (ref, ref_plan) = _model(pooler), _model(pooler)
         model.to(device), ref.to(device)
         groups = ParallelGroups.create(wp_size=wp)
         comm = ISPCommunicator(model, groups, ISPConfig(find_unused_parameters=find, **config_kw))
@@ -77,7 +86,7 @@ def _unused_worker(
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         g = torch.Generator().manual_seed(0)
         mismatched: set[str] = set()
-        for i, step in enumerate(PLANS):
+        for i, step in enumerate(plans):
             for micro in range(-1 if i else 0, len(step[0])):
                 # micro-step -1: an iteration whose step is skipped (zero_grad() alone);
                 # micro-step 0 in the order forward, zero_grad(), backward
@@ -113,6 +122,22 @@ def test_unused_parameters_keep_no_gradient_and_stay_put(world: int, wp: int, co
         assert found < 1e-5 and found_none == [], (found, found_none)
         # without it, the unused parameters get zeros, which weight decay and momentum move
         assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
+
+
+@pytest.mark.timeout(120)
+def test_whole_parameters_used_by_some_ranks_on_one_queue() -> None:
+    # a bucket a parameter each (bucket_mb tiny) on the shared-memory backend, whose one
+    # queue runs every group's collectives, and no pooler (its bucket, first in the
+    # buckets' order and never ready, would hold every later one back to the end): in
+    # step 1 rank 0 skips block 0's MLP, so the bucket of its mlp_norm, ready in the
+    # middle of rank 1's backward, never is on rank 0. With the option every bucket
+    # waits for the backward's end, in one order on both (before, the backend refused
+    # the two orders as collectives out of step)
+    plans = [[[(None, True)], [(None, True)]], [[(None, False)], [(None, True)]], [[(None, True)], [(None, True)]]]
+    config_kw = {"backend": "symm", "bucket_mb": 1e-6, "timeout_s": 30}
+    results = run_ranks(_unused_worker, 2, 2, config_kw, "cpu", (True,), plans, False, timeout_s=90)
+    for ((found, found_none),) in results:
+        assert found < 1e-5 and found_none == [], (found, found_none)  # the bound of the test above
 
 
 def _fresh_states_worker(rank: int, world: int) -> tuple[int, int]:

@@ -15,8 +15,10 @@ happens to be done"): reduce-scatters are issued in autograd's order; a block's
 replica collective (all-reduce, or reduce-scatter into the pieces with
 ``state_sharding="world"``) when the next block's reduce-scatter has been issued, or
 when room is made or the backward drained; a bucket of whole gradients when it and every
-bucket before it are ready, in the buckets' fixed order. Autograd runs the same
-graph in the same order on every rank, as DDP relies on too.
+bucket before it are ready, in the buckets' fixed order (or, with
+``find_unused_parameters``, when the backward ends). Autograd runs the same graph in
+the same order on every rank, as DDP relies on too; where ranks use different
+parameters it does not, which is what that option is for.
 """
 
 from __future__ import annotations
@@ -278,6 +280,11 @@ class GradientReducer:
     # must still drop them, and a gradient set aside there would have come back after
     # it. ``reduce_whole`` issues what never became ready (unused parameters count as
     # zero), waits in order, divides and adds what was set aside back.
+    # With ``find_unused_parameters`` every bucket waits for the backward's end: a
+    # parameter that some ranks use and others do not would make its bucket ready at
+    # different points of their backwards, between other groups' collectives, and
+    # a backend that runs every group on one queue (the CPU shared-memory one) needs
+    # one issue order on every rank (see [Note: one issue order on every rank]).
     def _plan_buckets(self) -> None:
         """(Re)build the buckets when the set of trainable parameters changed (the same
         decision on every rank: the same model, the same ``requires_grad``)."""
@@ -316,7 +323,9 @@ class GradientReducer:
             for b in self._buckets:
                 b.waiting, b.done, b.handle = len(b.params), set(), None
             self._next_bucket = 0
-            self._active = self.config.overlap  # without overlap, reduce_whole issues every bucket
+            # without overlap, or with find_unused_parameters (see [Note: bucketed whole
+            # gradients]), reduce_whole issues every bucket
+            self._active = self.config.overlap and not self.config.find_unused_parameters
             self._armed, self._arrived = True, set()
 
     def _grad_arriving(self, p: nn.Parameter, grad: torch.Tensor) -> None:
