@@ -138,6 +138,9 @@ def test_whole_parameters_used_by_some_ranks_on_one_queue() -> None:
     results = run_ranks(_unused_worker, 2, 2, config_kw, "cpu", (True,), plans, False, timeout_s=90)
     for ((found, found_none),) in results:
         assert found < 1e-5 and found_none == [], (found, found_none)  # the bound of the test above
+    # without the option the refusal names it
+    with pytest.raises(AssertionError, match=r"out of step(.|\n)*find_unused_parameters=True"):
+        run_ranks(_unused_worker, 2, 2, config_kw, "cpu", (False,), plans, False, timeout_s=90)
 
 
 def _fresh_states_worker(rank: int, world: int) -> tuple[int, int]:
