@@ -143,6 +143,18 @@ def test_whole_parameters_used_by_some_ranks_on_one_queue() -> None:
         run_ranks(_unused_worker, 2, 2, config_kw, "cpu", (False,), plans, False, timeout_s=90)
 
 
+@pytest.mark.timeout(120)
+def test_a_step_whose_forward_runs_no_block() -> None:
+    # step 1 runs no block on any rank (a loss on the embedding and head alone), so its
+    # backward reaches no block's hook: the whole gradients' arrival starts it. Before,
+    # the engine never saw that backward, nothing was averaged, and each rank stepped
+    # the head on its own gradient (0.03 apart after three steps), with or without the
+    # option
+    plans = [[[(None, True)], [(None, True)]], [[(0, True)], [(0, True)]], [[(None, True)], [(None, True)]]]
+    for ((found, found_none),) in run_ranks(_unused_worker, 2, 2, {}, "cpu", (True,), plans, timeout_s=90):
+        assert found < 1e-5 and found_none == [], (found, found_none)  # the bound of the first test
+
+
 def _fresh_states_worker(rank: int, world: int) -> tuple[int, int]:
     """An evaluation forward with grad (no backward), then a fresh optimizer's state
     dict: (parameters with a state, parameters)."""

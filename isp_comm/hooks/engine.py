@@ -55,6 +55,7 @@ class BlockEngine:
         self.config = config
         self.pool = pool
         self.reducer = GradientReducer(ctx, groups, backend, config, rs_buffers, replicated)
+        self.reducer.entered = self._enter_backward
         self.phase = Phase.IDLE
         self.refresh: WeightRefresh | None = refresh
         """The replica all-gathers that bring WP shards up to date after their pieces

@@ -135,6 +135,10 @@ class GradientReducer:
         """The last backward's ``_arrived`` (its whole gradients produced on this rank)."""
         self.made: set[int] = set()
         """The whole gradients the last backward's reduction made, ``.grad`` having been ``None``."""
+        self.entered: Callable[[], None] | None = None
+        """Called as a whole gradient arrives in a backward the buckets are armed for: the
+        engine's start of a backward, for one that reaches no block (a forward that ran
+        none), which no block's hook would start."""
 
     # ---- sharded gradients ------------------------------------------------------------
     def _make_room(self) -> None:
@@ -332,6 +336,8 @@ class GradientReducer:
         """Autograd is about to accumulate ``p``'s gradient of this backward: the one
         ``.grad`` holds now (earlier micro-steps') goes aside first."""
         if self._armed and id(p) not in self._arrived:
+            if self.entered is not None:
+                self.entered()
             self._arrived.add(id(p))
             self._set_aside(p)
 
