@@ -359,14 +359,15 @@ class ISPCommunicator:
         model's, stepped between this one's forward and backward, leaves it alone): a
         step that did not go as planned is settled ([Note: steps that did not go as
         planned] in ``isp_comm/hooks/engine.py``). With ``find_unused_parameters``, the
-        gradients no rank produced go back to ``None`` ([Note: unused parameters])."""
+        gradients no rank produced go back to ``None`` ([Note: unused parameters]),
+        except in the step that makes a fresh optimizer's states, whose zeros are its own."""
         if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
             r = self.engine.reducer
             mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
                 self.engine.settle()
         unused = self.engine.unused
-        if unused is not None and unused.steps(opt):
+        if unused is not None and not self._state.making_states and unused.steps(opt):
             unused.settle()
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:

@@ -158,6 +158,9 @@ class ShardedState:
         """Whether the parameters are pieces (``state_sharding="world"`` with replicas)."""
         self._made: weakref.WeakKeyDictionary[torch.optim.Optimizer, MadeStates] = weakref.WeakKeyDictionary()
         """Optimizers whose states await their first step ([Note: states made for a checkpoint])."""
+        self.making_states = False
+        """Inside the step at learning rate 0 that makes a fresh optimizer's states: not a
+        training step (its zero gradients are no backward's)."""
 
     # ---- DTensor views -----------------------------------------------------------------
     @property
@@ -279,12 +282,14 @@ class ShardedState:
         for p in params:
             p.grad = torch.zeros_like(p)
         try:
+            self.making_states = True
             opt.step()
             for state in opt.state.values():
                 if "step" in state:
                     state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
             self._await_first_step(opt, loaded=False)  # after the step: the hook is for the first real one
         finally:
+            self.making_states = False
             for g, lr in zip(opt.param_groups, lrs):
                 if lr is not None:
                     g["lr"] = lr

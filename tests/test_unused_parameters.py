@@ -155,23 +155,32 @@ def test_a_step_whose_forward_runs_no_block() -> None:
         assert found < 1e-5 and found_none == [], (found, found_none)  # the bound of the first test
 
 
-def _fresh_states_worker(rank: int, world: int) -> tuple[int, int]:
-    """An evaluation forward with grad (no backward), then a fresh optimizer's state
+def _fresh_states_worker(rank: int, world: int, backward: bool) -> tuple[int, int]:
+    """An evaluation forward with grad (no backward), or a backward whose step is
+    skipped (``zero_grad()`` alone; the pooler unused), then a fresh optimizer's state
     dict: (parameters with a state, parameters)."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from tests.parity import loss_fn
 
     model, _ = _model()
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(find_unused_parameters=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randint(0, 37, (1, 8)))  # its graph dropped: no backward
+    x = torch.randint(0, 37, (1, 8))
+    out = model(x)  # without a backward, its graph dropped
+    if backward:
+        loss_fn(out, x).backward()
+        opt.zero_grad()
     states = comm.optimizer_state_dict(opt)["state"]
     comm.close()
     return sum("exp_avg" in s for s in states.values()), len(list(model.parameters()))
 
 
 @pytest.mark.timeout(100)
-def test_a_fresh_optimizers_states_after_a_forward_without_backward() -> None:
-    # the state dict's step at lr 0 on zero gradients follows no backward: before,
-    # find_unused_parameters took every gradient back and AdamW made no state
-    for with_state, params in run_ranks(_fresh_states_worker, 2, timeout_s=60):
+@pytest.mark.parametrize("backward", [False, True], ids=["forward-only", "skipped-step"])
+def test_a_fresh_optimizers_states_after_a_forward_without_backward(backward: bool) -> None:
+    # the state dict's step at lr 0 on zero gradients is not a training step: before,
+    # find_unused_parameters took back the zeros it made, every one after a forward
+    # alone, the pooler's after a backward whose step was skipped, and AdamW made no
+    # state for them
+    for with_state, params in run_ranks(_fresh_states_worker, 2, backward, timeout_s=60):
         assert with_state == params, (with_state, params)
