@@ -433,8 +433,8 @@ class SymmCpuBackend(Backend):
             said = ", ".join(f"rank {g.ranks[r]}: {_describe(t)}" for r, t in enumerate(theirs))
             raise RuntimeError(
                 f"collectives out of step in group {list(g.ranks)} (symm, epoch {epoch}): {said}; every rank "
-                "must issue the same collectives, of the same sizes, in the same order (ranks whose backwards "
-                "use different parameters need ISPConfig(find_unused_parameters=True))"
+                "must issue the same collectives, of the same sizes, in the same order (ranks must run the same "
+                "blocks; whole parameters that some ranks skip need ISPConfig(find_unused_parameters=True))"
             )
 
     def _done(self, g: _Group, epoch: int) -> None:

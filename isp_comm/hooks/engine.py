@@ -112,7 +112,9 @@ class BlockEngine:
                 )
             raise RuntimeError(
                 f"isp-comm: block {unit.index} needs slot {st.slot} but the slots are held by "
-                f"blocks {owners}; blocks must run in the order of the block list"
+                f"blocks {owners}; blocks must run in the order of the block list, and a block whose forward "
+                "used none of its trainable weights holds its slot until the backward ends (raise "
+                "ISPConfig.n_slots for such a model)"
             )
         st.wait_for_unshard()
         return st
