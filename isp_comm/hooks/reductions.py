@@ -336,7 +336,7 @@ class GradientReducer:
         """Autograd is about to accumulate ``p``'s gradient of this backward: the one
         ``.grad`` holds now (earlier micro-steps') goes aside first."""
         if self._armed and id(p) not in self._arrived:
-            if self.entered is not None:
+            if not self._arrived and self.entered is not None:  # this backward's first: it begins
                 self.entered()
             self._arrived.add(id(p))
             self._set_aside(p)

@@ -86,9 +86,10 @@ class UnusedGradients:
 
     def steps(self, opt: torch.optim.Optimizer) -> bool:
         """Whether a backward ended since the last step and ``opt`` steps any of the
-        model's parameters. A step with no backward behind it (the step at lr 0 that
-        makes a fresh optimizer's states for a checkpoint, after an evaluation forward
-        with grad) finds no gradient of the reductions' to take back."""
+        model's parameters. A step with no backward behind it (a second step on the
+        same gradients) finds no gradient of the reductions' to take back, and skips
+        the all-reduce. (The step at lr 0 that makes a fresh optimizer's states is
+        left alone by the communicator itself.)"""
         return self._backward and any(id(p) in self.ids for g in opt.param_groups for p in g["params"])
 
     def settle(self) -> None:
