@@ -20,6 +20,12 @@ EXACT = ("master shards", "replicated params", "pool slots and landing", "reduce
 """Parts the forecast counts from the engine's own decisions: equal, but for AdamW's
 step counts (a 4-byte tensor per parameter, which the forecast leaves out)."""
 SCALARS = 4096
+LINGERING = 16
+"""The clip's two fp64 partial norms (``ShardedState.clip_grad_norm_``): gloo's worker thread
+drops its reference to a finished all-reduce in its own time, so when the optimizer's
+step begins they are alive in one run and freed in another (seen once in CI: 16 bytes
+more at the optimizer's peak of two otherwise equal runs; a 2-rank gloo all-reduce's
+tensor outlived its ``wait()`` and last Python reference in 123 and 192 of 2,000 tries)."""
 CPU = torch.device("cpu")
 
 
@@ -115,7 +121,7 @@ def test_reduce_scatter_pairs_given_back_between_backwards_leave_every_other_pea
     assert fc.phases["backward"]["reduce-scatter buffers"] == pairs > 0  # two blocks reduce: both pairs made
     for ph in ("forward", "backward/loss", "optimizer"):
         assert "reduce-scatter buffers" not in b0.phases[ph], (ph, b0.phases[ph])
-        assert b0.tracked[ph] == k0.tracked[ph] - pairs, ph
+        assert abs(b0.tracked[ph] - (k0.tracked[ph] - pairs)) <= LINGERING, ph
     for ph in ("forward", "optimizer"):
         assert "reduce-scatter buffers" not in fc.phases[ph]
         assert fc.peak(ph) == fc_kept.peak(ph) - pairs
