@@ -120,7 +120,9 @@ class ISPConfig:
     before each optimizer step, as DDP's option of that name does (see [Note: unused
     parameters] in ``isp_comm/hooks/unused.py``), and the whole gradients' buckets
     wait for the backward's end, so that ranks may use different parameters (see
-    [Note: bucketed whole gradients] in ``isp_comm/hooks/reductions.py``)."""
+    [Note: bucketed whole gradients] in ``isp_comm/hooks/reductions.py``); a block
+    whose weights some ranks left unused gets zeros reduced there (see [Note: a
+    block's backward that ends unseen] in ``isp_comm/hooks/engine.py``)."""
 
     backend: BackendName = "auto"
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),

@@ -149,8 +149,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a frozen block's backward ends only at the next block's": (
         "isp_comm/hooks/engine.py",
-        "        for index in sorted(self._frozen_in_backward):",
-        "        for index in sorted(self._frozen_in_backward & {unit.index + 1}):",
+        "        for index in sorted(self._ending_unseen):",
+        "        for index in sorted(i for i in self._ending_unseen if now is None or i == now.index + 1):",
         ["tests/test_engine_parity.py::test_two_forwards_then_one_backward_train_as_a_plain_model"],
     ),
     "an early exit's prefetched block kept": (
@@ -301,6 +301,21 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            self._active = self.config.overlap and not self.config.find_unused_parameters",
         "            self._active = self.config.overlap",
         ["tests/test_unused_parameters.py::test_whole_parameters_used_by_some_ranks_on_one_queue"],
+    ),
+    "a block whose weights got no gradient keeps its slot to the backward's end": (
+        "isp_comm/hooks/engine.py",
+        "        if not unit.requires_grad or not st.weights_get_gradients():",
+        "        if not unit.requires_grad:",
+        ["tests/test_engine_parity.py::test_a_block_that_uses_none_of_its_weights_trains_as_a_plain_model[every-rank]"],
+    ),
+    "no zeros reduced for a block some ranks left unused (find_unused_parameters)": (
+        "isp_comm/hooks/engine.py",
+        "            if block.requires_grad and self.unused is not None:",
+        "            if False:",
+        [
+            "tests/test_engine_parity.py::test_a_block_that_uses_none_of_its_weights_trains_as_a_plain_model"
+            "[one-rank-one-queue]"
+        ],
     ),
     "states dcp.load filled dropped at the first step": (
         "isp_comm/state.py",

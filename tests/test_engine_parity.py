@@ -328,10 +328,11 @@ def test_steps_that_did_not_go_as_planned_train_on_like_a_plain_loop(shard_outer
         assert r["phase_after_abort"] == "BACKWARD", r  # the case needs the backward begun
 
 
-def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "") -> tuple:
+def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "", prepare=None) -> tuple:
     """The tiny llama wrapped and a plain copy (its forward replaced by ``forward``
     in both when given; ``frozen`` in both: every block's ``"attention"``, or the
-    whole ``"first block"``), each with SGD at lr 0.1."""
+    whole ``"first block"``; ``prepare(model)`` called on both before wrapping), each
+    with SGD at lr 0.1."""
     import types
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
@@ -346,6 +347,8 @@ def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "")
             layer.attn.requires_grad_(False)
         if frozen == "first block":
             m.layers[0].requires_grad_(False)
+        if prepare is not None:
+            prepare(m)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     return model, ref, comm, opt, ropt
@@ -575,6 +578,57 @@ def test_a_forward_that_exits_early_trains_as_a_plain_model(config_kw: dict) -> 
     # block's backward needed ("block 0 needs slot 0 but the slots are held by blocks
     # [2, None]").
     assert max(run_ranks(_early_exit_worker, 2, config_kw, timeout_s=90)) < 1e-5
+
+
+def _identity_block_worker(rank: int, world: int, wp: int, config_kw: dict, skipping: tuple[int, ...]) -> float:
+    """The last of the three blocks is the identity on every other step (its forward
+    returns its input and uses none of its weights: a LayerDrop that still calls the
+    block) on the ranks in ``skipping``; SGD against the plain model of the global
+    batch, the block the identity for those ranks' rows."""
+    from tests.parity import loss_fn
+
+    skip = [False]
+
+    def prepare(m: torch.nn.Module) -> None:
+        compute = m.layers[2].forward
+        m.layers[2].forward = lambda h, *args, **kwargs: h if skip[0] else compute(h, *args, **kwargs)
+
+    g = torch.Generator().manual_seed(0)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw, prepare=prepare)
+    for step in range(4):
+        a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+        skip[0] = step % 2 == 0 and rank in skipping
+        loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()
+        logits = []
+        for r, rows in enumerate(a.chunk(world)):
+            skip[0] = step % 2 == 0 and r in skipping
+            logits.append(ref(rows))
+        loss_fn(torch.cat(logits), b).backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    return _distance_and_close(comm, ref)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "world, wp, config_kw, skipping",
+    [
+        (2, 2, {}, (0, 1)),
+        (2, 2, {"activation_checkpointing": 1.0}, (0, 1)),
+        (2, 2, {"find_unused_parameters": True, "backend": "symm", "timeout_s": 30}, (0,)),
+        (4, 2, {"find_unused_parameters": True, "state_sharding": "world"}, (1, 2)),
+    ],
+    ids=["every-rank", "checkpointed", "one-rank-one-queue", "world-sharding"],
+)
+def test_a_block_that_uses_none_of_its_weights_trains_as_a_plain_model(
+    world: int, wp: int, config_kw: dict, skipping: tuple[int, ...]
+) -> None:
+    # fp32 SGD: 1e-5 covers the sums' order. Before, the block held its slot to the
+    # backward's end, and the first block's backward found its slot taken ("block 0
+    # needs slot 0 but the slots are held by blocks [2, None]"); on the ranks that
+    # skipped it only, its reduce-scatter was never issued (find_unused_parameters:
+    # its peers waited at the deadline).
+    assert max(run_ranks(_identity_block_worker, world, wp, config_kw, skipping, timeout_s=120)) < 1e-5
 
 
 def _zero_after_forward_worker(rank: int, world: int, wp: int, config_kw: dict) -> float:

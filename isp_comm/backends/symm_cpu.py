@@ -434,7 +434,8 @@ class SymmCpuBackend(Backend):
             raise RuntimeError(
                 f"collectives out of step in group {list(g.ranks)} (symm, epoch {epoch}): {said}; every rank "
                 "must issue the same collectives, of the same sizes, in the same order (ranks must run the same "
-                "blocks; whole parameters that some ranks skip need ISPConfig(find_unused_parameters=True))"
+                "blocks; a block's weights or whole parameters that some ranks leave unused need "
+                "ISPConfig(find_unused_parameters=True))"
             )
 
     def _done(self, g: _Group, epoch: int) -> None:

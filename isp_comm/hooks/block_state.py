@@ -271,6 +271,16 @@ class BlockState:
         if grad and node is not None:
             self.hold_views_for(node)
 
+    def weights_get_gradients(self) -> bool:
+        """Called in the block's backward: whether the running backward reaches the
+        ``UnshardBlock`` node of a forward that took views of the slot, so that the
+        block's post-backward will come (see [Note: a block's backward that ends
+        unseen] in ``engine.py``). A forward whose node is gone used none of the views
+        (nothing in its graph holds the node). ``True`` when no forward took views:
+        the slot is then kept to the backward's end, as before."""
+        nodes = [node for node in (ref() for ref in self._forwards) if node is not None]
+        return not self._forwards or any(torch._C._will_engine_execute_node(node) for node in nodes)
+
     def hold_views_for(self, node: Any) -> None:
         """``node`` lives as long as the graph of a forward that may have saved views of
         the slot for its backward (see ``views_held``)."""

@@ -66,8 +66,9 @@ class BlockEngine:
         self._res = GatherResources(ctx, config, backend, pool, groups.wp_group, refresh)
         self.states = [BlockState(u, self._res) for u in units]
         self._pending: set[int] = set()
-        self._frozen_in_backward: set[int] = set()
-        """Blocks with nothing trainable whose backward began and has not been seen to end."""
+        self._ending_unseen: set[int] = set()
+        """Blocks whose backward began and whose post-backward will not come in it (see
+        [Note: a block's backward that ends unseen])."""
         self._trainable_at: tuple[bool, ...] = ()  # requires_grad at the last forward with grad
         self._hook_called = False  # the scheduler hook's root_pre_forward ran; the root's follows
         self._in_root = False  # inside the model's forward (root pre- to post-forward)
@@ -112,9 +113,7 @@ class BlockEngine:
                 )
             raise RuntimeError(
                 f"isp-comm: block {unit.index} needs slot {st.slot} but the slots are held by "
-                f"blocks {owners}; blocks must run in the order of the block list, and a block whose forward "
-                "used none of its trainable weights holds its slot until the backward ends (raise "
-                "ISPConfig.n_slots for such a model)"
+                f"blocks {owners}; blocks must run in the order of the block list"
             )
         st.wait_for_unshard()
         return st
@@ -380,26 +379,49 @@ class BlockEngine:
         gradients exist, so a recompute that calls the block's original forward
         directly (a checkpoint inside the wrapper, as transformers does) sees them."""
         self._enter_backward()
-        # A block with nothing trainable has no post-backward: its backward (input
-        # gradients only) is over once another block's begins, the one before it or,
-        # under [Note: forwards before one backward], the next forward's last one (or
-        # itself again); autograd runs one forward's backward through before the
-        # earlier forward's. So free its slot then, or only swap it out to reuse it.
-        for index in sorted(self._frozen_in_backward):
-            if index == unit.index:
-                self.states[index].swap_out()
-            else:
-                self.release(self.units[index])
-        self._frozen_in_backward.clear()
-        if not unit.requires_grad:
-            self._frozen_in_backward.add(unit.index)
+        self._end_unseen(unit)
         st = self.ensure_gathered(unit)
+        if not unit.requires_grad or not st.weights_get_gradients():
+            self._ending_unseen.add(unit.index)
         self.prefetch(unit.index - 1)
         self._event("compute", unit.index)
         st.pre_backward(self)
 
+    def _end_unseen(self, now: BlockUnit | None = None) -> None:
+        """[Note: a block's backward that ends unseen] A block's post-backward comes from
+        its ``UnshardBlock`` node, which autograd runs once every trainable weight's
+        gradient exists. A block with nothing trainable has no such node, and one whose
+        forward used none of its trainable weights (the identity for a step: a
+        LayerDrop that still calls it) has one the backward never reaches; the
+        ``PreBackward`` of either asks. Its backward (input gradients, if any) is over
+        once another unit's begins or ends: the block before it, the outer unit or a
+        summed one, or, under [Note: forwards before one backward], the next forward's
+        last block (or itself again); autograd runs one forward's backward through
+        before the earlier forward's. So its slot is freed then (only swapped out when
+        ``now`` is the block itself, to be reused), not at the backward's end, where
+        the strict slot of an earlier block's backward would find it held. With
+        ``find_unused_parameters`` a trainable one is reduce-scattered then too, with
+        zero gradients, at the point where a rank that used its weights does the same:
+        the ranks stay in step, and each gradient is the global batch's, the rows this
+        rank made the identity adding nothing. Without the option no rank issues it,
+        which is right when every rank skipped the block (the gradients stay ``None``,
+        as a plain model's) and, as for any block a rank skips, stops the step when
+        only some did."""
+        for index in sorted(self._ending_unseen):
+            block, st = self.units[index], self.states[index]
+            st.swap_out()
+            done = (lambda: None) if block is now else (lambda b=block: self.release(b))
+            if block.requires_grad and self.unused is not None:
+                grads = (None,) * len(block.params)
+                self.reducer.reduce_block(block, grads, st.landing == "per-parameter", packed=done)
+            else:
+                done()
+        self._ending_unseen.clear()
+
     def post_backward(self, unit: BlockUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._enter_backward()
+        if unit is self.root or unit.index < 0:  # the outer unit's or a summed one's: after the blocks'
+            self._end_unseen()
         if self.unused is not None:
             self.unused.produced(unit.shards, grads)
         if unit is self.root:
@@ -453,10 +475,10 @@ class BlockEngine:
         """Drain reduce-scatters, average replicated grads, return to IDLE. Idempotent."""
         if self.phase is not Phase.BACKWARD:
             return
+        self._end_unseen()
         self.reducer.drain()
         self.reducer.rs_buffers.release_idle()  # see [Note: reduce-scatter pairs between backwards]
         self._pending.clear()
-        self._frozen_in_backward.clear()
         for unit, st in zip(self.units, self.states):  # blocks whose weights got no gradient still hold slots
             self.release(unit)
             st.end_backward()
