@@ -49,15 +49,17 @@ class ISPConfig:
     head along the vocab), so their gradients and optimizer state are sharded too. An
     untied embedding is looked up without ever being gathered (see
     :mod:`isp_comm.embedding`); the rest is gathered once per step outside the slot
-    pool and reduce-scattered like a block. ``False`` keeps them replicated and
-    all-reduces their gradients."""
+    pool and reduce-scattered like a block. The lookup all-gathers the WP group's
+    token ids, so the group's ranks feed ids of one shape. ``False`` keeps them
+    replicated and all-reduces their gradients."""
 
     vocab_parallel: bool = False
     """Split the output head's weight along the vocab over the WP group and never
     gather it: the head returns vocab-sharded logits ``[wp, batch, seq, vocab/wp]``
     for every token of the WP group, and :meth:`ISPCommunicator.cross_entropy` gives
     each rank's loss from them (see :mod:`isp_comm.vocab_parallel`). For large
-    vocabularies; the head must be an ``nn.Linear`` without bias, not tied."""
+    vocabularies; the head must be an ``nn.Linear`` without bias, not tied, and the
+    WP group's ranks feed inputs of one shape."""
 
     state_sharding: StateSharding = "wp"
     """Over which ranks the sharded parameters' gradients and optimizer state are

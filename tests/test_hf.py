@@ -68,3 +68,34 @@ def test_hf_llama_parity(gc: str, micro: int) -> None:
         assert n_blocks == 3
         assert err < 2e-6  # fp32 SGD: summation order only (see test_engine_parity)
         assert gathers == 3 * micro * n_blocks * 2  # once per forward, once per backward
+
+
+def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
+    plain = _hf_model("").eval()
+    out = []
+    # prompts of different lengths on different ranks (the blocks' weights are gathered,
+    # so each rank's activations are its own); an untied hidden-split embedding all-gathers
+    # the WP group's token ids, so under shard_outer_params the prompts share one shape
+    for name, config, length in [("plain", ISPConfig(), 5 + rank), ("outer", ISPConfig(shard_outer_params=True), 5)]:
+        model = _hf_model("").eval()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), config)
+        ids = torch.randint(0, 37, (1, length), generator=torch.Generator().manual_seed(rank))
+        new = 4 + 3 * rank  # ranks finish at different steps: synced_gpus keeps the others' forwards going
+        want = plain.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
+        out.append((name, torch.equal(got, want), got.shape[1] - length))
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_generate_on_a_wrapped_model_matches_the_plain_models() -> None:
+    """``model.generate(..., synced_gpus=True)`` with the KV cache, as on a model that
+    FSDP shards: greedy tokens equal to the unwrapped model's, though the ranks' prompts
+    and lengths differ. The logits differ from the plain model's by summation order only
+    (about 1e-6); the plain model's top two logits are at least 5e-3 apart at every step
+    of these prompts, so the greedy tokens cannot differ by that."""
+    for rank, results in enumerate(run_ranks(_generate_worker, 2, timeout_s=100)):
+        for name, equal, produced in results:
+            assert equal, f"rank {rank}, {name}: generate() differs from the plain model's"
+            assert produced == 4 + 3 * rank
