@@ -328,11 +328,13 @@ def test_steps_that_did_not_go_as_planned_train_on_like_a_plain_loop(shard_outer
         assert r["phase_after_abort"] == "BACKWARD", r  # the case needs the backward begun
 
 
-def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "", prepare=None) -> tuple:
+def _wrapped_and_plain(
+    wp: int, config_kw: dict, forward=None, frozen: str = "", prepare=None, device: str | torch.device = "cpu"
+) -> tuple:
     """The tiny llama wrapped and a plain copy (its forward replaced by ``forward``
     in both when given; ``frozen`` in both: every block's ``"attention"``, or the
-    whole ``"first block"``; ``prepare(model)`` called on both before wrapping), each
-    with SGD at lr 0.1."""
+    whole ``"first block"``; ``prepare(model)`` called on both before wrapping), both
+    on ``device``, each with SGD at lr 0.1."""
     import types
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
@@ -349,6 +351,7 @@ def _wrapped_and_plain(wp: int, config_kw: dict, forward=None, frozen: str = "",
             m.layers[0].requires_grad_(False)
         if prepare is not None:
             prepare(m)
+        m.to(device)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     return model, ref, comm, opt, ropt
@@ -580,12 +583,18 @@ def test_a_forward_that_exits_early_trains_as_a_plain_model(config_kw: dict) -> 
     assert max(run_ranks(_early_exit_worker, 2, config_kw, timeout_s=90)) < 1e-5
 
 
-def _identity_block_worker(rank: int, world: int, wp: int, config_kw: dict, skipping: tuple[int, ...]) -> float:
+def _identity_block_worker(
+    rank: int, world: int, wp: int, config_kw: dict, skipping: tuple[int, ...], device: str | torch.device = "cpu"
+) -> float:
     """The last of the three blocks is the identity on every other step (its forward
     returns its input and uses none of its weights: a LayerDrop that still calls the
     block) on the ranks in ``skipping``; SGD against the plain model of the global
-    batch, the block the identity for those ranks' rows."""
+    batch, the block the identity for those ranks' rows, on ``device`` (tests/gpu:
+    ``cuda:0``)."""
     from tests.parity import loss_fn
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
 
     skip = [False]
 
@@ -594,9 +603,9 @@ def _identity_block_worker(rank: int, world: int, wp: int, config_kw: dict, skip
         m.layers[2].forward = lambda h, *args, **kwargs: h if skip[0] else compute(h, *args, **kwargs)
 
     g = torch.Generator().manual_seed(0)
-    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw, prepare=prepare)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, config_kw, prepare=prepare, device=device)
     for step in range(4):
-        a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+        a, b = (torch.randint(0, 37, (2 * world, 8), generator=g).to(device) for _ in range(2))
         skip[0] = step % 2 == 0 and rank in skipping
         loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()
         logits = []

@@ -116,6 +116,17 @@ def test_unused_parameters_keep_no_gradient_two_ranks_on_one_gpu() -> None:
         assert zeroed > 1e-3, zeroed  # without it, weight decay moves the unused parameters
 
 
+@pytest.mark.timeout(200)
+def test_a_block_that_uses_none_of_its_weights_two_ranks_on_one_gpu() -> None:
+    # a LayerDrop that calls the block and returns its input, on rank 0 only, with
+    # find_unused_parameters: the slot freed at the next block's backward, zeros
+    # reduce-scattered on CUDA (tests/test_engine_parity.py, where it runs on CPU)
+    from tests.test_engine_parity import _identity_block_worker
+
+    for d in run_ranks(_identity_block_worker, 2, 2, {"find_unused_parameters": True}, (0,), DEV, timeout_s=150):
+        assert d < 1e-4, d  # fp32 SGD: summation order, which cuBLAS may split otherwise than the CPU (1e-5 there)
+
+
 @pytest.mark.timeout(300)
 def test_bf16_tracks_fp32_two_ranks_on_one_gpu() -> None:
     for r in run_ranks(_parity_worker, 2, "llama", torch.bfloat16, False, timeout_s=280):
