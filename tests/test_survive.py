@@ -87,6 +87,21 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher}")
 
 
+def _own_temp(tmp_path) -> tuple[dict[str, str], str]:
+    """An environment whose temp dir is a new empty folder, and that folder (see
+    :func:`_left_in`)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    return {**os.environ, "TMPDIR": str(temp)}, str(temp)
+
+
+def _left_in(temp: str) -> list[str]:
+    """What a run left in its temp dir, but torch's compile cache (``torchinductor_USER``,
+    made when dynamo is imported, and meant to outlive the run). Torch's elastic agent,
+    left to itself, leaves a folder there a run."""
+    return [name for name in os.listdir(temp) if not name.startswith("torchinductor_")]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -142,12 +157,14 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
     """Rank 1 SIGKILLed between two checkpoints: the job restarts its ranks, they
     resume from the latest checkpoint, the run ends with exit 0, and metrics.jsonl has
     every step once with the losses of an uninterrupted run, bitwise."""
-    out = str(tmp_path / "run")
+    out, (env, temp) = str(tmp_path / "run"), _own_temp(tmp_path)
     if launcher == "own":
         cmd = _own(2, "--max-restarts", "1", *RESTART_ARGS, "--out", out)
     else:
         cmd = _torchrun(2, *RESTART_ARGS, "--out", out, restarts=1)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
     _wait_for_step(proc, out, 6)
     os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=240)
@@ -156,6 +173,8 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
     assert stdout.count("isp-train: restart 1 of 1: a rank of the last attempt failed") == 1, stdout[-2000:]
     assert [s for s, _ in _losses(out)] == list(range(1, 25))
     assert _losses(out) == uninterrupted_losses  # bitwise: the same floats
+    if launcher == "own":  # torchrun's agent keeps its log folder: torch's, not ours
+        assert _left_in(temp) == []
 
 
 @pytest.mark.timeout(120)
@@ -163,15 +182,17 @@ def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path) -> None:
     """Rank 0 SIGKILLed (the out-of-memory killer) cannot say why it stopped, and the
     others, stopped by the launcher, do not: the launcher's one line names it (the
     job ended with exit 2 and nothing said)."""
+    env, temp = _own_temp(tmp_path)
     proc = subprocess.Popen(
         _own(2, *RESTART_ARGS, "--out", str(tmp_path / "run")), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        text=True, start_new_session=True, env=env,
     )  # fmt: skip
     _wait_for_step(proc, str(tmp_path / "run"), 3)
     os.kill(_rank_pid(proc.pid, 0), signal.SIGKILL)
     _, stderr = proc.communicate(timeout=100)
     assert proc.returncode == 2, stderr[-2000:]
     assert "isp-train: error: rank 0 was killed by SIGKILL (from outside the job" in stderr, stderr[-2000:]
+    assert _left_in(temp) == []  # a failed run leaves nothing either
 
 
 def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -> None:

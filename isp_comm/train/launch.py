@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -132,7 +134,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     machines meeting at ``rdzv_endpoint``), restarted up to ``max_restarts`` times
     after a failure (each restart resumes: ``TORCHELASTIC_RESTART_COUNT`` > 0 makes the
     ranks ``--resume auto``); returns the exit code for this process."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -147,7 +149,11 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))  # what the agent waits (its default)
     stopping = Stopping(grace_s)
+    # The agent's folder for each rank's error file, which it reads when the rank fails;
+    # left to itself it makes one under the temp dir per run and never removes it.
+    logs = tempfile.mkdtemp(prefix="isp-train-agent-")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -167,4 +173,6 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
         print(f"isp-train: error: launching {nproc} ranks failed: {exc}", file=sys.stderr)
         return 2
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
