@@ -179,8 +179,9 @@ def scored_row(head: dict, step_s: float, peak_mib: float, measured: list[dict],
 def search_check(args, tmp: str) -> dict:
     """The search's first pick against the fastest of its rivals, measured side by side:
     the search's other top four and the grid's layouts of the same model and global
-    batch, run in ``--search-repeats`` rounds, one run of each layout per round (so a
-    drift of the machine's speed during the check reaches every layout alike)."""
+    batch (of its first ``--only`` points), run in ``--search-repeats`` rounds, one run
+    of each layout per round (so a drift of the machine's speed during the check
+    reaches every layout alike)."""
     world, flags = SEARCH
     _, lines = predict(args.profile, world, flags, search=True)
     picks = [
@@ -188,7 +189,8 @@ def search_check(args, tmp: str) -> dict:
         for line in lines
         if line[:1].isdigit() and ": isp-train" in line
     ]
-    rivals = [(name, f) for name, w, f in GRID if w == world and _model_batch(f) == _model_batch(flags)]
+    grid = GRID[: args.only or None]  # a smoke run's rivals are its points too
+    rivals = [(name, f) for name, w, f in grid if w == world and _model_batch(f) == _model_batch(flags)]
     candidates: dict[tuple, tuple[str, list[str]]] = {}
     for i, f in enumerate(picks, 1):
         candidates.setdefault(_layout(f, world), (f"search #{i}", f))
@@ -277,7 +279,9 @@ def main() -> None:
         help="rounds of the search's check (its top layouts are predicted a few percent apart, "
         "and two runs of one layout at two ranks can differ by more)",
     )
-    ap.add_argument("--only", type=int, default=0, help="the first N points only (a smoke run)")
+    ap.add_argument(
+        "--only", type=int, default=0, help="the first N points only, in the grid and as the search's rivals (smoke)"
+    )
     ap.add_argument("--rescore", metavar="RESULTS", help="score a saved plan_check.json's runs; run nothing")
     add_out(ap)
     args = ap.parse_args()
