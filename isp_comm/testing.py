@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import subprocess
 import sys
 import tempfile
 import time
@@ -196,6 +197,123 @@ def run_ranks(
         if errors:
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
         return [out[r] for r in range(world)]
+
+
+# ---- a command line's main as a launcher's workers ----
+def _main_entry(
+    main: Callable[[list[str]], Any], argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str
+) -> None:
+    """A worker of :func:`run_main`: ``main(argv)`` with stdout and stderr appended to
+    the files ``out`` and ``err`` (in ``cwd``, if given), ended as an interpreter ends (threads joined, then
+    exit callbacks), with the exit code it would have had."""
+    import atexit
+    import threading
+
+    os.environ.clear()  # a forked worker: the caller's environment now, not the server's
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    sys.argv = [getattr(main, "__module__", "main"), *argv]
+    try:
+        code: Any = main(list(argv))  # a console script's sys.exit(main())
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    # as Py_FinalizeEx: non-daemon threads joined, then the exit callbacks (weakref
+    # finalizers among them); not the module teardown, which :func:`run_main` says
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def _wait_as_a_launcher(procs: list[Any], timeout_s: float) -> tuple[bool, int]:
+    """Wait for ``procs`` as torchrun's agent does: once one exits non-zero the others
+    get SIGTERM, then SIGKILL after the agent's shutdown timeout
+    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s). Returns whether the deadline passed
+    with a worker running and no worker failed, and the first failure's exit code (0
+    if none)."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout_s
+    running = {p.sentinel: p for p in procs}
+    code = 0
+    try:
+        while running and (left := deadline - time.monotonic()) > 0:
+            for sentinel in wait(list(running), timeout=left):
+                p = running.pop(sentinel)
+                p.join()
+                if p.exitcode != 0 and code == 0:
+                    code = p.exitcode
+                    for other in running.values():
+                        other.terminate()
+                    grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+                    deadline = min(deadline, time.monotonic() + grace)
+    finally:
+        for p in running.values():
+            p.kill()
+            p.join()
+    return bool(running) and code == 0, code
+
+
+def run_main(
+    main: Callable[[list[str]], Any],
+    argv: list[str],
+    *,
+    world: int = 1,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    timeout_s: float = 120.0,
+    start: str | None = None,
+) -> subprocess.CompletedProcess:
+    """``main(argv)`` (a command line's entry point, such as ``isp_comm.train.main``,
+    which exits or returns its exit code) on
+    ``world`` processes that meet as torchrun's workers do: ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT`` of a store this process hosts, as torchrun's agent
+    hosts it. Returns what ``subprocess.run(..., capture_output=True, text=True)``
+    returns for a launcher: every worker's stdout and stderr, interleaved, and the exit
+    code of the first worker that failed (torchrun says 1), else 0. Past ``timeout_s``
+    every worker is killed and ``subprocess.TimeoutExpired`` raised.
+
+    Forked from the server of :func:`run_ranks` (``start``), a worker starts in
+    milliseconds, not the seconds of an interpreter that imports torch (and what a
+    process reads only when it starts is the server's: [Note: how ranks start]). It
+    ends as an interpreter does, threads joined and exit callbacks run, but without
+    the interpreter's teardown: what tests that teardown runs a real launcher."""
+    import torch.distributed as dist
+
+    ctx, _ = _context(start)
+    base = dict(os.environ if env is None else env)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if world > 1 else None
+    if store is not None:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world))
+        base.update(LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
+        base.update(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        procs = []
+        for r in range(world):
+            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)} if store is not None else base
+            procs.append(ctx.Process(target=_main_entry, args=(main, argv, rank_env, cwd, out, err)))
+            procs[-1].start()
+        late, code = _wait_as_a_launcher(procs, timeout_s)
+        with open(out) as f_out, open(err) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    del store
+    cmd = [getattr(main, "__module__", "main"), *argv]
+    if late:
+        raise subprocess.TimeoutExpired(cmd, timeout_s, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 # ---- what a step asks of the host (CPU proxies for CUDA synchronisation) ----

@@ -223,10 +223,10 @@ def test_one_block_compiles_to_one_graph_without_breaks() -> None:
 
 @pytest.mark.slow  # 35 s on 2 cores; the CI tier compiles blocks in the parity tests above
 def test_isp_train_compile_reports_first_step_apart(tmp_path) -> None:
-    from tests.test_train import torchrun
+    from tests.test_train import isp_train
 
     out = tmp_path / "run"
-    res = torchrun(2, "--steps", "3", "--compile", "--no-trace", "--layers", "2", "--out", str(out))
+    res = isp_train(2, "--steps", "3", "--compile", "--no-trace", "--layers", "2", "--out", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "first step (compilation and warm-up included)" in res.stdout + res.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -35,11 +34,9 @@ def _store(folder: str, n_docs: int = 120, seed: int = 0) -> str:
 
 
 def _train(*args: str, n: int = 1) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "isp_comm.train", *TINY, "--no-trace", *args]
-    if n > 1:
-        cmd[3:3] = ["--nproc-per-node", str(n)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    from tests.test_train import isp_train
+
+    return isp_train(n, *TINY, "--no-trace", *args, timeout=150)
 
 
 def _rows(out: str) -> dict[int, dict]:

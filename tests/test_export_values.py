@@ -7,8 +7,6 @@ peft; this one is cheap enough to run on every change."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -43,21 +41,21 @@ def _full_state_dict(rank: int, world: int, model_dir: str, checkpoints: str, lo
 
 def _run(tmp_path, name: str, *flags: str) -> tuple[str, str]:
     """A 2-step isp-train run on a tiny transformers folder; (model folder, checkpoints)."""
-    from tests.test_train import _hf_folder
+    from tests.test_train import _hf_folder, isp_train
 
     data, model_dir, out = tmp_path / "corpus.txt", tmp_path / "model", tmp_path / name
     if not model_dir.exists():
         data.write_text(TEXT)
         _hf_folder(model_dir, TEXT)
-    cmd = [sys.executable, "-m", "isp_comm.train", "--model", str(model_dir), "--data", str(data), "--out", str(out)]
-    res = subprocess.run([*cmd, *SCALE, *flags], capture_output=True, text=True, timeout=180)
+    res = isp_train(1, "--model", str(model_dir), "--data", str(data), "--out", str(out), *SCALE, *flags, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     return str(model_dir), str(out / "checkpoints")
 
 
 def _export(checkpoints: str, *args: str) -> None:
-    cmd = [sys.executable, "-m", "isp_comm.train.export", checkpoints, *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    from tests.test_train import export_cli
+
+    res = export_cli(checkpoints, *args)
     assert res.returncode == 0, res.stderr[-3000:]
 
 

@@ -348,16 +348,14 @@ def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) ->
     unattributed (the save is not counted), rank 0's engine-sized parts equal the
     forecast of the run's own flags, and rank 0 prints them."""
     import json
-    import subprocess
-    import sys
+
+    from tests.test_train import isp_train
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "isp_comm.train", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
-    cmd += ["--batch", "4", "--seq", "32"]
+    cmd = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
     cmd += ["--steps", "3", "--grad-accum", "2", "--eval-every", "2", "--eval-split", "0.1"]
     cmd += ["--save-every", "2", "--async-save"]  # its staged copies outlive the save: not a step's
-    res = subprocess.run([*cmd, "--memory-breakdown", "--out", str(out)], capture_output=True, text=True, timeout=200)
+    res = isp_train(2, *cmd, "--memory-breakdown", "--out", str(out), timeout=200)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "memory breakdown of rank 0, steps 2-3" in res.stdout, res.stdout
     assert "| part | category | measured MiB | forecast MiB |" in res.stdout, res.stdout

@@ -297,9 +297,10 @@ def test_profile_file_round_trip(tmp_path) -> None:
 
 
 def _plan(*flags: str, env: dict | None = None, timeout: float = 100) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", *flags]
+    from tests.test_train import isp_train
+
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ISP_COMM_PLAN_CALIBRATE": "0", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return isp_train(1, "--plan", *flags, env=env, timeout=timeout)
 
 
 @pytest.mark.timeout(120)

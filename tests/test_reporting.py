@@ -14,9 +14,10 @@ import sys
 import numpy as np
 import pytest
 
+from isp_comm.testing import run_main
 from isp_comm.train.reporting import parse_report_to
 from isp_comm.train.reporting.scalars import TAGS, is_reported, scalars
-from tests.test_train import SMALL, _train1, torchrun
+from tests.test_train import SMALL, _train1, isp_train
 
 pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -60,7 +61,7 @@ def test_tensorboard_at_two_ranks_holds_metrics_and_a_resume_continues(tmp_path)
     a resume to 30 in the same folder adds steps 25 and 30."""
     out = str(tmp_path / "run")
     common = [*SMALL, "--no-trace", "--log-every", "5", "--eval-every", "10", "--eval-split", "0.1"]
-    res = torchrun(2, *common, "--report-to", "tensorboard", "--steps", "20", "--out", out)
+    res = isp_train(2, *common, "--report-to", "tensorboard", "--steps", "20", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1  # one writer: rank 0's
     acc = _accumulator(out)
@@ -76,7 +77,7 @@ def test_tensorboard_at_two_ranks_holds_metrics_and_a_resume_continues(tmp_path)
     flags = _hparams(acc)
     assert flags["steps"] == 20 and flags["world"] == 2 and flags["report_to"] == "tensorboard"
 
-    res = torchrun(2, *common, "--report-to", "tensorboard", "--steps", "30", "--out", out, "--resume")
+    res = isp_train(2, *common, "--report-to", "tensorboard", "--steps", "30", "--out", out, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(os.listdir(os.path.join(out, "tensorboard"))) == 2  # one event file per run
     acc, rows = _accumulator(out), _rows(out)
@@ -184,11 +185,18 @@ def test_wandb_offline_and_tensorboard_in_a_virtual_run(tmp_path) -> None:
     assert len(glob.glob(os.path.join(out, "wandb", "offline-run-*"))) == 2
 
 
+def _main_without(argv: list[str]) -> None:
+    """isp-train's main, ``argv[0]`` a package it then cannot import."""
+    sys.modules[argv[0]] = None  # type: ignore[assignment]
+    from isp_comm.train.__main__ import main
+
+    main(argv[1:])
+
+
 def _without(package: str, *args: str) -> subprocess.CompletedProcess:
-    """isp-train in a Python where ``package`` cannot be imported."""
-    code = f"import sys; sys.modules[{package!r}] = None; from isp_comm.train.__main__ import main; main()"
-    cmd = [sys.executable, "-c", code, *SMALL, "--steps", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    """isp-train in a Python where ``package`` cannot be imported (forked, as
+    tests/test_train.py's isp_train)."""
+    return run_main(_main_without, [package, *SMALL, "--steps", "2", *args], timeout_s=60)
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])

@@ -443,12 +443,12 @@ def test_isp_train_state_sharding_world_resumes_under_wp(tmp_path) -> None:
     losses; its export loads strictly into the unwrapped model."""
     import shutil
 
-    from tests.test_train import SMALL, export_cli, losses, torchrun
+    from tests.test_train import SMALL, export_cli, isp_train, losses
 
     a, b, c = (str(tmp_path / n) for n in "abc")
     common = [*SMALL, "--steps", "4", "--save-every", "2", "--no-trace", "--wp", "2"]
     for out, sharding in ((a, "world"), (b, "wp")):
-        res = torchrun(4, *common, "--state-sharding", sharding, "--out", out)
+        res = isp_train(4, *common, "--state-sharding", sharding, "--out", out)
         assert res.returncode == 0, res.stderr[-3000:]
     # fp32 on CPU: the replica sums come in another order (a reduce-scatter, not an
     # all-reduce), a few ulps per step (the resume test of test_train measures 0 to
@@ -458,7 +458,7 @@ def test_isp_train_state_sharding_world_resumes_under_wp(tmp_path) -> None:
     shutil.rmtree(os.path.join(c, "checkpoints", "step_000004"))
     with open(os.path.join(c, "checkpoints", "latest"), "w") as f:
         f.write("step_000002")
-    res = torchrun(4, *SMALL, "--steps", "4", "--no-trace", "--wp", "4", "--resume", "--out", c)
+    res = isp_train(4, *SMALL, "--steps", "4", "--no-trace", "--wp", "4", "--resume", "--out", c)
     assert res.returncode == 0, res.stderr[-3000:]
     assert max(abs(losses(a)[s] - losses(c)[s]) for s in (3, 4)) < 2e-6, (losses(a), losses(c))
     pt = str(tmp_path / "model.pt")

@@ -134,10 +134,10 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "
 
 
 def _isp_train(n: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n else []
-    cmd = (cmd + ["-m", "isp_comm.train"]) if n else [sys.executable, "-m", "isp_comm.train"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=200, env=env)
+    """isp-train on ``n`` ranks as torchrun starts them, or as one process (0)."""
+    from tests.test_train import isp_train
+
+    return isp_train(max(n, 1), *args)
 
 
 @pytest.mark.timeout(240)

@@ -14,20 +14,33 @@ import time
 import pytest
 import torch
 
+from isp_comm.testing import run_main
+
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 
 
 def torchrun(n: int, *args: str, timeout: float = 200, env: dict | None = None) -> subprocess.CompletedProcess:
+    """isp-train under torchrun itself: for what tests the launch (the main job's contract)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
     cmd += ["-m", "isp_comm.train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def isp_train(n: int, *args: str, timeout: float = 200, env: dict | None = None) -> subprocess.CompletedProcess:
+    """isp-train on ``n`` ranks that meet as torchrun's do, forked from the suite's
+    server (isp_comm.testing.run_main): a 2-rank run starts in a fraction of a second,
+    not the ~12 s of CPU that torchrun's three interpreters spend importing torch on
+    two cores. What tests the launch itself runs :func:`torchrun`."""
+    from isp_comm.train import main
+
+    return run_main(main, list(args), world=n, env=env, timeout_s=timeout)
+
+
 def export_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "isp_comm.train.export", *args]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    """isp-export, forked as :func:`isp_train` is."""
+    from isp_comm.train.export import main
+
+    return run_main(main, list(args), cwd=cwd, timeout_s=120)
 
 
 def losses(out: str) -> dict[int, float]:
@@ -96,11 +109,11 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
     common = [*SMALL, "--steps", "6", "--save-every", "2", "--no-trace"]
     _plain_run_and_export(a, str(tmp_path / "model.pt"))
 
-    killed = torchrun(2, *common, "--async-save", "--out", b, env={**os.environ, KILL_AT_COMMIT_ENV: "4"})
+    killed = isp_train(2, *common, "--async-save", "--out", b, env={**os.environ, KILL_AT_COMMIT_ENV: "4"})
     assert killed.returncode != 0
     ckpts = sorted(os.listdir(os.path.join(b, "checkpoints")))
     assert "step_000002" in ckpts and "step_000004.partial" in ckpts and "step_000004" not in ckpts, ckpts
-    res = torchrun(2, *common, "--async-save", "--out", b, "--resume")
+    res = isp_train(2, *common, "--async-save", "--out", b, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step_000004.partial" not in os.listdir(os.path.join(b, "checkpoints"))
     assert losses(a) == losses(b)  # bitwise, from step 2 on
@@ -113,7 +126,7 @@ def test_resume_after_kill_export_and_corruption(tmp_path) -> None:
         f.truncate(os.path.getsize(victim) // 2)
     way_on = " (checksum mismatch); the newest before it is step_000004 (not checked): move step_000006 out of"
     _one_line_error(
-        torchrun(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated{way_on}"
+        isp_train(2, *common, "--steps", "10", "--out", b, "--resume"), f"{victim} is corrupted or truncated{way_on}"
     )
     # isp-export refuses it as a resume does (it exported the corrupted weights, exit 0)
     res = export_cli(b, "-o", str(tmp_path / "bad.pt"))
@@ -132,7 +145,7 @@ def _plain_run_and_export(out: str, pt: str) -> torch.nn.Module:
     the unwrapped reference model (returned)."""
     from isp_comm.models.llama import LlamaConfig, build, llama_ffn_hidden
 
-    assert torchrun(2, *SMALL, "--steps", "6", "--save-every", "2", "--no-trace", "--out", out).returncode == 0
+    assert isp_train(2, *SMALL, "--steps", "6", "--save-every", "2", "--no-trace", "--out", out).returncode == 0
     res = export_cli(os.path.join(out, "checkpoints"), "-o", pt)
     assert res.returncode == 0, res.stderr
     plain = build(
@@ -150,9 +163,9 @@ def test_resume_at_another_wp_and_export(tmp_path) -> None:
     b, c = str(tmp_path / "b"), str(tmp_path / "c")
     plain = _plain_run_and_export(b, str(tmp_path / "model.pt"))
     shutil.copytree(b, c)
-    res = torchrun(4, *SMALL, "--steps", "8", "--no-trace", "--out", b, "--resume")  # wp 2 -> wp 4
+    res = isp_train(4, *SMALL, "--steps", "8", "--no-trace", "--out", b, "--resume")  # wp 2 -> wp 4
     assert res.returncode == 0, res.stderr[-3000:]
-    res = torchrun(2, *SMALL, "--steps", "8", "--no-trace", "--out", c, "--resume")  # the same at wp 2
+    res = isp_train(2, *SMALL, "--steps", "8", "--no-trace", "--out", c, "--resume")  # the same at wp 2
     assert res.returncode == 0, res.stderr[-3000:]
     after, same_wp = losses(b), losses(c)
     assert sorted(after) == list(range(1, 9)) and all(after[s] == same_wp[s] for s in range(1, 7))
@@ -194,8 +207,8 @@ def test_a_resume_whose_model_flags_differ_names_them(tmp_path) -> None:
     run's value. Before, it gave DCP's message alone: a size mismatch for embed.weight."""
     out = str(tmp_path / "run")
     small = [*SMALL[:3], "48", *SMALL[4:]]  # --hidden 48
-    assert torchrun(2, *small, "--steps", "2", "--out", out).returncode == 0
-    res = torchrun(2, *SMALL, "--steps", "4", "--out", out, "--resume", "auto")
+    assert isp_train(2, *small, "--steps", "2", "--out", out).returncode == 0
+    res = isp_train(2, *SMALL, "--steps", "4", "--out", out, "--resume", "auto")
     _one_line_error(res, "its run had --hidden 48 (this run: --hidden 32): give its model flags")
 
 
@@ -231,33 +244,26 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "world, args, text",
+    "args, text",
     [
-        # world 2 under torchrun: rank 0 alone prints (config.fail), for a mistake argparse
-        # finds, one the config's checks find, one found making the run folder and one
-        # found once the ranks have met; the others, which take the same way out as the
-        # second, as one process (a torchrun at world 2 is about 10 s on two cores, one
-        # process 3)
-        (2, ["--bogus"], "unrecognized arguments: --bogus"),
-        (2, ["--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3"),
-        (2, ["--out", "/dev/null/run"], "--out /dev/null/run: cannot create it"),
-        (2, ["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
-        (1, ["--steps", "0"], "--steps must be >= 1"),
-        (1, ["--ckpt", "2"], "--ckpt must be in [0, 1]"),
-        (1, ["--data", "/nonexistent/file.txt"], "no such file"),
+        # at world 2, where rank 0 alone prints (config.fail): mistakes argparse finds,
+        # the config's checks find, making the run folder finds, and one found once the
+        # ranks have met
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3"),
+        (["--out", "/dev/null/run"], "--out /dev/null/run: cannot create it"),
+        (["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
+        (["--data", "/nonexistent/file.txt"], "no such file"),
         # a folder was once "no such file"
-        (1, ["--init-from", "tests"], "--init-from tests is a folder: it takes an exported model.pt"),
-        (1, ["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),
+        (["--init-from", "tests"], "--init-from tests is a folder: it takes an exported model.pt"),
+        (["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),
     ],
 )
-def test_bad_flags_fail_with_one_line(world: int, args: list[str], text: str, tmp_path) -> None:
+def test_bad_flags_fail_with_one_line(args: list[str], text: str, tmp_path) -> None:
     out = [] if "--out" in args else ["--out", str(tmp_path / "run")]  # not the main job's folder, which holds a run
-    if world == 1:
-        cmd = [sys.executable, "-m", "isp_comm.train", *args, *out]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
-    else:
-        res = torchrun(world, *args, *out, timeout=100)
-    _one_line_error(res, text)
+    _one_line_error(isp_train(2, *args, *out, timeout=100), text)
 
 
 @pytest.mark.timeout(120)
@@ -267,10 +273,12 @@ def test_bad_data_fails_with_one_line(tmp_path) -> None:
     # --out under tmp_path: the default runs/isp-train is the working directory's, where
     # the README's main job leaves checkpoints that would be refused first
     out = str(tmp_path / "run")
-    _one_line_error(torchrun(2, "--data", str(empty), "--out", out, timeout=100), "holds no tokens")
+    _one_line_error(isp_train(2, "--data", str(empty), "--out", out, timeout=100), "holds no tokens")
     short = tmp_path / "short.txt"
     short.write_text("hello")
-    _one_line_error(torchrun(2, "--data", str(short), "--seq", "64", "--out", out, timeout=100), "longer than the data")
+    _one_line_error(
+        isp_train(2, "--data", str(short), "--seq", "64", "--out", out, timeout=100), "longer than the data"
+    )
 
 
 @pytest.mark.timeout(200)
@@ -279,7 +287,7 @@ def test_text_data_and_toml_config(tmp_path) -> None:
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'steps = 3\nlayers = 2\nhidden = 32\nheads = 4\nkv_heads = 2\nout = "{tmp_path / "out"}"\n')
-    res = torchrun(2, "--config", str(cfg), "--data", str(text), "--seq", "16", "--batch", "2")
+    res = isp_train(2, "--config", str(cfg), "--data", str(text), "--seq", "16", "--batch", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(losses(str(tmp_path / "out"))) == [1, 2, 3]
 
@@ -287,7 +295,7 @@ def test_text_data_and_toml_config(tmp_path) -> None:
 @pytest.mark.timeout(200)
 def test_sequence_parallel_run_traces_all_to_all(tmp_path) -> None:
     out = str(tmp_path / "sp")
-    res = torchrun(
+    res = isp_train(
         4, *SMALL, "--steps", "3", "--sp", "2", "--wp", "2", "--shard-outer", "--vocab-parallel", "--bf16", "--out", out
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -315,7 +323,7 @@ def test_lora_run_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     from isp_comm.models.llama import LlamaConfig, build, llama_ffn_hidden
 
     out = str(tmp_path / "lora")
-    res = torchrun(2, *SMALL, "--steps", "3", "--save-every", "1", "--lora-rank", "4", "--no-trace", "--out", out)
+    res = isp_train(2, *SMALL, "--steps", "3", "--save-every", "1", "--lora-rank", "4", "--no-trace", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     first = _export(os.path.join(out, "checkpoints", "step_000001"), str(tmp_path / "1.pt"))
     last = _export(os.path.join(out, "checkpoints", "step_000003"), str(tmp_path / "3.pt"))
@@ -363,7 +371,7 @@ def test_hf_model_trains_exports_and_generates(tmp_path) -> None:
     _hf_folder(model_dir, text)
     args = ["--model", str(model_dir), "--tokenizer", str(model_dir), "--data", str(data), "--seq", "32"]
     # bf16 on a meta-built model: the blocks' norm weights are cast from their real masters
-    res = torchrun(4, *args, "--batch", "4", "--shard-outer", "--bf16", "--steps", "16", "--no-trace", "--out", out)
+    res = isp_train(4, *args, "--batch", "4", "--shard-outer", "--bf16", "--steps", "16", "--no-trace", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     curve = losses(out)
     assert curve[16] < curve[1] - 1.0, curve  # ln(vocab) ~ 5.7 at the random start; the text repeats
@@ -433,7 +441,7 @@ def test_vocabulary_larger_than_the_model_is_one_line(tmp_path) -> None:
     assert n > 200
     out = str(tmp_path / "run")  # not the working directory's runs/isp-train (see test_bad_data_fails_with_one_line)
     args = ["--model", str(small), "--data", str(data), "--seq", "16", "--steps", "1", "--out", out]
-    res = torchrun(1, *args, timeout=100)
+    res = isp_train(1, *args, timeout=100)
     _one_line_error(res, f"has a vocabulary of {n} tokens, more than the model's 200")
 
 
@@ -482,7 +490,7 @@ def test_grad_accum_equals_the_larger_batch_and_logs_plainly(tmp_path) -> None:
     runs = {}
     for name, flags in (("accum", ["--batch", "4", "--grad-accum", "2"]), ("big", ["--batch", "8"])):
         out = str(tmp_path / name)
-        res = torchrun(2, *SMALL, "--steps", "4", "--no-trace", "--log-every", "2", "--out", out, *flags)
+        res = isp_train(2, *SMALL, "--steps", "4", "--no-trace", "--log-every", "2", "--out", out, *flags)
         assert res.returncode == 0, res.stderr[-2000:]
         assert "\r" not in res.stdout + res.stderr
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -524,7 +532,7 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(
     args += ["--sp", "2", "--wp", str(world // 2)] if world > 1 else []  # world 1: one process
     args += ["--lora-rank", "4", "--no-trace", "--lr", "1e-2", "--save-every", "2", "--state-sharding", sharding]
     out, again = str(tmp_path / "run"), str(tmp_path / "again")
-    train = (lambda *a: torchrun(world, *a)) if world > 1 else (lambda *a: _train1(*a))
+    train = (lambda *a: isp_train(world, *a)) if world > 1 else (lambda *a: _train1(*a))
     res = train(*args, "--steps", "4", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
     shutil.copytree(out, again)
@@ -564,9 +572,8 @@ def test_lora_on_a_hf_folder_resumes_bitwise_and_exports_both_ways(
 
 
 def _train1(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """isp-train as one process (world 1), small and quick."""
-    cmd = [sys.executable, "-m", "isp_comm.train", *SMALL, "--no-trace", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    """isp-train as one process (world 1), small and quick (forked: :func:`isp_train`)."""
+    return isp_train(1, *SMALL, "--no-trace", *args, timeout=120, env=env)
 
 
 def _one_line(res: subprocess.CompletedProcess, *words: str) -> str:
