@@ -468,3 +468,33 @@ def test_more_ranks_than_cores_share_them() -> None:
     res = _plan("--nproc-per-node", str(n), "--batch", str(n), "--layers", "2", "--hidden", "32", "--heads", "4")
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"{n} ranks on {cores} cores: each rank computes {cores}/{n} of the time" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("sharding, overlap", [("world", True), ("wp", False)])
+def test_micro_steps_that_repeat_are_added_not_replayed(monkeypatch, sharding: str, overlap: bool) -> None:
+    """[Note: micro-steps repeat]: 16 micro-steps on 2 nodes, the state over the world
+    (replica gathers in the first, replica reduce-scatters in each) or not, with and
+    without overlap: three are replayed, and every figure is the replay of all 16's,
+    up to float rounding (the sums come in another order)."""
+    import isp_comm.planner.step as stepmod
+
+    model = _meta(n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, vocab_size=1024)
+    prof = dataclasses.replace(profiles.from_target(parse_target("h100x4", nodes=2)), overlap=overlap)
+    cfg = ISPConfig(state_sharding=sharding)
+    kw = dict(world=8, wp=4, sp=1, batch=32, seq=256, grad_accum=16)
+    forwards = []
+    real = stepmod._forward
+    monkeypatch.setattr(stepmod, "_forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    fast = step_time(model, cfg, prof, **kw)
+    assert len(forwards) == 3
+    monkeypatch.setattr(stepmod, "STEADY_TOLERANCE_S", -1.0)  # never the same: every micro-step replayed
+    every = step_time(model, cfg, prof, **kw)
+    assert len(forwards) == 3 + 16
+    pairs = [(fast.step_s, every.step_s), (fast.tokens_per_s, every.tokens_per_s)]
+    for name in ("phases", "exposed_comm", "link_busy_s"):
+        mine, theirs = getattr(fast, name), getattr(every, name)
+        assert set(mine) == set(theirs), name
+        pairs += [(mine[k], theirs[k]) for k in theirs]
+    assert every.exposed_comm["backward"] > 0 or not overlap  # the links are busy enough to matter
+    for got, want in pairs:
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15)

@@ -107,6 +107,23 @@ class TierSchedule:
         self._group_end[group] = end
         return end
 
+    def ahead(self, now: float) -> tuple[tuple[Hashable, float], ...]:
+        """What is still busy past ``now``: each tier's and group's end, less ``now``
+        (0 when it is free). Two schedules with the same ``ahead`` place every
+        collective issued from then on alike, one shifted from the other."""
+        ends = [*self._tier_free.items(), *((("group", g), e) for g, e in self._group_end.items())]
+        return tuple(sorted(((key, max(end - now, 0.0)) for key, end in ends), key=repr))
+
+    def repeat(self, shift: float, busy: dict[str, float], times: int) -> None:
+        """As if what was placed since the schedule looked as it does now, shifted
+        by ``shift`` before, had been placed ``times`` more times: every end moves
+        ``times * shift`` on and each tier is ``busy[tier]`` longer each time."""
+        for ends in (self._tier_free, self._group_end):
+            for key in ends:
+                ends[key] += times * shift
+        for tier, seconds in busy.items():
+            self.busy[tier] = self.busy.get(tier, 0.0) + times * seconds
+
     def horizon(self) -> float:
         """When every collective placed so far has ended."""
         return max(self._group_end.values(), default=0.0)
