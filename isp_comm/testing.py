@@ -214,7 +214,9 @@ def _main_entry(
     if cwd is not None:
         os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.argv = [getattr(main, "__module__", "main"), *argv]
     try:
         code: Any = main(list(argv))  # a console script's sys.exit(main())
