@@ -3,6 +3,8 @@
 Each rank is a spawned process with one intra-op thread; the function's return
 values come back in rank order, and any rank's exception fails the caller with that
 rank's traceback. Past ``timeout_s`` every rank is killed and the test fails.
+:func:`run_main` runs a command line's main the same way, on ranks that meet as
+torchrun's workers do, and returns what a launcher's process would have.
 """
 
 from __future__ import annotations
@@ -203,9 +205,9 @@ def run_ranks(
 def _main_entry(
     main: Callable[[list[str]], Any], argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str
 ) -> None:
-    """A worker of :func:`run_main`: ``main(argv)`` with stdout and stderr appended to
-    the files ``out`` and ``err`` (in ``cwd``, if given), ended as an interpreter ends (threads joined, then
-    exit callbacks), with the exit code it would have had."""
+    """A worker of :func:`run_main`: ``main(argv)`` in ``cwd`` (if given), its stdout
+    and stderr appended to the files ``out`` and ``err``, ended as an interpreter ends
+    (threads joined, then exit callbacks) with the exit code it would have had."""
     import atexit
     import threading
 
@@ -277,8 +279,8 @@ def run_main(
     start: str | None = None,
 ) -> subprocess.CompletedProcess:
     """``main(argv)`` (a command line's entry point, such as ``isp_comm.train.main``,
-    which exits or returns its exit code) on
-    ``world`` processes that meet as torchrun's workers do: ``RANK``, ``WORLD_SIZE``,
+    which exits or returns its exit code) on ``world`` processes that meet as
+    torchrun's workers do: ``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT`` of a store this process hosts, as torchrun's agent
     hosts it. Returns what ``subprocess.run(..., capture_output=True, text=True)``
     returns for a launcher: every worker's stdout and stderr, interleaved, and the exit

@@ -526,11 +526,12 @@ def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, expose
     compute. Once one ends with the links as the one before it ended, relative to the
     compute clock (:meth:`TierSchedule.ahead`; in practice every collective done, as
     the backward waits for its reductions), each later one starts alike and takes the
-    same time: they are added at once, not replayed (a 70B step of 16 micro-steps,
-    80 blocks each, replays 3 of them, not 16)."""
+    same time: they are added at once, not replayed (a 70B step of 64 micro-steps,
+    80 blocks each, replays 3 of them)."""
     before = None
     for micro in range(grad_accum):
-        start = (clock.t, clock.exposed, dict(phases), dict(exposed), dict(clock.links.busy))
+        t_start, e_start, busy_start = clock.t, clock.exposed, dict(clock.links.busy)
+        phases_start, exposed_start = dict(phases), dict(exposed)
         for phase in ("forward", "backward"):
             t0, e0 = clock.t, clock.exposed
             if phase == "forward":
@@ -542,11 +543,11 @@ def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, expose
         ahead = clock.links.ahead(clock.t)
         left = grad_accum - micro - 1
         if micro >= 2 and left and _same(ahead, before):
-            shift = clock.t - start[0]
-            clock.links.repeat(shift, {k: v - start[4].get(k, 0.0) for k, v in clock.links.busy.items()}, left)
+            shift = clock.t - t_start
+            clock.links.repeat(shift, {k: v - busy_start.get(k, 0.0) for k, v in clock.links.busy.items()}, left)
             clock.t += left * shift
-            clock.exposed += left * (clock.exposed - start[1])
-            for totals, then in ((phases, start[2]), (exposed, start[3])):
+            clock.exposed += left * (clock.exposed - e_start)
+            for totals, then in ((phases, phases_start), (exposed, exposed_start)):
                 for key in totals:
                     totals[key] += left * (totals[key] - then[key])
             return
