@@ -239,6 +239,16 @@ def _main_entry(
     os._exit(code or 0)
 
 
+def agent_env(world: int, port: int) -> dict[str, str]:
+    """What torchrun's agent gives each of ``world`` workers but its rank: the
+    rendezvous on a store the agent hosts at ``port`` on this host (every worker joins
+    it as a client, so no worker's exit ends it), the first attempt. Add ``RANK`` and
+    ``LOCAL_RANK`` per worker."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    return env
+
+
 def _wait_as_a_launcher(procs: list[Any], timeout_s: float) -> tuple[bool, int]:
     """Wait for ``procs`` as torchrun's agent does: once one exits non-zero the others
     get SIGTERM, then SIGKILL after the agent's shutdown timeout
@@ -298,9 +308,7 @@ def run_main(
     base = dict(os.environ if env is None else env)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if world > 1 else None
     if store is not None:
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world))
-        base.update(LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
-        base.update(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        base.update(agent_env(world, store.port))
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         for path in (out, err):

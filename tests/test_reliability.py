@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from isp_comm import ISPCommTimeout
 from isp_comm.backends.shm import Segment, segment_name, stale_segments
-from isp_comm.testing import run_ranks
+from isp_comm.testing import agent_env, run_ranks
 from tests.parity import Case, batches, loss_fn, train_isp
 
 DEADLINE = 4.0
@@ -197,9 +197,7 @@ def _plain_ranks(script: str, args: list[str], world: int, timeout: float) -> li
     Each rank runs with faulthandler on: an abort prints its threads' Python stacks.
     Returns each rank's exit code and stderr."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "PYTHONPATH": ".", "PYTHONFAULTHANDLER": "1", "WORLD_SIZE": str(world)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), LOCAL_WORLD_SIZE=str(world))
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    env = {**os.environ, "PYTHONPATH": ".", "PYTHONFAULTHANDLER": "1", **agent_env(world, store.port)}
     procs = [
         subprocess.Popen(
             [sys.executable, script, *args],

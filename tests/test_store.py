@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from isp_comm.train.store import check_data, open_store, prepare_store, store_path, write_store
+from tests.test_train import isp_train
 
 
 @pytest.mark.parametrize("vocab,dtype", [(300, "uint16"), (65_536, "uint16"), (128_256, "uint32"), (151_936, "uint32")])
@@ -133,13 +134,6 @@ def test_check_data_refusals(tmp_path):
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "2", "--seq", "16"]
 
 
-def _isp_train(n: int, *args: str) -> subprocess.CompletedProcess:
-    """isp-train on ``n`` ranks as torchrun starts them, or as one process (0)."""
-    from tests.test_train import isp_train
-
-    return isp_train(max(n, 1), *args)
-
-
 @pytest.mark.timeout(240)
 def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
     from isp_comm.testing import tiny_tokenizer
@@ -150,12 +144,12 @@ def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     cache = tmp_path / "cache"
     args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(data), "--tokenizer", str(tmp_path / "tok")]
-    res = _isp_train(2, *args, "--data-cache", str(cache), "--out", str(tmp_path / "a"))
+    res = isp_train(2, *args, "--data-cache", str(cache), "--out", str(tmp_path / "a"))
     assert res.returncode == 0, res.stderr[-3000:]
     (store,) = os.listdir(cache)
     assert "vocabulary 300" in res.stdout, res.stdout
     args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(cache / store), "--out", str(tmp_path / "b")]
-    res = _isp_train(2, *args)
+    res = isp_train(2, *args)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(tmp_path / "a" / "metrics.jsonl") as fa, open(tmp_path / "b" / "metrics.jsonl") as fb:
         assert [json.loads(r)["loss"] for r in fa] == [json.loads(r)["loss"] for r in fb]  # the same tokens
@@ -178,7 +172,7 @@ def test_bad_data_is_refused_before_ranks_start(tmp_path):
     np.save(tmp_path / "neg.npy", np.array([1, -1], dtype=np.int64))
     (tmp_path / "x.csv").write_text("1,2")
     for name, text in [("f.npy", "integers"), ("neg.npy", "negative"), ("gone.npy", "no such"), ("x.csv", "kind")]:
-        res = _isp_train(0, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
+        res = isp_train(1, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr
 
