@@ -6,7 +6,7 @@ For each size, a store of random uint16 tokens is written (into --tmp, removed a
 then isp-train runs its default model and batch on it (packed rows, the batches read
 ahead by the data thread) at --world ranks. From rank 0's metrics.jsonl it takes:
 
-* ``peak_rss_mib`` of the last row (ru_maxrss: mapped pages a rank touched count too);
+* ``peak_rss_mib`` of the last row (VmHWM: mapped pages a rank touched count too);
 * the loading stall: ``data_wait_s`` (the time the loop waited for its batch) summed
   over the steps after the first, as a share of their ``step_s``, and its largest value.
   The first step is left out: the thread starts with the loop, so it always waits once.

@@ -8,7 +8,7 @@ reference llama, sequence length, batch, checkpointing, and wp against sp),
 isp-train trains the same flags ``--repeats`` times, in rounds (the whole grid once a
 round). Measured per run: the median ``step_s`` of metrics.jsonl after its first two
 steps (warm-up; over 20 steps, a slow stretch of a few steps is not the median), and
-rank 0's ``peak_rss_mib`` (ru_maxrss: what the run's highest moment held, baseline included);
+rank 0's ``peak_rss_mib`` (VmHWM: what the run's highest moment held, baseline included);
 over runs, the median (and range) of both. Predicted: ``step_s`` and the highest of
 the wrap, forward, backward and optimizer phases (the run's last checkpoint is
 saved after its last metrics row). Then ``--search`` for one model and global batch

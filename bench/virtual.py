@@ -60,7 +60,6 @@ import argparse
 import dataclasses
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -73,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
 from isp_comm.models.llama import LlamaConfig  # noqa: E402
 from isp_comm.testing import run_virtual  # noqa: E402
+from isp_comm.train.metrics import peak_rss_bytes  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,7 +358,7 @@ def _peak(device: torch.device) -> dict:
             "peak_alloc_mib": torch.cuda.max_memory_allocated(device) / 2**20,
             "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
         }
-    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"peak_rss_mib": peak_rss_bytes() / 2**20}
 
 
 def _sync(device: torch.device) -> None:

@@ -837,6 +837,21 @@ def test_an_isp_train_step_reads_the_host_once_and_copies_nothing_to_the_device(
         assert seen[1] == (["tolist"], []), seen
 
 
+@pytest.mark.timeout(60)
+def test_peak_rss_is_the_processs_own_not_its_parents() -> None:
+    """A process started by a larger one logged its parent's size as its peak RSS
+    (``ru_maxrss`` carries over fork and exec): a virtual run of 560 MiB started from
+    a pytest worker of 630 MiB logged 630. A child of a process holding 1.5 GiB more
+    reads its own peak (importing torch: about 300 MiB here)."""
+    held = torch.ones(3 * 2**27)  # 1.5 GiB, every page touched
+    code = "import torch; from isp_comm.train.metrics import StepMeter; print(StepMeter(torch.device('cpu')).read(0.0))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    del held
+    assert res.returncode == 0, res.stderr[-2000:]
+    peak = float(res.stdout.split("'peak_rss_mib': ")[1].split("}")[0])
+    assert 0 < peak < 1024, res.stdout
+
+
 @pytest.mark.serial  # a ratio of two timings
 def test_tokens_per_s_leaves_checkpoint_saves_out(tmp_path) -> None:
     """Saving every step of a tiny model takes longer than its steps: tokens/s counted

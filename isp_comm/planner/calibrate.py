@@ -417,8 +417,8 @@ QUICK_STEPS = (10, 10, 8)
 
 def tiny_runs(worlds: Sequence[int], quick: bool = False) -> dict[int, list[dict]]:
     """The calibration model trained by isp-train at each world (:data:`RUNS`, for
-    :data:`RUN_STEPS`). Run first, while this process is small: a child's peak RSS
-    (``ru_maxrss``) starts from its parent's at the fork."""
+    :data:`RUN_STEPS`): each run's peak RSS is its own (``VmHWM``,
+    :func:`~isp_comm.train.metrics.peak_rss_bytes`), whatever this process holds."""
     with tempfile.TemporaryDirectory() as tmp:
         out: dict[int, list[dict]] = {}
         for w in worlds:
@@ -432,8 +432,8 @@ def tiny_runs(worlds: Sequence[int], quick: bool = False) -> dict[int, list[dict
 def large_again(worlds: Sequence[int]) -> dict[int, dict]:
     """The large framework run (the last of :data:`RUNS`) again at each world, at the
     end of a calibration: its step against the first one's says whether the machine
-    kept its speed (:func:`noise`); its RSS, inflated by this process's at the fork, is
-    not read. A quick calibration leaves it out."""
+    kept its speed (:func:`noise`); its RSS is not read. A quick calibration leaves it
+    out."""
     blocks, seq, per_rank = RUNS[-1]
     steps = RUN_STEPS[-1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -508,16 +508,14 @@ def noise(probes: Sequence[float], runs: dict[int, list[dict]], again: dict[int,
     against :data:`NOISE_LIMIT`:
 
     * ``probe_spread``: a fixed piece of work (:func:`probe`) timed between the stages
-      run in this process (after the framework runs, between the micro-benchmarks,
-      after the collectives, at the end): the slowest over the fastest, less 1;
+      (before and after the framework runs, between the micro-benchmarks, after the
+      collectives, at the end): the slowest over the fastest, less 1;
     * ``run_spread``: the largest interquartile range over median of the steps of any
       framework run (:func:`spread`): a slow stretch inside a run;
     * ``repeat_spread``: the large framework run, the one that solves how much slower
       kernels run inside a step, run again at the end: how far its two medians lie
       apart over the smaller one (a slow minute during one of them).
 
-    The probe cannot run before the framework runs: a child's peak RSS starts from
-    this process's at the fork, and the runs' RSS is measured (:func:`tiny_runs`).
     What none of them sees: a machine busy for the whole calibration at one steady
     load, which measures steadily slow."""
     run_spread = max((r["step_spread"] for rs in runs.values() for r in rs), default=0.0)
@@ -565,9 +563,10 @@ def calibrate(
     cost at each of ``worlds``; its ``noise`` says how steady the machine was
     (:func:`noise`). ``quick``: fewer sizes and steps (about half the time), a rougher
     profile: for tests of what uses one, not for planning."""
+    probes = [probe()]
     progress(f"framework: tiny isp-train runs at world {', '.join(map(str, worlds))}")
     runs = tiny_runs(worlds, quick)
-    probes = [probe()]  # not before the runs: see [Note: a calibration's noise]
+    probes.append(probe())
     k = _kernels(quick, progress, probes)
     cpu = TARGETS["cpu"]
     nominal = Link(latency_s=cpu.latency_intra_s, bytes_per_s=cpu.nvlink_bytes_per_s)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import resource
+import sys
 
 import torch
 
@@ -42,6 +43,18 @@ def proc_status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: ``VmHWM``, the high-water mark of its own
+    address space. Not ``ru_maxrss``: Linux carries that over ``fork`` and ``execve``,
+    so a process started by a larger one (a notebook, a test runner, a driver script)
+    would report its parent's size until it outgrew it. Where there is no ``/proc``,
+    ``ru_maxrss`` (bytes on macOS, KiB elsewhere)."""
+    try:
+        return proc_status_bytes("VmHWM")
+    except (OSError, KeyError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 def reset_peak_rss() -> None:
     """Reset this process's VmHWM to its current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -66,7 +79,7 @@ class StepMeter:
             out["peak_alloc_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             out["peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
         else:
-            out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            out["peak_rss_mib"] = peak_rss_bytes() / 2**20
         return out
 
     def postfix(self, last: dict) -> dict[str, str]:
