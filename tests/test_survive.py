@@ -119,7 +119,8 @@ def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, launcher: str) -> 
     out = str(tmp_path / "run")
     args = [*SLOW, *COMMON, "--steps", "2000", "--save-every", "5", "--out", out]
     cmd = _own(2, *args) if launcher == "own" else _torchrun(2, *args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env, _ = _own_temp(tmp_path)  # the agent's folder a killed launcher cannot remove: the test's, not /tmp's
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     _wait_for_step(proc, out, 3)
     ranks = [_rank_pid(proc.pid, r) for r in (0, 1)]
     os.killpg(proc.pid, signal.SIGKILL)
@@ -135,6 +136,25 @@ def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, launcher: str) -> 
         not os.path.isdir(os.path.join(out, "checkpoints"))
         or sorted(os.listdir(os.path.join(out, "checkpoints"))) == saved
     )
+
+
+def test_a_launch_removes_the_agent_folders_of_launchers_that_are_gone(tmp_path, monkeypatch) -> None:
+    """A launcher killed with SIGKILL (above; or a calibration's run when its --plan is
+    killed) leaves its agent's folder in the temp dir; the next launch removes those
+    whose launcher is gone, and no other."""
+    from isp_comm.train.launch import AGENT_PREFIX, agent_folder
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    kept = [f"{AGENT_PREFIX}{os.getpid()}-live", f"{AGENT_PREFIX}x-odd", "isp-train-agent.txt", "other"]
+    for name in [f"{AGENT_PREFIX}{gone.pid}-dead", *kept]:
+        os.makedirs(tmp_path / name / "attempt_0")
+    made = agent_folder()
+    assert os.path.dirname(made) == str(tmp_path)
+    assert os.path.basename(made).startswith(f"{AGENT_PREFIX}{os.getpid()}-")
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, os.path.basename(made)])
 
 
 RESTART_ARGS = [*SLOW, *COMMON, "--steps", "24", "--save-every", "4", "--resume", "auto"]

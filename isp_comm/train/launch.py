@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from isp_comm.backends.shm import pid_alive
 from isp_comm.processes import AfterImport
 
 if TYPE_CHECKING:
@@ -129,6 +130,24 @@ class Stopping:
         return 128 + self.signum
 
 
+AGENT_PREFIX = "isp-train-agent-"
+"""The agent's folder in the temp dir: ``isp-train-agent-PID-XXXX``, PID the launcher's."""
+
+
+def agent_folder() -> str:
+    """A new folder for the agent's error files (it reads a failed rank's there; left
+    to itself it makes one in the temp dir per run and never removes it), after
+    removing those of launchers that are gone: :func:`launch` removes its own at the
+    end, but a launcher killed with SIGKILL (a scheduler, or a calibration's run whose
+    ``--plan`` was killed: see ``isp_comm.processes``) cannot."""
+    temp = tempfile.gettempdir()
+    for name in os.listdir(temp):
+        pid = name.removeprefix(AGENT_PREFIX).split("-", 1)[0]
+        if name.startswith(AGENT_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{AGENT_PREFIX}{os.getpid()}-", dir=temp)
+
+
 def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m isp_comm.train ARGV`` on ``nproc`` local ranks (of ``nnodes``
     machines meeting at ``rdzv_endpoint``), restarted up to ``max_restarts`` times
@@ -149,9 +168,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))  # what the agent waits (its default)
     stopping = Stopping(grace_s)
-    # The agent's folder for each rank's error file, which it reads when the rank fails;
-    # left to itself it makes one under the temp dir per run and never removes it.
-    logs = tempfile.mkdtemp(prefix="isp-train-agent-")
+    logs = agent_folder()
     config = LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=logs),
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's
