@@ -178,7 +178,7 @@ def scored_row(head: dict, step_s: float, peak_mib: float, measured: list[dict],
 
 def search_check(args, tmp: str) -> dict:
     """The search's first pick against the fastest of its rivals, measured side by side:
-    the search's other top four and the grid's layouts of the same model and global
+    the search's next picks (``--search-picks`` in all) and the grid's layouts of the same model and global
     batch (of its first ``--only`` points), run in ``--search-repeats`` rounds, one run
     of each layout per round (so a drift of the machine's speed during the check
     reaches every layout alike)."""
@@ -188,7 +188,7 @@ def search_check(args, tmp: str) -> dict:
         _strip_world(line.split("isp-train", 1)[1].split())
         for line in lines
         if line[:1].isdigit() and ": isp-train" in line
-    ]
+    ][: args.search_picks]
     grid = GRID[: args.only or None]  # a smoke run's rivals are its points too
     rivals = [(name, f) for name, w, f in grid if w == world and _model_batch(f) == _model_batch(flags)]
     candidates: dict[tuple, tuple[str, list[str]]] = {}
@@ -278,6 +278,12 @@ def main() -> None:
         default=5,
         help="rounds of the search's check (its top layouts are predicted a few percent apart, "
         "and two runs of one layout at two ranks can differ by more)",
+    )
+    ap.add_argument(
+        "--search-picks",
+        type=int,
+        default=5,
+        help="the search's top layouts measured in its check (the first pick and its rivals; 2 for a smoke run)",
     )
     ap.add_argument(
         "--only", type=int, default=0, help="the first N points only, in the grid and as the search's rivals (smoke)"
