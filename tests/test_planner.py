@@ -381,36 +381,6 @@ def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:
         assert commands and not any(w in c for c in commands for w in unwanted), commands
 
 
-@pytest.mark.serial  # it calibrates this machine
-@pytest.mark.slow
-@pytest.mark.timeout(300)  # a quick calibration: half a minute on 2 cores
-def test_first_plan_calibrates_this_machine_and_caches_it(tmp_path) -> None:
-    """The first --plan without --target calibrates (world 1 here) and caches the
-    profile when it is steady, or keeps it beside the cache when it is noisy (a busy
-    machine); a plan over a steady cached profile reads it, whichever way the first one
-    went (tests/test_calibration.py follows the cache through recalibrations and noisy
-    ones). A quick calibration: --plan runs the full one by the same path, with more
-    sizes and steps and a second attempt when noisy, and the full one is measured by
-    tests/test_forecast.py's ``calibrated_profile`` and timed by bench/calibrate.py."""
-    env = {"ISP_COMM_PLAN_CALIBRATE": "quick", "ISP_COMM_CACHE_DIR": str(tmp_path)}
-    res = _plan("--layers", "2", env=env, timeout=250)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "calibrating this machine once" in res.stderr
-    (kept,) = [f for f in os.listdir(tmp_path) if not f.endswith(".lock")]
-    prof = profiles.load(str(tmp_path / kept))
-    assert prof.host_step_s and prof.runtime_bytes and "single" in prof.transient_share
-    assert kept.endswith(".noisy.json") != prof.noise["steady"]
-    assert prof.noise["steady"] or "not cached" in res.stderr
-    entry = str(tmp_path / profiles.machine_key(1).replace(".json", "-quick.json"))
-    assert kept in (os.path.basename(entry), os.path.basename(entry).replace(".json", ".noisy.json")), kept
-    if not prof.noise["steady"]:  # as if it had been: the measured profile, cached
-        dataclasses.replace(prof, noise={**prof.noise, "steady": True}).save(entry)
-    again = _plan("--layers", "2", env=env, timeout=100)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "calibrating" not in again.stderr, again.stderr[-2000:]
-    assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(res.stdout.splitlines()[-1])["step_s"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_cpu_validation_benchmark_runs_and_rescores(tmp_path) -> None:
