@@ -144,11 +144,11 @@ def test_small_dev_shm_auto_falls_back_and_symm_refuses(tmp_path) -> None:
 @needs_namespace
 @pytest.mark.timeout(300)
 def test_full_disk_during_save_is_one_line_and_resume_continues(tmp_path) -> None:
-    from tests.test_train import torchrun
+    from tests.test_train import isp_train
 
     ref = str(tmp_path / "ref")
     common = [*SMALL, "--steps", "6", "--save-every", "2", "--no-trace"]
-    assert torchrun(2, *common, "--out", ref).returncode == 0
+    assert isp_train(2, *common, "--out", ref).returncode == 0  # forked ranks: the full disk's run is torchrun's
     step_dir = os.path.join(ref, "checkpoints", "step_000002")
     ckpt = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
     size_kib = (ckpt * 3 // 2 + (256 << 10)) // 1024  # room for one checkpoint, not for two
@@ -168,7 +168,7 @@ def test_full_disk_during_save_is_one_line_and_resume_continues(tmp_path) -> Non
     _one_line_error(fake, f"saving checkpoint {full}/run/checkpoints/step_000004 failed: No space left on device")
     assert f"the last complete checkpoint is {full}/run/checkpoints/step_000002" in log
     assert sorted(os.listdir(copy / "checkpoints")) == ["latest", "step_000002"]  # the partial one removed
-    res = torchrun(2, *common, "--out", str(copy), "--resume")  # a folder with space
+    res = isp_train(2, *common, "--out", str(copy), "--resume")  # a folder with space
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(str(copy)) == losses(ref)  # bitwise, the uninterrupted run's losses
 
