@@ -155,17 +155,23 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """isp-comm segments in ``shm_dir`` whose creating process no longer exists."""
+def owners_gone(folder: str, prefix: str, sep: str) -> list[str]:
+    """Names in ``folder`` of the form ``PREFIX PID SEP ...`` whose process ``PID`` no
+    longer exists (what a run named after itself and could not remove)."""
     out = []
     try:
-        names = os.listdir(shm_dir)
+        names = os.listdir(folder)
     except FileNotFoundError:
         return out
     for name in names:
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(PREFIX) :].split("_", 1)[0]
+        pid = name[len(prefix) :].split(sep, 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
             out.append(name)
     return out
+
+
+def stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """isp-comm segments in ``shm_dir`` whose creating process no longer exists."""
+    return owners_gone(shm_dir, PREFIX, "_")

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from isp_comm.backends.shm import pid_alive
+from isp_comm.backends.shm import owners_gone
 from isp_comm.processes import AfterImport
 
 if TYPE_CHECKING:
@@ -141,10 +141,8 @@ def agent_folder() -> str:
     end, but a launcher killed with SIGKILL (a scheduler, or a calibration's run whose
     ``--plan`` was killed: see ``isp_comm.processes``) cannot."""
     temp = tempfile.gettempdir()
-    for name in os.listdir(temp):
-        pid = name.removeprefix(AGENT_PREFIX).split("-", 1)[0]
-        if name.startswith(AGENT_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
+    for name in owners_gone(temp, AGENT_PREFIX, "-"):
+        shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{AGENT_PREFIX}{os.getpid()}-", dir=temp)
 
 
