@@ -331,7 +331,9 @@ def test_a_killed_plan_takes_its_calibration_with_it(tmp_path) -> None:
     """A --plan killed while it calibrates (SIGKILL: no handler runs; torchrun's SIGTERM
     to a failed job's other ranks ends the same way) leaves no calibration, nor any of
     its runs, loading the cores the next plan's calibration would time."""
-    proc = _plan(str(tmp_path), "--nproc-per-node", "2")
+    temp = tmp_path / "temp"  # the killed run's launcher cannot remove its agent folder: the test's, not /tmp's
+    temp.mkdir()
+    proc = _plan(str(tmp_path), "--nproc-per-node", "2", TMPDIR=str(temp))
     said = _read_until(proc.stderr, "calibrating this machine", 60)
     assert "calibrating this machine once" in said, said
     below: set[int] = set()
