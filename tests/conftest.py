@@ -70,6 +70,12 @@ def no_leaked_shared_memory():
 # - The serial tests are one xdist group, so one worker runs them in a row, and it
 #   keeps its exclusive lock while its next test is serial too: one wait for the other
 #   worker's test, not one per serial test.
+# - They come first (collection puts them ahead, and ``--no-loadscope-reorder`` keeps
+#   xdist's order), so the wait is for one test of the other worker's: the next in
+#   line. xdist's own order puts larger groups first, and the slow tier's forecast
+#   group, whose first test calibrates for two minutes, came second: the other worker
+#   took it, and the serial run waited 114 s for it (2026-12-03, while neither worker
+#   ran anything else beside).
 # - Both are taken before pytest-timeout's timer starts (``tryfirst``): a wait counts
 #   against no test.
 # - Only an xdist worker locks (``config.workerinput``; not an environment variable,
@@ -111,11 +117,12 @@ SLOW_ENV = "ISP_SLOW"
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked ``slow`` run with ``ISP_SLOW=1`` only: the suite must stay under 15
     minutes on CI's 2 cores; what is in that tier is listed in the README. Serial tests
-    are one xdist group: one worker runs them in a row (see [Note: serial tests under
-    pytest -n])."""
+    are one xdist group, first: one worker runs them in a row (see [Note: serial tests
+    under pytest -n])."""
     for item in items:
         if _serial(item):
             item.add_marker(pytest.mark.xdist_group("serial"))
+    items[:] = sorted(items, key=lambda item: not _serial(item))  # stable: the serial run first
     if os.environ.get(SLOW_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"slow tier: run with {SLOW_ENV}=1")

@@ -22,9 +22,6 @@ from isp_comm.planner import calibrate
 from isp_comm.planner import profile as profiles
 from isp_comm.planner.targets import parse_target
 
-# alone under pytest -n (tests/conftest.py): calibrations time this machine and judge their noise
-pytestmark = pytest.mark.serial
-
 TORCHRUN_ENV = {  # what torchrun gives rank 3 of 4 (the port: nobody listens there)
     "RANK": "3",
     "LOCAL_RANK": "3",
@@ -204,6 +201,7 @@ def _calibrations(stderr: str) -> int:
     return stderr.count("calibrating this machine once (") + stderr.count("calibrating this machine again (")
 
 
+@pytest.mark.serial  # a calibration times this machine and judges its noise
 @pytest.mark.slow  # a quick calibration (under a minute on 2 cores) and four ranks
 @pytest.mark.timeout(300)
 def test_torchrun_plan_on_four_ranks_calibrates_once(tmp_path) -> None:
@@ -243,6 +241,7 @@ def test_torchrun_plan_on_four_ranks_calibrates_once(tmp_path) -> None:
     assert json.loads(again.stdout.splitlines()[-1])["step_s"] == json.loads(plans[0])["step_s"]
 
 
+@pytest.mark.serial  # a calibration times this machine and judges its noise
 @pytest.mark.slow  # a quick calibration of one rank: half a minute on 2 cores
 @pytest.mark.timeout(200)
 def test_recalibrate_measures_over_a_steady_cached_profile(tmp_path) -> None:
@@ -326,6 +325,7 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+@pytest.mark.serial  # its killed runs may leave segments, which a test beside would take for its own leak
 @pytest.mark.timeout(120)
 def test_a_killed_plan_takes_its_calibration_with_it(tmp_path) -> None:
     """A --plan killed while it calibrates (SIGKILL: no handler runs; torchrun's SIGTERM

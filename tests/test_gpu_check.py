@@ -18,9 +18,6 @@ from bench import gpu_check as gc
 from tests.gpu.mps import _alive
 from tests.test_shared_gpu import fake_mps  # noqa: F401 - the fixture
 
-# alone under pytest -n (tests/conftest.py): signals and graces timed in seconds
-pytestmark = pytest.mark.serial
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"^([a-z][a-z-]*) timeout=(\d+): (\S.*)$")
 
@@ -94,6 +91,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.serial  # signals and graces timed in seconds
 @pytest.mark.parametrize(
     "ignore_sigint, runner_ignores", [(False, False), (True, False), (False, True)], ids=["int", "step-ignores", "bg"]
 )
@@ -124,6 +122,7 @@ def test_a_step_past_its_timeout_is_killed_with_its_whole_group(
     assert not _alive(child), "the step's child outlived its timeout"
 
 
+@pytest.mark.serial  # signals and graces timed in seconds
 def test_an_interrupted_runner_ends_its_step_and_its_children(tmp_path, monkeypatch) -> None:
     """Ctrl-C reaches the runner alone (the step's group is not the terminal's): the
     runner ends the step's group before it leaves."""
@@ -232,6 +231,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.serial  # signals and graces timed in seconds
 def test_a_daemon_left_by_a_killed_step_is_stopped(tmp_path, fake_mps, monkeypatch) -> None:  # noqa: F811
     monkeypatch.setattr(gc, "GRACE_S", 0.5)
     step = gc.Step("mps", 3, _py(KILLED_UNDER_MPS.format(root=ROOT)), "leaves its daemon")

@@ -20,9 +20,6 @@ from isp_comm.testing import run_ranks
 from tests.gpu import test_gpu_shared as shared
 from tests.gpu.mps import PrivateMps, _alive, pe_share
 
-# alone under pytest -n (tests/conftest.py): daemons stopped within a second or a deadline
-pytestmark = pytest.mark.serial
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -167,6 +164,7 @@ def test_mps_missing_binary_is_a_reason_not_a_failure(monkeypatch, tmp_path) -> 
         assert mps.env == {} and mps._root is None
 
 
+@pytest.mark.serial  # the daemon stopped within seconds
 def test_mps_daemon_starts_in_its_own_folder_and_stops(fake_mps) -> None:
     with PrivateMps() as mps:
         assert mps.reason is None, mps.reason
@@ -178,6 +176,7 @@ def test_mps_daemon_starts_in_its_own_folder_and_stops(fake_mps) -> None:
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # the helper sets nothing in this process
 
 
+@pytest.mark.serial  # the daemon stopped within seconds
 def test_mps_daemon_stops_when_the_test_raises(fake_mps) -> None:
     with pytest.raises(RuntimeError, match="the test failed"), PrivateMps() as mps:
         pid = mps._pid()
@@ -185,6 +184,7 @@ def test_mps_daemon_stops_when_the_test_raises(fake_mps) -> None:
     assert not _wait_alive(pid)
 
 
+@pytest.mark.serial  # the daemon stopped within seconds
 def test_mps_daemon_that_ignores_quit_is_killed_by_its_pid(fake_mps, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_MPS_DEAF", "1")
     t0 = time.monotonic()

@@ -15,8 +15,10 @@ import time
 import numpy as np
 import pytest
 
-# alone under pytest -n (tests/conftest.py): signals at set times, two-second windows, planted segments of dead jobs
-pytestmark = pytest.mark.serial
+# Most tests here run alone under pytest -n (``serial``, tests/conftest.py): signals at
+# set times, two-second windows, segments of dead jobs (planted, or left by a rank
+# killed on purpose, which a test beside would take for its own leak). The rest check
+# exit codes and lines, and run beside others.
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 # a step long enough (tens of ms on one CPU core) that a kill lands between two checkpoints
@@ -113,6 +115,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 # isp-train's own launcher in the slow tier (9 s): the CI tier kills a torchrun job's
 @pytest.mark.parametrize("launcher", [pytest.param("own", marks=pytest.mark.slow), "torchrun"])
+@pytest.mark.serial
 def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, launcher: str) -> None:
     """SIGKILL to the launcher's process group (what a scheduler does): every rank is
     gone within 2 s, and no checkpoint is written after the kill."""
@@ -173,6 +176,7 @@ def uninterrupted_losses(tmp_path_factory) -> list:
 # torchrun's variant in the slow tier (23 s on 2 cores): both launchers restart through
 # torch's elastic agent, and the CI tier still kills a torchrun job's launcher
 @pytest.mark.parametrize("launcher", ["own", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.serial
 def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str, uninterrupted_losses) -> None:
     """Rank 1 SIGKILLed between two checkpoints: the job restarts its ranks, they
     resume from the latest checkpoint, the run ends with exit 0, and metrics.jsonl has
@@ -198,6 +202,7 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path) -> None:
     """Rank 0 SIGKILLed (the out-of-memory killer) cannot say why it stopped, and the
     others, stopped by the launcher, do not: the launcher's one line names it (the
@@ -240,6 +245,7 @@ def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("save", [True, pytest.param(False, marks=pytest.mark.slow)])  # CI: the saving one
+@pytest.mark.serial
 def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
     """SIGINT to the launcher's process group (Ctrl-C at a terminal): by default the
     step finishes, a checkpoint is saved and one line says so; with
@@ -270,6 +276,7 @@ def test_ctrl_c_saves_or_leaves_with_one_line(tmp_path, save: bool) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("end", ["again", pytest.param("timeout", marks=pytest.mark.slow)])
+@pytest.mark.serial
 def test_ctrl_c_with_a_stuck_rank_says_so_and_a_second_one_stops_at_once(tmp_path, end: str) -> None:
     """Ctrl-C while rank 1 is stuck (stopped: SIGSTOP): the launcher waits for the ranks
     to finish their step, and after NOTICE_S says so; a second Ctrl-C leaves at once
@@ -304,6 +311,7 @@ def test_ctrl_c_with_a_stuck_rank_says_so_and_a_second_one_stops_at_once(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
     """Ctrl-C in the first seconds, while the launcher and then its ranks import torch:
     exit 130 and no KeyboardInterrupt traceback (there was one from each process)."""
@@ -332,6 +340,7 @@ except BaseException as exc:
 
 
 @pytest.mark.parametrize("handler", ["starting", "no-save-on-signal"])
+@pytest.mark.serial
 def test_a_signal_inside_an_import_is_not_raised_there(tmp_path, handler: str) -> None:
     """Ctrl-C while torch imports: the startup handler's SystemExit was raised in a
     module's body, caught there, and the process went on to a RecursionError traceback
@@ -357,6 +366,7 @@ def test_a_signal_inside_an_import_is_not_raised_there(tmp_path, handler: str) -
         assert proc.stdout == "raised Stopped\n", (proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.mark.serial
 def test_a_run_inside_an_import_still_stops(tmp_path) -> None:
     """A program that runs from inside an import (``python -c "import job"``) is inside
     one for good: the signal is put off for two seconds, then raised there."""
@@ -373,6 +383,7 @@ def test_a_run_inside_an_import_still_stops(tmp_path) -> None:
     assert proc.stdout == "stopped\n" and time.monotonic() - t0 < 9, (proc.stdout, proc.stderr)
 
 
+@pytest.mark.serial
 def test_a_failing_rank_stopped_by_the_launcher_leaves_quietly() -> None:
     """A rank other than 0 waits a moment in its one-line failure (so that rank 0
     prints); the launcher's SIGTERM then came to --no-save-on-signal's handler, which
@@ -414,6 +425,7 @@ def _segments() -> set[str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_a_crash_in_data_loading_leaves_dev_shm_as_it_was(tmp_path) -> None:
     """Tokens that load but break training (negative ids) crash both ranks after the
     communicator has its segments: none of them is left in /dev/shm."""
@@ -431,6 +443,7 @@ def test_a_crash_in_data_loading_leaves_dev_shm_as_it_was(tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_a_new_run_removes_segments_of_dead_jobs_with_one_line(tmp_path) -> None:
     """A segment whose creating process is gone (a job killed during set-up) is
     removed by the next run, which says so in one line; a live job's is kept."""
@@ -454,6 +467,7 @@ def test_a_new_run_removes_segments_of_dead_jobs_with_one_line(tmp_path) -> None
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_second_run_into_a_live_folder_is_one_line(tmp_path) -> None:
     """A second run into the --out of a live run exits 2 with one line naming the
     holder's pid and host; once the first is gone the folder is free (the kernel
@@ -563,6 +577,7 @@ def test_the_resume_line_names_the_run_that_saved_the_checkpoint() -> None:
     assert resume_line("run/checkpoints/step_000003", second).endswith("saved by a run at world 2, wp 2)")
 
 
+@pytest.mark.serial
 def test_a_signal_while_the_interpreter_joins_its_threads_ends_it_quietly() -> None:
     """A rank that reported its failure and is joining its last threads got the
     launcher's SIGTERM: the handler's SystemExit, raised inside threading's shutdown,
@@ -581,6 +596,7 @@ def test_a_signal_while_the_interpreter_joins_its_threads_ends_it_quietly() -> N
     assert res.returncode == 2 and "Traceback" not in res.stderr, (res.returncode, res.stderr)
 
 
+@pytest.mark.serial
 def test_a_signal_during_the_exit_callbacks_lets_them_finish_quietly() -> None:
     """A rank leaving with its one line got the launcher's SIGTERM inside an exit
     callback (torch's library finalizer): the handler's SystemExit was printed as
