@@ -299,8 +299,13 @@ def _breakdown_rank(rank: int, world: int, pt: Point) -> dict:
 
 
 def measure_breakdown(pt: Point, timeout_s: float = 300.0) -> list:
-    """Every rank's :class:`~isp_comm.memory_breakdown.Breakdown` of ``pt`` (two steps)."""
+    """Every rank's :class:`~isp_comm.memory_breakdown.Breakdown` of ``pt`` (two steps).
+    The ranks start as :func:`~isp_comm.testing.run_ranks` does by default (in the
+    suite forked from its server, not spawned): the breakdown counts the
+    storages made inside it, which a rank's start does not change (79 s for
+    tests/test_memory_breakdown.py with spawned ranks, 23 s forked); only the CPU's
+    device line reads the process's memory, and what it grew by, not its size."""
     from isp_comm.memory_breakdown import Breakdown
     from isp_comm.testing import run_ranks
 
-    return [Breakdown(**d) for d in run_ranks(_breakdown_rank, pt.world, pt, timeout_s=timeout_s, start="spawn")]
+    return [Breakdown(**d) for d in run_ranks(_breakdown_rank, pt.world, pt, timeout_s=timeout_s)]
