@@ -17,8 +17,9 @@ import pytest
 
 # Most tests here run alone under pytest -n (``serial``, tests/conftest.py): signals at
 # set times, two-second windows, segments of dead jobs (planted, or left by a rank
-# killed on purpose, which a test beside would take for its own leak, and which a run
-# removes and names in a line of its own). The rest run beside others.
+# killed on purpose between creating a segment and its peers mapping it, when it is
+# unlinked: a test beside would take it for its own leak, and a run removes it and
+# names it in a line of its own). The rest run beside others.
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
 # a step long enough (tens of ms on one CPU core) that a kill lands between two checkpoints
@@ -523,7 +524,7 @@ def test_flags_are_refused_before_ranks_start(tmp_path, args: list[str], line: s
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.serial  # counts a run's lines: a run says it removed the segments a killed rank beside left
+@pytest.mark.serial  # counts a run's lines: a run names the segments it removes, a killed rank beside may leave one
 def test_resume_auto_config_and_schedule_line(tmp_path, monkeypatch) -> None:
     """--resume auto starts fresh in an empty folder, continues in one with a
     checkpoint and, run again on the finished run, says so and exits 0 (it was exit 2:
