@@ -14,6 +14,21 @@ A child opts in where it starts (:func:`die_with_parent`), or when its parent se
 A process that has no handlers of its own yet, or is leaving after a failure it has
 reported, answers Ctrl-C and SIGTERM with a quiet exit (:func:`leave_on_signals`).
 
+[Note: a signal while a child starts]
+A Ctrl-C that reaches a rank while its interpreter starts, before any line of ours
+runs, is a ``KeyboardInterrupt`` inside the ``site`` import: "Fatal Python error:
+init_import_site" and a traceback from each such rank (CI, at 2 s after a launch
+whose ranks were just starting, 2026-12-03). Nothing a child runs can be early
+enough; what it inherits is. A signal mask is kept across ``fork`` and ``exec``, so
+the launcher starts its ranks with SIGINT and SIGTERM blocked
+(:func:`children_start_with_stops_blocked`): a signal in that window waits, pending,
+and :func:`leave_on_signals`, the rank's first code, unblocks them once its handler
+is set, when the handler takes it. The launcher itself keeps taking them: they are
+blocked only in its main thread (the one that starts the ranks), and a thread of its
+own leaves them open; the kernel hands the signal to that thread, and Python runs the
+handler in the main thread as ever (at its next bytecode: after a sleep of the
+agent's 0.1 s monitor loop, not during it).
+
 [Note: a signal inside an import]
 A handler that raises runs between two bytecodes of whatever the main thread is doing,
 and for the seconds of torch's import that is a module's body. There the exception
@@ -34,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
@@ -124,6 +140,10 @@ class AfterImport:
         return True
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a run: Ctrl-C, and a scheduler's or a launcher's SIGTERM."""
+
+
 def leave_on_signals(code: int | None = None) -> None:
     """Ctrl-C and SIGTERM end this process quietly (``SystemExit``, through every
     ``finally``) with ``code``, or 128 + the signal: for a process between its start
@@ -147,5 +167,30 @@ def leave_on_signals(code: int | None = None) -> None:
             os._exit(status)
         raise SystemExit(status)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, leave)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # [Note: a signal while a child starts]
+
+
+_receiver: list[threading.Thread] = []  # this process's thread that takes STOP_SIGNALS, once made
+
+
+def _take_stops() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    threading.Event().wait()  # forever: the kernel hands the signals here, Python's handler runs in the main thread
+
+
+@contextlib.contextmanager
+def children_start_with_stops_blocked() -> Iterator[None]:
+    """Inside, processes this thread starts begin with :data:`STOP_SIGNALS` blocked, and
+    this process still takes them (see [Note: a signal while a child starts])."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("children_start_with_stops_blocked: from the main thread, where handlers run")
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    if not _receiver:  # made while they are blocked here, it opens them for itself
+        _receiver.append(threading.Thread(target=_take_stops, name="isp-comm-stop-signals", daemon=True))
+        _receiver[0].start()
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

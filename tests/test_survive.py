@@ -328,6 +328,39 @@ def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
         assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
 
 
+_PARENT = """
+import os, signal, subprocess, sys, time
+from isp_comm.processes import children_start_with_stops_blocked
+got = []
+signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+with children_start_with_stops_blocked():
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # the child is starting: a second before its first line of ours
+    os.kill(child.pid, signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # and this process still takes them
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+_, err = child.communicate(timeout=30)
+print(got, child.returncode, "Traceback" in err, flush=True)
+"""
+# the child: a second of a process starting (no handler of its own yet), then the rank's first line
+_CHILD = (
+    "import time; time.sleep(1.0); from isp_comm.processes import leave_on_signals; leave_on_signals(); time.sleep(5)"
+)
+
+
+def test_a_signal_while_a_rank_starts_waits_for_its_first_handler() -> None:
+    """[Note: a signal while a child starts]: a Ctrl-C that reached a launched rank
+    before its first line (in the interpreter's start, CI once) was a KeyboardInterrupt
+    and a "Fatal Python error" traceback. Started with the stop signals blocked, the
+    child holds it until its handler is set, then leaves quietly with 130; the
+    launcher, which blocks them in its main thread, still takes its own."""
+    res = subprocess.run([sys.executable, "-c", _PARENT, _CHILD], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[0] == f"[{int(signal.SIGINT)}] 130 False", res.stdout
+
+
 # a module whose body gets the signal and, as torch does around numpy's import,
 # swallows what its handler raises: the half-built library then fails later, its own way
 _SWALLOWING_MODULE = """

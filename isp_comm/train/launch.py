@@ -24,7 +24,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from isp_comm.backends.shm import owners_gone
-from isp_comm.processes import AfterImport
+from isp_comm.processes import AfterImport, children_start_with_stops_blocked
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -180,7 +180,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         monitor_interval=0.1,
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
+        with children_start_with_stops_blocked():  # [Note: a signal while a child starts]
+            elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
         return failed_job_exit(exc)
     except SignalException:
