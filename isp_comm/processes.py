@@ -15,7 +15,8 @@ A process that has no handlers of its own yet, or is leaving after a failure it 
 reported, answers Ctrl-C and SIGTERM with a quiet exit (:func:`leave_on_signals`).
 
 [Note: a signal while a child starts]
-A Ctrl-C that reaches a rank while its interpreter starts, before any line of ours
+A SIGINT or SIGTERM that reaches a rank while its interpreter starts (the launcher
+forwards its Ctrl-C; ranks run in sessions of their own), before any line of ours
 runs, is a ``KeyboardInterrupt`` inside the ``site`` import: "Fatal Python error:
 init_import_site" and a traceback from each such rank (CI, at 2 s after a launch
 whose ranks were just starting, 2026-12-03). Nothing a child runs can be early
@@ -24,10 +25,12 @@ the launcher starts its ranks with SIGINT and SIGTERM blocked
 (:func:`children_start_with_stops_blocked`): a signal in that window waits, pending,
 and :func:`leave_on_signals`, the rank's first code, unblocks them once its handler
 is set, when the handler takes it. The launcher itself keeps taking them: they are
-blocked only in its main thread (the one that starts the ranks), and a thread of its
-own leaves them open; the kernel hands the signal to that thread, and Python runs the
-handler in the main thread as ever (at its next bytecode: after a sleep of the
-agent's 0.1 s monitor loop, not during it).
+blocked in its main thread (the one that starts the ranks) and the threads it starts
+meanwhile, and one thread of its own leaves them open; the kernel hands the signal to
+that thread, and Python runs the handler in the main thread as ever, once that thread
+next takes the GIL: after a sleep it is in (the agent's 0.1 s monitor loop, the
+rendezvous's waits of up to a second), not during it. Under a bare torchrun the ranks
+start unblocked, and the window is open.
 
 [Note: a signal inside an import]
 A handler that raises runs between two bytecodes of whatever the main thread is doing,
@@ -187,10 +190,11 @@ def children_start_with_stops_blocked() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("children_start_with_stops_blocked: from the main thread, where handlers run")
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    if not _receiver:  # made while they are blocked here, it opens them for itself
-        _receiver.append(threading.Thread(target=_take_stops, name="isp-comm-stop-signals", daemon=True))
-        _receiver[0].start()
     try:
+        if not _receiver:  # made while they are blocked here, it opens them for itself
+            receiver = threading.Thread(target=_take_stops, name="isp-comm-stop-signals", daemon=True)
+            receiver.start()
+            _receiver.append(receiver)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -335,7 +335,7 @@ got = []
 signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
 with children_start_with_stops_blocked():
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # the child is starting: a second before its first line of ours
+    time.sleep(0.3)  # the child's sleep stands for an interpreter's start: a second before its handler
     os.kill(child.pid, signal.SIGINT)
     os.kill(os.getpid(), signal.SIGINT)  # and this process still takes them
     deadline = time.monotonic() + 10
