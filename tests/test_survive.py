@@ -313,6 +313,26 @@ def test_ctrl_c_with_a_stuck_rank_says_so_and_a_second_one_stops_at_once(tmp_pat
 
 @pytest.mark.timeout(120)
 @pytest.mark.serial
+def test_a_closed_terminal_ends_the_job_quietly(tmp_path) -> None:
+    """SIGHUP to the launcher (its terminal closed): torch's agent handles it, stops the
+    ranks and raises; the launcher's exit code read signal 0 and printed a ValueError
+    traceback. Now exit 129, no traceback, no rank left."""
+    out = str(tmp_path / "run")
+    cmd = _own(2, *SMALL, *COMMON, "--steps", "100000", "--out", out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for_step(proc, out, 3)
+    ranks = [_rank_pid(proc.pid, r) for r in (0, 1)]
+    os.kill(proc.pid, signal.SIGHUP)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGHUP and "Traceback" not in err, (proc.returncode, err[-3000:])
+    deadline = time.monotonic() + 5
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, ranks))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.serial
 def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
     """Ctrl-C in the first seconds, while the launcher and then its ranks import torch:
     exit 130 and no KeyboardInterrupt traceback (there was one from each process)."""

@@ -114,10 +114,14 @@ class Stopping:
             flush=True,
         )
 
-    def exit_code(self) -> int:
-        """128 + the signal, after one line when the ranks were killed at the timeout."""
+    def exit_code(self, signum: int) -> int:
+        """128 + the signal, after one line when the ranks were killed at the timeout.
+        ``signum``: the agent's, for a signal it handled itself (SIGHUP, SIGQUIT: a
+        closed terminal), which ends the ranks and the launcher without a wait."""
         if self._notice is not None:
             self._notice.cancel()
+        if not self.signum:
+            return 128 + int(signum)
         name = signal.Signals(self.signum).name
         if time.monotonic() - self.at >= self.grace_s:
             print(
@@ -184,8 +188,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
             elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
         return failed_job_exit(exc)
-    except SignalException:
-        return stopping.exit_code()
+    except SignalException as exc:
+        return stopping.exit_code(exc.sigval)
     except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
         print(f"isp-train: error: launching {nproc} ranks failed: {exc}", file=sys.stderr)
         return 2
