@@ -113,6 +113,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _left_alive(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """Those of ``pids`` still running after up to ``within_s`` (a stopped job's ranks
+    leave in their own time)."""
+    deadline = time.monotonic() + within_s
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
 @pytest.mark.timeout(120)
 # isp-train's own launcher in the slow tier (9 s): the CI tier kills a torchrun job's
 @pytest.mark.parametrize("launcher", [pytest.param("own", marks=pytest.mark.slow), "torchrun"])
@@ -305,10 +314,7 @@ def test_ctrl_c_with_a_stuck_rank_says_so_and_a_second_one_stops_at_once(tmp_pat
         said = "isp-train: error: ranks had not stopped 10 s after SIGINT and were killed"
     text = err_path.read_text()
     assert proc.returncode == 130 and said in text and "Traceback" not in text, (proc.returncode, text)
-    deadline = time.monotonic() + 5
-    while any(map(_alive, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(map(_alive, ranks)), [p for p in ranks if _alive(p)]
+    assert not _left_alive(ranks), _left_alive(ranks)
 
 
 @pytest.mark.timeout(120)
@@ -325,10 +331,7 @@ def test_a_closed_terminal_ends_the_job_quietly(tmp_path) -> None:
     os.kill(proc.pid, signal.SIGHUP)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGHUP and "Traceback" not in err, (proc.returncode, err[-3000:])
-    deadline = time.monotonic() + 5
-    while any(map(_alive, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(map(_alive, ranks))
+    assert not _left_alive(ranks), _left_alive(ranks)
 
 
 @pytest.mark.timeout(120)
