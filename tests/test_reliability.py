@@ -265,6 +265,21 @@ def test_leaving_with_the_symm_worker_busy_does_not_abort() -> None:
         assert not _aborted(ranks), (i, _aborted(ranks))
 
 
+UNCLOSED_EXIT_RUNS = 5
+"""Runs of the unclosed-exit script: before the heartbeat was stopped at exit, 5 of 8
+runs on the torch backend aborted (symm: 1 of 6), none of 8 after (symm: none of 12);
+5 runs miss a rate of 5/8 about 1% of the time, at about 3 s a run."""
+
+
+@pytest.mark.timeout(300)
+def test_leaving_without_close_does_not_abort() -> None:
+    """See tests/scripts/unclosed_exit.py and [Note: the heartbeat at interpreter exit]:
+    two plain processes wrap a model and leave, run after run."""
+    for i in range(UNCLOSED_EXIT_RUNS):
+        ranks = _plain_ranks("tests/scripts/unclosed_exit.py", ["torch"], 2, timeout=90)
+        assert not _aborted(ranks), (i, _aborted(ranks))
+
+
 def _cut_short_worker(rank: int, world: int) -> dict:
     """Rank 1 fails on its own (a planted error): in the forward before gathering block
     2, so rank 0's gather of block 2 never completes; in the backward just before block

@@ -24,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any
 
 from isp_comm.flight.record import FlightRecord
@@ -45,6 +46,16 @@ def python_stacks() -> str:
         faulthandler.dump_traceback(f, all_threads=True)
         f.seek(0)
         return f.read()
+
+
+def stop_thread(thread: threading.Thread, timeout_s: float, *events: threading.Event) -> None:
+    """Set ``events`` (the thread's stop and wake) and join ``thread`` for up to
+    ``timeout_s``, unless it is the caller; what ``close`` and the exit do for the
+    flight record's daemon threads ([Note: the heartbeat at interpreter exit])."""
+    for e in events:
+        e.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=timeout_s)
 
 
 class StoreKeys:
@@ -90,6 +101,15 @@ class Heartbeat:
 
     def start(self) -> None:
         self._thread.start()
+        # [Note: the heartbeat at interpreter exit] A script that leaves without
+        # ``comm.close()`` (a short script, an error path) must not leave this daemon
+        # thread running into the interpreter's finalisation: inside a store call then,
+        # a rank aborted in teardown ("terminate called without an active exception",
+        # SIGABRT) in 5 of 8 such exits on the torch backend. As the shared-memory
+        # worker ([Note: the worker at interpreter exit] in ``backends/symm_cpu.py``),
+        # it is stopped and joined at exit, before finalisation (the finalizer holds no
+        # reference to ``self``); the CUDA watchdog's thread too.
+        self._stop_at_exit = weakref.finalize(self, stop_thread, self._thread, 2 * POLL_S + 5.0, self._stop, self.wake)
 
     def close(self, failed: bool = False) -> None:
         """Stop the thread and join it (idempotent; called by ``comm.close()``). After a
@@ -102,10 +122,7 @@ class Heartbeat:
         collective])."""
         if self._stop.is_set():
             return
-        self._stop.set()
-        self.wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * POLL_S + 5.0)
+        stop_thread(self._thread, 2 * POLL_S + 5.0, self._stop, self.wake)
         if not failed and self.record.entries:
             self.set(self.keys.record(self.record.rank), {**self.record.snapshot(), "state": "closed", "closed": True})
 

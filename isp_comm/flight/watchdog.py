@@ -22,11 +22,13 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from isp_comm.flight.heartbeat import stop_thread
 from isp_comm.flight.record import Entry, FlightRecord, describe
 
 POLL_S = 1.0
@@ -94,8 +96,8 @@ class Watchdog:
 
     def start(self) -> None:
         self._thread.start()
+        # an event query is a C++ call: see [Note: the heartbeat at interpreter exit]
+        self._stop_at_exit = weakref.finalize(self, stop_thread, self._thread, self.poll_s + 5.0, self._stop)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.poll_s + 5.0)
+        stop_thread(self._thread, self.poll_s + 5.0, self._stop)
