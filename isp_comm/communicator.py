@@ -20,7 +20,15 @@ from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
-from isp_comm.discovery import CLOSED_SHARDS, build_units, find_blocks, outer_replicated, target_device, validate
+from isp_comm.discovery import (
+    CLOSED_SHARDS,
+    build_units,
+    find_blocks,
+    outer_replicated,
+    refuse_data_parallel_outside,
+    target_device,
+    validate,
+)
 from isp_comm.embedding import HiddenSplitEmbedding
 from isp_comm.flight.diagnosis import attach
 from isp_comm.full_state import FullState
@@ -266,6 +274,7 @@ class ISPCommunicator:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
+        self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
         self._labels_check = (
             None if self.vocab_unit is None else model.register_forward_pre_hook(refuse_labels, with_kwargs=True)
         )
@@ -614,7 +623,7 @@ class ISPCommunicator:
         self.engine.close(abandon=abandon)
         self._root_handle.remove()
         self._root_post_handle.remove()
-        for handle in (self._chunk_check, self._labels_check):
+        for handle in (self._chunk_check, self._labels_check, self._wrapper_check):
             if handle is not None:
                 handle.remove()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -14,6 +15,22 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 """Every backend name, the one list (``make_backend`` and isp-train read it too)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLAGS = (
+    "overlap",
+    "shard_outer_params",
+    "vocab_parallel",
+    "memory_pool",
+    "find_unused_parameters",
+    "sync_module_states",
+)
+"""The fields that are True or False: a string such as ``"False"`` would read as true."""
+
+
+def _number(value: object) -> bool:
+    """An int or float, not a bool (nor a string: ``"0.5"`` would fail later, after sharding)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 """The dtypes isp-comm trains in: of parameters, gathers and reductions."""
 
 
@@ -164,8 +181,13 @@ class ISPConfig:
     cannot change results."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= float(self.activation_checkpointing) <= 1.0:
-            raise ValueError(f"activation_checkpointing must be in [0, 1], got {self.activation_checkpointing}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _number(self.activation_checkpointing) or not 0.0 <= self.activation_checkpointing <= 1.0:
+            raise ValueError(
+                f"activation_checkpointing must be a number in [0, 1], got {self.activation_checkpointing!r}"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -179,8 +201,6 @@ class ISPConfig:
             raise ValueError(f"release_reduce_buffers must be True, False or None, got {self.release_reduce_buffers!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
-        if not isinstance(self.find_unused_parameters, bool):
-            raise ValueError(f"find_unused_parameters must be True or False, got {self.find_unused_parameters!r}")
         if self.state_sharding not in get_args(StateSharding):
             raise ValueError(f"state_sharding must be 'wp' or 'world', got {self.state_sharding!r}")
         if self.comm_granularity not in get_args(CommGranularity):
@@ -189,7 +209,7 @@ class ISPConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
             raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.debug_delay_s < 0:
-            raise ValueError(f"debug_delay_s must be >= 0, got {self.debug_delay_s}")
+        if not _number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not _number(self.debug_delay_s) or not 0 <= self.debug_delay_s < math.inf:
+            raise ValueError(f"debug_delay_s must be a finite number >= 0, got {self.debug_delay_s!r}")

@@ -72,10 +72,46 @@ def _refuse_stale_optimizers(model: nn.Module) -> None:
             )
 
 
+def _data_parallel(module: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper ``module`` is, if any."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(module, FSDPModule):
+        return "fully_shard (FSDP2)"
+    return type(module).__name__ if type(module).__name__ == "FullyShardedDataParallel" else None
+
+
+def refuse_data_parallel_outside(model: nn.Module, _args: tuple) -> None:
+    """The model's forward pre-hook: a ``ValueError`` when it runs inside
+    ``DistributedDataParallel`` or was given to ``fully_shard`` after wrapping. Both
+    would act on the shards as if they were whole parameters: DDP's constructor has
+    already broadcast rank 0's shard over every rank's, and it would average the
+    gradients a second time."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    what = "DistributedDataParallel" if active is not None else _data_parallel(model)
+    if what:
+        raise ValueError(
+            f"this model is wrapped by an ISPCommunicator, which shards its weights and averages its gradients "
+            f"itself: do not also wrap it in {what} (its parameters are this rank's shards, which {what} would "
+            "treat as whole ones); call the model itself"
+        )
+
+
 def validate(model: nn.Module, blocks: list[nn.Module]) -> None:
     """A ``ValueError`` (``TypeError`` for a non-module block) for what cannot be wrapped."""
     if not blocks:
         raise ValueError("the block list is empty: ISP needs at least one transformer block")
+    wrapper = next((w for w in map(_data_parallel, model.modules()) if w), None)
+    if wrapper:
+        raise ValueError(
+            f"the model is already wrapped in {wrapper}, and an ISPCommunicator averages the gradients itself: "
+            "wrap the plain model"
+        )
     for i, b in enumerate(blocks):
         if not isinstance(b, nn.Module):
             raise TypeError(f"block {i} is a {type(b).__name__}, not an nn.Module")

@@ -43,6 +43,14 @@ def tiny() -> nn.Module:
         (dict(debug_delay_s=-1), "debug_delay_s"),
         (dict(release_reduce_buffers=1), "release_reduce_buffers"),
         (dict(find_unused_parameters="yes"), "find_unused_parameters must be True or False"),
+        # before, the next four were taken: "False" read as true (the embedding was sharded),
+        # "0.5" failed after sharding, inf overflowed the first deadline
+        (dict(shard_outer_params="False"), "shard_outer_params must be True or False"),
+        (dict(overlap="no"), "overlap must be True or False"),
+        (dict(activation_checkpointing="0.5"), "activation_checkpointing must be a number"),
+        (dict(timeout_s=float("inf")), "timeout_s must be a finite number"),
+        (dict(timeout_s="30"), "timeout_s must be a finite number"),
+        (dict(debug_delay_s=float("nan")), "debug_delay_s must be a finite number"),
     ],
 )
 def test_config_errors(kw: dict, msg: str) -> None:
@@ -207,3 +215,27 @@ def test_close_restores_forward(world1) -> None:
     assert "forward" not in model.layers[0].__dict__
     out = model(torch.randint(0, 11, (1, 3)))  # wp=1: the shards are the full weights
     assert out.shape == (1, 3, 11)
+
+
+def test_data_parallel_around_or_inside_is_refused(world1) -> None:
+    # Before: DDP(model) after wrapping broadcast rank 0's shards over every rank's and
+    # trained on, averaging the gradients twice, without a word; fully_shard was taken
+    # as silently.
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    x = torch.randint(0, 11, (2, 8))
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    with pytest.raises(ValueError, match="do not also wrap it in DistributedDataParallel"):
+        DistributedDataParallel(model)(x)
+    model(x)  # the model itself still runs
+    comm.close()
+    with pytest.raises(ValueError, match="already wrapped in DistributedDataParallel"):
+        ISPCommunicator(DistributedDataParallel(tiny()), world1)
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"do not also wrap it in fully_shard \(FSDP2\)"):
+        model(x)
+    comm.close()

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 import textwrap
@@ -256,8 +257,8 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if not self.comm_timeout > 0:
-            raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.comm_timeout}")
+        if not 0 < self.comm_timeout < math.inf:
+            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {self.comm_timeout}")
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
         self._check_plan()
