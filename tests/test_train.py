@@ -4,6 +4,7 @@ reshard, and one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -1010,3 +1011,19 @@ def test_checkpoints_are_ordered_by_step_and_a_bad_one_set_aside_is_none(tmp_pat
     monkeypatch.chdir(root)
     assert way_on("step_1000000").startswith("; the newest before it is step_999999 (not checked)")
     assert way_on("step_000001") == " (no earlier checkpoint)"
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_gone_nan_is_said(tmp_path) -> None:
+    # Before: 'loss nan' in the log lines and 'done: step 8, loss nan' with nothing else
+    # said. The run goes on (as torch's own loop would); the first such step is warned
+    # of once, and again at the end.
+    res = _train1("--steps", "8", "--lr", "1e6", "--clip", "0", "--log-every", "1", "--out", str(tmp_path / "r"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    said = res.stdout + res.stderr
+    warned = [line for line in said.splitlines() if line.startswith("warning: step") and "the loss is" in line]
+    assert len(warned) == 1, said[-3000:]
+    first = int(warned[0].split()[2].rstrip(":"))
+    assert f"the loss first went NaN or infinite at step {first}" in said, said[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows[: first - 1]) and not math.isfinite(rows[first - 1]["loss"])

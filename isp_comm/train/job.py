@@ -65,6 +65,7 @@ class Job:
     breakdown: object = None  # with --memory-breakdown: the run's RunBreakdown, reported by finish
     metrics: object = None  # rank 0's open metrics.jsonl
     reporters: Reporters | None = None  # rank 0's --report-to trackers
+    first_nonfinite: int | None = None  # the first step whose loss was NaN or infinite (said once, and at the end)
 
 
 def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -> Job:

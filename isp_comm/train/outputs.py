@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import asdict
 
@@ -122,6 +123,12 @@ def report(job: Job, bar, last: dict, first_step_s: float | None) -> None:
     if not virtual.leads(job.rank):
         return
     step = last["step"]
+    if job.first_nonfinite is None and not math.isfinite(last["loss"]):
+        job.first_nonfinite = step  # the run goes on, as torch's loop would; said now, and again at the end
+        tqdm.write(
+            f"warning: step {step}: the loss is {last['loss']} (grad norm {last['grad_norm']:.3g}): the weights "
+            "are likely no longer finite; a lower --lr, --clip or a --resume from an earlier checkpoint may help"
+        )
     if first_step_s is not None:
         tqdm.write(f"first step (compilation and warm-up included): {first_step_s:.2f} s")
     if step % job.cfg.log_every == 0 or first_step_s is not None or "eval_loss" in last:
@@ -159,6 +166,7 @@ def finish(job: Job, start: int, last: dict) -> None:
         print(
             f"isp-train: done: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tok/s, "
             f"{job.meter.summary(last)}; outputs in {cfg.out}"
+            + (f" (the loss first went NaN or infinite at step {job.first_nonfinite})" if job.first_nonfinite else "")
         )
         if cfg.virtual_world:
             print(virtual.summary(cfg, last, comm.backend.link))
