@@ -1027,3 +1027,28 @@ def test_a_loss_gone_nan_is_said(tmp_path) -> None:
     assert f"the loss first went NaN or infinite at step {first}" in said, said[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in rows[: first - 1]) and not math.isfinite(rows[first - 1]["loss"])
+
+
+@pytest.mark.timeout(120)
+def test_init_from_a_file_that_is_not_a_state_dict_says_so(tmp_path) -> None:
+    # Before: about 58 lines of traceback per rank, ending in torch.load's advice to set
+    # weights_only=False (not the user's to set), or safetensors' "incomplete metadata"
+    whole, junk, cut = tmp_path / "whole.pt", tmp_path / "junk.pt", tmp_path / "cut.safetensors"
+    torch.save(torch.nn.Linear(2, 2), whole)
+    junk.write_bytes(b"not a checkpoint")
+    cut.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    for path, words in (
+        (whole, "not a readable state dict"),
+        (junk, "not a readable state dict"),
+        (cut, "not a readable"),
+    ):
+        _one_line(
+            _train1("--steps", "1", "--init-from", str(path), "--out", str(tmp_path / "r")),
+            f"--init-from {path}",
+            words,
+        )
+    torch.save([torch.zeros(2)], junk)
+    _one_line(
+        _train1("--steps", "1", "--init-from", str(junk), "--out", str(tmp_path / "r")),
+        "holds a list, not a state dict",
+    )

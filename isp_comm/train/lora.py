@@ -69,12 +69,23 @@ def init_from(comm, path: str) -> None:
     adapters keep their initialisation). Each rank keeps its own rows."""
     from isp_comm.hf_checkpoint import base_names
 
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        full = load_file(path)
-    else:
-        full = torch.load(path, weights_only=True, map_location="cpu")
+            full = load_file(path)
+        else:
+            full = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch.load's advice (weights_only=False) is not the user's to take
+        raise ValueError(
+            f"--init-from {path}: not a readable state dict ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "it takes a file of model.state_dict() (torch.save) or a .safetensors file, as isp-export writes"
+        ) from None
+    if not isinstance(full, dict) or not all(isinstance(v, torch.Tensor) for v in full.values()):
+        raise ValueError(
+            f"--init-from {path}: holds a {type(full).__name__}, not a state dict of tensors; save "
+            "model.state_dict() (not the model itself), or export a run with isp-export"
+        )
     current = comm.state_dict()
     names = base_names(current)
     missing = sorted(plain for plain in names.values() if plain not in full)
