@@ -91,7 +91,9 @@ def test_prepare_folder_of_text_files_and_missing_field(tmp_path):
     assert store.n_docs == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match="no field 'text'"):
+    # the row's own fields, and the flag that reads another: isp-train has no
+    # --text-field, which the message once pointed to
+    with pytest.raises(ValueError, match=r"no field 'text' \(it has 'content'\): .*isp-prepare-data .*--text-field"):
         prepare_store(str(bad), str(tmp_path / "tok"), progress=False)
 
 

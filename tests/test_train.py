@@ -281,6 +281,12 @@ def test_bad_data_fails_with_one_line(tmp_path) -> None:
     _one_line_error(
         isp_train(2, "--data", str(short), "--seq", "64", "--out", out, timeout=100), "longer than the data"
     )
+    # held-out documents that need a tokenizer: the refusal once named --data, the flag
+    # whose file was fine
+    docs = tmp_path / "held_out.jsonl"
+    docs.write_text('{"text": "hello"}\n')
+    flags = ("--data", str(short), "--seq", "2", "--eval-data", str(docs), "--eval-every", "1", "--out", out)
+    _one_line_error(isp_train(2, *flags, timeout=100), f"--eval-data {docs}")
 
 
 @pytest.mark.timeout(200)

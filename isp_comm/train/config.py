@@ -171,8 +171,10 @@ class TrainConfig:
     otherwise (one command that starts a run and survives its restarts; it takes
     the whole command, no flags from config.json)."""
     overwrite: bool = False
-    """Start again in an --out that holds a run: its metrics, trace, run files and
-    checkpoints are removed first (without it, such a folder is refused)."""
+    """Start again in an --out that holds checkpoints: isp-train's files there (metrics,
+    trace, run files, checkpoints) are removed first (without it, such a folder is
+    refused; a folder with a run but no checkpoint is written over, its metrics and
+    trace started anew)."""
     plan: bool = False
     """Print the memory forecast of these flags (MiB per rank for every phase: wrap,
     forward, backward, optimizer, save, async save, load, by part) and exit; the last
@@ -352,7 +354,13 @@ class TrainConfig:
             try:
                 check_data(self.eval_data)
             except ValueError as exc:
-                raise ValueError(str(exc).replace("--data", "--eval-data", 1)) from exc
+                raise as_eval_data_error(exc) from exc
+
+
+def as_eval_data_error(exc: ValueError) -> ValueError:
+    """A refusal of --eval-data's file by the code that reads --data's, naming the flag
+    the user gave."""
+    return ValueError(str(exc).replace("--data", "--eval-data", 1))
 
 
 def check_layout(cfg: TrainConfig, world: int) -> None:

@@ -17,7 +17,7 @@ from isp_comm.discovery import find_blocks
 from isp_comm.models.llama import LlamaConfig
 from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
-from isp_comm.train.config import TrainConfig, check_layout, resolve_device
+from isp_comm.train.config import TrainConfig, as_eval_data_error, check_layout, resolve_device
 from isp_comm.train.data import Slicing
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
@@ -116,7 +116,10 @@ def train_data(cfg: TrainConfig, tokens, offsets, vocab: int, world: int, rank: 
     cut = Slicing(cfg.batch, cfg.grad_accum, cfg.seq, world // cfg.sp, rank // cfg.sp, cfg.sp, rank % cfg.sp)
     eval_source = None
     if cfg.eval_data:  # tokenized like --data
-        ev_tokens, ev_vocab, _, ev_offsets = load_data(dataclasses.replace(cfg, data=cfg.eval_data))
+        try:
+            ev_tokens, ev_vocab, _, ev_offsets = load_data(dataclasses.replace(cfg, data=cfg.eval_data))
+        except ValueError as exc:
+            raise as_eval_data_error(exc) from exc
         if ev_vocab > vocab:
             raise ValueError(f"--eval-data {cfg.eval_data}: token ids up to {ev_vocab - 1}, the vocabulary is {vocab}")
         eval_source = (ev_tokens, ev_offsets)

@@ -176,7 +176,11 @@ def _json_texts(path: str, field: str) -> Iterator[str]:
             )
         for where, row in rows:
             if not isinstance(row, dict) or field not in row:
-                raise ValueError(f"--data {path}: {where} has no field {field!r} (--text-field)")
+                has = f" (it has {', '.join(map(repr, list(row)[:6]))})" if isinstance(row, dict) else ""
+                raise ValueError(
+                    f"--data {path}: {where} has no field {field!r}{has}: for text under another field, "
+                    "isp-prepare-data FILE --tokenizer DIR --text-field NAME makes a store to pass as --data"
+                )
             text = row[field]
             if text is not None and not isinstance(text, str):
                 raise ValueError(
