@@ -136,6 +136,26 @@ def test_warning_names_the_biggest_part(monkeypatch) -> None:
     assert preflight.memory_warnings(cfg, model, icfg, 2, torch.device("cpu"))[0] == []
 
 
+def test_warning_names_only_phases_the_run_goes_through(monkeypatch) -> None:
+    # A small model's highest phase is the async save's staging copy; without
+    # --async-save the warning once named it anyway ("try a synchronous save (no
+    # --async-save)"), and the saves' phases with no save at all
+    from isp_comm.train import preflight
+    from isp_comm.train.config import parse_config
+    from isp_comm.train.model import build_meta_model, isp_config
+
+    monkeypatch.setattr(preflight, "free_memory_per_rank", lambda device, local: 2**20)
+    said = {}
+    for extra in ([], ["--async-save"], ["--no-final-save"]):
+        cfg = parse_config(["--layers", "2", "--hidden", "64", "--seq", "8", "--batch", "2", *extra])
+        model, _ = build_meta_model(cfg, 256, "")
+        (line,), fc = preflight.memory_warnings(cfg, model, isp_config(cfg, bf16=False), 2, torch.device("cpu"))
+        said[" ".join(extra)] = line
+    assert fc.worst() == "async_save"
+    assert "for the async_save phase" in said["--async-save"]
+    assert "for the backward phase" in said[""] and "for the backward phase" in said["--no-final-save"], said
+
+
 HELD_OUT = 0.05
 """The issue's goal for a run's peak RSS. The forecast's measured constants were read
 elsewhere: gloo's and the bf16 kernels' runtime on bench/forecast.py's grid (width 256,

@@ -52,7 +52,7 @@ def memory_warnings(
     except Exception as exc:  # a model the meta trace cannot run: train anyway, say so
         return [f"no memory forecast for this model ({type(exc).__name__}: {exc})"], None
     free = free_memory_per_rank(device, local_ranks(cfg, world))
-    phase = fc.worst()
+    phase = max(run_phases(cfg, fc.names()), key=fc.peak)
     need = fc.peak(phase) + (0 if device.type == "cuda" else proc_status_bytes("VmRSS"))
     if need <= free:
         return [], fc
@@ -64,6 +64,15 @@ def memory_warnings(
         "(isp-train --plan prints the table)"
     )
     return [line], fc
+
+
+def run_phases(cfg: TrainConfig, names: list[str]) -> list[str]:
+    """The forecast's phases this run goes through: no checkpoint save without one
+    (``--no-final-save`` and ``--save-every 0``), no background one without
+    ``--async-save`` (a warning once blamed a 7B run's async save it never made)."""
+    saves = cfg.final_save or cfg.save_every > 0
+    skip = {"async_save"} if not cfg.async_save else set()
+    return [ph for ph in names if ph not in skip and (saves or ph not in ("save", "async_save"))]
 
 
 def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:
