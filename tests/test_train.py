@@ -423,6 +423,32 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)" in err[0]
+    # a broken config.json once said only json's "Expecting property name ...", no file;
+    # a JSON list, an AttributeError
+    for text in ("{'model_type': 'llama'}", "[1]"):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(SystemExit):
+            parse_config(["--model", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--model {tmp_path}" in err[0], err
+
+
+def test_lora_targets_take_spaces_and_refuse_none(capsys) -> None:
+    from isp_comm.train.config import parse_config
+
+    # "q_proj, v_proj" once named " v_proj", which no module is
+    assert parse_config(["--lora-rank", "4", "--lora-targets", "q_proj, v_proj"]).targets() == ["q_proj", "v_proj"]
+    with pytest.raises(SystemExit):  # "" was peft's own message, naming no flag
+        parse_config(["--lora-rank", "4", "--lora-targets", " , "])
+    assert "--lora-targets: give the names" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_count_of_ranks_for_a_rank_torchrun_started_is_refused(tmp_path) -> None:
+    # torchrun --nproc-per-node 2 -m isp_comm.train --nproc-per-node 4 once trained at
+    # torchrun's world without a word
+    res = isp_train(2, *SMALL, "--steps", "1", "--nproc-per-node", "4", "--out", str(tmp_path / "r"), timeout=100)
+    _one_line_error(res, "--nproc-per-node 4: this rank was started by a launcher of 2 ranks")
 
 
 def test_weights_isp_train_does_not_read_are_one_line(tmp_path, capsys) -> None:

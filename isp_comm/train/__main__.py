@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
             fail(str(exc), every_rank=True)
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
+    started = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # a launcher's ranks a machine (ours, or torchrun's)
+    if cfg.nproc_per_node and "LOCAL_RANK" in os.environ and started and started != cfg.nproc_per_node:
+        fail(  # torchrun ... -m isp_comm.train --nproc-per-node 4 once ran at torchrun's world, without a word
+            f"--nproc-per-node {cfg.nproc_per_node}: this rank was started by a launcher of {started} ranks a "
+            "machine (torchrun's --nproc-per-node): give the count to the one launcher"
+        )
     try:  # before any rank starts: one line, exit 2
         check_layout(cfg, job_world(cfg))
         if launching:

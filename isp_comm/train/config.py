@@ -236,6 +236,10 @@ class TrainConfig:
     rdzv_endpoint: str = ""
     """host:port where the machines of a --nnodes > 1 launch meet (c10d rendezvous)."""
 
+    def targets(self) -> list[str]:
+        """--lora-targets as names (spaces after the commas allowed)."""
+        return lora_target_names(self.lora_targets)
+
     def __post_init__(self) -> None:
         for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq", "batch", "grad_accum", "sp", "log_every"):
             if getattr(self, name) < 1:
@@ -291,6 +295,8 @@ class TrainConfig:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         if self.lora_targets != TrainConfig.lora_targets and not self.lora_rank:
             raise ValueError(f"--lora-targets {self.lora_targets} needs --lora-rank R (without it every weight trains)")
+        if self.lora_rank and not self.targets():
+            raise ValueError("--lora-targets: give the names of the modules to adapt, comma-separated (q_proj,v_proj)")
         if self.data:
             from isp_comm.train.store import check_data
 
@@ -355,6 +361,12 @@ class TrainConfig:
                 check_data(self.eval_data)
             except ValueError as exc:
                 raise as_eval_data_error(exc) from exc
+
+
+def lora_target_names(text: str) -> list[str]:
+    """The module names of a --lora-targets value (or a run.json's), spaces stripped:
+    "q_proj, v_proj" once named " v_proj", which no module is."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def as_eval_data_error(exc: ValueError) -> ValueError:

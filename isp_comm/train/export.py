@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
 from isp_comm.train import checkpoint
+from isp_comm.train.config import lora_target_names
 from isp_comm.train.hf_model import HF_DIR
 from isp_comm.train.lora import ADAPTER, LORA_SCALING, merge_lora
 
@@ -175,7 +176,7 @@ def _export_adapter(
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     rank = run["lora_rank"]
-    targets = [t for t in run["lora_targets"].split(",") if t]
+    targets = lora_target_names(run["lora_targets"])
     peft.LoraConfig(
         r=rank,
         lora_alpha=int(LORA_SCALING * rank),

@@ -43,8 +43,12 @@ def model_type(path: str) -> str:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ValueError(f"--model {path}: no config.json in that folder")
-    with open(config) as f:
-        kind = json.load(f).get("model_type")
+    try:
+        with open(config) as f:
+            found = json.load(f)
+    except (OSError, ValueError) as exc:  # a broken file once said only json's "Expecting property name ..."
+        raise ValueError(f"--model {path}: config.json cannot be read as JSON ({exc})") from None
+    kind = found.get("model_type") if isinstance(found, dict) else None
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"--model {path}: model type {kind!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
