@@ -1,4 +1,7 @@
-"""Exceptions a user of isp-comm may want to catch."""
+"""Exceptions a user of isp-comm may want to catch, and the check of a folder argument
+the command-line tools share."""
+
+import os
 
 
 class ISPCommTimeout(RuntimeError):
@@ -34,3 +37,13 @@ class SymmetricHeapError(ValueError):
     would not fit; the message names the bytes needed. A ``ValueError`` because the
     fix is the deployment's: a larger ``NVSHMEM_SYMMETRIC_SIZE`` set before the job
     starts, or another backend."""
+
+
+def need_folder(path: str, expected: str) -> None:
+    """A ``ValueError`` unless ``path`` is a folder: a file given where a folder is
+    wanted says so, and what to give (``expected``), rather than "no such folder"."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ValueError(f"{path} is a file, not a folder: give {expected}")
+    raise ValueError(f"{path}: no such folder")

@@ -707,7 +707,12 @@ def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
     x = torch.randint(0, model.cfg.vocab_size, (2, 8))
     assert model(x).shape == (2, 8, model.cfg.vocab_size)
-    for wrong, words in ((str(tmp_path / "nowhere"), "no such folder"), (str(tmp_path), "no run folder")):
+    a_file = os.path.join(out, "model.pt")  # once "no such folder", for a file that is there
+    for wrong, words in (
+        (str(tmp_path / "nowhere"), "no such folder"),
+        (str(tmp_path), "no run folder"),
+        (a_file, "is a file, not a folder: give a run folder"),
+    ):
         res = export_cli(wrong)
         assert res.returncode == 2 and "Traceback" not in res.stderr and words in res.stderr, res.stderr
 
@@ -1084,3 +1089,19 @@ def test_init_from_a_file_that_is_not_a_state_dict_says_so(tmp_path) -> None:
         _train1("--steps", "1", "--init-from", str(junk), "--out", str(tmp_path / "r")),
         "holds a list, not a state dict",
     )
+
+
+def test_the_other_tools_name_the_path_they_could_not_read(tmp_path, capsys) -> None:
+    # isp-timeline once said only json's "Expecting value: line 1 column 1", and
+    # isp-comm doctor "no hang.json" for a folder that does not exist
+    from isp_comm.cli import main as isp_comm_main
+    from isp_comm.train.timeline import main as timeline_main
+
+    junk = tmp_path / "trace.json"
+    junk.write_text("not json")
+    assert timeline_main([str(junk)]) == 2
+    assert f"{junk}: Expecting value" in capsys.readouterr().err
+    assert isp_comm_main(["doctor", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such folder" in capsys.readouterr().err
+    assert isp_comm_main(["doctor", str(junk)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

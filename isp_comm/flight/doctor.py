@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from isp_comm.errors import need_folder
 from isp_comm.flight.diagnosis import HANG_JSON, classify
 from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER, POLL_S
 from isp_comm.flight.record import describe
@@ -23,6 +24,7 @@ def show(run: str) -> str:
     """The diagnosis a hang left in ``run`` (``hang.json``), else the one an earlier run
     of the folder left before a restart or resume set it aside, said so; ``ValueError``
     without either."""
+    need_folder(run, "the run's folder (isp-train's --out, or the diagnosis_dir)")
     path, note = os.path.join(run, HANG_JSON), []
     if not os.path.isfile(path) and os.path.isfile(os.path.join(run, PREVIOUS_JSON)):
         path = os.path.join(run, PREVIOUS_JSON)
@@ -57,8 +59,7 @@ def _position(rec: dict[str, Any], now: float) -> str:
 def live(run: str, wait_s: float = 4 * POLL_S + 3.0) -> str:
     """Ask the job writing to ``run`` where each rank is: touch the trigger, collect the
     answers its ranks write to ``run/live/`` for up to ``wait_s`` seconds."""
-    if not os.path.isdir(run):
-        raise ValueError(f"{run}: no such folder")
+    need_folder(run, "the folder of the running job (isp-train's --out)")
     trigger = os.path.join(run, LIVE_TRIGGER)
     with open(trigger, "w") as f:
         f.write(f"{time.time()}\n")

@@ -33,17 +33,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from isp_comm.errors import need_folder
 from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
 from isp_comm.train import checkpoint
 from isp_comm.train.config import lora_target_names
 from isp_comm.train.hf_model import HF_DIR
 from isp_comm.train.lora import ADAPTER, LORA_SCALING, merge_lora
 
+CHECKPOINT_ARG = "a run folder, its checkpoints/ folder or one checkpoint"
+"""What isp-export's argument may be."""
+
 
 def _run_dir(checkpoint_dir: str, what: str) -> str:
     """The run's OUT folder (the one with run.json) above ``checkpoint_dir``."""
-    if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"{checkpoint_dir}: no such folder")
+    need_folder(checkpoint_dir, CHECKPOINT_ARG)
     here = os.path.abspath(checkpoint_dir)
     for up in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
         if os.path.isfile(os.path.join(up, "run.json")):
@@ -62,8 +65,7 @@ def _resolve(checkpoint_dir: str) -> str:
     """A run folder or its checkpoints/ folder means its newest complete checkpoint (as
     a resume takes it); anything that is not a checkpoint, or one whose files fail their
     checksums, is a ``ValueError`` saying what was expected."""
-    if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"{checkpoint_dir}: no such folder")
+    need_folder(checkpoint_dir, CHECKPOINT_ARG)
     if os.path.isdir(os.path.join(checkpoint_dir, "checkpoints")):  # the run folder
         checkpoint_dir = os.path.join(checkpoint_dir, "checkpoints")
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):  # a checkpoints folder: as a resume takes it
@@ -248,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             placed = export_hf(args.checkpoint, args.hf, merge=args.merge_lora)
             print(f"{args.hf}: {len(placed)} tensors in {len(set(placed.values()))} safetensors file(s)")
             return 0
-        if not os.path.isdir(args.checkpoint):
-            raise ValueError(f"{args.checkpoint}: no such folder")
+        need_folder(args.checkpoint, CHECKPOINT_ARG)
         if not args.output:  # into the run folder
             try:
                 args.output = os.path.join(_run_dir(args.checkpoint, "isp-export"), "model.pt")

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         draw(args.trace, args.output)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"isp-timeline: error: {exc}", file=sys.stderr)
+        print(f"isp-timeline: error: {args.trace}: {exc}", file=sys.stderr)  # json's own text names no file
         return 2
     print(args.output)
     return 0
