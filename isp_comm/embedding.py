@@ -54,7 +54,14 @@ class _HiddenSplitLookup(torch.autograd.Function):
         # the master; looked up in ``dtype`` (param_dtype) when set
         every = comm.all_gather(ids, "all-gather of token ids for the hidden-split embedding")  # [wp, *ids]
         cols = shard.shape[1]
-        mine = F.embedding(every, shard if dtype is None else shard.to(dtype))  # [wp, *ids, cols]
+        try:
+            mine = F.embedding(every, shard if dtype is None else shard.to(dtype))  # [wp, *ids, cols]
+        except IndexError:  # said only where it fails: a check of every step's ids would sync the host
+            raise IndexError(
+                f"a token id outside the vocabulary [0, {shard.shape[0]}) in the WP group's ids: one of this "
+                "rank's, or, with shard_outer_params, ids gathered from ranks that fed inputs of different shapes "
+                "(gloo gathers those without a word): the ranks of a WP group must feed inputs of one shape"
+            ) from None
         if cols < chunk:
             mine = F.pad(mine, (0, chunk - cols))
         got = torch.empty_like(mine)  # [wp (column owner), *ids, chunk]

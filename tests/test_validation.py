@@ -239,3 +239,16 @@ def test_data_parallel_around_or_inside_is_refused(world1) -> None:
     with pytest.raises(ValueError, match=r"do not also wrap it in fully_shard \(FSDP2\)"):
         model(x)
     comm.close()
+
+
+
+def test_an_id_outside_the_vocabulary_under_the_hidden_split_embedding_says_what_may_cause_it(world1) -> None:
+    # Ranks of a WP group feeding different shapes make gloo gather garbage ids (or
+    # corrupt the smaller rank's buffer: not testable); the lookup then stopped with
+    # F.embedding's bare "index out of range in self". The same check says it for a
+    # rank's own id past the vocabulary, the one case a single rank can show.
+    model = tiny()
+    comm = ISPCommunicator(model, world1, ISPConfig(shard_outer_params=True))
+    with pytest.raises(IndexError, match=r"outside the vocabulary \[0, 11\).*must feed inputs of one shape"):
+        model(torch.tensor([[1, 2, 11]]))
+    comm.close()
