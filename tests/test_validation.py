@@ -241,7 +241,6 @@ def test_data_parallel_around_or_inside_is_refused(world1) -> None:
     comm.close()
 
 
-
 def test_an_id_outside_the_vocabulary_under_the_hidden_split_embedding_says_what_may_cause_it(world1) -> None:
     # Ranks of a WP group feeding different shapes make gloo gather garbage ids (or
     # corrupt the smaller rank's buffer: not testable); the lookup then stopped with
