@@ -15,6 +15,8 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 """Every backend name, the one list (``make_backend`` and isp-train read it too)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes isp-comm trains in: of parameters, gathers and reductions."""
+
 FLAGS = (
     "overlap",
     "shard_outer_params",
@@ -25,13 +27,14 @@ FLAGS = (
 )
 """The fields that are True or False: a string such as ``"False"`` would read as true."""
 
+MAX_TIMEOUT_S = 1e9
+"""The longest deadline taken (about 31 years): a wait's deadline becomes a
+``timedelta`` and a thread wait, which overflow long before a float does."""
+
 
 def _number(value: object) -> bool:
     """An int or float, not a bool (nor a string: ``"0.5"`` would fail later, after sharding)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-"""The dtypes isp-comm trains in: of parameters, gathers and reductions."""
 
 
 @dataclass(kw_only=True)
@@ -209,7 +212,7 @@ class ISPConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
             raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}")
-        if not _number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not _number(self.timeout_s) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {self.timeout_s!r}")
         if not _number(self.debug_delay_s) or not 0 <= self.debug_delay_s < math.inf:
             raise ValueError(f"debug_delay_s must be a finite number >= 0, got {self.debug_delay_s!r}")

@@ -81,19 +81,22 @@ def _data_parallel(module: nn.Module) -> str | None:
         return "DistributedDataParallel"
     if isinstance(module, FSDPModule):
         return "fully_shard (FSDP2)"
-    return type(module).__name__ if type(module).__name__ == "FullyShardedDataParallel" else None
+    return None
 
 
 def refuse_data_parallel_outside(model: nn.Module, _args: tuple) -> None:
-    """The model's forward pre-hook: a ``ValueError`` when it runs inside
-    ``DistributedDataParallel`` or was given to ``fully_shard`` after wrapping. Both
-    would act on the shards as if they were whole parameters: DDP's constructor has
-    already broadcast rank 0's shard over every rank's, and it would average the
-    gradients a second time."""
+    """The model's forward pre-hook: a ``ValueError`` when it runs as (part of) the
+    module of the ``DistributedDataParallel`` whose forward is running, or was itself
+    given to ``fully_shard`` after wrapping. Both would act on the shards as if they
+    were whole parameters: DDP's constructor has already broadcast rank 0's shard over
+    every rank's, and it would average the gradients a second time. Another DDP
+    model's forward that calls ours (a teacher) is not refused: torch keeps one
+    active DDP module for the process, so only one that holds ours counts."""
     from torch.nn.parallel import DistributedDataParallel
 
     active = getattr(DistributedDataParallel, "_active_ddp_module", None)
-    what = "DistributedDataParallel" if active is not None else _data_parallel(model)
+    inside = isinstance(active, DistributedDataParallel) and any(m is model for m in active.module.modules())
+    what = "DistributedDataParallel" if inside else _data_parallel(model)
     if what:
         raise ValueError(
             f"this model is wrapped by an ISPCommunicator, which shards its weights and averages its gradients "

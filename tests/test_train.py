@@ -256,7 +256,8 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
         (["--steps", "0"], "--steps must be >= 1"),
         (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
-        (["--comm-timeout", "inf"], "--comm-timeout must be a finite number"),  # was an OverflowError traceback
+        (["--comm-timeout", "inf"], "--comm-timeout must be a number of seconds"),  # was an OverflowError traceback
+        (["--comm-timeout", "1e20"], "--comm-timeout must be a number of seconds"),  # a timedelta's overflow
         (["--data", "/nonexistent/file.txt"], "no such file"),
         # a folder was once "no such file"
         (["--init-from", "tests"], "--init-from tests is a folder: it takes an exported model.pt"),
@@ -449,6 +450,12 @@ def test_a_count_of_ranks_for_a_rank_torchrun_started_is_refused(tmp_path) -> No
     # torchrun's world without a word
     res = isp_train(2, *SMALL, "--steps", "1", "--nproc-per-node", "4", "--out", str(tmp_path / "r"), timeout=100)
     _one_line_error(res, "--nproc-per-node 4: this rank was started by a launcher of 2 ranks")
+    # a count from a --config file is isp-train's launcher's, which started the ranks
+    # with it and took the flag off their command lines, not the file
+    job = tmp_path / "job.toml"
+    job.write_text("nproc_per_node = 4\n")  # the user gave --nproc-per-node 2 to the launcher
+    res = isp_train(2, "--config", str(job), *SMALL, "--steps", "1", "--out", str(tmp_path / "c"), timeout=100)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_weights_isp_train_does_not_read_are_one_line(tmp_path, capsys) -> None:
@@ -1084,6 +1091,8 @@ def test_init_from_a_file_that_is_not_a_state_dict_says_so(tmp_path) -> None:
             f"--init-from {path}",
             words,
         )
+    junk.write_bytes(b"")  # torch.load's EOFError has an empty message
+    _one_line(_train1("--steps", "1", "--init-from", str(junk), "--out", str(tmp_path / "r")), "not a readable")
     torch.save([torch.zeros(2)], junk)
     _one_line(
         _train1("--steps", "1", "--init-from", str(junk), "--out", str(tmp_path / "r")),

@@ -48,8 +48,9 @@ def tiny() -> nn.Module:
         (dict(shard_outer_params="False"), "shard_outer_params must be True or False"),
         (dict(overlap="no"), "overlap must be True or False"),
         (dict(activation_checkpointing="0.5"), "activation_checkpointing must be a number"),
-        (dict(timeout_s=float("inf")), "timeout_s must be a finite number"),
-        (dict(timeout_s="30"), "timeout_s must be a finite number"),
+        (dict(timeout_s=float("inf")), "timeout_s must be a number of seconds"),
+        (dict(timeout_s="30"), "timeout_s must be a number of seconds"),
+        (dict(timeout_s=1e20), "timeout_s must be a number of seconds"),
         (dict(debug_delay_s=float("nan")), "debug_delay_s must be a finite number"),
     ],
 )
@@ -250,4 +251,28 @@ def test_an_id_outside_the_vocabulary_under_the_hidden_split_embedding_says_what
     comm = ISPCommunicator(model, world1, ISPConfig(shard_outer_params=True))
     with pytest.raises(IndexError, match=r"outside the vocabulary \[0, 11\).*must feed inputs of one shape"):
         model(torch.tensor([[1, 2, 11]]))
+    comm.close()
+
+
+def test_another_ddp_models_forward_may_call_a_wrapped_model(world1) -> None:
+    # torch keeps one active DDP module for the process: a teacher wrapped by
+    # ISPCommunicator, called inside a DDP student's forward, was once refused as if
+    # DDP wrapped it
+    from torch.nn.parallel import DistributedDataParallel
+
+    teacher = tiny()
+    comm = ISPCommunicator(teacher, world1)
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(11, 11)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                soft = teacher(x)
+            return self.head(soft)
+
+    out = DistributedDataParallel(Student())(torch.randint(0, 11, (2, 8)))
+    assert out.shape == (2, 8, 11)
     comm.close()

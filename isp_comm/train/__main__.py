@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
     started = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # a launcher's ranks a machine (ours, or torchrun's)
-    if cfg.nproc_per_node and "LOCAL_RANK" in os.environ and started and started != cfg.nproc_per_node:
+    given = any(a.split("=")[0] == "--nproc-per-node" for a in (sys.argv[1:] if argv is None else argv))
+    # on the command line only: isp-train's launcher takes the flag off its ranks' lines, but
+    # not out of a --config file, whose count it already started
+    if given and "LOCAL_RANK" in os.environ and started and started != cfg.nproc_per_node:
         fail(  # torchrun ... -m isp_comm.train --nproc-per-node 4 once ran at torchrun's world, without a word
             f"--nproc-per-node {cfg.nproc_per_node}: this rank was started by a launcher of {started} ranks a "
             "machine (torchrun's --nproc-per-node): give the count to the one launcher"

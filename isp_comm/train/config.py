@@ -7,7 +7,6 @@ import ast
 import dataclasses
 import inspect
 import json
-import math
 import os
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from typing import Literal, NoReturn, get_args
 
 import torch
 
-from isp_comm.config import BACKENDS, BackendName, StateSharding
+from isp_comm.config import BACKENDS, MAX_TIMEOUT_S, BackendName, StateSharding
 from isp_comm.processes import leave_on_signals
 from isp_comm.train import virtual
 from isp_comm.train.reporting.names import parse_report_to
@@ -263,8 +262,10 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if not 0 < self.comm_timeout < math.inf:
-            raise ValueError(f"--comm-timeout must be a finite number of seconds > 0, got {self.comm_timeout}")
+        if not 0 < self.comm_timeout <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"--comm-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {self.comm_timeout}"
+            )
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
         self._check_plan()

@@ -77,8 +77,9 @@ def init_from(comm, path: str) -> None:
         else:
             full = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - torch.load's advice (weights_only=False) is not the user's to take
+        why = str(e).partition("\n")[0][:200]  # the first line (an empty file's EOFError has none)
         raise ValueError(
-            f"--init-from {path}: not a readable state dict ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"--init-from {path}: not a readable state dict ({type(e).__name__}: {why}); "
             "it takes a file of model.state_dict() (torch.save) or a .safetensors file, as isp-export writes"
         ) from None
     if not isinstance(full, dict) or not all(isinstance(v, torch.Tensor) for v in full.values()):

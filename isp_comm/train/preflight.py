@@ -68,11 +68,16 @@ def memory_warnings(
 
 def run_phases(cfg: TrainConfig, names: list[str]) -> list[str]:
     """The forecast's phases this run goes through: no checkpoint save without one
-    (``--no-final-save`` and ``--save-every 0``), no background one without
-    ``--async-save`` (a warning once blamed a 7B run's async save it never made)."""
-    saves = cfg.final_save or cfg.save_every > 0
-    skip = {"async_save"} if not cfg.async_save else set()
-    return [ph for ph in names if ph not in skip and (saves or ph not in ("save", "async_save"))]
+    (``--no-final-save`` and ``--save-every 0``, or a virtual run, which saves nothing),
+    no background one without ``--async-save`` (a warning once blamed a 7B run's async
+    save it never made), no load without weights to read (``--resume``,
+    ``--init-from``, ``--model``'s)."""
+    skip = set() if cfg.async_save else {"async_save"}
+    if cfg.virtual_world or not (cfg.final_save or cfg.save_every > 0):
+        skip |= {"save", "async_save"}
+    if not (cfg.resume or cfg.init_from or cfg.model):
+        skip.add("load")
+    return [ph for ph in names if ph not in skip]
 
 
 def free_memory_per_rank(device: torch.device, local_ranks: int) -> int:

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         draw(args.trace, args.output)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"isp-timeline: error: {args.trace}: {exc}", file=sys.stderr)  # json's own text names no file
+        said = f"{args.trace}: {exc}" if isinstance(exc, json.JSONDecodeError) else str(exc)  # json's names no file
+        print(f"isp-timeline: error: {said}", file=sys.stderr)
         return 2
     print(args.output)
     return 0
