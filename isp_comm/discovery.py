@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +74,15 @@ def _refuse_stale_optimizers(model: nn.Module) -> None:
 
 
 def _data_parallel(module: nn.Module) -> str | None:
-    """The name of the data-parallel wrapper ``module`` is, if any."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
+    """The name of the data-parallel wrapper ``module`` is, if any. FSDP is looked up
+    only if something imported it (a module cannot be FSDP's otherwise): importing it
+    at wrap cost a rank tens of MiB of RSS, which the forecast's baseline does not hold."""
+    from torch.nn.parallel import DistributedDataParallel  # imported with torch.nn
 
     if isinstance(module, DistributedDataParallel):
         return "DistributedDataParallel"
-    if isinstance(module, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
         return "fully_shard (FSDP2)"
     return None
 
