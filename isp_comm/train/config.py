@@ -263,9 +263,7 @@ class TrainConfig:
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if not 0 < self.comm_timeout <= MAX_TIMEOUT_S:
-            raise ValueError(
-                f"--comm-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {self.comm_timeout}"
-            )
+            raise ValueError(f"--comm-timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.comm_timeout}")
         if self.device not in get_args(Device):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
         self._check_plan()
