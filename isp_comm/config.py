@@ -202,7 +202,7 @@ class ISPConfig:
             raise ValueError(f"max_inflight_reduce_scatter must be an integer >= 1, got {k!r}")
         if self.release_reduce_buffers is not None and not isinstance(self.release_reduce_buffers, bool):
             raise ValueError(f"release_reduce_buffers must be True, False or None, got {self.release_reduce_buffers!r}")
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or not self.bucket_mb > 0:
+        if not _number(self.bucket_mb) or not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
         if self.state_sharding not in get_args(StateSharding):
             raise ValueError(f"state_sharding must be 'wp' or 'world', got {self.state_sharding!r}")

@@ -227,6 +227,14 @@ def _aborted(ranks: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
     return [(r, code, err[-3000:]) for r, (code, err) in enumerate(ranks) if code != 0 or "terminate called" in err]
 
 
+def _exits_cleanly(script: str, args: list[str], runs: int) -> None:
+    """``script`` on two plain processes, ``runs`` times: every rank exits 0, and none
+    says C++ called terminate."""
+    for i in range(runs):
+        ranks = _plain_ranks(script, args, 2, timeout=90)
+        assert not _aborted(ranks), (i, _aborted(ranks))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["torch", "symm"])
@@ -260,9 +268,7 @@ about 0.4, so 4 runs catch that 87% of the time; the README's count was run by h
 def test_leaving_with_the_symm_worker_busy_does_not_abort() -> None:
     """See tests/scripts/busy_exit.py and [Note: the worker at interpreter exit]. Two
     plain processes (no launcher: its agent costs seconds per run)."""
-    for i in range(BUSY_EXIT_RUNS):
-        ranks = _plain_ranks("tests/scripts/busy_exit.py", [], 2, timeout=90)
-        assert not _aborted(ranks), (i, _aborted(ranks))
+    _exits_cleanly("tests/scripts/busy_exit.py", [], BUSY_EXIT_RUNS)
 
 
 UNCLOSED_EXIT_RUNS = 5
@@ -275,9 +281,7 @@ runs on the torch backend aborted (symm: 1 of 6), none of 8 after (symm: none of
 def test_leaving_without_close_does_not_abort() -> None:
     """See tests/scripts/unclosed_exit.py and [Note: the heartbeat at interpreter exit]:
     two plain processes wrap a model and leave, run after run."""
-    for i in range(UNCLOSED_EXIT_RUNS):
-        ranks = _plain_ranks("tests/scripts/unclosed_exit.py", ["torch"], 2, timeout=90)
-        assert not _aborted(ranks), (i, _aborted(ranks))
+    _exits_cleanly("tests/scripts/unclosed_exit.py", ["torch"], UNCLOSED_EXIT_RUNS)
 
 
 def _cut_short_worker(rank: int, world: int) -> dict:

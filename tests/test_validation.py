@@ -43,7 +43,7 @@ def tiny() -> nn.Module:
         (dict(debug_delay_s=-1), "debug_delay_s"),
         (dict(release_reduce_buffers=1), "release_reduce_buffers"),
         (dict(find_unused_parameters="yes"), "find_unused_parameters must be True or False"),
-        # before, the next four were taken: "False" read as true (the embedding was sharded),
+        # before, the next ones were taken: "False" read as true (the embedding was sharded),
         # "0.5" failed after sharding, inf overflowed the first deadline
         (dict(shard_outer_params="False"), "shard_outer_params must be True or False"),
         (dict(overlap="no"), "overlap must be True or False"),
