@@ -9,10 +9,12 @@ torchrun's workers do, and returns what a launcher's process would have.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,11 @@ def _entry(
         os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # a rank killed by a signal (a crash in native code) leaves every thread's Python
+    # stack in a file that run_ranks puts in its error: a forked rank's stderr is the
+    # forkserver's, which may be an earlier test's captured output, long gone
+    fault_file = open(_fault_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(fault_file, all_threads=True)
     try:
         store = dist.FileStore(store_path, world)
         kw = {"device_id": torch.device("cuda", rank if gpu < 0 else gpu)} if backend == "nccl" else {}
@@ -97,6 +104,29 @@ def _all_joined(store: Any, world: int, timeout_s: float = 60.0) -> None:
             raise TimeoutError(f"run_ranks: {joined} of {world} ranks joined the process group within {timeout_s}s")
         time.sleep(0.005)
         joined = store.add("isp_comm.testing.joined", 0)
+
+
+def _fault_path(store_path: str, rank: int) -> str:
+    """Where rank ``rank``'s faulthandler writes (beside the store, in run_ranks' folder)."""
+    return os.path.join(os.path.dirname(store_path), f"rank{rank}.fault")
+
+
+def _exits(procs: list[Any], ranks: list[int], store_path: str) -> str:
+    """How ``ranks`` ended: exit codes, or the signal that killed a rank and the Python
+    stacks its threads were in then (faulthandler's, see :func:`_entry`)."""
+    said = []
+    for r in ranks:
+        code = procs[r].exitcode
+        if code >= 0:
+            said.append(f"rank {r}: exit code {code}")
+            continue
+        try:
+            with open(_fault_path(store_path, r)) as f:
+                stacks = f.read().strip()
+        except OSError:
+            stacks = ""
+        said.append(f"rank {r}: killed by {signal.Signals(-code).name}" + (f"\n{stacks}" if stacks else ""))
+    return "; ".join(said)
 
 
 def free_port() -> int:
@@ -180,8 +210,7 @@ def run_ranks(
                         # give the others a moment to report, then fail
                         time.sleep(1.0)
                         if results.empty():
-                            codes = [procs[r].exitcode for r in dead]
-                            raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
+                            raise RuntimeError(f"ranks {dead} died ({_exits(procs, dead, store)})") from None
                     continue
                 if status == "ok":
                     out[rank] = pickle.loads(value)

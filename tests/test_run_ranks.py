@@ -58,6 +58,24 @@ def test_a_rank_waits_for_every_rank_to_join_before_its_function_runs(tmp_path) 
     assert done == ["late"]
 
 
+def _crash(rank: int, world: int) -> int:
+    """Rank 1 reads address 0 (a crash in native code, as a segfault in a backend's)."""
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_is_named_with_it_and_its_stack() -> None:
+    """A crash in a rank says which signal ended it and the Python stack it crashed in
+    (faulthandler's), not only an exit code, however the ranks were started."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] died \(rank 1: killed by SIGSEGV") as e:
+        run_ranks(_crash, 2)
+    assert "Fatal Python error: Segmentation fault" in str(e.value) and "in _crash" in str(e.value), e.value
+
+
 # ---- run_main ----------------------------------------------------------------------------
 def _cli(argv: list[str]) -> int:
     """A command line's main: says where it runs, leaves a file from an exit callback,
