@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -254,14 +254,16 @@ class ISPCommunicator:
         block's wrapped forward (the first ``n_ckpt`` checkpointed), the model's root
         hooks and, under SP, the chunk check."""
         g, model = self.groups, self.model
-        self._head_forward = self._embed_forward = None
+        self._head_forward = self._embed_forward = self._vocab_head = None
         wp_comm = WPComm(g.wp_group, g.wp_size, g.wp_rank, self.backend, self.ctx)
         if self.vocab_unit is not None:
             vu = self.vocab_unit
             self._add_summed(vu)
-            self._vocab = (wp_comm, g.wp_rank * vu.params[0].chunk_rows)
+            rows = vu.params[0].chunk_rows
+            self._vocab = (wp_comm, g.wp_rank * rows)
             self._head_forward = vu.block.__dict__.get("forward")
-            vu.block.forward = VocabParallelHead(vu.block, self._vocab[1], wp_comm)
+            self._vocab_head = VocabParallelHead(vu.block, self._vocab[1], rows, vu.params[0].shape[0], wp_comm)
+            vu.block.forward = self._vocab_head
         if self.embed_unit is not None:
             eu = self.embed_unit
             self._add_summed(eu)
@@ -278,6 +280,7 @@ class ISPCommunicator:
         self._labels_check = (
             None if self.vocab_unit is None else model.register_forward_pre_hook(refuse_labels, with_kwargs=True)
         )
+        self._undo_generate = self._wrap_generate()
         self._chunk_check = None
         if g.sp_size > 1:
             check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, model)
@@ -334,6 +337,48 @@ class ISPCommunicator:
             return cross_entropy(logits, labels, ignore_index, reduction)  # type: ignore[arg-type]
         wp_comm, vocab_start = self._vocab
         return vocab_parallel_cross_entropy(logits.float(), labels, wp_comm, vocab_start, ignore_index, reduction)
+
+    @contextlib.contextmanager
+    def whole_logits(self) -> Iterator[None]:
+        """Under ``ISPConfig(vocab_parallel=True)``, the logits are whole rows of this
+        rank's own tokens inside this block, as the unwrapped model's, instead of the
+        vocab-sharded ones ``comm.cross_entropy`` takes: for inference (under
+        ``torch.no_grad()``) and evaluation by other code. A wrapped model's
+        ``generate`` runs inside it. Without ``vocab_parallel`` the logits are whole
+        already and it does nothing. See [Note: whole logits] in
+        ``isp_comm/vocab_parallel.py`` for what it costs."""
+        head = self._vocab_head
+        if head is None or head.whole:
+            yield
+            return
+        head.whole = True
+        try:
+            yield
+        finally:
+            head.whole = False
+
+    def _wrap_generate(self) -> Callable[[], None] | None:
+        """Under ``vocab_parallel``, the model's ``generate`` (transformers') made to run
+        in :meth:`whole_logits`, so that it sees the logits it expects; returns what
+        puts the instance back as it was, for ``close``."""
+        model = self.model
+        generate = getattr(model, "generate", None)
+        if self._vocab_head is None or not callable(generate):
+            return None
+        had, before = "generate" in model.__dict__, model.__dict__.get("generate")
+        whole_logits = self.whole_logits
+
+        @functools.wraps(generate)
+        def generate_whole(*args: Any, **kwargs: Any) -> Any:
+            with whole_logits():
+                return generate(*args, **kwargs)
+
+        model.generate = generate_whole
+        return (
+            functools.partial(setattr, model, "generate", before)
+            if had
+            else functools.partial(delattr, model, "generate")
+        )
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # a fixed pool is allocated once, collectively: symmetric buffers the WP peers
@@ -626,6 +671,8 @@ class ISPCommunicator:
         for handle in (self._chunk_check, self._labels_check, self._wrapper_check):
             if handle is not None:
                 handle.remove()
+        if self._undo_generate is not None:
+            self._undo_generate()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):
             if unit is None:
                 continue

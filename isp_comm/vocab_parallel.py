@@ -136,14 +136,38 @@ class _VocabParallelCE(torch.autograd.Function):
 
 class VocabParallelHead:
     """The forward installed on the output head (an ``nn.Linear`` without bias whose
-    weight is this rank's vocab rows ``[vocab_start, vocab_start + rows)``)."""
+    weight is this rank's vocab rows ``[vocab_start, vocab_start + rows)``, ``chunk_rows``
+    on every rank but the last ones of an uneven split, ``vocab_size`` in all).
 
-    def __init__(self, head: nn.Linear, vocab_start: int, comm: WPComm) -> None:
+    While :attr:`whole` is set (``ISPCommunicator.whole_logits``, which a wrapped
+    model's ``generate`` enters) it returns what the unsplit head would: this rank's
+    tokens against the whole vocabulary. [Note: whole logits] Every rank computes the
+    WP group's tokens against its slice, as in training; the slices are then
+    all-gathered (padded to ``chunk_rows``) and each rank keeps its own tokens' rows:
+    ``wp x tokens x chunk_rows`` values a rank, small where generation asks for the
+    last position's logits only, and the head's weight is never gathered. No
+    gradient flows through them: they are for inference."""
+
+    def __init__(self, head: nn.Linear, vocab_start: int, chunk_rows: int, vocab_size: int, comm: WPComm) -> None:
         self.head, self.vocab_start, self.comm = head, vocab_start, comm
+        self.chunk_rows, self.vocab_size = chunk_rows, vocab_size
+        self.whole = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole and torch.is_grad_enabled() and (x.requires_grad or self.head.weight.requires_grad):
+            raise RuntimeError(
+                "whole logits (generate(), comm.whole_logits()) are for inference: run them under torch.no_grad()"
+            )
         x_all = _GatherTokens.apply(x, self.comm) if self.comm.size > 1 else x[None]
-        return F.linear(x_all, self.head.weight.to(x.dtype))
+        logits = F.linear(x_all, self.head.weight.to(x.dtype))
+        return self._whole(logits) if self.whole else logits
+
+    def _whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[wp, *tokens, my rows]`` -> this rank's ``[*tokens, vocab_size]``
+        ([Note: whole logits])."""
+        padded = F.pad(logits, (0, self.chunk_rows - logits.shape[-1]))
+        mine = self.comm.all_gather(padded, "all-gather of vocab-parallel logits for whole rows")[:, self.comm.rank]
+        return mine.movedim(0, -2).flatten(-2)[..., : self.vocab_size]
 
 
 def refuse_labels(_module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:

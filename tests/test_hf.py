@@ -76,7 +76,11 @@ def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
     # prompts of different lengths on different ranks (the blocks' weights are gathered,
     # so each rank's activations are its own); an untied hidden-split embedding all-gathers
     # the WP group's token ids, so under shard_outer_params the prompts share one shape
-    for name, config, length in [("plain", ISPConfig(), 5 + rank), ("outer", ISPConfig(shard_outer_params=True), 5)]:
+    for name, config, length in [
+        ("plain", ISPConfig(), 5 + rank),
+        ("outer", ISPConfig(shard_outer_params=True), 5),
+        ("vocab", ISPConfig(vocab_parallel=True), 5 + rank),
+    ]:
         model = _hf_model("").eval()
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), config)
         ids = torch.randint(0, 37, (1, length), generator=torch.Generator().manual_seed(rank))

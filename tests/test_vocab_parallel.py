@@ -107,3 +107,36 @@ def test_vocab_parallel_refuses_what_it_cannot_split(case: str, said: str) -> No
 
     for text in run_ranks(_refusal_worker, 2, case, timeout_s=50):
         assert said in text, text
+
+
+def _whole_worker(rank: int, world: int, vocab: int) -> list[float | str]:
+    # a head of ``vocab`` rows over ``world`` ranks (every split uneven, a rank with
+    # none at 3 over 4): the whole logits against the full head's, from ranks whose
+    # tokens differ; refused with grad; the vocab-sharded ones again outside
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, vocab, bias=False)
+    full_w = head.weight.detach().clone()
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8))]), head)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(vocab_parallel=True), head=head)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(rank))
+    with comm.whole_logits(), torch.no_grad():
+        whole = head(x)
+    out: list[float | str] = [str(tuple(whole.shape)), (whole - x @ full_w.t()).abs().max().item()]
+    with comm.whole_logits(), pytest.raises(RuntimeError, match="for inference") as refused:
+        head(x.requires_grad_())
+    out += [str(refused.value)[:40], str(tuple(head(x).shape))]
+    comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,vocab", [(2, 37), (4, 3)])
+def test_whole_logits_are_the_full_heads(world: int, vocab: int) -> None:
+    """``comm.whole_logits()``: this rank's tokens against the whole vocabulary, equal to
+    the full head's logits up to summation order (the same dot products, 8 terms in
+    fp32: 1e-6), which ``generate()`` runs in (tests/test_hf.py)."""
+    rows = -(-vocab // world)
+    for out in run_ranks(_whole_worker, world, vocab):
+        assert out[0] == f"(2, 3, {vocab})" and out[1] < 1e-6, out
+        assert out[2].startswith("whole logits (generate(), comm.whole_l"), out
+        assert out[3] in {f"({world}, 2, 3, {n})" for n in (0, vocab % rows or rows, rows)}, out
