@@ -278,7 +278,9 @@ class ISPCommunicator:
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
         self._labels_check = (
-            None if self.vocab_unit is None else model.register_forward_pre_hook(refuse_labels, with_kwargs=True)
+            None
+            if self._vocab_head is None
+            else model.register_forward_pre_hook(functools.partial(refuse_labels, self._vocab_head), with_kwargs=True)
         )
         self._undo_generate = self._wrap_generate()
         self._chunk_check = None

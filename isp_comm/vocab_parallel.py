@@ -170,15 +170,17 @@ class VocabParallelHead:
         return mine.movedim(0, -2).flatten(-2)[..., : self.vocab_size]
 
 
-def refuse_labels(_module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
-    """The model's forward pre-hook under ``vocab_parallel``: a model's own loss
-    (transformers' ``labels=``) would read the logits, this rank's vocab rows of every
-    token of the WP group, as whole rows of its own tokens, and train on that silently."""
-    if kwargs.get("labels") is not None:
+def refuse_labels(head: VocabParallelHead, _module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
+    """The model's forward pre-hook under ``vocab_parallel`` (``head`` bound): a model's
+    own loss (transformers' ``labels=``) would read the logits, this rank's vocab rows
+    of every token of the WP group, as whole rows of its own tokens, and train on that
+    silently. Inside ``comm.whole_logits()`` the rows are whole, and it may."""
+    if kwargs.get("labels") is not None and not head.whole:
         raise ValueError(
             "with vocab_parallel the logits are this rank's vocab rows of every token of its WP group, and a "
             "model's own loss (labels=) would read them as whole rows: call the model without labels and take "
-            "the loss with comm.cross_entropy(logits, labels)"
+            "the loss with comm.cross_entropy(logits, labels), or evaluate under torch.no_grad() inside "
+            "comm.whole_logits()"
         )
 
 

@@ -140,3 +140,23 @@ def test_whole_logits_are_the_full_heads(world: int, vocab: int) -> None:
         assert out[0] == f"(2, 3, {vocab})" and out[1] < 1e-6, out
         assert out[2].startswith("whole logits (generate(), comm.whole_l"), out
         assert out[3] in {f"({world}, 2, 3, {n})" for n in (0, vocab % rows or rows, rows)}, out
+
+
+def _labels_whole_worker(rank: int, world: int) -> float:
+    import transformers  # noqa: F401  (the test extra installs it: never a silent skip)
+
+    ref, model = _model("hf").eval(), _model("hf").eval()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(vocab_parallel=True))
+    x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), comm.whole_logits():
+        got = model(input_ids=x, labels=x).loss
+    err = (got - ref(input_ids=x, labels=x).loss).abs().item()
+    comm.close()
+    return err
+
+
+@pytest.mark.timeout(60)
+def test_labels_inside_whole_logits_give_the_plain_models_loss() -> None:
+    """transformers' own loss (``labels=``), refused on the vocab-sharded logits, is the
+    unwrapped model's on the whole ones (fp32; summation order only: 1e-5)."""
+    assert all(e < 1e-5 for e in run_ranks(_labels_whole_worker, 2, timeout_s=50))
