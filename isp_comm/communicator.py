@@ -360,22 +360,31 @@ class ISPCommunicator:
             head.whole = False
 
     def _wrap_generate(self) -> Callable[[], None] | None:
-        """Under ``vocab_parallel``, the model's ``generate`` (transformers') made to run
-        in :meth:`whole_logits`, so that it sees the logits it expects; returns what
-        puts the instance back as it was, for ``close``."""
+        """The model's ``generate`` (transformers'), under ``vocab_parallel`` made to run
+        in :meth:`whole_logits`, so that it sees the logits it expects; under sequence
+        parallelism refused at once (each rank holds a chunk of the sequence, which
+        ``generate`` does not feed: a rank stopped in its position check while its
+        peers waited in a block's gather until the deadline). Returns what puts the
+        instance back as it was, for ``close``."""
         model = self.model
         generate = getattr(model, "generate", None)
-        if self._vocab_head is None or not callable(generate):
+        sp = self.groups.sp_size > 1
+        if not callable(generate) or (self._vocab_head is None and not sp):
             return None
         had, before = "generate" in model.__dict__, model.__dict__.get("generate")
         whole_logits = self.whole_logits
 
         @functools.wraps(generate)
-        def generate_whole(*args: Any, **kwargs: Any) -> Any:
+        def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
+            if sp:
+                raise ValueError(
+                    "generate() does not run under sequence parallelism (sp_size > 1): each rank holds a chunk "
+                    "of the sequence; generate from the exported model, or wrap it with sp_size=1"
+                )
             with whole_logits():
                 return generate(*args, **kwargs)
 
-        model.generate = generate_whole
+        model.generate = generate_wrapped
         return (
             functools.partial(setattr, model, "generate", before)
             if had

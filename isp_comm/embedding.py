@@ -62,18 +62,10 @@ class _HiddenSplitLookup(torch.autograd.Function):
                 "rank's, or, with shard_outer_params, ids gathered from ranks that fed inputs of different shapes "
                 "(gloo gathers those without a word): the ranks of a WP group must feed inputs of one shape"
             ) from None
-        if cols < chunk:
-            mine = F.pad(mine, (0, chunk - cols))
-        got = torch.empty_like(mine)  # [wp (column owner), *ids, chunk]
-        sent = mine.contiguous().view(-1)
-        handle = comm.ctx.record(
-            comm.backend.all_to_all(got.view(-1), sent, comm.group), "all-to-all", comm.group, sent
-        )
-        comm.wait(handle, "all-to-all of the hidden-split embedding")
+        out = comm.gather_columns(mine, chunk, hidden, "all-to-all of the hidden-split embedding")  # [*ids, hidden]
         ctx.save_for_backward(every)
         ctx.meta = (hidden, chunk, cols, padding_idx, comm, shard.shape[0], shard.dtype)
-        out = got.movedim(0, -2).flatten(-2)  # [*ids, wp * chunk]
-        return out[..., :hidden].contiguous()
+        return out.contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):

@@ -59,9 +59,9 @@ def _entry(
     # a rank killed by a signal (a crash in native code) leaves every thread's Python
     # stack in a file that run_ranks puts in its error: a forked rank's stderr is the
     # forkserver's, which may be an earlier test's captured output, long gone
-    fault_file = open(_fault_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
-    faulthandler.enable(fault_file, all_threads=True)
     try:
+        fault_file = open(_fault_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.enable(fault_file, all_threads=True)
         store = dist.FileStore(store_path, world)
         kw = {"device_id": torch.device("cuda", rank if gpu < 0 else gpu)} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
@@ -125,7 +125,11 @@ def _exits(procs: list[Any], ranks: list[int], store_path: str) -> str:
                 stacks = f.read().strip()
         except OSError:
             stacks = ""
-        said.append(f"rank {r}: killed by {signal.Signals(-code).name}" + (f"\n{stacks}" if stacks else ""))
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-code}"
+        said.append(f"rank {r}: killed by {name}" + (f"\n{stacks}" if stacks else ""))
     return "; ".join(said)
 
 

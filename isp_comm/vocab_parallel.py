@@ -64,6 +64,23 @@ class WPComm:
         )
         return out
 
+    def gather_columns(self, mine: torch.Tensor, chunk: int, total: int, what: str) -> torch.Tensor:
+        """``mine`` ``[wp, *rows, my columns]``: this rank's columns (at most ``chunk``,
+        the same span on every rank) of every WP rank's rows. Returns this rank's own rows
+        with every rank's columns, ``[*rows, total]``, by one all-to-all (padded to
+        ``chunk``): the hidden-split embedding's output, the head's whole logits."""
+        if mine.shape[-1] < chunk:
+            mine = F.pad(mine, (0, chunk - mine.shape[-1]))
+        mine = mine.contiguous()
+        got = torch.empty_like(mine)  # [wp (column owner), *rows, chunk]
+        self.wait(
+            self.ctx.record(
+                self.backend.all_to_all(got.view(-1), mine.view(-1), self.group), "all-to-all", self.group, mine
+            ),
+            what,
+        )
+        return got.movedim(0, -2).flatten(-2)[..., :total]
+
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         t = t.contiguous()
         if self.size > 1:
@@ -142,11 +159,11 @@ class VocabParallelHead:
     While :attr:`whole` is set (``ISPCommunicator.whole_logits``, which a wrapped
     model's ``generate`` enters) it returns what the unsplit head would: this rank's
     tokens against the whole vocabulary. [Note: whole logits] Every rank computes the
-    WP group's tokens against its slice, as in training; the slices are then
-    all-gathered (padded to ``chunk_rows``) and each rank keeps its own tokens' rows:
-    ``wp x tokens x chunk_rows`` values a rank, small where generation asks for the
-    last position's logits only, and the head's weight is never gathered. No
-    gradient flows through them: they are for inference."""
+    WP group's tokens against its slice, as in training; one all-to-all (padded to
+    ``chunk_rows``) then hands each rank every slice of its own tokens: a rank sends and
+    receives ``wp x tokens x chunk_rows`` values, about its tokens' whole logits, small
+    where generation asks for the last position only, and the head's weight is never
+    gathered. No gradient flows through them: they are for inference."""
 
     def __init__(self, head: nn.Linear, vocab_start: int, chunk_rows: int, vocab_size: int, comm: WPComm) -> None:
         self.head, self.vocab_start, self.comm = head, vocab_start, comm
@@ -165,9 +182,10 @@ class VocabParallelHead:
     def _whole(self, logits: torch.Tensor) -> torch.Tensor:
         """``[wp, *tokens, my rows]`` -> this rank's ``[*tokens, vocab_size]``
         ([Note: whole logits])."""
-        padded = F.pad(logits, (0, self.chunk_rows - logits.shape[-1]))
-        mine = self.comm.all_gather(padded, "all-gather of vocab-parallel logits for whole rows")[:, self.comm.rank]
-        return mine.movedim(0, -2).flatten(-2)[..., : self.vocab_size]
+        if self.comm.size == 1:
+            return logits[0]
+        what = "all-to-all of vocab-parallel logits for whole rows"
+        return self.comm.gather_columns(logits, self.chunk_rows, self.vocab_size, what)
 
 
 def refuse_labels(head: VocabParallelHead, _module: nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:

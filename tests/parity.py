@@ -331,7 +331,7 @@ def long_run_worker(rank: int, world: int, steps: int, backend: str, exact: bool
 
     # tracemalloc is left on: the rank ends after it returns. Stopping it while a
     # backend's native thread waits for the GIL inside tracemalloc's allocator hook is a
-    # crash in CPython before 3.13.2 (gh-128679: the thread then writes to the freed
+    # crash in CPython before 3.12.9 and 3.13.2 (gh-128679: the thread then writes to the freed
     # traceback buffer). A rank of this test died of a SIGSEGV once on CI (torch
     # backend, 2026-12-04; not seen in 19 runs here since): the stop is its one step
     # known to race so

@@ -265,6 +265,8 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
                 cu_seq_lens_q=cu,
                 use_cache=False,
             )
+        elif case == "hf-generate":  # before: rank 1 refused its positions, rank 0 waited to the deadline
+            model.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0, synced_gpus=True)
         elif case == "bad-cu-seqlens":  # boundaries end at 6, the sequence has 8 tokens
             model(x, position_ids=torch.arange(4), cu_seqlens=torch.tensor([0, 2, 6]))
         else:  # packed documents announced by restarting positions only
@@ -287,6 +289,7 @@ def test_sp_refuses_bad_sequences() -> None:
         "hf-padding-mask": "a padding attention_mask is not supported",
         "hf-sliding-window": "a sliding window of 3 tokens over sequences of 8 is not supported",
         "hf-packed": "no error",
+        "hf-generate": "generate() does not run under sequence parallelism (sp_size > 1)",
     }
     for texts in run_ranks(_each, 2, _bad_input_worker, list(cases), timeout_s=50):
         for text, msg in zip(texts, cases.values()):
