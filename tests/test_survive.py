@@ -213,20 +213,27 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
 
 @pytest.mark.timeout(120)
 @pytest.mark.serial
-def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path) -> None:
+@pytest.mark.parametrize("sig", ["SIGKILL", pytest.param("SIGSEGV", marks=pytest.mark.slow)])
+def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path, sig: str) -> None:
     """Rank 0 SIGKILLed (the out-of-memory killer) cannot say why it stopped, and the
     others, stopped by the launcher, do not: the launcher's one line names it (the
-    job ended with exit 2 and nothing said)."""
+    job ended with exit 2 and nothing said). A SIGSEGV stands for a crash in native
+    code: the rank prints its threads' Python stacks (before: nothing), and the line
+    says it crashed (before: blamed on the out-of-memory killer)."""
     env, temp = _own_temp(tmp_path)
     proc = subprocess.Popen(
         _own(2, *RESTART_ARGS, "--out", str(tmp_path / "run")), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True, env=env,
     )  # fmt: skip
     _wait_for_step(proc, str(tmp_path / "run"), 3)
-    os.kill(_rank_pid(proc.pid, 0), signal.SIGKILL)
+    os.kill(_rank_pid(proc.pid, 0), getattr(signal, sig))
     _, stderr = proc.communicate(timeout=100)
     assert proc.returncode == 2, stderr[-2000:]
-    assert "isp-train: error: rank 0 was killed by SIGKILL (from outside the job" in stderr, stderr[-2000:]
+    if sig == "SIGKILL":
+        assert "isp-train: error: rank 0 was killed by SIGKILL (from outside the job" in stderr, stderr[-2000:]
+    else:
+        assert "isp-train: error: rank 0 crashed (SIGSEGV: a fault inside the rank" in stderr, stderr[-2000:]
+        assert "Fatal Python error: Segmentation fault" in stderr and "isp_comm/train" in stderr, stderr[-3000:]
     assert _left_in(temp) == []  # a failed run leaves nothing either
 
 
@@ -251,6 +258,10 @@ def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -
     assert failed_job_exit(failures(2, -15)) == 2 and not capsys.readouterr().err
     assert failed_job_exit(failures(-9, -15)) == 2
     assert "rank 0 was killed by SIGKILL" in capsys.readouterr().err
+    assert failed_job_exit(failures(-15, -6)) == 2  # a SIGTERM from outside is not a crash
+    assert "rank 0 was killed by SIGTERM (from outside the job" in capsys.readouterr().err
+    assert failed_job_exit(failures(-11, -15)) == 2  # a segfault is the rank's own
+    assert "rank 0 crashed (SIGSEGV: a fault inside the rank" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,7 @@ if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import os
 import sys
@@ -99,6 +100,9 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
 
     if "LOCAL_RANK" in os.environ:  # a launched rank dies with its launcher
         die_with_parent()
+    # a crash in native code (a segfault, an abort) prints where every thread was
+    # first, where the launcher could otherwise say only the signal's name
+    faulthandler.enable(all_threads=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
         if os.environ.get("RANK", "0") == "0":  # said once, before the resume line

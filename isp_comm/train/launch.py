@@ -55,15 +55,25 @@ def failed_job_exit(exc: ChildFailedError) -> int:
     though the ranks the launcher stopped after it may die of its SIGTERM (-15); any
     other failure is 2. A rank killed by a signal before anything failed (the
     out-of-memory killer) could not say why, and the ranks stopped after it do not: one
-    line names it."""
+    line names it, and says whether the rank crashed (:data:`CRASH_SIGNALS`)."""
     rank, first = exc.get_first_failure()
     if first.exitcode < 0:
-        print(
-            f"isp-train: error: rank {rank} was killed by {first.signal_name()} (from outside the job: the "
-            "system's out-of-memory killer, a scheduler or a user); the other ranks were stopped",
-            file=sys.stderr,
+        name = first.signal_name()
+        said = (
+            f"rank {rank} crashed ({name}: a fault inside the rank, in native code; its threads' Python stacks "
+            "at the crash are above, from faulthandler)"
+            if name in CRASH_SIGNALS
+            else f"rank {rank} was killed by {name} (from outside the job: the system's out-of-memory killer, "
+            "a scheduler or a user)"
         )
+        print(f"isp-train: error: {said}; the other ranks were stopped", file=sys.stderr)
     return first.exitcode if first.exitcode > 128 else 2
+
+
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"})
+"""Signals a rank raises on itself when it crashes (a bad memory access, an abort in C++
+code), not ones sent from outside; a rank prints its Python stacks on them (its
+faulthandler, enabled in ``rank_main``)."""
 
 
 NOTICE_S = 5.0
