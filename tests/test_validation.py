@@ -242,6 +242,37 @@ def test_data_parallel_around_or_inside_is_refused(world1) -> None:
     comm.close()
 
 
+def _replaced_worker(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    said = []
+    for how in ("untouched", "fully_shard of a parent"):
+        model = tiny()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world))
+        run = model
+        if how == "fully_shard of a parent":
+            run = fully_shard(nn.Sequential(model), mesh=init_device_mesh("cpu", (world,)))
+        try:
+            run(torch.randint(0, 11, (2, 8))).sum().backward()
+            said.append("ran")
+        except RuntimeError as exc:
+            said.append(str(exc))
+        comm.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_parameters_replaced_after_wrapping_are_refused_at_the_backwards_end() -> None:
+    # Before: fully_shard of a module holding the wrapped model made its parameters
+    # DTensors and trained on, the optimizer stepping FSDP's copies, which the engine
+    # never reads, without a word; the forward cannot tell (FSDP has swapped its own
+    # unsharded tensors in by then), the end of the backward can
+    for untouched, replaced in run_ranks(_replaced_worker, 2, timeout_s=100):
+        assert untouched == "ran", untouched
+        assert "no longer the shards its ISPCommunicator installed" in replaced, replaced
+
+
 def test_an_id_outside_the_vocabulary_under_the_hidden_split_embedding_says_what_may_cause_it(world1) -> None:
     # Ranks of a WP group feeding different shapes make gloo gather garbage ids (or
     # corrupt the smaller rank's buffer: not testable); the lookup then stopped with

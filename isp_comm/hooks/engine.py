@@ -492,6 +492,26 @@ class BlockEngine:
         self.phase = Phase.IDLE
         self.ctx.phase = "outer"
         self._callback_queued = False
+        self._check_own_shards()
+
+    def _check_own_shards(self) -> None:
+        """[Note: parameters replaced behind the engine] Every block is swapped out
+        once a backward ends, so block 0's first parameter is its shard again, the
+        object this engine gathers from and reduces into. Anything else means that
+        something keeps replacing the module's parameters behind the engine:
+        ``fully_shard`` of a module that holds the model did, silently (its optimizer
+        then stepped its own copies of the shards, which this engine never reads). Said
+        here, at the first backward's end, where the forward cannot tell: FSDP swaps its
+        own unsharded tensors in there. (A replacement that happens once, as
+        ``load_state_dict(assign=True)``, is undone by the next forward's swap-out.)"""
+        unit = self.units[0]
+        sp = unit.params[0]
+        if sp.module._parameters.get(sp.name) is not unit.shards[0]:
+            raise RuntimeError(
+                "isp-comm: the wrapped model's parameters are no longer the shards its ISPCommunicator installed: "
+                "something replaces them behind it (fully_shard of a module that holds the model does); the "
+                "communicator shards and reduces the model itself: do not also shard a module around it"
+            )
 
     # ---- introspection ---------------------------------------------------------------
     def outstanding(self) -> int:
