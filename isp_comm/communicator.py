@@ -260,9 +260,8 @@ class ISPCommunicator:
             vu = self.vocab_unit
             self._add_summed(vu)
             rows = vu.params[0].chunk_rows
-            self._vocab = (wp_comm, g.wp_rank * rows)
             self._head_forward = vu.block.__dict__.get("forward")
-            self._vocab_head = VocabParallelHead(vu.block, self._vocab[1], rows, vu.params[0].shape[0], wp_comm)
+            self._vocab_head = VocabParallelHead(vu.block, g.wp_rank * rows, rows, vu.params[0].shape[0], wp_comm)
             vu.block.forward = self._vocab_head
         if self.embed_unit is not None:
             eu = self.embed_unit
@@ -335,10 +334,12 @@ class ISPCommunicator:
         a chunked loss that never holds them in fp32 whole (:mod:`isp_comm.loss`: pass
         the logits as the model gave them, not ``.float()``), the vocab-parallel loss on
         the head's vocab-sharded logits when ``ISPConfig(vocab_parallel=True)``."""
-        if self.vocab_unit is None:
+        head = self._vocab_head
+        if head is None:
             return cross_entropy(logits, labels, ignore_index, reduction)  # type: ignore[arg-type]
-        wp_comm, vocab_start = self._vocab
-        return vocab_parallel_cross_entropy(logits.float(), labels, wp_comm, vocab_start, ignore_index, reduction)
+        return vocab_parallel_cross_entropy(
+            logits.float(), labels, head.comm, head.vocab_start, ignore_index, reduction
+        )
 
     @contextlib.contextmanager
     def whole_logits(self) -> Iterator[None]:
