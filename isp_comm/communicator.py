@@ -25,6 +25,7 @@ from isp_comm.discovery import (
     build_units,
     find_blocks,
     outer_replicated,
+    refuse_assign,
     refuse_data_parallel_outside,
     target_device,
     validate,
@@ -276,6 +277,8 @@ class ISPCommunicator:
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
+        owners = [m for m in model.modules() if m._parameters]
+        self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in owners]
         self._labels_check = (
             None
             if self._vocab_head is None
@@ -680,7 +683,7 @@ class ISPCommunicator:
         self.engine.close(abandon=abandon)
         self._root_handle.remove()
         self._root_post_handle.remove()
-        for handle in (self._chunk_check, self._labels_check, self._wrapper_check):
+        for handle in (self._chunk_check, self._labels_check, self._wrapper_check, *self._assign_checks):
             if handle is not None:
                 handle.remove()
         if self._undo_generate is not None:

@@ -242,6 +242,23 @@ def test_data_parallel_around_or_inside_is_refused(world1) -> None:
     comm.close()
 
 
+def test_load_state_dict_with_assign_is_refused_while_wrapped(world1) -> None:
+    # Before: model.load_state_dict(sd, assign=True) after wrapping replaced the
+    # parameters the communicator and the optimizer hold; the blocks' were swapped back
+    # out by the next forward, the loaded values unused, without a word
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    sd = {k: v + 1 for k, v in model.state_dict().items()}
+    block = next(k for k in sd if k.startswith("layers.0.") and k.endswith(".weight"))
+    for load, part in ((model.load_state_dict, sd), (model.layers[0].load_state_dict, model.layers[0].state_dict())):
+        with pytest.raises(ValueError, match=r"assign=True\) on a model wrapped by an ISPCommunicator"):
+            load(part, assign=True)
+    model.load_state_dict(sd)  # a copy into the shards loads
+    assert torch.equal(comm.full_state_dict()[block], sd[block])
+    comm.close()
+    model.load_state_dict(model.state_dict(), assign=True)  # closed: the model's own again
+
+
 def _replaced_worker(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

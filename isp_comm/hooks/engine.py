@@ -502,8 +502,8 @@ class BlockEngine:
         ``fully_shard`` of a module that holds the model did, silently (its optimizer
         then stepped its own copies of the shards, which this engine never reads). Said
         here, at the first backward's end, where the forward cannot tell: FSDP swaps its
-        own unsharded tensors in there. (A replacement that happens once, as
-        ``load_state_dict(assign=True)``, is undone by the next forward's swap-out.)"""
+        own unsharded tensors in there. (``load_state_dict(assign=True)``, which would
+        replace them once, is refused when it is called: ``discovery.refuse_assign``.)"""
         unit = self.units[0]
         sp = unit.params[0]
         if sp.module._parameters.get(sp.name) is not unit.shards[0]:
