@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
@@ -364,19 +365,23 @@ class ISPCommunicator:
             head.whole = False
 
     def _wrap_generate(self) -> Callable[[], None] | None:
-        """The model's ``generate`` (transformers'), under ``vocab_parallel`` made to run
-        in :meth:`whole_logits`, so that it sees the logits it expects; under sequence
-        parallelism refused at once (each rank holds a chunk of the sequence, which
-        ``generate`` does not feed: a rank stopped in its position check while its
-        peers waited in a block's gather until the deadline). Returns what puts the
-        instance back as it was, for ``close``."""
+        """The model's ``generate`` (transformers'), made to work as on a model FSDP
+        shards. At wp > 1 every forward gathers over the WP group, so a rank whose
+        sequences are done must keep running forwards until its peers' are:
+        ``synced_gpus`` defaults to ``True`` there, as transformers sets it for an
+        FSDP-managed model (without it, a peer waited in a block's gather until the
+        deadline). Under ``vocab_parallel`` it runs in :meth:`whole_logits`, so that it
+        sees the logits it expects; under sequence parallelism it is refused at once
+        (each rank holds a chunk of the sequence, which ``generate`` does not feed).
+        Returns what puts the instance back as it was, for ``close``."""
         model = self.model
         generate = getattr(model, "generate", None)
-        sp = self.groups.sp_size > 1
-        if not callable(generate) or (self._vocab_head is None and not sp):
+        g = self.groups
+        sp, synced = g.sp_size > 1, g.wp_size > 1 and dist.is_initialized() and dist.get_world_size() > 1
+        if not callable(generate) or (self._vocab_head is None and not sp and not synced):
             return None
         had, before = "generate" in model.__dict__, model.__dict__.get("generate")
-        whole_logits = self.whole_logits
+        whole_logits = self.whole_logits if self._vocab_head is not None else contextlib.nullcontext
 
         @functools.wraps(generate)
         def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -385,6 +390,8 @@ class ISPCommunicator:
                     "generate() does not run under sequence parallelism (sp_size > 1): each rank holds a chunk "
                     "of the sequence; generate from the exported model, or wrap it with sp_size=1"
                 )
+            if synced and kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = True
             with whole_logits():
                 return generate(*args, **kwargs)
 

@@ -84,9 +84,11 @@ def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
         model = _hf_model("").eval()
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), config)
         ids = torch.randint(0, 37, (1, length), generator=torch.Generator().manual_seed(rank))
-        new = 4 + 3 * rank  # ranks finish at different steps: synced_gpus keeps the others' forwards going
+        # ranks finish at different steps: synced_gpus, on by default at wp > 1 as under
+        # FSDP, keeps the others' forwards going
+        new = 4 + 3 * rank
         want = plain.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
-        got = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
+        got = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
         out.append((name, torch.equal(got, want), got.shape[1] - length))
         comm.close()
     return out
@@ -94,8 +96,8 @@ def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
 
 @pytest.mark.timeout(120)
 def test_generate_on_a_wrapped_model_matches_the_plain_models() -> None:
-    """``model.generate(..., synced_gpus=True)`` with the KV cache, as on a model that
-    FSDP shards: greedy tokens equal to the unwrapped model's, though the ranks' prompts
+    """``model.generate()`` with the KV cache, as on a model that FSDP shards
+    (``synced_gpus`` on by default): greedy tokens equal to the unwrapped model's, though the ranks' prompts
     and lengths differ. The logits differ from the plain model's by summation order only
     (about 1e-6); the plain model's top two logits are at least 5e-3 apart at every step
     of these prompts, so the greedy tokens cannot differ by that."""
