@@ -109,7 +109,7 @@ def test_vocab_parallel_refuses_what_it_cannot_split(case: str, said: str) -> No
         assert said in text, text
 
 
-def _whole_worker(rank: int, world: int, vocab: int) -> list[float | str]:
+def _whole_worker(rank: int, world: int, vocab: int, backend: str) -> list[float | str]:
     # a head of ``vocab`` rows over ``world`` ranks (every split uneven, a rank with
     # none at 3 over 4): the whole logits against the full head's, from ranks whose
     # tokens differ; refused with grad; the vocab-sharded ones again outside
@@ -117,7 +117,8 @@ def _whole_worker(rank: int, world: int, vocab: int) -> list[float | str]:
     head = torch.nn.Linear(8, vocab, bias=False)
     full_w = head.weight.detach().clone()
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8))]), head)
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(vocab_parallel=True), head=head)
+    config = ISPConfig(vocab_parallel=True, backend=backend)
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), config, head=head)
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(rank))
     with comm.whole_logits(), torch.no_grad():
         whole = head(x)
@@ -125,21 +126,26 @@ def _whole_worker(rank: int, world: int, vocab: int) -> list[float | str]:
     with comm.whole_logits(), pytest.raises(RuntimeError, match="for inference") as refused:
         head(x.requires_grad_())
     out += [str(refused.value)[:40], str(tuple(head(x).shape))]
+    with comm.whole_logits(), torch.no_grad(), pytest.raises(ValueError, match="different shapes") as refused:
+        head(torch.randn(1 + rank, 3, 8))  # one batch size per WP group
+    out.append(str(refused.value))
     comm.close()
     return out
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,vocab", [(2, 37), (4, 3)])
-def test_whole_logits_are_the_full_heads(world: int, vocab: int) -> None:
+@pytest.mark.parametrize("world,vocab,backend", [(2, 37, "symm"), (2, 37, "torch"), (4, 3, "symm")])
+def test_whole_logits_are_the_full_heads(world: int, vocab: int, backend: str) -> None:
     """``comm.whole_logits()``: this rank's tokens against the whole vocabulary, equal to
     the full head's logits up to summation order (the same dot products, 8 terms in
-    fp32: 1e-6), which ``generate()`` runs in (tests/test_hf.py)."""
+    fp32: 1e-6), which ``generate()`` runs in (tests/test_hf.py); ranks bringing
+    different shapes are refused on every rank."""
     rows = -(-vocab // world)
-    for out in run_ranks(_whole_worker, world, vocab):
+    for out in run_ranks(_whole_worker, world, vocab, backend):
         assert out[0] == f"(2, 3, {vocab})" and out[1] < 1e-6, out
         assert out[2].startswith("whole logits (generate(), comm.whole_l"), out
         assert out[3] in {f"({world}, 2, 3, {n})" for n in (0, vocab % rows or rows, rows)}, out
+        assert "WP rank 0: (1, 3, 8), WP rank 1: (2, 3, 8)" in out[4], out  # on every rank, before any gloo abort
 
 
 def _labels_whole_worker(rank: int, world: int) -> float:
