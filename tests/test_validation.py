@@ -240,6 +240,12 @@ def test_data_parallel_around_or_inside_is_refused(world1) -> None:
     with pytest.raises(ValueError, match=r"do not also wrap it in fully_shard \(FSDP2\)"):
         model(x)
     comm.close()
+    model = tiny()
+    comm = ISPCommunicator(model, world1)
+    parent = fully_shard(nn.Sequential(model))  # at world 1 too, as at 2 (test below)
+    with pytest.raises(RuntimeError, match="no longer the shards its ISPCommunicator installed"):
+        parent(x).sum().backward()
+    comm.close()
 
 
 def test_load_state_dict_with_assign_is_refused_while_wrapped(world1) -> None:
