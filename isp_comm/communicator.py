@@ -89,6 +89,19 @@ def _step_hook_of(comm: ISPCommunicator, before: bool = False) -> Callable[..., 
     return hook
 
 
+@contextlib.contextmanager
+def _set(obj: Any, flag: str) -> Iterator[None]:
+    """``obj.flag`` is ``True`` inside, as it was after (nothing when ``obj`` is ``None``)."""
+    before = getattr(obj, flag, None)
+    if obj is not None:
+        setattr(obj, flag, True)
+    try:
+        yield
+    finally:
+        if obj is not None:
+            setattr(obj, flag, before)
+
+
 def _closed_block(*_args: Any, **_kwargs: Any) -> None:
     """A block's forward after ``close()`` at wp > 1, where its parameters are this
     rank's shards: a forward, or a second wrap, says so."""
@@ -256,7 +269,7 @@ class ISPCommunicator:
         block's wrapped forward (the first ``n_ckpt`` checkpointed), the model's root
         hooks and, under SP, the chunk check."""
         g, model = self.groups, self.model
-        self._head_forward = self._embed_forward = self._vocab_head = None
+        self._head_forward = self._embed_forward = self._vocab_head = self._embed_lookup = None
         wp_comm = WPComm(g.wp_group, g.wp_size, g.wp_rank, self.backend, self.ctx)
         if self.vocab_unit is not None:
             vu = self.vocab_unit
@@ -269,7 +282,7 @@ class ISPCommunicator:
             eu = self.embed_unit
             self._add_summed(eu)
             self._embed_forward = eu.block.__dict__.get("forward")
-            eu.block.forward = HiddenSplitEmbedding(
+            self._embed_lookup = eu.block.forward = HiddenSplitEmbedding(
                 eu.block, eu.params[0].shape[1], eu.params[0].chunk_rows, wp_comm, self.config.param_dtype
             )
         self._orig_forwards: list[tuple[nn.Module, Any]] = []
@@ -354,15 +367,8 @@ class ISPCommunicator:
         ``generate`` runs inside it. Without ``vocab_parallel`` the logits are whole
         already and it does nothing. See [Note: whole logits] in
         ``isp_comm/vocab_parallel.py`` for what it costs."""
-        head = self._vocab_head
-        if head is None or head.whole:
+        with _set(self._vocab_head, "whole"):
             yield
-            return
-        head.whole = True
-        try:
-            yield
-        finally:
-            head.whole = False
 
     def _wrap_generate(self) -> Callable[[], None] | None:
         """The model's ``generate`` (transformers'), made to work as on a model FSDP
@@ -381,7 +387,7 @@ class ISPCommunicator:
         if not callable(generate) or (self._vocab_head is None and not sp and not synced):
             return None
         had, before = "generate" in model.__dict__, model.__dict__.get("generate")
-        whole_logits = self.whole_logits if self._vocab_head is not None else contextlib.nullcontext
+        whole_logits, embedding = self.whole_logits, self._embed_lookup
 
         @functools.wraps(generate)
         def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -392,7 +398,7 @@ class ISPCommunicator:
                 )
             if synced and kwargs.get("synced_gpus") is None:
                 kwargs["synced_gpus"] = True
-            with whole_logits():
+            with whole_logits(), _set(embedding, "checking"):  # each rank's own prompts: shapes compared
                 return generate(*args, **kwargs)
 
         model.generate = generate_wrapped

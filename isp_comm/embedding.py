@@ -90,11 +90,22 @@ class _HiddenSplitLookup(torch.autograd.Function):
 
 
 class HiddenSplitEmbedding:
-    """The forward installed on an ``nn.Embedding`` whose weight is this rank's columns."""
+    """The forward installed on an ``nn.Embedding`` whose weight is this rank's columns.
+
+    While :attr:`checking` is set (a wrapped model's ``generate``, where each rank
+    brings prompts of its own) the ranks' id shapes are compared before the gather."""
 
     def __init__(self, embedding: nn.Embedding, hidden: int, chunk: int, comm: WPComm, dtype: torch.dtype | None):
         self.embedding, self.hidden, self.chunk, self.comm, self.dtype = embedding, hidden, chunk, comm, dtype
+        self.checking = False
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embedding
+        if self.checking:
+            self.comm.check_one_shape(
+                ids,
+                "the hidden-split embedding (shard_outer_params) token ids",
+                "it gathers the group's ids, so every rank of a WP group feeds ids of one shape: in generate(), "
+                "one batch size and prompts padded to one length",
+            )
         return _HiddenSplitLookup.apply(ids, e.weight, self.hidden, self.chunk, e.padding_idx, self.comm, self.dtype)

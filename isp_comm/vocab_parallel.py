@@ -29,6 +29,8 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend, Handle
 from isp_comm.context import CommContext
 
+_MAX_DIMS = 7  # the dimensions whose sizes WPComm.check_one_shape compares
+
 
 class WPComm:
     """The WP group, its backend and the communication context whose ``wait`` keeps
@@ -80,6 +82,23 @@ class WPComm:
             what,
         )
         return got.movedim(0, -2).flatten(-2)[..., :total]
+
+    def check_one_shape(self, t: torch.Tensor, fed: str, why: str) -> None:
+        """A ``ValueError`` on every rank when the group's ranks bring ``t`` (``fed``:
+        what it is) in different shapes, said before a gather that would move
+        mismatched sizes (gloo has reset the connection, aborted a rank or gathered
+        garbage, without a word; ``why``: what the caller needs of the shapes). One
+        small all-gather read on the host: for generation and evaluation, which read
+        it every step anyway, never in a training step (see docs/api.md)."""
+        if self.size == 1:
+            return
+        mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=t.device)
+        mine[0] = t.dim()
+        mine[1 : 1 + min(t.dim(), _MAX_DIMS)] = torch.tensor(t.shape[:_MAX_DIMS])
+        every = self.all_gather(mine, f"all-gather of the shapes of {fed}").tolist()
+        if any(s != every[0] for s in every):
+            shapes = ", ".join(f"WP rank {r}: {tuple(s[1 : 1 + s[0]])}" for r, s in enumerate(every))
+            raise ValueError(f"the WP group's ranks brought {fed} of different shapes ({shapes}): {why}")
 
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         t = t.contiguous()
@@ -151,9 +170,6 @@ class _VocabParallelCE(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None, None
 
 
-_MAX_DIMS = 7  # the hidden states' dimensions whose sizes the shape check compares
-
-
 class VocabParallelHead:
     """The forward installed on the output head (an ``nn.Linear`` without bias whose
     weight is this rank's vocab rows ``[vocab_start, vocab_start + rows)``, ``chunk_rows``
@@ -178,31 +194,17 @@ class VocabParallelHead:
             raise RuntimeError(
                 "whole logits (generate(), comm.whole_logits()) are for inference: run them under torch.no_grad()"
             )
-        if self.whole and self.comm.size > 1:
-            self._check_one_shape(x)
+        if self.whole:  # in generation, or by another's evaluation code: the host is read anyway
+            self.comm.check_one_shape(
+                x,
+                "the vocab-parallel head hidden states",
+                "whole logits gather the group's tokens, so every rank of a WP group needs one batch size (in "
+                "generate(), with num_beams and num_return_sequences) and, where more than the last position is "
+                "asked for (assisted decoding, logits_to_keep=0, a plain forward), one length",
+            )
         x_all = _GatherTokens.apply(x, self.comm) if self.comm.size > 1 else x[None]
         logits = F.linear(x_all, self.head.weight.to(x.dtype))
         return self._whole(logits) if self.whole else logits
-
-    def _check_one_shape(self, x: torch.Tensor) -> None:
-        """A ``ValueError`` on every rank when the WP group's ranks bring hidden states
-        of different shapes: the gather below would move mismatched sizes (gloo has
-        aborted a rank, or gathered garbage, without a word). Whole logits serve
-        generation and evaluation, which read the host every step anyway, so the one
-        small gather of the shapes costs no sync a training step would not have; the
-        training path does not check (see docs/api.md)."""
-        mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=x.device)
-        mine[0] = x.dim()
-        mine[1 : 1 + min(x.dim(), _MAX_DIMS)] = torch.tensor(x.shape[:_MAX_DIMS])
-        every = self.comm.all_gather(mine, "all-gather of the whole logits' input shapes").tolist()
-        if any(s != every[0] for s in every):
-            shapes = ", ".join(f"WP rank {r}: {tuple(s[1 : 1 + s[0]])}" for r, s in enumerate(every))
-            raise ValueError(
-                f"the WP group's ranks brought the vocab-parallel head hidden states of different shapes ({shapes}): "
-                "whole logits gather the group's tokens, so every rank of a WP group needs one batch "
-                "size (in generate(), with num_beams and num_return_sequences) and, where more than the last "
-                "position is asked for (assisted decoding, logits_to_keep=0, a plain forward), one length"
-            )
 
     def _whole(self, logits: torch.Tensor) -> torch.Tensor:
         """``[wp, *tokens, my rows]`` -> this rank's ``[*tokens, vocab_size]``

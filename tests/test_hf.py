@@ -90,6 +90,10 @@ def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
         want = plain.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
         got = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
         out.append((name, torch.equal(got, want), got.shape[1] - length))
+        if name == "outer":  # each rank's own prompt length: refused on every rank, not gathered mismatched
+            with pytest.raises(ValueError, match="different shapes") as refused:
+                model.generate(ids[:, : 4 + rank], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            out.append(("outer, lengths 4 and 5", "WP rank 0: (1, 4), WP rank 1: (1, 5)" in str(refused.value), 0))
         comm.close()
     return out
 
@@ -104,4 +108,4 @@ def test_generate_on_a_wrapped_model_matches_the_plain_models() -> None:
     for rank, results in enumerate(run_ranks(_generate_worker, 2, timeout_s=100)):
         for name, equal, produced in results:
             assert equal, f"rank {rank}, {name}: generate() differs from the plain model's"
-            assert produced == 4 + 3 * rank
+            assert produced == (0 if "lengths" in name else 4 + 3 * rank)
