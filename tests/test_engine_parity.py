@@ -656,6 +656,36 @@ def _zero_after_forward_worker(rank: int, world: int, wp: int, config_kw: dict) 
     return _distance_and_close(comm, ref)
 
 
+def _frozen_before_backward_worker(rank: int, world: int, wp: int) -> float:
+    """Two steps of two micro-steps, the final norm (a replicated parameter) frozen
+    between the second micro-step's forward and its backward, in both models: autograd
+    still accumulates its gradient into the first micro-step's, and SGD steps it (a
+    parameter with a gradient), frozen or not."""
+    from tests.parity import loss_fn
+
+    g = torch.Generator().manual_seed(0)
+    model, ref, comm, opt, ropt = _wrapped_and_plain(wp, {})
+    for _ in range(2):
+        for micro in range(2):
+            a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+            loss, ref_loss = loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]), loss_fn(ref(a), b)
+            if micro:
+                model.norm.requires_grad_(False), ref.norm.requires_grad_(False)
+            loss.backward(), ref_loss.backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+        model.norm.requires_grad_(True), ref.norm.requires_grad_(True)
+    return _distance_and_close(comm, ref)
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_frozen_between_forward_and_backward_keeps_its_earlier_gradient() -> None:
+    # fp32 SGD: 1e-5 covers the sums' order. The replicated gradients of earlier
+    # micro-steps are set aside while a backward's are averaged, then added back: one
+    # frozen after the forward that armed them must get its earlier gradient back too
+    assert max(run_ranks(_frozen_before_backward_worker, 2, 2, timeout_s=50)) < 1e-5
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world, wp, config_kw", [(2, 2, {}), (4, 2, {"state_sharding": "world"})])
 def test_zero_grad_between_forward_and_backward(world: int, wp: int, config_kw: dict) -> None:
