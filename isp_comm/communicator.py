@@ -299,9 +299,9 @@ class ISPCommunicator:
             else model.register_forward_pre_hook(functools.partial(refuse_labels, self._vocab_head), with_kwargs=True)
         )
         self._undo_generate = self._wrap_generate()
-        self._chunk_check = None
+        self._chunk_check = self._sequence_check = None
         if g.sp_size > 1:
-            check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, model)
+            check = self._sequence_check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, model)
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
     def _add_summed(self, unit: BlockUnit) -> None:
@@ -370,6 +370,23 @@ class ISPCommunicator:
         with _set(self._vocab_head, "whole"):
             yield
 
+    @contextlib.contextmanager
+    def _whole_sequences(self) -> Iterator[None]:
+        """Under sequence parallelism, attention is the model's own inside, and each
+        rank runs whole sequences of its own: for ``generate``, which feeds every rank
+        its prompts whole, not a chunk of a sequence shared with the SP group (the
+        blocks' weights are still gathered over WP). Outside, as before."""
+        if self._undo_sp is None:
+            yield
+            return
+        self._undo_sp()
+        self._undo_sp = None
+        try:
+            with _set(self._sequence_check, "paused"):
+                yield
+        finally:
+            self._undo_sp = self._apply_sequence_parallel()
+
     def _wrap_generate(self) -> Callable[[], None] | None:
         """The model's ``generate`` (transformers'), made to work as on a model FSDP
         shards. At wp > 1 every forward gathers over the WP group, so a rank whose
@@ -377,9 +394,9 @@ class ISPCommunicator:
         ``synced_gpus`` defaults to ``True`` there, as transformers sets it for an
         FSDP-managed model (without it, a peer waited in a block's gather until the
         deadline). Under ``vocab_parallel`` it runs in :meth:`whole_logits`, so that it
-        sees the logits it expects; under sequence parallelism it is refused at once
-        (each rank holds a chunk of the sequence, which ``generate`` does not feed).
-        Returns what puts the instance back as it was, for ``close``."""
+        sees the logits it expects; under sequence parallelism in
+        :meth:`_whole_sequences` (each rank generates from prompts of its own). Returns
+        what puts the instance back as it was, for ``close``."""
         model = self.model
         generate = getattr(model, "generate", None)
         g = self.groups
@@ -387,18 +404,14 @@ class ISPCommunicator:
         if not callable(generate) or (self._vocab_head is None and not sp and not synced):
             return None
         had, before = "generate" in model.__dict__, model.__dict__.get("generate")
-        whole_logits, embedding = self.whole_logits, self._embed_lookup
+        whole_logits, whole_sequences, embedding = self.whole_logits, self._whole_sequences, self._embed_lookup
 
         @functools.wraps(generate)
         def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
-            if sp:
-                raise ValueError(
-                    "generate() does not run under sequence parallelism (sp_size > 1): each rank holds a chunk "
-                    "of the sequence; generate from the exported model, or wrap it with sp_size=1"
-                )
             if synced and kwargs.get("synced_gpus") is None:
                 kwargs["synced_gpus"] = True
-            with whole_logits(), _set(embedding, "checking"):  # each rank's own prompts: shapes compared
+            # each rank's own prompts: shapes compared where the WP group computes on each other's tokens
+            with whole_sequences(), whole_logits(), _set(embedding, "checking"):
                 return generate(*args, **kwargs)
 
         model.generate = generate_wrapped

@@ -88,8 +88,12 @@ class SequenceCheck:
         self.batched_positions = is_hf_model(_without_peft(model))  # transformers' take [batch, seq]
         self.rank = dist.get_rank(sp_group)
         self._checked: set[int] = set()
+        self.paused = False
+        """Set while the model runs whole sequences (a wrapped model's ``generate``)."""
 
     def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        if self.paused:
+            return None
         x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if x is None:
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
