@@ -109,7 +109,9 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "isp_comm/hooks/reductions.py",
         "            p.grad = old if p.grad is None else old.add_(p.grad)",
         "            if p.requires_grad:\n                p.grad = old if p.grad is None else old.add_(p.grad)",
-        ["tests/test_engine_parity.py::test_a_parameter_frozen_between_forward_and_backward_keeps_its_earlier_gradient"],
+        [
+            "tests/test_engine_parity.py::test_a_parameter_frozen_between_forward_and_backward_keeps_its_earlier_gradient"
+        ],
     ),
     "re-pointed parameters left": (
         "isp_comm/hooks/engine.py",
