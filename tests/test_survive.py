@@ -685,3 +685,28 @@ def test_a_signal_during_the_exit_callbacks_lets_them_finish_quietly() -> None:
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "Traceback" not in res.stderr, (res.returncode, res.stderr)
     assert res.stdout == "released\n", res.stdout
+
+
+def test_a_failed_rendezvous_says_what_torch_kept_inside_and_what_usually_causes_it() -> None:
+    # Before: "launching 1 ranks failed: The connection to the C10d store has failed. See
+    # inner exception for details.", the inner exception (the timeout, the address)
+    # never shown (seen with an unreachable --rdzv-endpoint, and with its port held by
+    # another server)
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from isp_comm.train.launch import rendezvous_failure
+
+    try:
+        try:
+            raise TimeoutError("The client socket has timed out after 60000ms while trying to connect to (h, 7).")
+        except TimeoutError as inner:
+            raise RendezvousConnectionError(
+                "The connection to the C10d store has failed. See inner exception for details."
+            ) from inner
+    except RendezvousConnectionError as exc:
+        said = rendezvous_failure(exc, "h:7")
+    assert said.startswith(
+        "The connection to the C10d store has failed: The client socket has timed out after 60000ms"
+    ), said
+    assert "inner exception" not in said and "--rdzv-endpoint h:7 could not be reached or hosted" in said, said
+    assert rendezvous_failure(ValueError("bad"), "h:7") == "bad"

@@ -70,6 +70,29 @@ def failed_job_exit(exc: ChildFailedError) -> int:
     return first.exitcode if first.exitcode > 128 else 2
 
 
+def rendezvous_failure(exc: BaseException, endpoint: str) -> str:
+    """What stopped the launch before any rank ran, with every message of the
+    exception's chain (torch's outer one says only "See inner exception for details",
+    which the user never sees) and, for the rendezvous store, what usually causes it."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    said, seen = [], exc
+    while seen is not None and len(said) < 4:
+        lines = str(seen).replace("See inner exception for details.", "").strip().splitlines()
+        text = lines[0].rstrip(". ") if lines else ""
+        if text and text not in said:
+            said.append(text)
+        seen = seen.__cause__ or seen.__context__
+    found = ": ".join(said) or type(exc).__name__
+    if isinstance(exc, RendezvousConnectionError | RendezvousTimeoutError) and endpoint:
+        found += (
+            f". The rendezvous store at --rdzv-endpoint {endpoint} could not be reached or hosted: another process "
+            "may hold that port (an earlier run still going, or another server; choose a free port), or the "
+            "machine hosting it is not up or not reachable from here"
+        )
+    return found
+
+
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"})
 """Signals a rank raises on itself when it crashes (a bad memory access, an abort in C++
 code), not ones sent from outside; a rank prints its Python stacks on them (its
@@ -201,7 +224,10 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     except SignalException as exc:
         return stopping.exit_code(exc.sigval)
     except Exception as exc:  # the rendezvous: an endpoint that cannot be reached, a port in use
-        print(f"isp-train: error: launching {nproc} ranks failed: {exc}", file=sys.stderr)
+        print(
+            f"isp-train: error: launching {nproc} ranks failed: {rendezvous_failure(exc, rdzv_endpoint)}",
+            file=sys.stderr,
+        )
         return 2
     finally:
         shutil.rmtree(logs, ignore_errors=True)
