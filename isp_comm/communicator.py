@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -270,7 +271,7 @@ class ISPCommunicator:
         hooks and, under SP, the chunk check."""
         g, model = self.groups, self.model
         self._head_forward = self._embed_forward = self._vocab_head = self._embed_lookup = None
-        wp_comm = WPComm(g.wp_group, g.wp_size, g.wp_rank, self.backend, self.ctx)
+        wp_comm = self._wp_comm = WPComm(g.wp_group, g.wp_size, g.wp_rank, self.backend, self.ctx)
         if self.vocab_unit is not None:
             vu = self.vocab_unit
             self._add_summed(vu)
@@ -393,10 +394,11 @@ class ISPCommunicator:
         sequences are done must keep running forwards until its peers' are:
         ``synced_gpus`` defaults to ``True`` there, as transformers sets it for an
         FSDP-managed model (without it, a peer waited in a block's gather until the
-        deadline). Under ``vocab_parallel`` it runs in :meth:`whole_logits`, so that it
-        sees the logits it expects; under sequence parallelism in
-        :meth:`_whole_sequences` (each rank generates from prompts of its own). Returns
-        what puts the instance back as it was, for ``close``."""
+        deadline), and the ranks agree on going on over the WP group (see
+        :meth:`_synced_over_wp`). Under ``vocab_parallel`` it runs in
+        :meth:`whole_logits`, so that it sees the logits it expects; under sequence
+        parallelism in :meth:`_whole_sequences` (each rank generates from prompts of its
+        own). Returns what puts the instance back as it was, for ``close``."""
         model = self.model
         generate = getattr(model, "generate", None)
         g = self.groups
@@ -405,13 +407,18 @@ class ISPCommunicator:
             return None
         had, before = "generate" in model.__dict__, model.__dict__.get("generate")
         whole_logits, whole_sequences, embedding = self.whole_logits, self._whole_sequences, self._embed_lookup
+        synced_over_wp = self._synced_over_wp
+        params = list(inspect.signature(generate).parameters)
+        at = params.index("synced_gpus") if "synced_gpus" in params else len(params)  # given by position?
 
         @functools.wraps(generate)
         def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
-            if synced and kwargs.get("synced_gpus") is None:
+            if synced and len(args) > at and args[at] is None:
+                args = (*args[:at], True, *args[at + 1 :])
+            elif synced and len(args) <= at and kwargs.get("synced_gpus") is None:
                 kwargs["synced_gpus"] = True
             # each rank's own prompts: shapes compared where the WP group computes on each other's tokens
-            with whole_sequences(), whole_logits(), _set(embedding, "checking"):
+            with whole_sequences(), whole_logits(), _set(embedding, "checking"), synced_over_wp():
                 return generate(*args, **kwargs)
 
         model.generate = generate_wrapped
@@ -420,6 +427,37 @@ class ISPCommunicator:
             if had
             else functools.partial(delattr, model, "generate")
         )
+
+    @contextlib.contextmanager
+    def _synced_over_wp(self) -> Iterator[None]:
+        """Inside, transformers' ``synced_gpus`` asks the WP group, through the
+        communicator's backend and under its deadline, whether any rank still has
+        sequences to finish, where transformers all-reduces over the whole job with
+        torch's own (a default group's collective, outside the deadline and the hang
+        diagnosis: a peer that failed kept a rank waiting until the process group's
+        timeout, and a job whose other replicas did not generate waited for good).
+        The forwards' collectives are the WP group's, so its ranks are the ones that
+        must go on together."""
+        wp_comm = self._wp_comm
+        owners = [m for m in self.model.modules() if hasattr(type(m), "_has_unfinished_sequences")]
+
+        def has_unfinished(this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
+            if not synced_gpus:
+                return not this_peer_finished
+            going = torch.tensor([0.0 if this_peer_finished else 1.0], device=device)
+            return wp_comm.all_reduce(going, "all-reduce of generate()'s unfinished sequences").item() > 0
+
+        before = [m.__dict__.get("_has_unfinished_sequences") for m in owners]
+        for m in owners:
+            m._has_unfinished_sequences = has_unfinished
+        try:
+            yield
+        finally:
+            for m, fn in zip(owners, before):
+                if fn is None:
+                    del m._has_unfinished_sequences
+                else:
+                    m._has_unfinished_sequences = fn
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # a fixed pool is allocated once, collectively: symmetric buffers the WP peers

@@ -98,6 +98,28 @@ def _generate_worker(rank: int, world: int) -> list[tuple[str, bool, int]]:
     return out
 
 
+def _one_replica_generates_worker(rank: int, world: int) -> str:
+    plain, model = _hf_model("").eval(), _hf_model("").eval()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(timeout_s=20.0))
+    said = "idle"
+    if rank < 2:  # the first replica's WP group alone generates (say, samples for a log)
+        ids = torch.randint(0, 37, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
+        want = plain.generate(ids, max_new_tokens=3 + 2 * rank, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=3 + 2 * rank, do_sample=False, pad_token_id=0)
+        said = "equal" if torch.equal(got, want) else "differs"
+    comm.all_reduce(torch.zeros(1))  # every rank meets again after
+    comm.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_generate_by_one_replica_alone() -> None:
+    """The ranks agree on going on over their WP group, whose forwards gather together,
+    under the communicator's deadline: transformers' own synced_gpus all-reduced over
+    the whole job, so a WP group generating alone waited for the other replicas for good."""
+    assert run_ranks(_one_replica_generates_worker, 4, timeout_s=100) == ["equal", "equal", "idle", "idle"]
+
+
 @pytest.mark.timeout(120)
 def test_generate_on_a_wrapped_model_matches_the_plain_models() -> None:
     """``model.generate()`` with the KV cache, as on a model that FSDP shards
