@@ -292,8 +292,7 @@ class ISPCommunicator:
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
-        owners = [m for m in model.modules() if m._parameters]
-        self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in owners]
+        self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in model.modules()]
         self._labels_check = (
             None
             if self._vocab_head is None

@@ -109,13 +109,15 @@ def refuse_data_parallel_outside(model: nn.Module, _args: tuple) -> None:
 
 
 def refuse_assign(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *_: Any) -> None:
-    """A load-state-dict pre-hook on each module of the wrapped model that holds
-    parameters: ``load_state_dict(..., assign=True)`` would replace parameter objects
-    that the communicator (and the optimizer) hold, and the blocks' would be swapped
-    back out by the next forward, the loaded values never used, without a word. A
-    state dict that names none of this module's parameters (buffers only) may assign."""
-    names = [prefix + name for name, p in module._parameters.items() if p is not None]
-    if local_metadata.get("assign_to_params_buffers") and any(n in state_dict for n in names):
+    """A load-state-dict pre-hook on each module of the wrapped model:
+    ``load_state_dict(..., assign=True)`` would replace parameter objects that the
+    communicator (and the optimizer) hold, and the blocks' would be swapped back out by
+    the next forward, the loaded values never used, without a word. Said by the first
+    module the load visits (the one it was called on), before anything is assigned. A
+    state dict that names none of the module's parameters (buffers only) may assign."""
+    if local_metadata.get("assign_to_params_buffers") and any(
+        prefix + name in state_dict for name, _ in module.named_parameters()
+    ):
         raise ValueError(
             "load_state_dict(assign=True) on a model wrapped by an ISPCommunicator would replace the parameters "
             "it and the optimizer hold (this rank's shards), and the loaded values would go unused: load without "

@@ -253,12 +253,16 @@ def test_load_state_dict_with_assign_is_refused_while_wrapped(world1) -> None:
     # parameters the communicator and the optimizer hold; the blocks' were swapped back
     # out by the next forward, the loaded values unused, without a word
     model = tiny()
+    model.register_buffer("scale", torch.ones(1))  # visited before any parameter
     comm = ISPCommunicator(model, world1)
     sd = {k: v + 1 for k, v in model.state_dict().items()}
     block = next(k for k in sd if k.startswith("layers.0.") and k.endswith(".weight"))
     for load, part in ((model.load_state_dict, sd), (model.layers[0].load_state_dict, model.layers[0].state_dict())):
         with pytest.raises(ValueError, match=r"assign=True\) on a model wrapped by an ISPCommunicator"):
             load(part, assign=True)
+    assert model.scale.item() == 1  # refused before anything was assigned
+    model.load_state_dict({"scale": torch.full((1,), 3.0)}, strict=False, assign=True)  # buffers alone may
+    assert model.scale.item() == 3
     model.load_state_dict(sd)  # a copy into the shards loads
     assert torch.equal(comm.full_state_dict()[block], sd[block])
     comm.close()
