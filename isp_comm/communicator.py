@@ -346,7 +346,9 @@ class ISPCommunicator:
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
     ) -> torch.Tensor:
-        """This rank's cross-entropy over its own tokens (their mean, or ``"sum"``), in
+        """This rank's cross-entropy over its own tokens (their mean, ``"sum"``, or
+        ``"none"``: each token's, shaped like ``labels``, 0 where ignored, as
+        ``F.cross_entropy`` gives; DPO's and RL's log-likelihoods are their negatives), in
         fp32 whatever the logits' dtype (see ISPConfig.param_dtype): on ordinary logits
         a chunked loss that never holds them in fp32 whole (:mod:`isp_comm.loss`: pass
         the logits as the model gave them, not ``.float()``), the vocab-parallel loss on

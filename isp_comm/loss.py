@@ -26,33 +26,37 @@ CHUNK_BYTES = 256 * 2**20
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, rows: int, mean: bool):
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, rows: int, reduction: str):
         n = logits.shape[0]
         valid = labels != ignore_index
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)  # per token, 0 where ignored
         for a in range(0, n, rows):
             x = logits[a : a + rows].float()
             lse[a : a + rows] = torch.logsumexp(x, dim=-1)
             target = x.gather(1, labels[a : a + rows].clamp(min=0)[:, None]).squeeze(1)
-            total += ((lse[a : a + rows] - target) * valid[a : a + rows]).sum()
+            losses[a : a + rows] = (lse[a : a + rows] - target) * valid[a : a + rows]
         count = valid.sum()
         ctx.save_for_backward(logits, labels, lse, count)
-        ctx.rows, ctx.mean, ctx.ignore_index = rows, mean, ignore_index
-        return total / count if mean else total
+        ctx.rows, ctx.reduction, ctx.ignore_index = rows, reduction, ignore_index
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / count if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         logits, labels, lse, count = ctx.saved_tensors
         valid = labels != ctx.ignore_index
-        scale = grad / count if ctx.mean else grad
+        scale = grad / count if ctx.reduction == "mean" else grad  # per token with "none"
         out = torch.empty_like(logits)
         for a in range(0, logits.shape[0], ctx.rows):
             b = min(a + ctx.rows, logits.shape[0])
             p = torch.exp(logits[a:b].float() - lse[a:b, None])  # softmax
             keep = valid[a:b]
             p.scatter_add_(1, labels[a:b].clamp(min=0)[:, None], -keep[:, None].to(p.dtype))  # minus the one-hot label
-            p.mul_(torch.where(keep, scale, 0.0)[:, None])  # 0 for an ignored token, also where no token counts
+            mine = scale[a:b] if scale.dim() else scale
+            p.mul_(torch.where(keep, mine, 0.0)[:, None])  # 0 for an ignored token, also where no token counts
             out[a:b].copy_(p)
         return out, None, None, None, None
 
@@ -61,16 +65,19 @@ def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum"] = "mean",
+    reduction: Literal["mean", "sum", "none"] = "mean",
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """``F.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...)`` over
     the last dim, in fp32, holding at most ``chunk_bytes`` of fp32 logits at a time
-    (see [Note: the loss's memory]); the gradient comes back in the logits' dtype."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    (see [Note: the loss's memory]); the gradient comes back in the logits' dtype.
+    ``"none"``: each token's loss, shaped like ``labels``, 0 where ignored (the
+    per-sequence log-likelihoods of DPO or RL are sums of their negatives)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if flat.shape[0] != targets.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     rows = max(1, chunk_bytes // (4 * flat.shape[1]))
-    return _ChunkedCrossEntropy.apply(flat, targets, ignore_index, rows, reduction == "mean")
+    out = _ChunkedCrossEntropy.apply(flat, targets, ignore_index, rows, reduction)
+    return out.view(labels.shape) if reduction == "none" else out

@@ -132,7 +132,7 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab_start: int,
         ignore_index: int,
         comm: WPComm,
-        mean: bool,
+        reduction: str,
     ) -> torch.Tensor:
         # logits [wp, n, v_local]; labels [wp, n] (every rank's tokens)
         wp, n, v_local = logits.shape
@@ -151,15 +151,17 @@ class _VocabParallelCE(torch.autograd.Function):
         count = mine.sum()
         exp.div_(sumexp[..., None])  # the local slice of the softmax, kept for backward
         ctx.save_for_backward(exp, in_range, idx, valid, count)
-        ctx.comm, ctx.dtype, ctx.mean = comm, logits.dtype, mean
+        ctx.comm, ctx.dtype, ctx.reduction = comm, logits.dtype, reduction
+        if reduction == "none":
+            return losses[comm.rank]  # this rank's tokens, 0 where ignored
         total = losses[comm.rank].sum()
-        return total / count if mean else total  # a mean over no token: NaN, as F.cross_entropy's
+        return total / count if reduction == "mean" else total  # a mean over no token: NaN, as F.cross_entropy's
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         softmax, in_range, idx, valid, count = ctx.saved_tensors
         comm: WPComm = ctx.comm
-        scale = (grad / count if ctx.mean else grad).to(softmax.dtype)
+        scale = (grad / count if ctx.reduction == "mean" else grad).to(softmax.dtype)  # per token with "none"
         # an ignored token's gradient is 0, also where the scale is not finite (no valid
         # token: a NaN would reach every WP rank's head gradient through the gather)
         mine = torch.where(valid[comm.rank], scale, 0.0)
@@ -260,13 +262,14 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """This rank's cross-entropy over its own (non-ignored) tokens, their mean or
-    ``"sum"``, from the vocab-sharded logits ``[wp, *tokens, my vocab rows]`` of
+    """This rank's cross-entropy over its own (non-ignored) tokens, their mean,
+    ``"sum"`` or ``"none"`` (each token's, shaped like ``labels``, 0 where ignored),
+    from the vocab-sharded logits ``[wp, *tokens, my vocab rows]`` of
     :class:`VocabParallelHead` and this rank's ``labels`` (``tokens`` shaped). As
     ``F.cross_entropy``: a rank without a valid token has a sum of 0, a mean of NaN,
     and no gradient."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     wp = logits.shape[0]
     if tuple(logits.shape[1:-1]) != tuple(labels.shape):
         raise ValueError(
@@ -275,4 +278,5 @@ def vocab_parallel_cross_entropy(
         )
     flat = logits.reshape(wp, labels.numel(), logits.shape[-1])  # also with no vocab row on this rank
     every = comm.all_gather(labels.reshape(-1), "all-gather of labels")
-    return _VocabParallelCE.apply(flat, every, vocab_start, ignore_index, comm, reduction == "mean")
+    out = _VocabParallelCE.apply(flat, every, vocab_start, ignore_index, comm, reduction)
+    return out.view(labels.shape) if reduction == "none" else out

@@ -14,24 +14,27 @@ from isp_comm.loss import cross_entropy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_values_and_gradients_are_f_cross_entropys(dtype: torch.dtype, reduction: str) -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 29, 41, generator=g).to(dtype).requires_grad_()
     labels = torch.randint(0, 41, (3, 29), generator=g)
     labels[0, :7] = -100  # ignored tokens count for nothing
+    weights = torch.rand(3, 29, generator=g)  # "none": a gradient of its own for each token
     ours = cross_entropy(logits, labels, reduction=reduction, chunk_bytes=4 * 41 * 10)  # 10 rows a chunk
-    (mine,) = torch.autograd.grad(ours, logits)
+    (mine,) = torch.autograd.grad(ours if reduction != "none" else (ours * weights).sum(), logits)
     ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction=reduction)
-    (theirs,) = torch.autograd.grad(ref, logits)
-    assert mine.dtype == dtype
+    if reduction == "none":
+        ref = ref.view(labels.shape)
+    (theirs,) = torch.autograd.grad(ref if reduction != "none" else (ref * weights).sum(), logits)
+    assert mine.dtype == dtype and ours.shape == ref.shape
     # fp32 arithmetic per token as F.cross_entropy's; the chunks' sums in another order
     # (measured 0 and up to 9e-8 on the gradient of the sum)
-    assert abs(ours.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    assert (ours - ref).abs().max().item() <= 1e-6 * ref.abs().max().item()
     assert (mine.float() - theirs.float()).abs().max().item() <= 2e-7
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_valid_token_gives_no_gradient(reduction: str) -> None:
     """Every label ignored: F.cross_entropy's mean is NaN (0 / 0) and its sum 0, and the
     gradient is 0 in both; a NaN gradient would reach every rank's through the
@@ -39,10 +42,11 @@ def test_no_valid_token_gives_no_gradient(reduction: str) -> None:
     logits = torch.randn(2, 5, 11).requires_grad_()
     labels = torch.full((2, 5), -100)
     ours = cross_entropy(logits, labels, reduction=reduction)
-    (mine,) = torch.autograd.grad(ours, logits)
+    (mine,) = torch.autograd.grad(ours.sum(), logits)
     ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction=reduction)
-    (theirs,) = torch.autograd.grad(ref, logits)
-    assert ours.isnan().item() == ref.isnan().item() == (reduction == "mean")
+    (theirs,) = torch.autograd.grad(ref.sum(), logits)
+    assert ours.isnan().any().item() == ref.isnan().any().item() == (reduction == "mean")
+    assert reduction != "none" or (ours.shape == labels.shape and not ours.any())
     assert torch.equal(mine, theirs) and not mine.any()
 
 

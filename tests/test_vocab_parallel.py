@@ -37,18 +37,20 @@ def _ce_worker(rank: int, world: int, vocab: int, reduction: str, ignored_rank: 
     y[0, :2] = -100
     if rank == ignored_rank:
         y[:] = -100
+    weights = torch.rand(3, 5, generator=g) if reduction == "none" else torch.ones(())  # a gradient per token
     loss = comm.cross_entropy(head(x), y, reduction=reduction)
-    loss.backward()
+    (loss * weights).sum().backward()
     x_ref = x.detach().clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy((x_ref @ full_w.t()).flatten(0, 1), y.flatten(), reduction=reduction)
-    ref.backward()
+    ref = ref.view(y.shape) if reduction == "none" else ref
+    (ref * weights).sum().backward()
     # the head's gradient is summed over the WP ranks' tokens: compare with the sum of
     # the references' (a NaN anywhere reaches every rank through the gathers)
     w_grad = torch.distributed.nn.functional.all_reduce(full_w.grad.clone())
     rows = head.weight.shape[0]
     start = comm._vocab_head.vocab_start
     err = [
-        (loss - ref).abs().item() if ref.isfinite() else float(loss.isnan() != ref.isnan()),
+        (loss - ref).abs().max().item() if ref.isfinite().all() else float(loss.isnan() != ref.isnan()),
         (x.grad - x_ref.grad).abs().max().item(),
         (head.weight.grad[:rows] - w_grad[start : start + rows]).abs().max().item() if rows else 0.0,
     ]
@@ -63,6 +65,8 @@ def _ce_worker(rank: int, world: int, vocab: int, reduction: str, ignored_rank: 
         (2, 41, "mean", -1),  # uneven rows (21, 20)
         (2, 41, "sum", 1),  # rank 1 has no valid token: a sum of 0, no gradient; rank 0's intact
         (2, 41, "mean", 1),  # and a mean of NaN, as F.cross_entropy's, still no gradient
+        (2, 41, "none", 1),  # each token's loss (0 where ignored) and a gradient of its own
+        (4, 5, "none", -1),
         (4, 5, "mean", -1),  # 2, 2, 1, 0 rows: rank 3 holds none of the vocabulary
     ],
 )
