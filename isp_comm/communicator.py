@@ -495,8 +495,12 @@ class ISPCommunicator:
         planned] in ``isp_comm/hooks/engine.py``). With ``find_unused_parameters``, the
         gradients no rank produced go back to ``None`` ([Note: unused parameters]),
         except in the step that makes a fresh optimizer's states, whose zeros are its own."""
+        r = self.engine.reducer
+        if r.deferred_backwards:
+            mine = {id(p) for p in self.model.parameters()}
+            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+                self._refuse_deferred("an optimizer step")
         if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
-            r = self.engine.reducer
             mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
                 self.engine.settle()
@@ -527,6 +531,30 @@ class ISPCommunicator:
             self.engine.refresh.mark_stale()
 
     # ---- public API ---------------------------------------------------------------------
+    def set_requires_replica_sync(self, requires: bool) -> None:
+        """Whether the backwards of the forwards from now on reduce their gradients over
+        the replica group (default ``True``). ``False`` for every micro-step of an
+        accumulation but the last: those stop after the WP reduce-scatter and keep the
+        sum of their gradient shards, and the last micro-step's replica collective
+        carries the whole step's (one crossing of the slow links per optimizer step, not
+        one per micro-step), as FSDP2's ``set_requires_all_reduce(False)`` and DDP's
+        ``no_sync()``. The flag is read by the forward that arms a backward's
+        reductions: set it before the micro-step's forward. Costs a gradient WP shard of
+        every block in the reduce dtype while the gradients wait. ``.grad`` holds the
+        step's gradients only after the syncing backward; an optimizer step or a clip
+        before it is refused. Nothing changes without replicas (``wp`` = world).
+        See [Note: replica reductions deferred] in ``isp_comm/hooks/reductions.py``."""
+        if not isinstance(requires, bool):
+            raise TypeError(f"set_requires_replica_sync takes a bool, got {type(requires).__name__}")
+        self.engine.reducer.replica_sync = requires
+
+    def _refuse_deferred(self, what: str) -> None:
+        raise RuntimeError(
+            f"isp-comm: {what} while the gradients of {self.engine.reducer.deferred_backwards} backward(s) wait for "
+            "their replica reduction: run the accumulation's last micro-step after set_requires_replica_sync(True) "
+            "(its backward reduces them all), then step"
+        )
+
     def scheduler_hook(self) -> SchedulerHook:
         """Hooks for a training loop: before/after forward, before/after backward."""
         return SchedulerHook(self.engine)
@@ -661,6 +689,8 @@ class ISPCommunicator:
         it after backward, before ``optimizer.step()``. The stock
         ``torch.nn.utils.clip_grad_norm_`` would see only this rank's shards."""
         self._check_idle("clip_grad_norm_()")
+        if self.engine.reducer.deferred_backwards:
+            self._refuse_deferred("clip_grad_norm_()")
         self.engine.settle()  # an accuracy forward since the backward: its stash goes back
         return self._state.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 

@@ -40,6 +40,7 @@ class Case:
     clip: float = 0.0  # > 0: clip the global gradient norm to it before each step
 
     model: str = "llama"  # or "hetero", or "narrow" (hidden 18: pads when split over 4)
+    defer: bool = False  # only the last micro-step reduces over the replicas (set_requires_replica_sync)
 
     def model_config(self) -> LlamaConfig:
         if self.model == "narrow":
@@ -174,8 +175,10 @@ def train_isp(
     losses = []
     for step in batches(case, world):
         total = torch.zeros(())
-        for x, y in step:
+        for i, (x, y) in enumerate(step):
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            if case.defer:
+                comm.set_requires_replica_sync(i == len(step) - 1)
             hook.before_forward()
             loss = loss_fn(run(xs), ys) / case.micro
             hook.before_backward()

@@ -64,13 +64,15 @@ def _unused_worker(
     settings: tuple[bool, ...] = (True, False),
     plans: list = PLANS,
     pooler: bool = True,
+    defer: bool = False,
 ) -> list[tuple[float, list[str]]]:
     """AdamW steps (weight decay 0.1) of the wrapped model, with and without
     ``find_unused_parameters`` (``settings``), against the plain one trained on every
     rank's half with that rank's plan (``plans``, as PLANS), on ``device`` (tests/gpu:
     ``cuda:0``). Returns, for each setting: the largest weight difference from the plain
     model, and the parameters whose ``.grad`` was ``None`` in one model and not in the
-    other at a step."""
+    other at a step. ``defer``: each step's micro-steps but the last defer their
+    replica reductions (``set_requires_replica_sync(False)``)."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from tests.parity import loss_fn
 
@@ -92,6 +94,7 @@ def _unused_worker(
                 # micro-step 0 in the order forward, zero_grad(), backward
                 a, b = (torch.randint(0, 37, (2 * world, 8), generator=g).to(device) for _ in range(2))
                 plan["depth"], plan["mlp"] = step[rank % 2][micro] if micro >= 0 else (None, True)
+                comm.set_requires_replica_sync(not defer or micro in (-1, len(step[0]) - 1))
                 loss = loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank])
                 if micro == 0:
                     opt.zero_grad(), ropt.zero_grad()

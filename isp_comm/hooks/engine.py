@@ -193,6 +193,12 @@ class BlockEngine:
         whole = (*self.reducer.replicated, *self.reducer.wp_summed)
         now = tuple(p.requires_grad for p in (*(s for u in units for s in u.shards), *whole))
         changed = self.phase is Phase.FORWARD and now != self._trainable_at
+        if self.reducer.deferred_backwards and now != self._trainable_at:
+            raise RuntimeError(
+                "isp-comm: requires_grad changed while the gradients of "
+                f"{self.reducer.deferred_backwards} backward(s) wait for their replica reduction "
+                "(set_requires_replica_sync(False)); change it after the optimizer step"
+            )
         if changed and not second and any(st.views_held for st in self.states):
             raise RuntimeError(
                 "isp-comm: requires_grad changed between two forwards with grad whose graphs are both alive; one "
@@ -367,7 +373,8 @@ class BlockEngine:
                 "outside the model's forward, is not supported (run the model's forward again for each backward)"
             )
         if self.unused is not None and self.phase is not Phase.BACKWARD:
-            self.unused.backward_begins(self._shards())
+            # after a deferred backward, no sharded gradient is made afresh (see [Note: replica reductions deferred])
+            self.unused.backward_begins([] if self.reducer.deferred_backwards else self._shards())
         self.phase = Phase.BACKWARD
         self.ctx.phase = "backward"
         if not self._callback_queued:
@@ -466,6 +473,7 @@ class BlockEngine:
                     shard.grad = None
             for p in (*self.reducer.replicated, *self.reducer.wp_summed):
                 p.grad = None
+            self.reducer.drop_deferred()
         elif self.phase is Phase.FORWARD and not forward:
             self.reducer.unstash()
             self.phase = Phase.IDLE

@@ -16,7 +16,9 @@ replica collective (all-reduce, or reduce-scatter into the pieces with
 ``state_sharding="world"``) when the next block's reduce-scatter has been issued, or
 when room is made or the backward drained; a bucket of whole gradients when it and every
 bucket before it are ready, in the buckets' fixed order (or, with
-``find_unused_parameters``, when the backward ends). Autograd runs the same graph in
+``find_unused_parameters``, when the backward ends); gradients whose replica
+reduction was deferred and that the last backward did not reach, when it ends, in
+their first backward's order. Autograd runs the same graph in
 the same order on every rank, as DDP relies on too; where ranks use different
 parameters it does not, which is what that option is for.
 """
@@ -95,6 +97,18 @@ class Bucket:
     done: set[int] = field(default_factory=set)  # ids of the parameters ready this backward
 
 
+@dataclass(eq=False)
+class Deferred:
+    """One reduce group's gradients of the backwards whose replica reduction waits
+    (see [Note: replica reductions deferred]): their sum after the WP stage, laid out
+    as the WP shard, or replica-major (``scattered``) for the WP-summed rows."""
+
+    unit: BlockUnit
+    group: ReduceGroup
+    total: torch.Tensor
+    scattered: bool = False
+
+
 class GradientReducer:
     """Reduce-scatter issue and completion, replica all-reduce, bucketed DDP-style
     averaging of the gradients autograd leaves whole.
@@ -122,6 +136,10 @@ class GradientReducer:
         self.leaked: list[Any] = []
         """Buffers a failed step left to collectives that may still use them (never reused)."""
         self._pre, self._post = divide_factors(groups.world_size)
+        self.replica_sync = True  # set_requires_replica_sync's (see [Note: replica reductions deferred])
+        self._syncing = True  # this backward's: replica_sync as its forward armed the reductions
+        self.deferred_backwards = 0  # backwards since the last replica reduction whose gradients wait for it
+        self._deferred: dict[tuple[int, ReduceGroup], Deferred] = {}  # (id(unit), group) -> their sum
         self._stash: dict[nn.Parameter, torch.Tensor] = {}
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -187,6 +205,10 @@ class GradientReducer:
             unit.pack_piece_grads(grads, group, inp)
             if group.dtype in LOW_PRECISION and self._pre > 1:  # see divide_factors
                 inp.div_(self._pre)
+            if not self._syncing:  # see [Note: replica reductions deferred]
+                self._defer(unit, group, inp, scattered=True)
+                continue
+            self._add_deferred(unit, group, inp)
             r = InflightReduce(unit, group, (inp, out), out, CompletedHandle(), None, pooled=False)
             self._scatter_to_replicas(r, inp)
             self.inflight.append(r)
@@ -226,11 +248,12 @@ class GradientReducer:
         has pieces, a reduce-scatter into them. The pair's two buffers take turns (no
         third buffer): the one the WP stage did not leave the shard in receives the
         replica-major input, and the other, read by then, the pieces."""
-        if self.groups.replica_size == 1 or r.replica is not None:
+        if self.groups.replica_size == 1 or r.replica is not None or not self._syncing:
             return
         what = f"block {r.unit.index}"
         self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
         r.handle = CompletedHandle()
+        self._add_deferred(r.unit, r.group, r.out)
         if r.unit.replicas == 1:
             self.ctx.delay()
             self.ctx.counters.all_reduces += 1
@@ -255,12 +278,17 @@ class GradientReducer:
 
     def _complete(self, r: InflightReduce) -> None:
         what = f"block {r.unit.index}"
-        if self.groups.replica_size > 1:
+        if self.groups.replica_size > 1 and self._syncing:
             self._to_replicas(r)
             kind = "all-reduce" if r.unit.replicas == 1 else "reduce-scatter"
             self.ctx.wait(r.replica, f"replica {kind} of {what}", (kind, what, r.replica_at))
         else:
             self.ctx.wait(r.handle, f"reduce-scatter of {what}", ("reduce-scatter", what, r.issued_at))
+            if self.groups.replica_size > 1:  # see [Note: replica reductions deferred]
+                self._defer(r.unit, r.group, r.out)
+                if r.pooled:
+                    self.rs_buffers.release(r.group.dtype, r.pair)
+                return
         if self.groups.world_size > 1:
             r.out.div_(self._post if r.group.dtype in LOW_PRECISION else self.groups.world_size)
         r.unit.accumulate_grad(r.out, r.group)
@@ -270,6 +298,70 @@ class GradientReducer:
     def drain(self) -> None:
         while self.inflight:
             self._complete_oldest()
+        if self._syncing and self._deferred:
+            self._reduce_deferred()
+            while self.inflight:
+                self._complete_oldest()
+
+    # ---- replica reductions deferred --------------------------------------------------------
+    # [Note: replica reductions deferred]
+    # With replicas, each micro-step's gradient shards cross the replica group (between
+    # nodes, the slow links) to be summed; over N micro-steps of one optimizer step only
+    # their sum is needed. ``ISPCommunicator.set_requires_replica_sync(False)`` makes the
+    # backwards of the forwards it covers stop after the WP stage: each reduce group's
+    # WP-reduced shard is added into a sum of its own (``Deferred``, in the reduce dtype,
+    # a WP shard of every block: FSDP2's partial reduce output), and the backward that
+    # syncs again adds that sum into its own shard before the replica collective, which
+    # then runs once for N micro-steps. Gradients the syncing backward does not reach (a
+    # block every rank skipped in it) are reduced over the replicas alone when it ends.
+    # Nothing is divided before then, so the sum divides as one micro-step's would (see
+    # ``divide_factors``). The whole gradients (buckets) follow suit: a deferred
+    # backward issues no bucket and leaves autograd's sum in ``.grad``; the first of
+    # them sets aside what ``.grad`` held before (reduced already), the later ones and
+    # the syncing one add to it, whose buckets reduce the sum; the earlier part comes
+    # back after. ``.grad`` of the shards is written by the syncing backward only. An
+    # optimizer step or a clip while gradients wait is refused, as is a change of
+    # ``requires_grad`` (the reduce groups would change under the sums).
+    def _defer(self, unit: BlockUnit, group: ReduceGroup, grad: torch.Tensor, scattered: bool = False) -> None:
+        """Add a deferred backward's ``grad`` of ``group`` into its sum."""
+        key = (id(unit), group)
+        waiting = self._deferred.get(key)
+        if waiting is None:
+            self._deferred[key] = Deferred(unit, group, grad.clone(), scattered)
+        else:
+            waiting.total.add_(grad)
+
+    def _add_deferred(self, unit: BlockUnit, group: ReduceGroup, grad: torch.Tensor) -> None:
+        """The syncing backward's ``grad`` of ``group`` takes in the deferred ones' sum."""
+        waiting = self._deferred.pop((id(unit), group), None)
+        if waiting is not None:
+            grad.add_(waiting.total)
+
+    def _reduce_deferred(self) -> None:
+        """The deferred sums the syncing backward did not reach, reduced over the
+        replicas on their own, in the order they were first added (the same on every
+        rank: autograd's), each as if its WP stage had just ended."""
+        for waiting in list(self._deferred.values()):
+            unit, group = waiting.unit, waiting.group
+            del self._deferred[(id(unit), group)]
+            self._make_room()
+            if waiting.scattered:
+                out = torch.empty(group.piece.numel, dtype=group.dtype, device=unit.device)
+                r = InflightReduce(unit, group, (waiting.total, out), out, CompletedHandle(), None, pooled=False)
+                self._scatter_to_replicas(r, waiting.total)
+            else:
+                pair = tuple(torch.empty(n, dtype=group.dtype, device=unit.device) for n in group.pair_numels)
+                out = pair[1 if group.wp_size > 1 else 0][: group.shard_numel]
+                out.copy_(waiting.total)
+                r = InflightReduce(unit, group, pair, out, CompletedHandle(), None, pooled=False)
+            self.inflight.append(r)
+
+    def drop_deferred(self) -> None:
+        """Every gradient waiting for its replica reduction is dropped (a backward that
+        did not go as planned drops the step's gradients; ``close()``)."""
+        self._deferred.clear()
+        self._stash.clear()
+        self.deferred_backwards = 0
 
     # ---- gradients autograd left whole ------------------------------------------------------
     # [Note: bucketed whole gradients] The replicated parameters' gradients (and the
@@ -323,13 +415,14 @@ class GradientReducer:
         micro-steps' gradients aside as this backward's arrive (see [Note: bucketed
         whole gradients]; one process sums them as autograd would)."""
         if self.groups.world_size > 1:
+            self._syncing = self.replica_sync or self.groups.replica_size == 1
             self._plan_buckets()
             for b in self._buckets:
                 b.waiting, b.done, b.handle = len(b.params), set(), None
             self._next_bucket = 0
             # without overlap, or with find_unused_parameters (see [Note: bucketed whole
             # gradients]), reduce_whole issues every bucket
-            self._active = self.config.overlap and not self.config.find_unused_parameters
+            self._active = self._syncing and self.config.overlap and not self.config.find_unused_parameters
             self._armed, self._arrived = True, set()
 
     def _grad_arriving(self, p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -339,7 +432,8 @@ class GradientReducer:
             if not self._arrived and self.entered is not None:  # this backward's first: it begins
                 self.entered()
             self._arrived.add(id(p))
-            self._set_aside(p)
+            if not self.deferred_backwards:  # see [Note: replica reductions deferred]
+                self._set_aside(p)
 
     def _set_aside(self, p: nn.Parameter) -> None:
         if p.grad is not None and p not in self._stash:
@@ -386,7 +480,8 @@ class GradientReducer:
         """No backward followed the forward that armed the buckets: they disarm (and
         anything set aside goes back into ``.grad``)."""
         self._active = self._armed = False
-        self._put_back()
+        if not self.deferred_backwards:  # what is set aside waits for the syncing backward
+            self._put_back()
 
     def _put_back(self) -> None:
         for p, old in self._stash.items():  # a frozen one's (say zeros) is kept, as autograd keeps it
@@ -396,16 +491,22 @@ class GradientReducer:
     def reduce_whole(self) -> None:
         """The backward is over: issue the buckets that never became ready, wait for
         every bucket in order, divide, write ``.grad`` and add the stash back."""
-        world = self.groups.world_size
+        world, first = self.groups.world_size, not self.deferred_backwards
         self.arrived, self.made = set(), set()
         if world > 1 and self._buckets:
             self._active = self._armed = False
-            for b in self._buckets:  # no gradient arrived this backward: earlier ones aside too
+            for b in self._buckets if first else ():  # no gradient arrived this backward: earlier ones aside too
                 for p in b.params:
                     if id(p) not in self._arrived:
                         self._set_aside(p)
             self.arrived = self._arrived
-            self.made = {id(p) for b in self._buckets for p in b.params if p not in self._stash}
+            if first:  # after a deferred backward, none is made afresh (see [Note: unused parameters])
+                self.made = {id(p) for b in self._buckets for p in b.params if p not in self._stash}
+        if not self._syncing:  # see [Note: replica reductions deferred]
+            self.deferred_backwards += 1
+            return
+        self.deferred_backwards = 0
+        if world > 1 and self._buckets:
             for b in self._buckets[self._next_bucket :]:
                 self._issue_bucket(b)
             self._next_bucket = len(self._buckets)
@@ -455,6 +556,7 @@ class GradientReducer:
             self.inflight.clear()
             self._active = False
         else:
+            self._deferred.clear()  # gradients left waiting are dropped, not reduced at close
             self.drain()
         for hooks in self._hooks.values():
             for h in hooks:

@@ -1,0 +1,154 @@
+"""``comm.set_requires_replica_sync(False)``: the micro-steps of an accumulation but the
+last keep their gradient shards after the WP reduce-scatter, and the last one's replica
+collective carries the step's sum (see [Note: replica reductions deferred]). Compared
+with single-process training of the same global batch, as every parity test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.testing import run_ranks
+from tests.parity import Case, batches, check_parity, loss_fn, make_optim, max_diff, train_isp, train_reference
+from tests.test_unused_parameters import PLANS, _unused_worker
+
+WORLD = {"state_sharding": "world"}
+BASE = Case(optim="sgd", micro=3, clip=0.5, bias=True, ckpt=0.5, defer=True)
+
+# (case, config) at world 4: wp 2 x 2 replicas unless "wp" says otherwise
+CASES = [
+    (BASE, {}),
+    (Case(optim="adamw", micro=3, bias=True, defer=True), {}),
+    (BASE, WORLD),
+    (Case(optim="adamw", micro=2, clip=0.5, bias=True, defer=True), WORLD),
+    # the outer parameters sharded: the gathered head's and norm's gradients through the
+    # outer unit, the hidden-split embedding's rows (summed over WP by their own
+    # backward) straight to the replicas, deferred replica-major
+    (BASE, {**WORLD, "shard_outer_params": True}),
+    (BASE, {"shard_outer_params": True}),
+    (BASE, {"backend": "torch"}),
+    (Case(micro=2, defer=True), {**WORLD, "overlap": False, "memory_pool": False}),
+    (Case(optim="adamw", micro=3, defer=True), {"wp": 1}),  # four replicas
+]
+
+
+def _cases_worker(rank: int, world: int, cases: list[tuple[Case, dict]]) -> list[tuple]:
+    out = []
+    for case, kw in cases:
+        kw = dict(kw)
+        ref_sd, ref_losses = train_reference(case, world)
+        sd, losses, _ = train_isp(case, rank, world, kw.pop("wp", 2), **kw)
+        out.append((case, max_diff(sd, ref_sd), max(abs(a - b) for a, b in zip(losses, ref_losses))))
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_deferred_replica_reductions_match_single_process() -> None:
+    # fp32: the sums' order changes (a rank's micro-steps summed before the replicas'),
+    # which the parity tests' limits (their reasons in tests/parity.py) hold
+    check_parity(run_ranks(_cases_worker, 4, CASES, timeout_s=380))
+
+
+def _bf16_worker(rank: int, world: int) -> list[dict]:
+    out = []
+    for reduce_dtype in (torch.float32, None):
+        case = Case(optim="sgd", micro=3, ckpt=0.5, bias=True, defer=True)
+        kw = dict(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        sd, losses, _ = train_isp(case, rank, world, 2, **kw, **WORLD)
+        ref, ref_losses = train_reference(case, world)
+        out.append({"diff": max_diff(sd, ref), "loss": max(abs(a - b) for a, b in zip(losses, ref_losses))})
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_deferred_replica_reductions_in_bf16() -> None:
+    # bf16 compute from fp32 masters, the sums kept in the reduce dtype (bf16 when None,
+    # as FSDP2 keeps its partial reduce output): test_mixed_precision's limits and reasons
+    for per_rank in run_ranks(_bf16_worker, 4, timeout_s=180):
+        for r in per_rank:
+            assert r["loss"] < 8e-2 and r["diff"] < 6e-4, r
+
+
+def _counts_worker(rank: int, world: int, config_kw: dict) -> dict:
+    out, groups = {}, []
+    for name, case in (
+        ("one", Case(micro=1, steps=2)),
+        ("plain", Case(micro=3, steps=2)),
+        ("deferred", Case(micro=3, steps=2, defer=True)),
+    ):
+        after = lambda comm: groups.append(sum(len(u.groups) for u in comm.sharded_units))  # noqa: E731
+        _, _, stats = train_isp(case, rank, world, 2, after_wrap=after, **config_kw)
+        out[name] = (stats["all_reduces"], stats["reduce_scatters"], stats["bytes_reduced"])
+    out["groups"] = groups[0]  # reduce groups a micro-step reduces over the replicas
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("config_kw", [{}, WORLD, {**WORLD, "shard_outer_params": True}], ids=["wp", "world", "outer"])
+def test_the_replicas_reduce_once_a_step(config_kw: dict) -> None:
+    # 2 steps of 3 micro-steps, against 2 of 1 (the same count of replica collectives
+    # when deferred) and 2 of 3 synced every micro-step
+    for r in run_ranks(_counts_worker, 4, config_kw, timeout_s=180):
+        one, plain, deferred = r["one"], r["plain"], r["deferred"]
+        assert deferred[0] == one[0] < plain[0], r  # all-reduces: the whole gradients' buckets (and replicas' "wp")
+        if not config_kw:  # every micro-step's WP reduce-scatters, the replicas' all-reduces once a step
+            assert deferred[1] == plain[1], r
+        else:  # each group's replica reduce-scatter once a step (2 micro-steps x 2 steps fewer), no more
+            assert deferred[1] == plain[1] - 4 * r["groups"], r
+            assert deferred[2] < plain[2], r  # bytes reduce-scattered (all-reduces are not counted)
+
+
+def _refusals_worker(rank: int, world: int) -> list[str]:
+    case = Case(micro=2, bias=True)
+    model = case.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
+    opt = make_optim("sgd", model.parameters())
+    (x, y), (x2, y2) = batches(case, world)[0]
+    seen = []
+    comm.set_requires_replica_sync(False)
+    loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    for what, call in (
+        ("step", opt.step),
+        ("clip", lambda: comm.clip_grad_norm_(1.0)),
+        ("freeze", lambda: (model.layers[0].attn.q_proj.weight.requires_grad_(False), model(x))),
+    ):
+        try:
+            call()
+        except RuntimeError as e:
+            seen.append(f"{what}: {e}")
+    model.layers[0].attn.q_proj.weight.requires_grad_(True)
+    comm.set_requires_replica_sync(True)
+    loss_fn(model(x2.chunk(world)[rank]), y2.chunk(world)[rank]).backward()
+    opt.step()  # the syncing backward reduced both micro-steps': the step goes through
+    try:
+        comm.set_requires_replica_sync(1)
+    except TypeError as e:
+        seen.append(f"type: {e}")
+    comm.close()
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_step_before_the_gradients_crossed_the_replicas_is_refused() -> None:
+    for seen in run_ranks(_refusals_worker, 4, timeout_s=100):
+        assert [s.split(":")[0] for s in seen] == ["step", "clip", "freeze", "type"], seen
+        assert "1 backward(s) wait for their replica reduction" in seen[0], seen
+        assert "set_requires_replica_sync(True)" in seen[1] and "requires_grad changed" in seen[2], seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "config_kw", [{}, {"state_sharding": "world", "shard_outer_params": True}], ids=["wp2x2", "wp2x2-world"]
+)
+def test_deferred_with_unused_parameters_and_a_block_the_last_micro_step_skips(config_kw: dict) -> None:
+    # tests/test_unused_parameters.py's plans with each step's micro-steps but the last
+    # deferred: its third step runs block 2 in the first micro-step only, so block 2's
+    # deferred sum is reduced over the replicas on its own when the syncing backward
+    # ends; with find_unused_parameters a parameter used in a deferred micro-step only
+    # keeps its gradient, and the pooler none
+    results = run_ranks(_unused_worker, 4, 2, config_kw, "cpu", (True, False), PLANS, True, True, timeout_s=280)
+    for (found, found_none), (zeroed, zeroed_none) in results:
+        assert found < 1e-5 and found_none == [], (found, found_none)  # the unused test's bound and reason
+        assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
+
