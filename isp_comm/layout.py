@@ -269,9 +269,9 @@ class BlockLayout:
         self.piece_gather = Layout.packed(list(self.pieces), raw=self.gather.raw)
         """One rank's pieces in the gather dtype: what a replica all-gather sends."""
         self._reduce_dtype = reduce_dtype or param_dtype
-        self.full_groups = self._reduce_groups(None)  # every parameter: what buffers are sized for
+        self.full_groups = self.reduce_groups(None)  # every parameter: what buffers are sized for
 
-    def _reduce_groups(self, trainable: tuple[bool, ...] | None) -> tuple[ReduceGroup, ...]:
+    def reduce_groups(self, trainable: tuple[bool, ...] | None) -> tuple[ReduceGroup, ...]:
         """The parameters whose gradients are reduced (``trainable``, else all), in one
         group in the reduce dtype when it is set, else one group per parameter dtype."""
         by: dict[torch.dtype, list[int]] = {}

@@ -131,7 +131,7 @@ class BlockUnit(BlockLayout):
         now = tuple(s.requires_grad for s in self.shards)
         if now != self._trainable:
             self._trainable = now
-            self.groups = self._reduce_groups(now)
+            self.groups = self.reduce_groups(now)
             self.whole_group = self._whole_group(self.groups)
 
     # ---- construction -------------------------------------------------------------

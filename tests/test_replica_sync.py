@@ -152,3 +152,36 @@ def test_deferred_with_unused_parameters_and_a_block_the_last_micro_step_skips(c
         assert found < 1e-5 and found_none == [], (found, found_none)  # the unused test's bound and reason
         assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
 
+
+def _sums_worker(rank: int, world: int, config_kw: dict) -> tuple[int, int, int]:
+    from isp_comm.memory_forecast import forecast
+
+    case = Case(micro=2, bias=True)
+    model = case.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(**config_kw))
+    (x, y), _ = batches(case, world)[0]
+    comm.set_requires_replica_sync(False)
+    loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    held = sum(d.total.numel() * d.total.element_size() for d in comm.engine.reducer._deferred.values())
+    comm.close()
+    with torch.device("meta"):
+        meta = case.build()
+    shape = (world, 2, 1, case.batch_per_rank * world, case.seq, "sgd")
+    deferred = forecast(meta, ISPConfig(**config_kw), *shape, deferred_replica_sync=True)
+    plain = forecast(meta, ISPConfig(**config_kw), *shape)
+    part = "deferred gradient sums"
+    return held, deferred.phases["forward"].get(part, 0), plain.phases["backward"].get(part, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "config_kw",
+    [{}, {**WORLD, "shard_outer_params": True}, {"param_dtype": torch.bfloat16, "reduce_dtype": None}],
+    ids=["wp", "world-outer", "bf16"],
+)
+def test_the_forecast_counts_the_deferred_sums_the_engine_holds(config_kw: dict) -> None:
+    # rank 0's (the forecast's rank: its shards are the largest): every byte the engine
+    # keeps after one deferred micro-step, none without deferral
+    held, forecast, plain = run_ranks(_sums_worker, 4, config_kw, timeout_s=100)[0]
+    assert held > 0 and forecast == held and plain == 0, (held, forecast, plain)
+

@@ -83,6 +83,8 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield "all-reduce buffers", bucket.flat
     for t in getattr(reducer, "_stash", {}).values():
         yield "replicated grads", t
+    for waiting in getattr(reducer, "_deferred", {}).values():  # [Note: replica reductions deferred]
+        yield "deferred gradient sums", waiting.total
     yield from shared_memory_parts(comm.backend)
 
 

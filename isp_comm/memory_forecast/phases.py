@@ -55,6 +55,7 @@ def forecast(
     evaluate: bool = False,
     cuda_workspace: int | None = None,
     compiled: bool | None = None,
+    deferred_replica_sync: bool = False,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
 
@@ -73,7 +74,10 @@ def forecast(
     ``cuda_workspace``: on CUDA, the bytes of one cuBLAS workspace (default: as torch
     sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`);
     ``compiled``: the blocks run compiled (``isp-train --compile``; ``None``: where a
-    block was given ``block.compile()``; [Note: what a compiled block saves])."""
+    block was given ``block.compile()``; [Note: what a compiled block saves]);
+    ``deferred_replica_sync``: the micro-steps of an accumulation but the last defer
+    their replica reductions (``ISPCommunicator.set_requires_replica_sync``; nothing
+    without replicas): the sums they keep ([Note: replica reductions deferred])."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -89,23 +93,13 @@ def forecast(
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)
     release = (_releases_pairs(config, device) or not config.memory_pool) and not in_heap  # pairs in backward only
     persistent = _persistent(plan, w, in_heap, release, config.memory_pool)
-    # the flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
-    # the WP-summed shards' only with replicas: without, they are divided where they are)
-    allreduce = sum(w.replicated_trainable) + (w.wp_summed if world > wp else 0) if world > 1 else 0
-    steady = {
-        **persistent,
-        "optimizer state": w.opt_state,
-        "all-reduce buffers": allreduce,
-        "replica gather buffers": w.refresh,
-        **cuda_runtime(device, cuda_workspace),
-        **cpu_runtime(device, world, config.param_dtype),
-        **shared_pages(plan, layouts, config, device, (world, wp), sum(w.replicated_trainable)),
-    }
+    steady = _steady(persistent, w, (plan, layouts, config), device, (world, wp), cuda_workspace)
     phases = {"wrap": _wrap(persistent, w, device)}
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
     made = _made_in_backward(plan, blocks, config, release, persistent["pool slots and landing"])
-    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, made))
+    sums = _deferred_sums(layouts, world > wp and deferred_replica_sync)
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, made, sums))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
     staging = _checkpoints(phases, steady, w, device)
@@ -268,6 +262,44 @@ def _wrap(persistent: dict[str, int], w: Weights, device: str) -> dict[str, int]
     return {**wrap, "one module materialised": max(0, w.largest_module - w.replicated)}
 
 
+def _steady(
+    persistent: dict[str, int], w: Weights, run: tuple, device: str, sizes: tuple[int, int], cuda_workspace: int | None
+) -> dict[str, int]:
+    """What every phase of a step holds: the persistent parts, the optimizer state, the
+    flat buffers of the gradients autograd leaves whole, all-reduced (kept across steps;
+    the WP-summed shards' only with replicas: without, they are divided where they are),
+    the replica gathers' buffers and the runtimes' own."""
+    (plan, layouts, config), (world, wp) = run, sizes
+    allreduce = sum(w.replicated_trainable) + (w.wp_summed if world > wp else 0) if world > 1 else 0
+    return {
+        **persistent,
+        "optimizer state": w.opt_state,
+        "all-reduce buffers": allreduce,
+        "replica gather buffers": w.refresh,
+        **cuda_runtime(device, cuda_workspace),
+        **cpu_runtime(device, world, config.param_dtype),
+        **shared_pages(plan, layouts, config, device, (world, wp), sum(w.replicated_trainable)),
+    }
+
+
+def _deferred_sums(layouts: list, deferred: bool) -> tuple[list[int], int]:
+    """The bytes of the sums deferred backwards keep ([Note: replica reductions
+    deferred] in ``isp_comm/hooks/reductions.py``), per block, and of the outer and
+    WP-summed units together: each trainable reduce group's WP shard in its reduce
+    dtype, replica-major (the pieces' input) for the WP-summed rows with pieces; none
+    for the WP-summed rows without pieces, whose gradients autograd leaves whole and
+    sums in ``.grad``."""
+    per_unit = {}
+    for i, lay, tr in layouts if deferred else ():
+        summed = i in (-2, -3)
+        if summed and lay.replicas == 1:
+            continue
+        groups = lay.reduce_groups(tuple(tr)) if any(tr) else ()
+        per_unit[i] = sum((g.scattered_numel if summed else g.shard_numel) * g.dtype.itemsize for g in groups)
+    blocks = [per_unit.get(i, 0) for i, _, _ in layouts if i >= 0]
+    return blocks, sum(v for i, v in per_unit.items() if i < 0)
+
+
 def _step(
     steady: dict[str, int],
     w: Weights,
@@ -278,6 +310,7 @@ def _step(
     head_grad: int,
     vocab_parallel: bool,
     made: tuple[list[int], list[int]],
+    sums: tuple[list[int], int] = ([], 0),
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
@@ -288,8 +321,14 @@ def _step(
     the vocab-parallel head (``head_grad``), whose backward comes first (the gathered
     outer region is gone by then), and, per block (``made``), the reduce-scatter pairs
     alive then when they are given back between backwards or made per reduce, and the
-    slots alive then without the pool (0 when they are kept, counted in ``steady``)."""
+    slots alive then without the pool (0 when they are kept, counted in ``steady``).
+    ``sums``: the deferred sums per block and of the other units (:func:`_deferred_sums`):
+    all of them held through a deferred micro-step (no gradient shard is made there),
+    and in the syncing backward, those of the blocks it has not reached yet beside the
+    gradient shards it made."""
     pairs, slots = made
+    deferred, deferred_outer = sums
+    held = sum(deferred) + deferred_outer
     step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
@@ -298,11 +337,13 @@ def _step(
     # lifetime] in isp_comm/hooks/engine.py)
     outer = {"outer gather": w.outer_gather}
     forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
+    forward["deferred gradient sums"] = held
     head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
     loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}
+    loss["deferred gradient sums"] = held
     moments = [loss]  # [Note: the loss's backward]
 
     def recomputed(i: int) -> int:
@@ -311,11 +352,17 @@ def _step(
         itself (the recomputation runs on the kept tensor, so its storage is shared)."""
         return traced.saved[i] - (traced.inputs[i] if traced.input_saved[i] else 0)
 
+    waiting = list(itertools.accumulate(deferred))  # the sums of blocks 0..i: the syncing backward's at block i
     for i, (lay, tr, _) in enumerate(blocks):
+        # the syncing backward's moment, or a deferred one's (all sums, only the head's shard)
+        shards, sums_held = (later[i + 1], waiting[i] + deferred_outer) if deferred else (later[i + 1], 0)
+        if deferred and later[-1] + held > shards + sums_held:
+            shards, sums_held = later[-1], held
         moments.append(
             {
                 act_label: kept[i] + traced.outer_saved,
-                "gradient shards": later[i + 1],
+                "gradient shards": shards,
+                "deferred gradient sums": sums_held,
                 "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
                 * lay.gather_dtype.itemsize,
                 "activation gradients": 2 * hidden + traced.largest[i] + (recomputed(i) if i < n_ckpt else 0),
