@@ -4,7 +4,8 @@ For a global batch (``--batch`` x ``--grad-accum``) and sequence length, the
 layouts are: ``wp`` and ``sp`` among the world's divisors (``sp`` also dividing the
 heads and the sequence), the replicas that follow, with replicas the state
 sharding (gradients and optimizer state over WP, or over the whole job: see
-docs/sharding.md), ``shard_outer`` off / on, ``vocab_parallel`` off / on (the
+docs/sharding.md) and, with accumulation, when gradients cross the replicas (every
+micro-step, or once a step), ``shard_outer`` off / on, ``vocab_parallel`` off / on (the
 reference llama, wp > 1), and the micro-batch: sequences per rank per micro-step,
 with ``--grad-accum`` making up the global batch. Each is forecast (memory, on the
 profile's device) and timed (:mod:`isp_comm.planner.step`); a layout fits when the
@@ -42,6 +43,8 @@ class Layout:
     grad_accum: int
     state_sharding: str = "wp"
     """Over which ranks gradients and optimizer state are split (``ISPConfig.state_sharding``)."""
+    replica_sync: str = "micro"
+    """When gradients cross the replicas: every micro-step, or once a ``step`` (isp-train's --replica-sync)."""
 
     def flags(self) -> list[str]:
         out = ["--wp", str(self.wp), "--sp", str(self.sp), "--batch", str(self.batch)]
@@ -49,6 +52,7 @@ class Layout:
         out += ["--shard-outer"] if self.shard_outer else []
         out += ["--vocab-parallel"] if self.vocab_parallel else []
         out += ["--state-sharding", self.state_sharding] if self.state_sharding != "wp" else []
+        out += ["--replica-sync", self.replica_sync] if self.replica_sync != "micro" else []
         return out
 
 
@@ -93,8 +97,10 @@ def layouts(
                 for outer in (False, True):
                     for vp in (False, True) if vocab_parallel and wp > 1 else (False,):
                         batch = dp * m
+                        accum = global_batch // batch
                         for state in ("wp", "world") if wp < world else ("wp",):  # one replica: the same
-                            out.append(Layout(world, wp, sp, 1.0, outer, vp, batch, global_batch // batch, state))
+                            for sync in ("micro", "step") if wp < world and accum > 1 else ("micro",):
+                                out.append(Layout(world, wp, sp, 1.0, outer, vp, batch, accum, state, sync))
     return out
 
 
@@ -173,15 +179,16 @@ def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) 
         lines[0] = f"{len(ranked)} layouts, none fits; the smallest:"
         shown = ranked[:top]
     lines.append("| # | wp | sp | replicas | state over | ckpt | shard-outer | vocab-parallel | micro-batch x accum | "
-                 "step s | tokens/s | MFU % | device MiB | fits |")  # fmt: skip
-    lines.append("|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---|")
+                 "replica sync | step s | tokens/s | MFU % | device MiB | fits |")  # fmt: skip
+    lines.append("|---:|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---|")
     for i, r in enumerate(shown, 1):
         lay, st = r.layout, r.step
         assert st is not None  # the shown ones are timed
         lines.append(
             f"| {i} | {lay.wp} | {lay.sp} | {lay.world // lay.wp} | {lay.state_sharding} | {lay.ckpt:g} | "
             f"{'yes' if lay.shard_outer else 'no'} | "
-            f"{'yes' if lay.vocab_parallel else 'no'} | {lay.batch} x {lay.grad_accum} | {st.step_s:.3f} | "
+            f"{'yes' if lay.vocab_parallel else 'no'} | {lay.batch} x {lay.grad_accum} | {lay.replica_sync} | "
+            f"{st.step_s:.3f} | "
             f"{st.tokens_per_s:,.0f} | {st.mfu_pct:.1f} | {r.memory.device_total / 2**20:,.0f} | "
             f"{'yes' if r.fits else '**no**'} |"
         )

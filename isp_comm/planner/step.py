@@ -456,11 +456,13 @@ def _forward(clock: _Clock, c: _Costs, first: bool) -> float:
     return last
 
 
-def _backward(clock: _Clock, c: _Costs, last: float) -> None:
+def _backward(clock: _Clock, c: _Costs, last: float, sync: bool = True) -> None:
     """One micro-step's backward through the blocks, to the last reduction: each
     block's reduce-scatter over WP, then (issued when the next one is, or when room
     is made, and started when it completes: a stream wait) its shard over the replicas;
-    at most ``max_inflight`` reduces in flight (see ``isp_comm/hooks/reductions.py``)."""
+    at most ``max_inflight`` reduces in flight (see ``isp_comm/hooks/reductions.py``).
+    Not ``sync``: a micro-step whose replica reductions are deferred ([Note: replica
+    reductions deferred]): the WP stage alone, no replica or whole-gradient collective."""
     done, inflight = last, []  # inflight: [WP reduce-scatter's end, replica demand, replica's end or None]
 
     def to_replicas(entry: list) -> None:  # the compute stream waits for the WP stage (and packs the pieces)
@@ -491,12 +493,15 @@ def _backward(clock: _Clock, c: _Costs, last: float) -> None:
             rs_end = clock.issue(c.rs[i], WP)
             for entry in inflight:
                 to_replicas(entry)
-            inflight.append([rs_end, c.rep[i], None])
+            inflight.append([rs_end, c.rep[i] if sync else None, None])
             if not clock.overlap:
                 complete_oldest()
     while inflight:
         complete_oldest()
     clock.t += c.outer_pack
+    if not sync:
+        clock.wait(clock.issue(c.outer_rs, WP))
+        return
     clock.wait(clock.issue(c.outer_rep, REPLICA, clock.issue(c.outer_rs, WP)))
     whole = clock.issue(c.repl_ar, WORLD)
     clock.wait(clock.issue(c.summed, REPLICA))
@@ -517,9 +522,10 @@ STEADY_TOLERANCE_S = 1e-9
 of absolute times: a few ulps of a step's seconds)."""
 
 
-def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, exposed: dict) -> None:
+def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, exposed: dict, defer: bool = False) -> None:
     """The step's ``grad_accum`` micro-steps, forward then backward, their time and
-    exposed time added to ``phases`` and ``exposed``.
+    exposed time added to ``phases`` and ``exposed``; ``defer``: all but the last
+    defer their replica reductions (the last then runs on its own, after the repeats).
 
     [Note: micro-steps repeat]
     Every micro-step after the first issues the same collectives after the same
@@ -528,21 +534,22 @@ def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, expose
     the backward waits for its reductions), each later one starts alike and takes the
     same time: they are added at once, not replayed (a 70B step of 64 micro-steps,
     80 blocks each, replays 3 of them)."""
-    before = None
-    for micro in range(grad_accum):
+    before, micro = None, 0
+    while micro < grad_accum:
         t_start, e_start, busy_start = clock.t, clock.exposed, dict(clock.links.busy)
         phases_start, exposed_start = dict(phases), dict(exposed)
+        sync = not defer or micro == grad_accum - 1
         for phase in ("forward", "backward"):
             t0, e0 = clock.t, clock.exposed
             if phase == "forward":
                 last = _forward(clock, c, first=micro == 0)
             else:
-                _backward(clock, c, last)
+                _backward(clock, c, last, sync)
             phases[phase] += clock.t - t0
             exposed[phase] += clock.exposed - e0
         ahead = clock.links.ahead(clock.t)
-        left = grad_accum - micro - 1
-        if micro >= 2 and left and _same(ahead, before):
+        left = grad_accum - micro - 1 - (1 if defer else 0)  # alike to come (the syncing one is not)
+        if micro >= 2 and left > 0 and _same(ahead, before):
             shift = clock.t - t_start
             clock.links.repeat(shift, {k: v - busy_start.get(k, 0.0) for k, v in clock.links.busy.items()}, left)
             clock.t += left * shift
@@ -550,8 +557,9 @@ def _micro_steps(clock: _Clock, c: _Costs, grad_accum: int, phases: dict, expose
             for totals, then in ((phases, phases_start), (exposed, exposed_start)):
                 for key in totals:
                     totals[key] += left * (totals[key] - then[key])
-            return
-        before = ahead
+            micro += left
+            ahead = None
+        before, micro = ahead, micro + 1
 
 
 def _same(a: tuple | None, b: tuple | None) -> bool:
@@ -577,12 +585,15 @@ def step_time(
     grad_accum: int = 1,
     memo: dict | None = None,
     state_sharding: str | None = None,
+    deferred_replica_sync: bool = False,
 ) -> StepTime:
     """The predicted step (see the module note). ``batch``: sequences per micro-step over
     the whole job (each rank gets ``batch / (world / sp)`` of ``seq / sp`` tokens, as
     isp-train splits them); ``model``: built on meta; ``memo``: reused across calls on
     the same model (traces and layouts); ``state_sharding``: one of
-    :data:`STATE_SHARDINGS` (default: the config's, else ``"wp"``)."""
+    :data:`STATE_SHARDINGS` (default: the config's, else ``"wp"``);
+    ``deferred_replica_sync``: the micro-steps but the last defer their replica
+    reductions (``ISPCommunicator.set_requires_replica_sync``)."""
     config = config or ISPConfig()
     memo = {} if memo is None else memo
     sharding = state_sharding or getattr(config, "state_sharding", "wp")
@@ -601,7 +612,8 @@ def step_time(
     clock = _Clock(prof.overlap)
     exposed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "host": 0.0}
-    _micro_steps(clock, c, grad_accum, phases, exposed)
+    defer = deferred_replica_sync and grad_accum > 1 and world > wp
+    _micro_steps(clock, c, grad_accum, phases, exposed, defer)
     t0, e0 = clock.t, clock.exposed
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
     small_ar = collective_demand(prof, backend_of(config.backend, prof), "all_reduce", tuple(range(world)), 8)
@@ -619,14 +631,15 @@ def step_time(
         return sum(d.seconds for d in ds)
 
     replica_kind = "reduce_scatter" if world_sharded else "all_reduce"
+    syncs = 1 if defer else grad_accum  # micro-steps that reduce over the replicas
     comm = {
         "all_gather": grad_accum * (2 * total(c.ag) + c.outer_ag.seconds)
         + total([*c.rep_ag, c.outer_rep_ag, c.summed_ag]),
         "reduce_scatter": grad_accum * (total(c.rs) + c.outer_rs.seconds),
         "all_to_all": grad_accum * c.a2a.seconds * (2 * len(c.fwd) + c.n_ckpt),
-        "all_reduce": grad_accum * c.repl_ar.seconds + 2 * small_ar.seconds,
+        "all_reduce": syncs * c.repl_ar.seconds + 2 * small_ar.seconds,
     }
-    comm[replica_kind] += grad_accum * total([*c.rep, c.outer_rep, c.summed])
+    comm[replica_kind] += syncs * total([*c.rep, c.outer_rep, c.summed])
     for kind, ds in [*c.vocab_fwd.items(), *c.vocab_bwd.items()]:
         comm[kind] += grad_accum * total(ds)
     compute = {k: grad_accum * v for k, v in c.compute.items()}

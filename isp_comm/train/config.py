@@ -24,6 +24,7 @@ from isp_comm.train import virtual
 from isp_comm.train.reporting.names import parse_report_to
 
 Device = Literal["auto", "cpu", "cuda"]
+ReplicaSync = Literal["micro", "step"]
 
 
 @dataclass(kw_only=True)
@@ -103,6 +104,11 @@ class TrainConfig:
     state_sharding: StateSharding = "wp"
     """Over which ranks gradients and optimizer state are split: wp (the WP group) or
     world (the whole job; see ISPConfig.state_sharding and docs/sharding.md)."""
+    replica_sync: ReplicaSync = "micro"
+    """When gradients cross the replica group (between nodes): micro (every micro-step)
+    or step (the last micro-step of --grad-accum carries them all: one crossing per
+    optimizer step, for a WP shard of gradients more memory while they wait; see
+    ISPCommunicator.set_requires_replica_sync and docs/sharding.md)."""
     vocab_parallel: bool = False
     """Split the output head along the vocab and compute the loss vocab-parallel."""
     ckpt: float = 0.0
@@ -286,6 +292,8 @@ class TrainConfig:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if self.state_sharding not in get_args(StateSharding):
             raise ValueError(f"--state-sharding must be wp or world, got {self.state_sharding!r}")
+        if self.replica_sync not in get_args(ReplicaSync):
+            raise ValueError(f"--replica-sync must be micro or step, got {self.replica_sync!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:

@@ -132,7 +132,9 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
     step_loss = torch.zeros((), device=device)
     job.comm.set_step(step)
     inject_fault(job.rank, step, lambda: logits_of(job.model, batch.micros[0].to(device), bool(cfg.model)))
-    for micro in batch.micros:  # reduce-scatters of each micro-step overlap its backward
+    last = len(batch.micros) - 1
+    for i, micro in enumerate(batch.micros):  # reduce-scatters of each micro-step overlap its backward
+        job.comm.set_requires_replica_sync(cfg.replica_sync == "micro" or i == last)
         micro = micro.to(device)
         hook.before_forward()
         logits = logits_of(job.model, micro, bool(cfg.model))

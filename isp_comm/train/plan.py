@@ -32,7 +32,9 @@ NOT_FLAGS = {
     "plan", "target", "nodes", "profile", "search", "recalibrate", "nproc_per_node", "nnodes", "rdzv_endpoint",
 }  # fmt: skip
 """Flags of planning, not of the run a search prints (``device`` too, when planning a --target)."""
-LAYOUT_FLAGS = {"wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_sharding", "batch", "grad_accum"}
+LAYOUT_FLAGS = {
+    "wp", "sp", "ckpt", "shard_outer", "vocab_parallel", "state_sharding", "replica_sync", "batch", "grad_accum",
+}  # fmt: skip
 
 
 def _gpu_target() -> str:
@@ -113,6 +115,7 @@ class _Planner:
             self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
             local_world=prof.per_node, blocks=blocks, memo=self.memo, evaluate=bool(c.eval_every),
             cuda_workspace=prof.cuda.get("workspace"), compiled=c.compile,
+            deferred_replica_sync=c.replica_sync == "step" and c.grad_accum > 1,
         )  # fmt: skip
         return planner_memory.device_memory(
             fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes
@@ -122,6 +125,7 @@ class _Planner:
         return step_time(
             self.model, isp_config(c, self.bf16), self.prof, world=self.world, wp=c.wp or self.world, sp=c.sp,
             batch=c.batch, seq=c.seq, grad_accum=c.grad_accum, memo=self.memo,
+            deferred_replica_sync=c.replica_sync == "step",
         )  # fmt: skip
 
 
