@@ -290,10 +290,9 @@ class TrainConfig:
             raise ValueError(f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
-        if self.state_sharding not in get_args(StateSharding):
-            raise ValueError(f"--state-sharding must be wp or world, got {self.state_sharding!r}")
-        if self.replica_sync not in get_args(ReplicaSync):
-            raise ValueError(f"--replica-sync must be micro or step, got {self.replica_sync!r}")
+        for name, choices in (("state_sharding", get_args(StateSharding)), ("replica_sync", get_args(ReplicaSync))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{_flag(name)} must be {' or '.join(choices)}, got {getattr(self, name)!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
