@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BREAKDOWN = "tests/test_memory_breakdown.py::"
 FSDP2_BREAKDOWN = BREAKDOWN + "test_fsdp2_breakdown_counts_local_shards_and_resized_gathers"
 WRITES = "tests/test_state_sharding.py::test_writes_nobody_announces_reach_the_gathers"
+REPLICA_SYNC = "tests/test_replica_sync.py::"
 UNPLANNED = "tests/test_engine_parity.py::test_steps_that_did_not_go_as_planned_train_on_like_a_plain_loop[False]"
 # name -> (file, old text, new text, tests that must fail)
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
@@ -112,6 +113,24 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         [
             "tests/test_engine_parity.py::test_a_parameter_frozen_between_forward_and_backward_keeps_its_earlier_gradient"
         ],
+    ),
+    "deferred replica reductions issued anyway": (
+        "isp_comm/hooks/reductions.py",
+        "            self._syncing = self.replica_sync or self.groups.replica_size == 1",
+        "            self._syncing = True",
+        [REPLICA_SYNC + "test_the_replicas_reduce_once_a_step[world]"],
+    ),
+    "a deferred sum reduced apart from the syncing backward's": (
+        "isp_comm/hooks/reductions.py",
+        "        r.handle = CompletedHandle()\n        self._add_deferred(r.unit, r.group, r.out)",
+        "        r.handle = CompletedHandle()",
+        [REPLICA_SYNC + "test_the_replicas_reduce_once_a_step[world]"],
+    ),
+    "a deferred sum dropped when the syncing backward skips its block": (
+        "isp_comm/hooks/reductions.py",
+        "            self._reduce_deferred()",
+        "            self._deferred.clear()",
+        [REPLICA_SYNC + "test_deferred_with_unused_parameters_and_a_block_the_last_micro_step_skips[wp2x2]"],
     ),
     "re-pointed parameters left": (
         "isp_comm/hooks/engine.py",
