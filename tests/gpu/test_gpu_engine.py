@@ -116,6 +116,21 @@ def test_unused_parameters_keep_no_gradient_two_ranks_on_one_gpu() -> None:
         assert zeroed > 1e-3, zeroed  # without it, weight decay moves the unused parameters
 
 
+@pytest.mark.timeout(300)
+def test_deferred_replica_reductions_four_ranks_on_one_gpu() -> None:
+    # set_requires_replica_sync on CUDA (tests/test_replica_sync.py's last-micro-step
+    # skip): wp 2 x 2 replicas, the state over the world, the sums kept and added on the
+    # compute stream beside the collectives' (gloo with CUDA tensors)
+    from tests.test_unused_parameters import PLANS, _unused_worker
+
+    kw = {"state_sharding": "world", "shard_outer_params": True}
+    for (found, found_none), (zeroed, _) in run_ranks(
+        _unused_worker, 4, 2, kw, DEV, (True, False), PLANS, True, True, timeout_s=280
+    ):
+        assert found < 1e-4 and found_none == [], (found, found_none)  # as the fp32 parity above
+        assert zeroed > 1e-3, zeroed
+
+
 @pytest.mark.timeout(200)
 def test_a_block_that_uses_none_of_its_weights_two_ranks_on_one_gpu() -> None:
     # a LayerDrop that calls the block and returns its input, on rank 0 only, with
