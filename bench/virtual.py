@@ -495,6 +495,10 @@ with the replicas' all-reduce)."""
 
 
 def _of_kind(lay, kind: str) -> bool:
+    """Whether the search's ``lay`` is one ``kind`` runs here: every micro-step crosses
+    the replicas (these runs do not defer it, nor does FSDP2's HSDP beside them)."""
+    if lay.replica_sync != "micro":
+        return False
     if kind == "fsdp2":
         return lay.sp == 1 and lay.shard_outer and not lay.vocab_parallel and lay.state_sharding == "wp"
     return kind == "any" or lay.state_sharding == kind
