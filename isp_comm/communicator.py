@@ -496,14 +496,14 @@ class ISPCommunicator:
         gradients no rank produced go back to ``None`` ([Note: unused parameters]),
         except in the step that makes a fresh optimizer's states, whose zeros are its own."""
         r = self.engine.reducer
-        if r.deferred_backwards:
-            mine = {id(p) for p in self.model.parameters()}
-            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-                self._refuse_deferred("an optimizer step")
         if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
             mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
                 self.engine.settle()
+        if r.deferred_backwards and not self._state.making_states:  # gradients that wait: refused
+            mine = {id(p) for p in self.model.parameters()}
+            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+                self._refuse_deferred("an optimizer step")
         unused = self.engine.unused
         if unused is not None and not self._state.making_states and unused.steps(opt):
             unused.settle()
@@ -539,7 +539,8 @@ class ISPCommunicator:
         carries the whole step's (one crossing of the slow links per optimizer step, not
         one per micro-step), as FSDP2's ``set_requires_all_reduce(False)`` and DDP's
         ``no_sync()``. The flag is read by the forward that arms a backward's
-        reductions: set it before the micro-step's forward. Costs a gradient WP shard of
+        reductions (the first with grad since a backward, or the next one when the flag
+        changed): set it before the micro-step's forward. Costs a gradient WP shard of
         every block in the reduce dtype while the gradients wait. ``.grad`` holds the
         step's gradients only after the syncing backward; an optimizer step or a clip
         before it is refused. Nothing changes without replicas (``wp`` = world).

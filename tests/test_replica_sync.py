@@ -223,6 +223,11 @@ def test_isp_train_replica_sync_step(tmp_path) -> None:
     assert "deferred gradient sums" in res.stdout and "deferred gradient sums" not in plain.stdout, res.stdout
 
 
+def _raising(_m, _a, out: torch.Tensor) -> None:
+    """A forward hook on the embedding: the backward raises once the blocks' own have run."""
+    out.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("a check that raised")))
+
+
 def _aborted_worker(rank: int, world: int) -> dict:
     from isp_comm.models.llama import LlamaConfig, build
     from tests.parity import TINY
@@ -240,10 +245,7 @@ def _aborted_worker(rank: int, world: int) -> dict:
     comm.set_requires_replica_sync(False)
     loss_fn(model(mine(x)), mine(y)).backward()
 
-    def raising(_m, _a, out: torch.Tensor) -> None:
-        out.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("a check that raised")))
-
-    hook = model.embed.register_forward_hook(raising)
+    hook = model.embed.register_forward_hook(_raising)
     try:
         loss_fn(model(mine(x)), mine(y)).backward()
     except FloatingPointError:
@@ -265,3 +267,52 @@ def test_an_accumulation_whose_backward_raised_is_dropped_with_its_sums() -> Non
     # fp32 SGD: the sums' order only (tests/parity.py's SGD bound and reason)
     for r in run_ranks(_aborted_worker, 4, timeout_s=100):
         assert r["weights"] < 2e-6, r
+
+
+def _interleaved_worker(rank: int, world: int) -> dict:
+    from isp_comm.models.llama import LlamaConfig, build
+    from tests.parity import TINY
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 37, (2 * world, 8), generator=g), torch.randint(0, 37, (2 * world, 8), generator=g))]
+    data *= 2
+    model, ref = build(LlamaConfig(**TINY)), build(LlamaConfig(**TINY))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    mine = lambda t: t.chunk(world)[rank]  # noqa: E731
+    # 1. an accuracy forward with grad (no backward) between a deferred micro-step and the
+    # syncing one: the syncing one's forward reads the flag again
+    for i, (x, y) in enumerate(data):
+        comm.set_requires_replica_sync(i == 1)
+        if i == 1:
+            model(mine(x)).argmax(-1)
+        (loss_fn(model(mine(x)), mine(y)) / 2).backward()
+        (loss_fn(ref(x), y) / 2).backward()
+    opt.step(), ropt.step()
+    opt.zero_grad(), ropt.zero_grad()
+    full = comm.full_state_dict()
+    out = {"weights": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+    # 2. a syncing backward that raises after a deferred one: the step settles it (the
+    # step's gradients dropped, as without deferral), not refused
+    x, y = data[0]
+    comm.set_requires_replica_sync(False)
+    loss_fn(model(mine(x)), mine(y)).backward()
+    comm.set_requires_replica_sync(True)
+    hook = model.embed.register_forward_hook(_raising)
+    try:
+        loss_fn(model(mine(x)), mine(y)).backward()
+    except FloatingPointError:
+        pass
+    hook.remove()
+    opt.step()
+    out["phase"] = comm.engine.phase.name
+    out["grads"] = sum(p.grad is not None for p in model.parameters())
+    comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_flag_is_read_again_after_an_accuracy_forward_and_a_raised_backward_is_settled() -> None:
+    for r in run_ranks(_interleaved_worker, 4, timeout_s=100):
+        assert r["weights"] < 2e-6, r  # fp32 SGD: the sums' order (tests/parity.py's bound and reason)
+        assert r["phase"] == "IDLE" and r["grads"] == 0, r

@@ -205,7 +205,8 @@ class BlockEngine:
                 "backward through both is not supported. Change it after the backward, or first drop the earlier "
                 "forward's outputs (or run that forward under torch.no_grad())"
             )
-        arm, self._trainable_at = self.phase is Phase.IDLE or changed, now
+        resync = self.phase is Phase.FORWARD and self.reducer.sync_changed()  # [Note: replica reductions deferred]
+        arm, self._trainable_at = self.phase is Phase.IDLE or changed or resync, now
         return arm
 
     def _reclaim(self) -> None:

@@ -206,7 +206,7 @@ class GradientReducer:
             if group.dtype in LOW_PRECISION and self._pre > 1:  # see divide_factors
                 inp.div_(self._pre)
             if not self._syncing:  # see [Note: replica reductions deferred]
-                self._defer(unit, group, inp, scattered=True)
+                self._defer(unit, group, inp, scattered=True)  # inp is its own: kept, not copied
                 continue
             self._add_deferred(unit, group, inp)
             r = InflightReduce(unit, group, (inp, out), out, CompletedHandle(), None, pooled=False)
@@ -323,11 +323,13 @@ class GradientReducer:
     # optimizer step or a clip while gradients wait is refused, as is a change of
     # ``requires_grad`` (the reduce groups would change under the sums).
     def _defer(self, unit: BlockUnit, group: ReduceGroup, grad: torch.Tensor, scattered: bool = False) -> None:
-        """Add a deferred backward's ``grad`` of ``group`` into its sum."""
+        """Add a deferred backward's ``grad`` of ``group`` into its sum (the first one
+        copied out of the pooled pair it is in; the replica-major input of the
+        WP-summed rows, ``scattered``, is a buffer of its own: kept)."""
         key = (id(unit), group)
         waiting = self._deferred.get(key)
         if waiting is None:
-            self._deferred[key] = Deferred(unit, group, grad.clone(), scattered)
+            self._deferred[key] = Deferred(unit, group, grad if scattered else grad.clone(), scattered)
         else:
             waiting.total.add_(grad)
 
@@ -339,8 +341,9 @@ class GradientReducer:
 
     def _reduce_deferred(self) -> None:
         """The deferred sums the syncing backward did not reach, reduced over the
-        replicas on their own, in the order they were first added (the same on every
-        rank: autograd's), each as if its WP stage had just ended."""
+        replicas on their own, in the order their sums were made (the same on every
+        rank: autograd's order, and the reduces completed in their issue order), each as
+        if its WP stage had just ended."""
         for waiting in list(self._deferred.values()):
             unit, group = waiting.unit, waiting.group
             del self._deferred[(id(unit), group)]
@@ -355,6 +358,12 @@ class GradientReducer:
                 out.copy_(waiting.total)
                 r = InflightReduce(unit, group, pair, out, CompletedHandle(), None, pooled=False)
             self.inflight.append(r)
+
+    def sync_changed(self) -> bool:
+        """Whether ``replica_sync`` now says otherwise than the armed backward does: a
+        forward with grad whose backward never came (an accuracy forward) armed it, and
+        the next forward must arm again to read the flag."""
+        return self.groups.world_size > 1 and (self.replica_sync or self.groups.replica_size == 1) != self._syncing
 
     def drop_deferred(self) -> None:
         """Every gradient waiting for its replica reduction is dropped (a backward that
