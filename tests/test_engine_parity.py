@@ -251,7 +251,7 @@ def _unplanned_worker(rank: int, world: int, shard_outer: bool) -> dict:
     compared with the single-process model trained on the same batches."""
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from isp_comm.models.llama import LlamaConfig, build
-    from tests.parity import TINY, loss_fn
+    from tests.parity import TINY, backward_that_raises, loss_fn
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 37, (2 * world, 8), generator=g), torch.randint(0, 37, (2 * world, 8), generator=g))]
@@ -280,15 +280,7 @@ def _unplanned_worker(rank: int, world: int, shard_outer: bool) -> dict:
 
     # 1. an exception escapes a backward once the blocks' own have run (a check on the
     # embeddings' gradient that raises): gradients zeroed, training goes on
-    def raising(_m, _a, out: torch.Tensor) -> None:
-        out.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("a check that raised")))
-
-    hook = model.embed.register_forward_hook(raising)
-    try:
-        loss_fn(model(mine(x)), mine(y)).backward()
-    except FloatingPointError:
-        pass
-    hook.remove()
+    backward_that_raises(model, mine(x), mine(y))
     phase_after_abort = comm.engine.phase.name
     opt.zero_grad()
     step(0)

@@ -13,7 +13,17 @@ import torch
 
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
 from isp_comm.testing import run_ranks
-from tests.parity import Case, batches, check_parity, loss_fn, make_optim, max_diff, train_isp, train_reference
+from tests.parity import (
+    Case,
+    backward_that_raises,
+    batches,
+    check_parity,
+    loss_fn,
+    make_optim,
+    max_diff,
+    train_isp,
+    train_reference,
+)
 from tests.test_unused_parameters import PLANS, _unused_worker
 
 WORLD = {"state_sharding": "world"}
@@ -223,11 +233,6 @@ def test_isp_train_replica_sync_step(tmp_path) -> None:
     assert "deferred gradient sums" in res.stdout and "deferred gradient sums" not in plain.stdout, res.stdout
 
 
-def _raising(_m, _a, out: torch.Tensor) -> None:
-    """A forward hook on the embedding: the backward raises once the blocks' own have run."""
-    out.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("a check that raised")))
-
-
 def _aborted_worker(rank: int, world: int) -> dict:
     from isp_comm.models.llama import LlamaConfig, build
     from tests.parity import TINY
@@ -245,12 +250,7 @@ def _aborted_worker(rank: int, world: int) -> dict:
     comm.set_requires_replica_sync(False)
     loss_fn(model(mine(x)), mine(y)).backward()
 
-    hook = model.embed.register_forward_hook(_raising)
-    try:
-        loss_fn(model(mine(x)), mine(y)).backward()
-    except FloatingPointError:
-        pass
-    hook.remove()
+    backward_that_raises(model, mine(x), mine(y))
     opt.zero_grad()
     for i, (x, y) in enumerate(data[1:]):  # an accumulation of two, the first deferred
         comm.set_requires_replica_sync(i == 1)
@@ -298,12 +298,7 @@ def _interleaved_worker(rank: int, world: int) -> dict:
     comm.set_requires_replica_sync(False)
     loss_fn(model(mine(x)), mine(y)).backward()
     comm.set_requires_replica_sync(True)
-    hook = model.embed.register_forward_hook(_raising)
-    try:
-        loss_fn(model(mine(x)), mine(y)).backward()
-    except FloatingPointError:
-        pass
-    hook.remove()
+    backward_that_raises(model, mine(x), mine(y))
     opt.step()
     out["phase"] = comm.engine.phase.name
     out["grads"] = sum(p.grad is not None for p in model.parameters())
