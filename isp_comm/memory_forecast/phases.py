@@ -352,10 +352,12 @@ def _step(
         itself (the recomputation runs on the kept tensor, so its storage is shared)."""
         return traced.saved[i] - (traced.inputs[i] if traced.input_saved[i] else 0)
 
-    waiting = list(itertools.accumulate(deferred))  # the sums of blocks 0..i: the syncing backward's at block i
+    # the syncing backward at block i still holds the sums of blocks 0..i+1 (block i+1's is
+    # taken when block i's reduce-scatter is issued, after its compute)
+    waiting = list(itertools.accumulate(deferred))
     for i, (lay, tr, _) in enumerate(blocks):
         # the syncing backward's moment, or a deferred one's (all sums, only the head's shard)
-        shards, sums_held = (later[i + 1], waiting[i] + deferred_outer) if deferred else (later[i + 1], 0)
+        shards, sums_held = later[i + 1], (waiting[min(i + 1, n - 1)] + deferred_outer if deferred else 0)
         if deferred and later[-1] + held > shards + sums_held:
             shards, sums_held = later[-1], held
         moments.append(
