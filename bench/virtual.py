@@ -476,8 +476,9 @@ def predict(run: Run, device: torch.device | None = None, compiled: bool = False
     out["target"] = prof.name
     if prof.device == "cuda":
         fc = forecast(
-            model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device="cuda", local_world=1, compiled=compiled
-        )
+            model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device="cuda", local_world=1,
+            compiled=compiled, grad_accum=lay.grad_accum,
+        )  # fmt: skip
         dm = device_memory(fc, prof, world=lay.world, wp=lay.wp, sp=lay.sp, baseline=0, capacity=prof.memory_bytes)
         out["peak_alloc_mib"] = max(dm.forecast.peak(ph) for ph in ("wrap", "forward", "backward", "optimizer")) / 2**20
         out["peak_reserved_mib"] = dm.reserved / 2**20
@@ -553,7 +554,7 @@ def best_layout(cfg: Config, device: torch.device | None = None, kind: str = "an
         icfg = _isp_config(cfg, lay)
         fc = forecast(
             model, icfg, lay.world, lay.wp, lay.sp, lay.batch, cfg.seq, device=prof.device,
-            local_world=prof.per_node, blocks=memo["blocks"], memo=memo,
+            local_world=prof.per_node, blocks=memo["blocks"], memo=memo, grad_accum=lay.grad_accum,
         )  # fmt: skip
         if kind == "fsdp2":
             fc = _with_fsdp2_loss(fc, fsdp2_loss_bytes(cfg, lay))

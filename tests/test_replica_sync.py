@@ -166,24 +166,33 @@ def test_deferred_with_unused_parameters_and_a_block_the_last_micro_step_skips(c
         assert zeroed > 1e-3 and "pooler.weight" in zeroed_none, (zeroed, zeroed_none)
 
 
-def _sums_worker(rank: int, world: int, config_kw: dict) -> tuple[int, int, int]:
+def _sums_worker(rank: int, world: int, config_kw: dict) -> dict:
     from isp_comm.memory_forecast import forecast
 
     case = Case(micro=2, bias=True)
     model = case.build()
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig(**config_kw))
-    (x, y), _ = batches(case, world)[0]
+    (x, y), (x2, y2) = batches(case, world)[0]
     comm.set_requires_replica_sync(False)
     loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     held = sum(d.total.numel() * d.total.element_size() for d in comm.engine.reducer._deferred.values())
+    comm.set_requires_replica_sync(True)
+    loss_fn(model(x2.chunk(world)[rank]), y2.chunk(world)[rank]).backward()
+    storages = {s.grad.untyped_storage().data_ptr(): s.grad.untyped_storage().nbytes()
+                for u in comm.sharded_units for s in u.shards if s.grad is not None}  # fmt: skip
     comm.close()
     with torch.device("meta"):
         meta = case.build()
     shape = (world, 2, 1, case.batch_per_rank * world, case.seq, "sgd")
-    deferred = forecast(meta, ISPConfig(**config_kw), *shape, deferred_replica_sync=True)
-    plain = forecast(meta, ISPConfig(**config_kw), *shape)
-    part = "deferred gradient sums"
-    return held, deferred.phases["forward"].get(part, 0), plain.phases["backward"].get(part, 0)
+    deferred = forecast(meta, ISPConfig(**config_kw), *shape, grad_accum=2, deferred_replica_sync=True)
+    accumulated = forecast(meta, ISPConfig(**config_kw), *shape, grad_accum=2)
+    one = forecast(meta, ISPConfig(**config_kw), *shape, deferred_replica_sync=True)  # one micro-step: none
+    sums, shards = "deferred gradient sums", "gradient shards"
+    return {
+        "held": (held, deferred.phases["forward"].get(sums, 0), one.phases["backward"].get(sums, 0)),
+        "grads": (sum(storages.values()), accumulated.phases["forward"].get(shards, 0)),
+        "not both": deferred.phases["forward"].get(shards, 0) + accumulated.phases["forward"].get(sums, 0),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -192,11 +201,15 @@ def _sums_worker(rank: int, world: int, config_kw: dict) -> tuple[int, int, int]
     [{}, {**WORLD, "shard_outer_params": True}, {"param_dtype": torch.bfloat16, "reduce_dtype": None}],
     ids=["wp", "world-outer", "bf16"],
 )
-def test_the_forecast_counts_the_deferred_sums_the_engine_holds(config_kw: dict) -> None:
-    # rank 0's (the forecast's rank: its shards are the largest): every byte the engine
-    # keeps after one deferred micro-step, none without deferral
-    held, forecast, plain = run_ranks(_sums_worker, 4, config_kw, timeout_s=100)[0]
-    assert held > 0 and forecast == held and plain == 0, (held, forecast, plain)
+def test_the_forecast_counts_what_an_accumulation_holds(config_kw: dict) -> None:
+    # rank 0's (the forecast's rank: its shards are the largest), in the forward of a
+    # later micro-step: every byte of the deferred sums the engine keeps after a
+    # deferred micro-step, or of the gradient shards after a syncing one; none with
+    # one micro-step a step
+    r = run_ranks(_sums_worker, 4, config_kw, timeout_s=100)[0]
+    (held, forecast, one), (grads, grads_forecast) = r["held"], r["grads"]
+    assert held > 0 and forecast == held and one == 0, r
+    assert grads > 0 and grads_forecast == grads and r["not both"] == 0, r
 
 
 def _spans(out: str, name: str) -> dict[int, int]:

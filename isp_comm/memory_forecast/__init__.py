@@ -16,7 +16,9 @@ process's baseline (torch imported, process groups made, model built on meta). T
 steady state of a step is counted: from the second step on, the optimizer state
 exists in every phase. A unit's gradient shard (one flat buffer, freed by
 ``zero_grad(set_to_none=True)`` as FSDP2's are) exists from its block's backward to
-the optimizer step. The phases and what each adds to the persistent parts (master
+the optimizer step; with ``grad_accum`` > 1, through the later micro-steps' forwards
+and backwards too, or the deferred sums in its place ([Note: what an accumulation
+holds] in :mod:`.phases`). The phases and what each adds to the persistent parts (master
 shards, replicated parameters, pool):
 
 * ``wrap``: one module's full weights, materialised before its rows are taken;

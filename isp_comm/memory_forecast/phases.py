@@ -55,6 +55,7 @@ def forecast(
     evaluate: bool = False,
     cuda_workspace: int | None = None,
     compiled: bool | None = None,
+    grad_accum: int = 1,
     deferred_replica_sync: bool = False,
 ) -> MemoryForecast:
     """The memory of every rank of an ISP run, phase by phase (see the package note).
@@ -75,9 +76,11 @@ def forecast(
     sizes it on this machine's GPU, :func:`.weights.cublas_workspace_bytes`);
     ``compiled``: the blocks run compiled (``isp-train --compile``; ``None``: where a
     block was given ``block.compile()``; [Note: what a compiled block saves]);
+    ``grad_accum``: micro-steps per optimizer step (the later ones hold the earlier
+    ones' gradients: [Note: what an accumulation holds]);
     ``deferred_replica_sync``: the micro-steps of an accumulation but the last defer
     their replica reductions (``ISPCommunicator.set_requires_replica_sync``; nothing
-    without replicas): the sums they keep ([Note: replica reductions deferred])."""
+    without replicas or accumulation): the sums they keep instead of gradient shards."""
     config = config or ISPConfig()
     wp = wp or world // sp
     memo = {} if memo is None else memo
@@ -98,8 +101,8 @@ def forecast(
     grads = {i: master_bytes(lay) for i, lay, tr in layouts if any(tr)}  # each unit's gradient shard
     blocks = [(lay, tr, grads.get(i, 0)) for i, lay, tr in layouts if i >= 0]
     made = _made_in_backward(plan, blocks, config, release, persistent["pool slots and landing"])
-    sums = _deferred_sums(layouts, world > wp and deferred_replica_sync)
-    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, made, sums))
+    acc = _accumulation(layouts, grad_accum, world > wp and deferred_replica_sync)
+    phases.update(_step(steady, w, traced, acts, n_ckpt, blocks, grads.get(-2, 0), config.vocab_parallel, made, acc))
     phases["optimizer"] = _optimizer(steady, w, optimizer, device)
     phases.update({"evaluate": _evaluate(steady, w, traced)} if evaluate else {})
     staging = _checkpoints(phases, steady, w, device)
@@ -282,22 +285,42 @@ def _steady(
     }
 
 
-def _deferred_sums(layouts: list, deferred: bool) -> tuple[list[int], int]:
-    """The bytes of the sums deferred backwards keep ([Note: replica reductions
-    deferred] in ``isp_comm/hooks/reductions.py``), per block, and of the outer and
-    WP-summed units together: each trainable reduce group's WP shard in its reduce
-    dtype, replica-major (the pieces' input) for the WP-summed rows with pieces; none
-    for the WP-summed rows without pieces, whose gradients autograd leaves whole and
-    sums in ``.grad``."""
+@dataclasses.dataclass(frozen=True)
+class _Accumulation:
+    """[Note: what an accumulation holds]
+    A micro-step after an accumulation's first holds what the ones before it left: every
+    unit's gradient shard and the replicated parameters' gradients, through its forward
+    and backward (in whose backward the replicated ones are set aside while this
+    backward's arrive: two of them at once, see [Note: bucketed whole gradients]). With
+    the replica reductions deferred ([Note: replica reductions deferred] in
+    ``isp_comm/hooks/reductions.py``), the deferred sums instead of the gradient
+    shards, and the replicated gradients once (autograd sums into them); the syncing
+    backward then makes the gradient shards of the blocks it walks while the sums of
+    those it has not reached still wait. The first micro-step holds a subset of this."""
+
+    micro_steps: int = 1
+    deferred: tuple[int, ...] = ()
+    """Per block, the bytes of its deferred sums (empty: not deferred)."""
+    deferred_outer: int = 0
+    """The outer and WP-summed units' deferred sums."""
+
+
+def _accumulation(layouts: list, micro_steps: int, deferred: bool) -> _Accumulation:
+    """The accumulation's parts (see :class:`_Accumulation`). A deferred sum is each
+    trainable reduce group's WP shard in its reduce dtype, replica-major (the pieces'
+    input) for the WP-summed rows with pieces; none for the WP-summed rows without
+    pieces, whose gradients autograd leaves whole and sums in ``.grad``."""
+    if micro_steps < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {micro_steps}")
     per_unit = {}
-    for i, lay, tr in layouts if deferred else ():
+    for i, lay, tr in layouts if deferred and micro_steps > 1 else ():
         summed = i in (-2, -3)
         if summed and lay.replicas == 1:
             continue
         groups = lay.reduce_groups(tuple(tr)) if any(tr) else ()
         per_unit[i] = sum((g.scattered_numel if summed else g.shard_numel) * g.dtype.itemsize for g in groups)
-    blocks = [per_unit.get(i, 0) for i, _, _ in layouts if i >= 0]
-    return blocks, sum(v for i, v in per_unit.items() if i < 0)
+    blocks = tuple(per_unit.get(i, 0) for i, _, _ in layouts if i >= 0) if per_unit else ()
+    return _Accumulation(micro_steps, blocks, sum(v for i, v in per_unit.items() if i < 0))
 
 
 def _step(
@@ -310,7 +333,7 @@ def _step(
     head_grad: int,
     vocab_parallel: bool,
     made: tuple[list[int], list[int]],
-    sums: tuple[list[int], int] = ([], 0),
+    acc: _Accumulation = _Accumulation(),
 ) -> dict[str, dict[str, int]]:
     """Forward and backward. Outer parameters are cast to param_dtype for a step (as
     FSDP2's policy on the root) and the root unit gathered once per step. Backward's
@@ -322,12 +345,10 @@ def _step(
     outer region is gone by then), and, per block (``made``), the reduce-scatter pairs
     alive then when they are given back between backwards or made per reduce, and the
     slots alive then without the pool (0 when they are kept, counted in ``steady``).
-    ``sums``: the deferred sums per block and of the other units (:func:`_deferred_sums`):
-    all of them held through a deferred micro-step (no gradient shard is made there),
-    and in the syncing backward, those of the blocks it has not reached yet beside the
-    gradient shards it made."""
+    ``acc``: what a later micro-step of an accumulation holds of the earlier ones'
+    ([Note: what an accumulation holds])."""
     pairs, slots = made
-    deferred, deferred_outer = sums
+    deferred, deferred_outer = acc.deferred, acc.deferred_outer
     held = sum(deferred) + deferred_outer
     step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
@@ -336,14 +357,16 @@ def _step(
     # the gathered outer region lives until the head's backward ([Note: the outer region's
     # lifetime] in isp_comm/hooks/engine.py)
     outer = {"outer gather": w.outer_gather}
-    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd}
-    forward["deferred gradient sums"] = held
     head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
+    before = {}  # what the earlier micro-steps left ([Note: what an accumulation holds])
+    if acc.micro_steps > 1:
+        before = {"deferred gradient sums": held} if deferred else {"gradient shards": w.grad_shards}
+        before["replicated grads"] = head_grads
+    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd, **before}
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
-    loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd}
-    loss["deferred gradient sums"] = held
+    loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, **before}
     moments = [loss]  # [Note: the loss's backward]
 
     def recomputed(i: int) -> int:
@@ -360,6 +383,8 @@ def _step(
         shards, sums_held = later[i + 1], (waiting[min(i + 1, n - 1)] + deferred_outer if deferred else 0)
         if deferred and later[-1] + held > shards + sums_held:
             shards, sums_held = later[-1], held
+        elif acc.micro_steps > 1 and not deferred:  # every unit's, from the earlier micro-steps
+            shards = w.grad_shards
         moments.append(
             {
                 act_label: kept[i] + traced.outer_saved,
@@ -368,7 +393,7 @@ def _step(
                 "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
                 * lay.gather_dtype.itemsize,
                 "activation gradients": 2 * hidden + traced.largest[i] + (recomputed(i) if i < n_ckpt else 0),
-                "replicated grads": head_grads,
+                "replicated grads": head_grads * (2 if acc.micro_steps > 1 and not deferred else 1),
                 "logits and loss": logits,
                 **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),
                 **({"pool slots and landing": slots[i]} if slots[i] else {}),

@@ -115,7 +115,7 @@ class _Planner:
             self.model, isp_config(c, self.bf16), self.world, wp, c.sp, c.batch, c.seq, device=prof.device,
             local_world=prof.per_node, blocks=blocks, memo=self.memo, evaluate=bool(c.eval_every),
             cuda_workspace=prof.cuda.get("workspace"), compiled=c.compile,
-            deferred_replica_sync=c.replica_sync == "step" and c.grad_accum > 1,
+            grad_accum=c.grad_accum, deferred_replica_sync=c.replica_sync == "step",
         )  # fmt: skip
         return planner_memory.device_memory(
             fc, prof, world=self.world, wp=wp, sp=c.sp, baseline=self.baseline, capacity=prof.memory_bytes

@@ -37,6 +37,8 @@ def memory_forecast(cfg: TrainConfig, model: torch.nn.Module, icfg: ISPConfig, w
         local_world=local_ranks(cfg, world),
         evaluate=bool(cfg.eval_every),
         compiled=cfg.compile,
+        grad_accum=cfg.grad_accum,
+        deferred_replica_sync=cfg.replica_sync == "step",
     )
 
 
