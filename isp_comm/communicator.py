@@ -540,8 +540,11 @@ class ISPCommunicator:
         one per micro-step), as FSDP2's ``set_requires_all_reduce(False)`` and DDP's
         ``no_sync()``. The flag is read by the forward that arms a backward's
         reductions (the first with grad since a backward, or the next one when the flag
-        changed): set it before the micro-step's forward. Costs a gradient WP shard of
-        every block in the reduce dtype while the gradients wait. ``.grad`` holds the
+        changed): set it before the micro-step's forward. The sums are a gradient WP shard
+        of every block in the reduce dtype, held in place of the gradient shards the
+        earlier micro-steps would leave in ``.grad`` (the same bytes with the state over
+        WP and an fp32 reduce; ``world / wp`` times them with the state over the world,
+        whose pieces are smaller). ``.grad`` holds the
         step's gradients only after the syncing backward; an optimizer step or a clip
         before it is refused. Nothing changes without replicas (``wp`` = world).
         See [Note: replica reductions deferred] in ``isp_comm/hooks/reductions.py``."""
@@ -689,7 +692,7 @@ class ISPCommunicator:
         before clipping, identical on every rank. Call
         it after backward, before ``optimizer.step()``. The stock
         ``torch.nn.utils.clip_grad_norm_`` would see only this rank's shards."""
-        self._check_idle("clip_grad_norm_()")
+        self._check_idle("clip_grad_norm_()")  # (a backward that raised: settled there, nothing waits)
         if self.engine.reducer.deferred_backwards:
             self._refuse_deferred("clip_grad_norm_()")
         self.engine.settle()  # an accuracy forward since the backward: its stash goes back

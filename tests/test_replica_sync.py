@@ -305,13 +305,14 @@ def _interleaved_worker(rank: int, world: int) -> dict:
     opt.zero_grad(), ropt.zero_grad()
     full = comm.full_state_dict()
     out = {"weights": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
-    # 2. a syncing backward that raises after a deferred one: the step settles it (the
-    # step's gradients dropped, as without deferral), not refused
+    # 2. a syncing backward that raises after a deferred one: the clip and the step settle
+    # it (the step's gradients dropped, as without deferral), not refused
     x, y = data[0]
     comm.set_requires_replica_sync(False)
     loss_fn(model(mine(x)), mine(y)).backward()
     comm.set_requires_replica_sync(True)
     backward_that_raises(model, mine(x), mine(y))
+    comm.clip_grad_norm_(1.0)  # settles it too, as a step would
     opt.step()
     out["phase"] = comm.engine.phase.name
     out["grads"] = sum(p.grad is not None for p in model.parameters())

@@ -107,7 +107,8 @@ class TrainConfig:
     replica_sync: ReplicaSync = "micro"
     """When gradients cross the replica group (between nodes): micro (every micro-step)
     or step (the last micro-step of --grad-accum carries them all: one crossing per
-    optimizer step, for a WP shard of gradients more memory while they wait; see
+    optimizer step; the earlier micro-steps keep WP shards of their gradients' sum in
+    place of the gradient shards, more memory with --state-sharding world; see
     ISPCommunicator.set_requires_replica_sync and docs/sharding.md)."""
     vocab_parallel: bool = False
     """Split the output head along the vocab and compute the loss vocab-parallel."""
