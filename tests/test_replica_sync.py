@@ -325,3 +325,35 @@ def test_the_flag_is_read_again_after_an_accuracy_forward_and_a_raised_backward_
     for r in run_ranks(_interleaved_worker, 4, timeout_s=100):
         assert r["weights"] < 2e-6, r  # fp32 SGD: the sums' order (tests/parity.py's bound and reason)
         assert r["phase"] == "IDLE" and r["grads"] == 0, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--vocab-parallel"],
+        ["--vocab-parallel", "--replica-sync", "step"],
+        ["--vocab-parallel", "--shard-outer", "--replica-sync", "step", "--state-sharding", "world"],
+    ],
+    ids=["micro", "step", "step-world-outer"],
+)
+def test_a_later_micro_steps_gradients_are_the_forecasts(flags: list[str], tmp_path) -> None:
+    """isp-train --memory-breakdown at world 4 (wp 2 x 2), three micro-steps a step: in
+    the forward of a later micro-step, the gradient shards (the vocab-parallel head's
+    whole one among them, with the state over WP), the deferred sums and the replicated
+    gradients that the earlier micro-steps left are what the forecast of the run's flags
+    counts, each to a few bytes (AdamW's step counts aside, tests/test_memory_breakdown.py)."""
+    import json
+
+    from tests.test_memory_breakdown import SCALARS
+    from tests.test_train import SMALL, isp_train
+
+    out = tmp_path / "run"
+    res = isp_train(4, *SMALL, "--wp", "2", "--grad-accum", "3", "--steps", "3", *flags, "--memory-breakdown",
+                    "--no-trace", "--out", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads((out / "memory_breakdown.json").read_text())
+    have, want = got["ranks"][0]["phases"]["forward"], got["forecast"]["forward"]
+    for part in ("gradient shards", "deferred gradient sums", "replicated grads"):
+        assert abs(have.get(part, 0) - want.get(part, 0)) <= SCALARS, (part, have, want)
+    assert have.get("deferred gradient sums", 0) > 0 or "step" not in flags, have

@@ -290,19 +290,31 @@ class _Accumulation:
     """[Note: what an accumulation holds]
     A micro-step after an accumulation's first holds what the ones before it left: every
     unit's gradient shard and the replicated parameters' gradients, through its forward
-    and backward (in whose backward the replicated ones are set aside while this
+    and backward (in whose backward the replicated ones and the whole gradients of the
+    WP-summed rows without pieces, the vocab-parallel head's, are set aside while this
     backward's arrive: two of them at once, see [Note: bucketed whole gradients]). With
     the replica reductions deferred ([Note: replica reductions deferred] in
     ``isp_comm/hooks/reductions.py``), the deferred sums instead of the gradient
-    shards, and the replicated gradients once (autograd sums into them); the syncing
-    backward then makes the gradient shards of the blocks it walks while the sums of
-    those it has not reached still wait. The first micro-step holds a subset of this."""
+    shards, and the whole gradients summed by autograd in ``.grad`` (in a backward, a
+    new one beside the sum it is added into, one parameter's at a time). The syncing
+    backward then takes the head's sum first and writes its piece; at block i it holds
+    the sums of blocks 0..i+1 (block i+1's is taken when block i's reduce-scatter is
+    issued) and the shards of blocks i+2 on (block i+1's is written when its reduce
+    completes), and the outer unit's and the embedding's sums to its end. The first
+    micro-step holds a subset of this. Every backward ends with all the shards written
+    and the activations gone: a moment of its own."""
 
     micro_steps: int = 1
     deferred: tuple[int, ...] = ()
     """Per block, the bytes of its deferred sums (empty: not deferred)."""
-    deferred_outer: int = 0
-    """The outer and WP-summed units' deferred sums."""
+    head_sum: int = 0
+    """The vocab-parallel head's deferred sum (pieces), taken before the blocks' backward."""
+    outer_sums: int = 0
+    """The outer unit's and the hidden-split embedding's deferred sums, held to the backward's end."""
+    head_whole: int = 0
+    """The vocab-parallel head's gradient when it is whole (no pieces): autograd's, summed in ``.grad``."""
+    embed_whole: int = 0
+    """The hidden-split embedding's, likewise (its gradient comes last in a backward)."""
 
 
 def _accumulation(layouts: list, micro_steps: int, deferred: bool) -> _Accumulation:
@@ -312,15 +324,44 @@ def _accumulation(layouts: list, micro_steps: int, deferred: bool) -> _Accumulat
     pieces, whose gradients autograd leaves whole and sums in ``.grad``."""
     if micro_steps < 1:
         raise ValueError(f"grad_accum must be >= 1, got {micro_steps}")
-    per_unit = {}
-    for i, lay, tr in layouts if deferred and micro_steps > 1 else ():
+    per_unit, whole = {}, {}
+    for i, lay, tr in layouts if micro_steps > 1 else ():
         summed = i in (-2, -3)
         if summed and lay.replicas == 1:
+            whole[i] = master_bytes(lay) if any(tr) else 0
             continue
-        groups = lay.reduce_groups(tuple(tr)) if any(tr) else ()
+        groups = lay.reduce_groups(tuple(tr)) if deferred and any(tr) else ()
         per_unit[i] = sum((g.scattered_numel if summed else g.shard_numel) * g.dtype.itemsize for g in groups)
-    blocks = tuple(per_unit.get(i, 0) for i, _, _ in layouts if i >= 0) if per_unit else ()
-    return _Accumulation(micro_steps, blocks, sum(v for i, v in per_unit.items() if i < 0))
+    blocks = tuple(per_unit.get(i, 0) for i, _, _ in layouts if i >= 0) if deferred else ()
+    outer = per_unit.get(-1, 0) + per_unit.get(-3, 0)
+    return _Accumulation(micro_steps, blocks, per_unit.get(-2, 0), outer, whole.get(-2, 0), whole.get(-3, 0))
+
+
+def _accumulated(acc: _Accumulation, w: Weights, later: list[int], at: int | None) -> list[dict[str, int]]:
+    """The gradient parts at a moment of a step's backward (``at``: block ``at``'s;
+    ``len(later) - 1``: the end, every shard written; ``None``: its forward, or its
+    loss's backward, before any block), one dict per kind of micro-step it may be
+    ([Note: what an accumulation holds]); ``later[j]``: the gradient shards of blocks j
+    on and the head's."""
+    repl, n = sum(w.replicated_trainable), len(later) - 1  # repl: upper bound, the embedding's comes last
+    if acc.micro_steps > 1 and acc.deferred:
+        sums = sum(acc.deferred) + acc.head_sum + acc.outer_sums
+        held = {"gradient shards": acc.head_whole + acc.embed_whole, "deferred gradient sums": sums}
+        if at is None:
+            return [{**held, "replicated grads": repl}]
+        syncing = {  # the syncing backward's
+            "gradient shards": later[min(at + 2, n)] + acc.embed_whole if at < n else w.grad_shards,
+            "deferred gradient sums": sum(acc.deferred[: at + 2]) * (at < n) + acc.outer_sums,
+        }
+        adding = repl + max(w.replicated_trainable, default=0)  # autograd's new one beside the sum it joins
+        return [{**held, "replicated grads": adding}, {**syncing, "replicated grads": adding}]
+    if acc.micro_steps > 1:  # every unit's shard from the earlier micro-steps (the head's whole one set aside too)
+        if at is None:
+            return [{"gradient shards": w.grad_shards, "replicated grads": repl}]
+        return [{"gradient shards": w.grad_shards + acc.head_whole, "replicated grads": 2 * repl}]
+    if at is None:
+        return [{}]
+    return [{"gradient shards": later[at + 1] if at < n else w.grad_shards, "replicated grads": repl}]
 
 
 def _step(
@@ -344,12 +385,10 @@ def _step(
     the vocab-parallel head (``head_grad``), whose backward comes first (the gathered
     outer region is gone by then), and, per block (``made``), the reduce-scatter pairs
     alive then when they are given back between backwards or made per reduce, and the
-    slots alive then without the pool (0 when they are kept, counted in ``steady``).
-    ``acc``: what a later micro-step of an accumulation holds of the earlier ones'
-    ([Note: what an accumulation holds])."""
+    slots alive then without the pool (0 when they are kept, counted in ``steady``);
+    then its end, every shard written. ``acc``: what a later micro-step of an
+    accumulation holds of the earlier ones' ([Note: what an accumulation holds])."""
     pairs, slots = made
-    deferred, deferred_outer = acc.deferred, acc.deferred_outer
-    held = sum(deferred) + deferred_outer
     step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
@@ -357,17 +396,12 @@ def _step(
     # the gathered outer region lives until the head's backward ([Note: the outer region's
     # lifetime] in isp_comm/hooks/engine.py)
     outer = {"outer gather": w.outer_gather}
-    head_grads = sum(w.replicated_trainable)  # upper bound: the embedding's comes last, the head's first
-    before = {}  # what the earlier micro-steps left ([Note: what an accumulation holds])
-    if acc.micro_steps > 1:
-        before = {"deferred gradient sums": held} if deferred else {"gradient shards": w.grad_shards}
-        before["replicated grads"] = head_grads
-    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd, **before}
     hidden = max(traced.inputs, default=0)
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
-    loss = {**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, **before}
-    moments = [loss]  # [Note: the loss's backward]
+    before = max(_accumulated(acc, w, later, None), key=lambda m: sum(m.values()))
+    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd, **before}
+    moments = [{**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, **before}]
 
     def recomputed(i: int) -> int:
         """A checkpointed block's recomputation, beside the input its checkpoint kept
@@ -375,30 +409,18 @@ def _step(
         itself (the recomputation runs on the kept tensor, so its storage is shared)."""
         return traced.saved[i] - (traced.inputs[i] if traced.input_saved[i] else 0)
 
-    # the syncing backward at block i still holds the sums of blocks 0..i+1 (block i+1's is
-    # taken when block i's reduce-scatter is issued, after its compute)
-    waiting = list(itertools.accumulate(deferred))
     for i, (lay, tr, _) in enumerate(blocks):
-        # the syncing backward's moment, or a deferred one's (all sums, only the head's shard)
-        shards, sums_held = later[i + 1], (waiting[min(i + 1, n - 1)] + deferred_outer if deferred else 0)
-        if deferred and later[-1] + held > shards + sums_held:
-            shards, sums_held = later[-1], held
-        elif acc.micro_steps > 1 and not deferred:  # every unit's, from the earlier micro-steps
-            shards = w.grad_shards
-        moments.append(
-            {
-                act_label: kept[i] + traced.outer_saved,
-                "gradient shards": shards,
-                "deferred gradient sums": sums_held,
-                "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
-                * lay.gather_dtype.itemsize,
-                "activation gradients": 2 * hidden + traced.largest[i] + (recomputed(i) if i < n_ckpt else 0),
-                "replicated grads": head_grads * (2 if acc.micro_steps > 1 and not deferred else 1),
-                "logits and loss": logits,
-                **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),
-                **({"pool slots and landing": slots[i]} if slots[i] else {}),
-            }
-        )
+        block = {
+            act_label: kept[i] + traced.outer_saved,
+            "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
+            * lay.gather_dtype.itemsize,
+            "activation gradients": 2 * hidden + traced.largest[i] + (recomputed(i) if i < n_ckpt else 0),
+            "logits and loss": logits,
+            **({"reduce-scatter buffers": pairs[i]} if pairs[i] else {}),
+            **({"pool slots and landing": slots[i]} if slots[i] else {}),
+        }
+        moments += [{**block, **grads} for grads in _accumulated(acc, w, later, i)]
+    moments.append(max(_accumulated(acc, w, later, n), key=lambda m: sum(m.values())))  # its end
     return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}
 
 

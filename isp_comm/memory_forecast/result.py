@@ -80,6 +80,7 @@ KNOBS = {
     "optimizer state": "a larger --wp",
     "master shards": "a larger --wp",
     "gradient shards": "a larger --wp",
+    "deferred gradient sums": "--replica-sync micro, or --state-sharding wp",
     "reduce-scatter buffers": "ISPConfig.max_inflight_reduce_scatter",
     "block gradients (unsharded)": "a larger --wp, or smaller blocks",
     "checkpoint staging": "a synchronous save (no --async-save)",
