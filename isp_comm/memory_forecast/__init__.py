@@ -28,7 +28,7 @@ shards, replicated parameters, pool):
   embedding: the activations still to be used, the gradient shards of the blocks
   already walked, the block's full (unsharded) weight gradients before they are
   packed, a checkpointed block's recomputation, and the replicated parameters'
-  gradients (full size, master dtype);
+  gradients (full size, master dtype); and its end, every gradient shard written;
 * ``optimizer``: gradients of everything plus the optimizer's temporaries;
 * ``save`` / ``async_save`` / ``load``: DCP's per-item copies; the async save's
   staging holds a whole copy of the model and optimizer shards (on CUDA these are
