@@ -152,8 +152,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a forward after a dropped one leaves the reductions armed for before": (
         "isp_comm/hooks/engine.py",
-        "        arm, self._trainable_at = self.phase is Phase.IDLE or changed, now",
-        "        arm, self._trainable_at = self.phase is Phase.IDLE, now",
+        "        arm, self._trainable_at = self.phase is Phase.IDLE or changed or resync, now",
+        "        arm, self._trainable_at = self.phase is Phase.IDLE or resync, now",
         ["tests/test_engine_parity.py::test_requires_grad_changed_after_a_forward_with_grad"],
     ),
     "requires_grad changed between live forwards let through": (
