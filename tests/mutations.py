@@ -319,8 +319,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "whole buckets issued mid-backward with find_unused_parameters": (
         "isp_comm/hooks/reductions.py",
-        "            self._active = self.config.overlap and not self.config.find_unused_parameters",
-        "            self._active = self.config.overlap",
+        "            self._active = self._syncing and self.config.overlap and not self.config.find_unused_parameters",
+        "            self._active = self._syncing and self.config.overlap",
         ["tests/test_unused_parameters.py::test_whole_parameters_used_by_some_ranks_on_one_queue"],
     ),
     "a block whose weights got no gradient keeps its slot to the backward's end": (
