@@ -354,6 +354,14 @@ def _copy_repo(dest: str) -> None:
         shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
 
 
+def _stale(name: str) -> str:
+    """Why mutation ``name``'s patch would not apply to the package as it is ('' when it would)."""
+    path, old, _, _ = MUTATIONS[name]
+    with open(os.path.join(ROOT, path)) as f:
+        n = f.read().count(old)
+    return "" if n == 1 else f"mutation {name!r}: the patched text occurs {n} times in {path}"
+
+
 def run(name: str) -> tuple[bool, float, str]:
     """(killed, seconds, the failing test's last line) for mutation ``name``."""
     path, old, new, tests = MUTATIONS[name]
@@ -384,6 +392,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run the mutations whose name contains this")
     args = ap.parse_args()
     names = [n for n in MUTATIONS if args.only in n]
+    stale = [_stale(name) for name in names]  # every patch checked before any runs: a stale one stops the run at once
+    if any(stale):
+        raise SystemExit("\n".join(s for s in stale if s))
     killed = 0
     print("| mutation | tests | caught | s |\n|---|---|---|---:|")
     for name in names:
