@@ -246,17 +246,22 @@ def test_isp_train_replica_sync_step(tmp_path) -> None:
     assert "deferred gradient sums" in res.stdout and "deferred gradient sums" not in plain.stdout, res.stdout
 
 
-def _aborted_worker(rank: int, world: int) -> dict:
+def _wrapped_and_plain(rank: int, world: int, copies: int) -> tuple:
+    """The tiny llama wrapped at wp 2 and a plain copy, SGD at lr 0.1 on each, ``copies``
+    of one global batch, and this rank's part of a tensor."""
     from isp_comm.models.llama import LlamaConfig, build
     from tests.parity import TINY
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 37, (2 * world, 8), generator=g), torch.randint(0, 37, (2 * world, 8), generator=g))]
-    data *= 3
     model, ref = build(LlamaConfig(**TINY)), build(LlamaConfig(**TINY))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    mine = lambda t: t.chunk(world)[rank]  # noqa: E731
+    return data * copies, model, ref, comm, opt, ropt, lambda t: t.chunk(world)[rank]
+
+
+def _aborted_worker(rank: int, world: int) -> dict:
+    data, model, ref, comm, opt, ropt, mine = _wrapped_and_plain(rank, world, 3)
     x, y = data[0]
     # a deferred micro-step, then one whose backward raises once the blocks' own have run:
     # the accumulation is dropped (its sums too), as a plain loop that zeroes its gradients
@@ -283,16 +288,7 @@ def test_an_accumulation_whose_backward_raised_is_dropped_with_its_sums() -> Non
 
 
 def _interleaved_worker(rank: int, world: int) -> dict:
-    from isp_comm.models.llama import LlamaConfig, build
-    from tests.parity import TINY
-
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 37, (2 * world, 8), generator=g), torch.randint(0, 37, (2 * world, 8), generator=g))]
-    data *= 2
-    model, ref = build(LlamaConfig(**TINY)), build(LlamaConfig(**TINY))
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2), ISPConfig())
-    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    mine = lambda t: t.chunk(world)[rank]  # noqa: E731
+    data, model, ref, comm, opt, ropt, mine = _wrapped_and_plain(rank, world, 2)
     # 1. an accuracy forward with grad (no backward) between a deferred micro-step and the
     # syncing one: the syncing one's forward reads the flag again
     for i, (x, y) in enumerate(data):
