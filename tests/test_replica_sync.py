@@ -217,8 +217,7 @@ def _spans(out: str, name: str) -> dict[int, int]:
     import json
 
     with open(os.path.join(out, "trace.json")) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        events = json.load(f)["traceEvents"]
     return dict(Counter(e["pid"] for e in events if e.get("name", "").startswith(name)))
 
 

@@ -334,8 +334,9 @@ class GradientReducer:
             waiting.total.add_(grad)
 
     def _add_deferred(self, unit: BlockUnit, group: ReduceGroup, grad: torch.Tensor) -> None:
-        """The syncing backward's ``grad`` of ``group`` takes in the deferred ones' sum."""
-        waiting = self._deferred.pop((id(unit), group), None)
+        """The syncing backward's ``grad`` of ``group`` takes in the deferred ones' sum
+        (nothing to look up, and no group hashed, in a step that deferred nothing)."""
+        waiting = self._deferred.pop((id(unit), group), None) if self._deferred else None
         if waiting is not None:
             grad.add_(waiting.total)
 
