@@ -211,6 +211,41 @@ def test_a_killed_rank_is_restarted_and_resumes_bitwise(tmp_path, launcher: str,
         assert _left_in(temp) == []
 
 
+@pytest.mark.timeout(240)
+# torchrun's variant in the slow tier: the agent and the refusal are the same code
+@pytest.mark.parametrize("launcher", ["own", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_a_mistake_is_not_restarted_a_failure_in_the_steps_is(tmp_path, launcher: str) -> None:
+    """``--resume`` of a folder without a checkpoint fails on every rank before the
+    first step: under ``--max-restarts 3`` its line comes once, then one line saying
+    why nothing restarts (before: the line four times, each attempt loading the model
+    again). A ValueError at step 2 (the test fault's unknown kind) still restarts."""
+    env, temp = _own_temp(tmp_path)
+
+    def launch(out: str, restarts: int, *args: str, **extra: str) -> subprocess.CompletedProcess:
+        flags = [*SMALL, *COMMON, "--steps", "3", "--out", out, *args]
+        cmd = (
+            _own(2, "--max-restarts", str(restarts), *flags)
+            if launcher == "own"
+            else _torchrun(2, *flags, restarts=restarts)
+        )
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env={**env, **extra})
+
+    mistake = launch(str(tmp_path / "none"), 3, "--resume")
+    assert mistake.returncode == (2 if launcher == "own" else 1), mistake.stderr[-2000:]
+    assert mistake.stderr.count("--resume: no run folder") == 1, mistake.stderr[-2000:]
+    said = "isp-train: no restart: attempt 0 failed before its first step on a mistake"
+    assert mistake.stderr.count(said) == 1, mistake.stderr[-2000:]
+    assert "restart 1 of" not in mistake.stdout
+
+    later = launch(str(tmp_path / "later"), 1, ISP_TEST_HANG="bogus:0:2")
+    assert later.returncode == (2 if launcher == "own" else 1), later.stderr[-2000:]
+    assert later.stdout.count("isp-train: restart 1 of 1: a rank of the last attempt failed") == 1, later.stdout
+    assert later.stderr.count("unknown fault 'bogus'") == 2, later.stderr[-2000:]
+    assert "no restart" not in later.stderr
+    if launcher == "own":  # torchrun's agent keeps its log folder: torch's, not ours
+        assert _left_in(temp) == []
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.serial
 @pytest.mark.parametrize("sig", ["SIGKILL", pytest.param("SIGSEGV", marks=pytest.mark.slow)])

@@ -10,6 +10,9 @@ def main(argv: list[str] | None = None) -> None:
     from isp_comm.processes import leave_on_signals
 
     leave_on_signals()  # until the run's own handlers (launch.Stopping, signals.Signals)
+    from isp_comm.train.survive import restart_refused
+
+    restart_refused()  # before torch's import: [Note: no restart for a mistake]
     from isp_comm.train.__main__ import main as run
 
     run(argv)

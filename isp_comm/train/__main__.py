@@ -21,6 +21,9 @@ if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch
     from isp_comm.processes import leave_on_signals
 
     leave_on_signals()  # until the run's own handlers (launch.Stopping, signals.Signals)
+    from isp_comm.train.survive import restart_refused
+
+    restart_refused()  # before torch's import: [Note: no restart for a mistake]
 
 import contextlib
 import dataclasses
@@ -138,9 +141,9 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
     try:
         with contextlib.ExitStack() as closing:
             run(cfg, device, closing)
-    except ValueError as exc:
+    except ValueError as exc:  # one before the first step has said no_restart() in run()
         dist.destroy_process_group()
-        fail(str(exc))
+        fail(str(exc), restart=True)
     except ISPCommTimeout as exc:
         hang_exit(exc, cfg.out)
     except (Finished, Interrupted, Stopped) as exc:  # one line, from rank 0

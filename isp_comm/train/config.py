@@ -20,7 +20,7 @@ import torch
 
 from isp_comm.config import BACKENDS, MAX_TIMEOUT_S, BackendName, StateSharding
 from isp_comm.processes import leave_on_signals
-from isp_comm.train import virtual
+from isp_comm.train import survive, virtual
 from isp_comm.train.reporting.names import parse_report_to
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -236,7 +236,8 @@ class TrainConfig:
     torchrun needed); 0: the ranks are launched already (torchrun) or this is the one."""
     max_restarts: int = 0
     """With --nproc-per-node: restart the ranks up to this many times when one fails
-    (torch's elastic agent); each restart resumes from the latest complete checkpoint."""
+    (torch's elastic agent); each restart resumes from the latest complete checkpoint.
+    A mistake found before the first step is not restarted: it would happen again."""
     nnodes: int = 1
     """Machines taking part, with --nproc-per-node on each (they meet at --rdzv-endpoint)."""
     rdzv_endpoint: str = ""
@@ -431,11 +432,15 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def fail(message: str, every_rank: bool = False) -> NoReturn:
+def fail(message: str, every_rank: bool = False, restart: bool = False) -> NoReturn:
     """Exit 2 with one line, printed by rank 0. The other ranks leave a moment later,
     so that torchrun, which stops the job at the first failed rank, lets rank 0 print.
     ``every_rank``: a rank other than 0 prints too, naming itself (what failed there
-    may not fail on rank 0: ``--plan``'s ranks work alone, without a process group)."""
+    may not fail on rank 0: ``--plan``'s ranks work alone, without a process group).
+    Under ``--max-restarts``, no attempt follows unless ``restart`` (a failure during
+    the steps; see [Note: no restart for a mistake])."""
+    if not restart:
+        survive.no_restart()
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print(f"isp-train: error: {message}", file=sys.stderr, flush=True)

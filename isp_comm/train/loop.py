@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from isp_comm.errors import ISPCommTimeout
-from isp_comm.train import virtual
+from isp_comm.train import survive, virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
 from isp_comm.train.hang import inject_fault, quiet_after_hang
@@ -27,8 +27,12 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     """The job on this rank; what it opens that holds threads or groups (the
     communicator, the checkpointer, the data thread) is closed by ``closing``, also
     after an error."""
-    job = setup(cfg, device, closing)
-    start = open_outputs(job, closing)
+    try:
+        job = setup(cfg, device, closing)
+        start = open_outputs(job, closing)
+    except ValueError:  # the flags, the model, the data, the checkpoint: a restart meets it again
+        survive.no_restart()
+        raise
     try:
         last = train(job, start, closing)
     except ISPCommTimeout:

@@ -13,6 +13,10 @@
   nothing prefixes the workers' keys per attempt: attempt 1's gloo rendezvous finds
   the addresses that attempt 0's ranks published, connects to a dead rank's port and
   fails ("Connection refused"), or not, depending on which rank writes first.
+* ``no_restart`` / ``restart_refused``: a rank that failed before its first step on
+  a mistake is not restarted (see [Note: no restart for a mistake]).
+
+Imports nothing heavy: a restarted rank asks :func:`restart_refused` before torch loads.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import fcntl
 import os
 import socket
 import sys
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import torch.distributed as dist
-
-from isp_comm.backends import shm
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LOCK_NAME = ".isp-train.lock"
 RESTART_PREFIX = "isp-train/attempt_"
+NO_RESTART = "isp-train-no-restart"
+"""The file, in the elastic agent's folder of the run, that says an attempt failed on a
+mistake: its number."""
 
 
 def lock_folder(out: str) -> IO[str]:
@@ -56,6 +62,8 @@ def lock_folder(out: str) -> IO[str]:
 def remove_stale_segments() -> None:
     """Unlink the segments of isp-comm jobs whose creating process is gone, saying so
     in one line (what ``isp-comm cleanup`` does by hand)."""
+    from isp_comm.backends import shm
+
     stale = shm.stale_segments()
     for name in stale:
         shm.Segment.unlink(name)
@@ -89,9 +97,75 @@ def restart_store() -> dist.Store | None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
     agent = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=default_pg_timeout
     )
     return dist.PrefixStore(f"{RESTART_PREFIX}{attempt}", agent)
+
+
+# [Note: no restart for a mistake]
+# torch's elastic agent (``--max-restarts K``, torchrun's or isp-train's launcher)
+# restarts every rank after any failure: a crash, a lost peer, a hang, and also a
+# mistake in the flags or the files (``--resume`` of a folder without a checkpoint, a
+# model folder that does not load). A restart meets the mistake again, after loading
+# everything again: on a large model, K times minutes, and K copies of its line. So a
+# rank that fails with its one line before the run's first step (the flags, the
+# model, the data, the checkpoint to resume) writes the attempt's number into
+# :data:`NO_RESTART` in the agent's folder of this run, found from the error file it
+# gives each rank (``TORCHELASTIC_ERROR_FILE``, ``RUN/attempt_N/LOCAL_RANK/error.json``);
+# the agent cannot be told not to restart, so a restarted rank reads the file first,
+# before torch loads, and leaves with exit 2 (0.1 s, not the attempt). One line, from
+# the first attempt after it, says so. A failure later in the run restarts as before:
+# a save that could not write, or anything that may not happen again. On several
+# machines each agent has a folder of its own: the machine whose rank failed ends
+# its attempts at once, the others meet no peer and restart with it.
+
+
+def _agent_file() -> str | None:
+    """:data:`NO_RESTART`'s path in this run's agent folder, or ``None`` outside an
+    elastic agent (or one that keeps no error files)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    attempt_dir = os.path.dirname(os.path.dirname(error_file))
+    if not error_file or not os.path.basename(attempt_dir).startswith("attempt_"):
+        return None
+    return os.path.join(os.path.dirname(attempt_dir), NO_RESTART)
+
+
+def no_restart() -> None:
+    """This rank failed on a mistake before the first step: no later attempt of the
+    run starts ([Note: no restart for a mistake]). A no-op outside an elastic agent."""
+    path = _agent_file()
+    if path is None:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        os.replace(tmp, path)  # whole, as each failing rank writes it
+    except OSError:
+        pass  # the agent restarts as it would have
+
+
+def restart_refused() -> None:
+    """A restarted rank's first call: exit 2 if an earlier attempt failed on a mistake
+    ([Note: no restart for a mistake]); the first local rank says so, once."""
+    path = _agent_file()
+    if path is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return
+    try:
+        with open(path) as f:
+            failed = int(f.read() or 0)
+    except (OSError, ValueError):
+        return
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == failed + 1 and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(
+            f"isp-train: no restart: attempt {failed} failed before its first step on a mistake that a restart "
+            "would meet again (its line is above)",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise SystemExit(2)
