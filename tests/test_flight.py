@@ -488,12 +488,13 @@ def test_fault_env_is_test_only_and_checked() -> None:
     called = deque()
     os.environ[FAULT_ENV] = "extra:1:3"
     try:
-        inject_fault(0, 3, lambda: called.append(0))
-        inject_fault(1, 2, lambda: called.append(0))
-        inject_fault(1, 3, lambda: called.append(torch.is_grad_enabled()))
+        cpu = torch.device("cpu")
+        inject_fault(0, 3, lambda: called.append(0), cpu)
+        inject_fault(1, 2, lambda: called.append(0), cpu)
+        inject_fault(1, 3, lambda: called.append(torch.is_grad_enabled()), cpu)
         os.environ[FAULT_ENV] = "bogus:1:3"
         with pytest.raises(ValueError, match="unknown fault"):
-            inject_fault(1, 3, lambda: None)
+            inject_fault(1, 3, lambda: None, cpu)
     finally:
         del os.environ[FAULT_ENV]
     assert list(called) == [False]  # once, at its rank and step, without autograd

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 # Most tests here run alone under pytest -n (``serial``, tests/conftest.py): signals at
 # set times, two-second windows, segments of dead jobs (planted, or left by a rank
@@ -244,6 +245,52 @@ def test_a_mistake_is_not_restarted_a_failure_in_the_steps_is(tmp_path, launcher
     assert "no restart" not in later.stderr
     if launcher == "own":  # torchrun's agent keeps its log folder: torch's, not ours
         assert _left_in(temp) == []
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_out_of_memory_ends_with_one_line_naming_it(tmp_path) -> None:
+    """A rank whose allocator refuses memory (the test fault asks the CPU allocator for
+    a petabyte, a real refusal) ends with one line naming the rank, the step and the
+    phase, with the allocator's account; on rank 0, which holds the memory forecast,
+    the forecast for that phase and what shrinks it. Before: a traceback."""
+    expected = {
+        0: "The memory forecast for that phase is ",
+        1: "isp-train --plan with the same flags prints the memory forecast per phase",
+    }
+    for rank, then in expected.items():
+        cmd = _own(2, *SMALL, *COMMON, "--steps", "3", "--out", str(tmp_path / f"r{rank}"))
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "ISP_TEST_HANG": f"oom:{rank}:2"}
+        )
+        assert res.returncode == 2, res.stderr[-2000:]
+        said = [line for line in res.stderr.splitlines() if "ran out of memory" in line]
+        head = f"isp-train: error: rank {rank} ran out of memory in the forward of step 2: DefaultCPUAllocator: can't"
+        assert len(said) == 1 and said[0].startswith(f"{head} allocate memory: you tried to allocate {2**50} bytes")
+        assert then in said[0] and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_the_out_of_memory_line_keeps_the_cuda_allocators_account() -> None:
+    """CUDA's message (torch's text) keeps what was asked and what the GPU and torch
+    hold, without its advice on the allocator's configuration; a RuntimeError that is
+    no allocator's is not taken for one."""
+    from isp_comm.train.memory.oom import Where, is_out_of_memory, out_of_memory_line
+
+    cuda = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity of 79.19 GiB of which 1.06 GiB "
+        "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory "
+        "75.21 GiB is allocated by PyTorch, and 1.42 GiB is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+        "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html)"
+    )
+    assert is_out_of_memory(cuda) and not is_out_of_memory(RuntimeError("Expected all tensors to be on one device"))
+    line = out_of_memory_line(3, Where(step=7, phase="backward"), cuda, None)
+    assert line.startswith(
+        "rank 3 ran out of memory in the backward of step 7: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 "
+        "has a total capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has "
+        "78.12 GiB memory in use. Of the allocated memory 75.21 GiB is allocated by PyTorch, and 1.42 GiB is reserved "
+        "by PyTorch but unallocated. isp-train --plan"
+    ), line
+    assert "while setting up" in out_of_memory_line(0, Where(), cuda, None)
 
 
 @pytest.mark.timeout(120)

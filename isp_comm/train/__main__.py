@@ -98,6 +98,7 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
     from isp_comm.train import survive, virtual
     from isp_comm.train.hang import hang_exit
     from isp_comm.train.loop import run
+    from isp_comm.train.memory.oom import OutOfMemory
     from isp_comm.train.run_folder import Finished
     from isp_comm.train.signals import Interrupted, Stopped
 
@@ -146,6 +147,9 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
         fail(str(exc), restart=True)
     except ISPCommTimeout as exc:
         hang_exit(exc, cfg.out)
+    except OutOfMemory as exc:  # said by the rank it happened on, each such rank
+        print(f"isp-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except (Finished, Interrupted, Stopped) as exc:  # one line, from rank 0
         if dist.get_rank() == 0:
             print(f"isp-train: {exc}", file=sys.stderr, flush=True)

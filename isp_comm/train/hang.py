@@ -27,10 +27,12 @@ from isp_comm.flight.diagnosis import HANG_TXT
 FAULT_ENV = "ISP_TEST_HANG"
 """Test-only: ``stop:RANK:STEP`` makes rank RANK stop itself (SIGSTOP) before step STEP;
 ``extra:RANK:STEP`` makes it run one extra forward at that step (its collectives then
-differ from the others'). Used by tests/test_flight.py; never set it in a real run."""
+differ from the others'); ``oom:RANK:STEP`` makes it ask the allocator for a petabyte
+at the step's first forward (a real refusal, CUDA's or the CPU's). Used by
+tests/test_flight.py and tests/test_survive.py; never set it in a real run."""
 
 
-def inject_fault(rank: int, step: int, forward: Callable[[], object]) -> None:
+def inject_fault(rank: int, step: int, forward: Callable[[], object], device: torch.device) -> None:
     """Test-only (:data:`FAULT_ENV`): the fault it asks for, at its rank and step."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
@@ -43,8 +45,10 @@ def inject_fault(rank: int, step: int, forward: Callable[[], object]) -> None:
     elif kind == "extra":
         with torch.no_grad():
             forward()
+    elif kind == "oom":
+        torch.empty(2**50, dtype=torch.uint8, device=device)
     else:
-        raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (stop or extra)")
+        raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (stop, extra or oom)")
 
 
 def quiet_after_hang() -> None:

@@ -19,6 +19,7 @@ from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
 from isp_comm.train.config import TrainConfig, as_eval_data_error, check_layout, resolve_device
 from isp_comm.train.data import Slicing
+from isp_comm.train.memory.oom import Where
 from isp_comm.train.metrics import StepMeter
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.preflight import memory_warnings, start_warnings
@@ -61,7 +62,8 @@ class Job:
     resume_from: str | None
     previous: dict
     saver: checkpoint.Checkpointer | None = None
-    forecast: object = None  # with --memory-breakdown, on the rank that reports: the flags' forecast
+    forecast: object = None  # on the rank that reports: the flags' forecast (--memory-breakdown, an OOM's line)
+    where: Where = dataclasses.field(default_factory=Where)  # the step and phase the loop is in (an OOM's line)
     breakdown: object = None  # with --memory-breakdown: the run's RunBreakdown, reported by finish
     metrics: object = None  # rank 0's open metrics.jsonl
     reporters: Reporters | None = None  # rank 0's --report-to trackers
@@ -88,7 +90,6 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     flops_per_token = model_flops.flops_per_token(model, cfg.seq)
     icfg = isp_config(cfg, bf16)
     lines, fc = memory_warnings(cfg, model, icfg, world, device) if virtual.leads(rank) else ([], None)
-    forecast = fc if cfg.memory_breakdown else None
     if fc is not None:  # before the wrap allocates
         warn(lines)
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
@@ -102,7 +103,7 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
         meter=StepMeter(device, cfg.peak_tflops), data=data, tokens=tokens, vocab=vocab,
         tok_dir=tok_dir, model=model, mcfg=mcfg, comm=comm, opt=opt,
         n_params=n_params, flops_per_token=flops_per_token, resume_from=resume_from, previous=previous,
-        forecast=forecast,
+        forecast=fc,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from isp_comm.errors import ISPCommTimeout
@@ -18,7 +19,7 @@ from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
 from isp_comm.train.hang import inject_fault, quiet_after_hang
 from isp_comm.train.job import Job, lr_at, setup
-from isp_comm.train.memory import RunBreakdown
+from isp_comm.train.memory import RunBreakdown, oom
 from isp_comm.train.outputs import finish, open_outputs, report
 from isp_comm.train.signals import Interrupted
 
@@ -33,12 +34,19 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
     except ValueError:  # the flags, the model, the data, the checkpoint: a restart meets it again
         survive.no_restart()
         raise
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        oom.raise_if_out_of_memory(exc, dist.get_rank(), oom.Where(), None)
+        raise
     try:
         last = train(job, start, closing)
+        job.where.phase = "save"
+        finish(job, start, last)
     except ISPCommTimeout:
         quiet_after_hang()  # before ``closing`` closes the communicator
         raise
-    finish(job, start, last)
+    except RuntimeError as exc:
+        oom.raise_if_out_of_memory(exc, job.rank, job.where, job.forecast)
+        raise
 
 
 def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
@@ -66,7 +74,7 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             if cfg.trace and step == max(start + 1, cfg.steps - 2):
                 comm.start_trace()
-            t0, s0 = time.perf_counter(), comm.stats()
+            job.where.step, t0, s0 = step, time.perf_counter(), comm.stats()
             t_data = time.perf_counter()
             batch = feed.get(step)  # the step's global batch: cfg.batch x cfg.grad_accum sequences
             data_wait = time.perf_counter() - t_data  # > 0 only when the data thread fell behind
@@ -92,7 +100,7 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
                 **(virtual.row(s, s0) if cfg.virtual_world else {}),
             }
             if job.data.eval is not None and step % cfg.eval_every == 0:  # not in the step's time or tokens/s
-                t_eval = time.perf_counter()
+                t_eval, job.where.phase = time.perf_counter(), "evaluate"
                 with watch.evaluating() if watch is not None else contextlib.nullcontext():
                     last.update(evaluate(job.model, comm, job.data.eval, job.device, bool(cfg.model)))
                 t_start += time.perf_counter() - t_eval
@@ -103,7 +111,7 @@ def train(job: Job, start: int, closing: contextlib.ExitStack) -> dict:
                 stopped = step
                 break
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-                t_save = time.perf_counter()
+                t_save, job.where.phase = time.perf_counter(), "save"
                 with quiet():
                     job.saver.save(step, comm, job.opt, job.data.state_dict())
                 t_start += time.perf_counter() - t_save  # as an evaluation: not in tokens/s
@@ -135,19 +143,22 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
         g["lr"], g["weight_decay"] = lr_at(cfg, step), cfg.weight_decay
     step_loss = torch.zeros((), device=device)
     job.comm.set_step(step)
-    inject_fault(job.rank, step, lambda: logits_of(job.model, batch.micros[0].to(device), bool(cfg.model)))
+    job.where.phase = "forward"
+    inject_fault(job.rank, step, lambda: logits_of(job.model, batch.micros[0].to(device), bool(cfg.model)), device)
     last = len(batch.micros) - 1
     for i, micro in enumerate(batch.micros):  # reduce-scatters of each micro-step overlap its backward
         job.comm.set_requires_replica_sync(cfg.replica_sync == "micro" or i == last)
-        micro = micro.to(device)
+        micro, job.where.phase = micro.to(device), "forward"
         hook.before_forward()
         logits = logits_of(job.model, micro, bool(cfg.model))
         loss = micro_loss(job.comm, logits, micro, batch, job.world)
         hook.before_backward()
+        job.where.phase = "backward"
         loss.backward()
         hook.after_backward()
         step_loss += loss.detach()
         del logits, loss
+    job.where.phase = "optimizer"
     norm = job.comm.clip_grad_norm_(cfg.clip if cfg.clip > 0 else math.inf)
     job.opt.step()
     job.opt.zero_grad()

@@ -58,14 +58,18 @@ def memory_warnings(
     need = fc.peak(phase) + (0 if device.type == "cuda" else proc_status_bytes("VmRSS"))
     if need <= free:
         return [], fc
-    part, size = fc.biggest(phase)
-    knob = KNOBS.get(part.split(" (")[0], "a larger --wp")
     line = (
         f"the memory forecast for the {phase} phase is {need / 2**20:.0f} MiB per rank, more than the "
-        f"{free / 2**20:.0f} MiB free; its biggest part is {part} ({size / 2**20:.0f} MiB): try {knob} "
-        "(isp-train --plan prints the table)"
+        f"{free / 2**20:.0f} MiB free; {advice(fc, phase)}"
     )
     return [line], fc
+
+
+def advice(fc: MemoryForecast, phase: str) -> str:
+    """The forecast's biggest part of ``phase`` and the knob that shrinks it."""
+    part, size = fc.biggest(phase)
+    knob = KNOBS.get(part.split(" (")[0], "a larger --wp")
+    return f"its biggest part is {part} ({size / 2**20:.0f} MiB): try {knob} (isp-train --plan prints the table)"
 
 
 def run_phases(cfg: TrainConfig, names: list[str]) -> list[str]:
