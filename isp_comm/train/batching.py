@@ -159,7 +159,7 @@ class TrainData:
             keep = len(tokens) - max(cut.seq + 2, int(len(tokens) * eval_split))
             tokens, eval_source = tokens[:keep], (tokens[keep:], None)
         self.tokens, self.rows, self.order, self.position = tokens, None, None, 0
-        self._windows: list[int] | None = None
+        self._identity: list[int] | None = None
         if len(tokens) < cut.seq + 2:
             raise ValueError(f"--seq {cut.seq} is longer than the training data ({len(tokens)} tokens)")
         if self.packed:
@@ -190,27 +190,37 @@ class TrainData:
                     f"({_windows_text(self.windows())}): same --data and --seq to resume"
                 )
             return
+        if saved.get("tokens", self.identity()) != self.identity():
+            theirs, mine = saved["tokens"], self.identity()
+            raise ValueError(
+                f"the checkpoint's packed rows came from {theirs[0]} tokens (checksum {theirs[1]}), this run's from "
+                f"{mine[0]} (checksum {mine[1]}): same --data to resume"
+            )
         if saved:
             self.order.load_state_dict(saved)
         else:
             self.order.position = step * self.cut.batch * self.cut.grad_accum
         self.position = self.order.position
 
-    def windows(self) -> list[int]:
-        """Random windows' identity: their length, the tokens', and a checksum of 1,024
-        tokens spread over them (another corpus of the same length differs there)."""
-        if self._windows is None:
+    def identity(self) -> list[int]:
+        """The training tokens' identity: their count and a checksum of 1,024 tokens
+        spread over them (another corpus of the same length differs there)."""
+        if self._identity is None:
             at = np.linspace(0, len(self.tokens) - 1, num=1024).astype(np.int64)
             checksum = int(np.asarray([int(self.tokens[int(i)]) for i in at], dtype=np.int64).sum())
-            self._windows = [self.cut.seq, len(self.tokens), checksum]
-        return self._windows
+            self._identity = [len(self.tokens), checksum]
+        return self._identity
+
+    def windows(self) -> list[int]:
+        """Random windows' identity: their length and the tokens' identity."""
+        return [self.cut.seq, *self.identity()]
 
     def state_dict(self) -> dict:
-        """What a checkpoint holds of the data: the data order at the last step taken, or
-        the random windows' identity."""
+        """What a checkpoint holds of the data: the data order at the last step taken
+        and the tokens' identity, or the random windows' identity."""
         if self.order is None:
             return {"windows": self.windows()}
-        return {**self.order.state_dict(), "position": self.position}
+        return {**self.order.state_dict(), "position": self.position, "tokens": self.identity()}
 
     def taken(self, step: Step) -> None:
         self.position = step.position
