@@ -698,6 +698,21 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
     assert list(losses(out)) == [1, 2]
 
 
+def test_an_exports_config_lies_beside_it_in_a_folder_with_a_dot() -> None:
+    """isp-export writes, and from_export reads, ``PATH`` less its file's suffix plus
+    ``.config.json``: ``-o v.a/model`` once wrote ``v.config.json``, where ``-o
+    v.b/model`` wrote over it, and from_export built v.a's model from v.b's config."""
+    from isp_comm.models.llama import export_config_path
+
+    for path, config in (
+        ("v.a/model", "v.a/model.config.json"),
+        ("v.a/model.pt", "v.a/model.config.json"),
+        ("runs/r.1/m.safetensors", "runs/r.1/m.config.json"),
+        ("model.pt", "model.config.json"),
+    ):
+        assert export_config_path(path) == config
+
+
 @pytest.mark.slow  # CI: test_resume_after_kill_export_and_corruption exports a run and loads it strictly
 def test_export_from_the_run_folder_rebuilds_the_model(tmp_path) -> None:
     """isp-export on the run folder itself writes model.pt and its config into it;

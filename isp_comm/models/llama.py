@@ -5,6 +5,7 @@ Plain PyTorch with no isp_comm imports: it is what users bring, and what isp-com
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -273,14 +274,19 @@ def build(cfg: LlamaConfig, seed: int = 0) -> Llama:
         torch.random.set_rng_state(gen_state)
 
 
+def export_config_path(path: str) -> str:
+    """Where ``isp-export -o PATH`` writes the model's config: ``PATH`` without its
+    file's suffix, plus ``.config.json`` (a dot in a folder's name is no suffix)."""
+    return os.path.splitext(path)[0] + ".config.json"
+
+
 def from_export(path: str) -> Llama:
     """The unwrapped model of an ``isp-export -o PATH`` file (``.pt`` or
     ``.safetensors``), rebuilt from the config written beside it
     (``PATH`` without its suffix, plus ``.config.json``), with its weights loaded."""
     import json
 
-    stem = path.rsplit(".", 1)[0]
-    with open(stem + ".config.json") as f:
+    with open(export_config_path(path)) as f:
         cfg = LlamaConfig(**json.load(f))
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from isp_comm.errors import need_folder
 from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
+from isp_comm.models.llama import export_config_path
 from isp_comm.train import checkpoint
 from isp_comm.train.config import lora_target_names
 from isp_comm.train.hf_model import HF_DIR
@@ -213,7 +214,7 @@ def export(checkpoint_dir: str, output: str, merge: bool = False) -> dict[str, t
     else:
         torch.save(model, output)
     if model_config:
-        with open(output.rsplit(".", 1)[0] + ".config.json", "w") as f:
+        with open(export_config_path(output), "w") as f:
             json.dump(model_config, f, indent=1)
     return model
 
