@@ -698,6 +698,25 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
     assert list(losses(out)) == [1, 2]
 
 
+def test_a_torn_last_metrics_line_does_not_block_a_resume(tmp_path) -> None:
+    """A metrics.jsonl whose last line was cut short (a kill, a full disk) is cut back
+    past it on resume (before: the resume stopped with json's bare "Expecting ','
+    delimiter"); a line that is not JSON before the last is one error naming it."""
+    from isp_comm.train.run_folder import cut_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(rows) + '{"step": 4, "lo')
+    cut_metrics(str(tmp_path), 2)
+    assert path.read_text() == "".join(rows[:2])
+    path.write_text("".join(rows) + '{"step": 4, "lo')
+    cut_metrics(str(tmp_path), 9)
+    assert path.read_text() == "".join(rows)
+    path.write_text(rows[0] + "garbage\n" + rows[2])
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON .*: mend or remove it to resume"):
+        cut_metrics(str(tmp_path), 9)
+
+
 def test_an_exports_config_lies_beside_it_in_a_folder_with_a_dot() -> None:
     """isp-export writes, and from_export reads, ``PATH`` less its file's suffix plus
     ``.config.json``: ``-o v.a/model`` once wrote ``v.config.json``, where ``-o

@@ -176,12 +176,24 @@ def model_flags_changed(path: str, cfg: TrainConfig) -> str | None:
 
 def cut_metrics(out: str, step: int) -> None:
     """Keep the metrics of steps up to ``step`` only: a resume from an earlier
-    checkpoint retrains the steps after it, and each step appears once, in order."""
+    checkpoint retrains the steps after it, and each step appears once, in order. A
+    last line cut short (a kill or a full disk during its write) is dropped; a line
+    that is not JSON before it is a ``ValueError`` naming it."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.isfile(path):
         return
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            if n == len(lines):  # torn: its step is retrained
+                break
+            raise ValueError(f"{path}: line {n} is not JSON ({exc}): mend or remove it to resume") from None
+        if row.get("step", 0) <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
