@@ -306,11 +306,8 @@ def check_data(path: str) -> None:
         if os.path.getsize(path) < 2 or os.path.getsize(path) % 2:
             raise ValueError(f"--data {path}: a .bin of uint16 tokens needs an even, non-zero size")
     elif not path.endswith(TEXT_SUFFIXES):
-        raise ValueError(
-            f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text: "
-            + ", ".join(TEXT_SUFFIXES)
-            + ")"
-        )
+        text = ", ".join(TEXT_SUFFIXES)
+        raise ValueError(f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text: {text})")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -58,11 +58,9 @@ def allocator_said(exc: BaseException) -> str:
 
 def out_of_memory_line(rank: int, where: Where, exc: BaseException, fc: MemoryForecast | None) -> str:
     """The run's one line for ``exc`` on ``rank`` (see the module's docstring)."""
-    at = (
-        "while setting up (building, sharding or loading the model)"
-        if where.phase == "setup"
-        else (f"in the {where.phase} of step {where.step}")
-    )
+    at = f"in the {where.phase} of step {where.step}"
+    if where.phase == "setup":
+        at = "while setting up (building, sharding or loading the model)"
     line = f"rank {rank} ran out of memory {at}: {allocator_said(exc)}"
     phase = "wrap" if where.phase == "setup" else where.phase
     if fc is not None and phase in fc.phases:
