@@ -76,9 +76,12 @@ class MadeStates:
     [Note: states made for a checkpoint]
     torch's optimizers make each state in their first step, from that step's gradient
     and the group's settings, and update it in the same step. A checkpoint needs the
-    states before that: as what ``dcp.load`` fills, or to save before the first step.
-    One step at learning rate 0 on zero gradients makes them (what
-    ``torch.distributed.checkpoint.state_dict`` does), but what that step wrote is not
+    states before that: as what ``dcp.load`` fills, or to save before the first step,
+    or for a parameter that has had no gradient yet in a stepped optimizer (a block a
+    forward skipped, a head not trained yet), whose state a fresh optimizer's load asks
+    for. One step at learning rate 0 on zero gradients of those parameters alone makes
+    them (what ``torch.distributed.checkpoint.state_dict`` does for a fresh
+    optimizer, and leaves out for the others), but what that step wrote is not
     a fresh optimizer's state: NAdam's ``mu_product`` has moved, ASGD's ``eta`` and
     Rprop's step sizes were taken from lr 0, SGD's momentum buffer exists (so its
     dampening applies to the first step) and, like Adam's moments under L2 decay,
@@ -98,20 +101,27 @@ class MadeStates:
         self._handle = opt.register_step_pre_hook(self._first_step)
 
     @staticmethod
-    def marks(opt: torch.optim.Optimizer, loaded: bool) -> dict[int, list[tuple[weakref.ref, int]] | None]:
+    def marks(
+        opt: torch.optim.Optimizer, loaded: bool, made: list[torch.Tensor] | None
+    ) -> dict[int, list[tuple[weakref.ref, int]] | None]:
         """What to drop at the first step: the states loaded that never stepped, or
-        every state made, unless written since."""
+        the states made for the parameters ``made``, unless written since."""
         if loaded:
             return {id(p): None for p, st in opt.state.items() if _never_stepped(st)}
-        return {id(p): [(weakref.ref(t), t._version) for t in _tensors(st)] for p, st in opt.state.items()}
+        return {id(p): [(weakref.ref(t), t._version) for t in _tensors(opt.state[p])] for p in made or ()}
+
+    def pending(self) -> dict[int, list[tuple[weakref.ref, int]] | None]:
+        """The marks still awaiting the first step (none once it was taken)."""
+        return dict(self._marks)
 
     def cancel(self) -> None:
         self._handle.remove()
 
     def _first_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._handle.remove()
+        marks_of, self._marks = self._marks, {}
         for p, st in list(opt.state.items()):
-            marks = self._marks.get(id(p), [])
+            marks = marks_of.get(id(p), [])
             now = _tensors(st)
             made = marks is not None and len(marks) == len(now) > 0
             if marks is None or (made and _unwritten(now, marks)):
@@ -265,36 +275,44 @@ class ShardedState:
 
     @torch.no_grad()
     def _init_states(self, opt: torch.optim.Optimizer) -> None:
-        """Give a fresh optimizer its states with one step at learning rate 0 on zero
-        gradients, so that ``dcp.load`` finds every tensor to fill, until its first
-        step ([Note: states made for a checkpoint]). With lr 0 the step leaves the
-        parameters bitwise as they were (weight decay too is scaled by lr), and its
-        count is put back to 0, as a checkpoint saved now must say."""
-        if opt.state:
-            return
+        """Give each parameter of ``opt`` that has no state yet (all of a fresh
+        optimizer's; those a stepped one never had a gradient for) its states, with one
+        step at learning rate 0 on zero gradients for them alone, so that ``dcp.load``
+        finds every tensor to fill ([Note: states made for a checkpoint]). With lr 0 the
+        step leaves the parameters bitwise as they were (weight decay too is scaled by
+        lr), and the counts it made are put back to 0, as a checkpoint saved now must
+        say; the other parameters' gradients are set aside for it."""
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        if any(p.grad is not None for p in params):
+        missing = [p for p in params if not opt.state.get(p)]
+        if not missing:
+            return
+        fresh = len(missing) == len(params)
+        if fresh and any(p.grad is not None for p in params):
             raise ValueError("optimizer_state_dict(): a fresh optimizer with gradients pending; call zero_grad() first")
         lrs = [g.get("lr") for g in opt.param_groups]
+        grads = [p.grad for p in params]
         for g in opt.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
         for p in params:
+            p.grad = None
+        for p in missing:
             p.grad = torch.zeros_like(p)
         try:
             self.making_states = True
             opt.step()
-            for state in opt.state.values():
-                if "step" in state:
-                    state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
-            self._await_first_step(opt, loaded=False)  # after the step: the hook is for the first real one
+            for p in missing:
+                if "step" in opt.state[p]:
+                    step = opt.state[p]["step"]
+                    opt.state[p]["step"] = step.zero_() if torch.is_tensor(step) else 0
+            self._await_first_step(opt, loaded=False, made=missing)  # after it: for the first real one
         finally:
             self.making_states = False
             for g, lr in zip(opt.param_groups, lrs):
                 if lr is not None:
                     g["lr"] = lr
-            for p in params:
-                p.grad = None
+            for p, grad in zip(params, grads):
+                p.grad = grad
 
     def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn]}]}``;
@@ -356,14 +374,19 @@ class ShardedState:
         opt.load_state_dict({"state": state, "param_groups": groups})
         self._await_first_step(opt, loaded=True)
 
-    def _await_first_step(self, opt: torch.optim.Optimizer, loaded: bool) -> None:
-        """Drop at ``opt``'s next step the states made here, or, ``loaded``, those
+    def _await_first_step(
+        self, opt: torch.optim.Optimizer, loaded: bool, made: list[torch.Tensor] | None = None
+    ) -> None:
+        """Drop at ``opt``'s next step the states made here for the parameters ``made``
+        (kept with those made earlier that still await it), or, ``loaded``, those
         loaded that never stepped (read now, outside a step): [Note: states made for a
         checkpoint]."""
         earlier = self._made.pop(opt, None)
+        marks = MadeStates.marks(opt, loaded, made)
         if earlier is not None:
             earlier.cancel()
-        marks = MadeStates.marks(opt, loaded)
+            if made is not None:
+                marks = {**earlier.pending(), **marks}
         if marks:
             self._made[opt] = MadeStates(opt, marks)
 

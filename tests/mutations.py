@@ -311,6 +311,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        self._handle = opt.register_step_pre_hook(lambda *_: None)\n",
         ["tests/test_state.py::test_a_fresh_optimizers_state_dict_leaves_its_training_as_it_was"],
     ),
+    "states made only for a fresh optimizer (not for parameters never stepped)": (
+        "isp_comm/state.py",
+        "        missing = [p for p in params if not opt.state.get(p)]\n",
+        "        missing = [] if opt.state else params\n",
+        ["tests/test_unused_parameters.py::test_a_checkpoint_of_parameters_not_yet_stepped_resumes[wp2]"],
+    ),
     "unused parameters decided by each rank alone (find_unused_parameters)": (
         "isp_comm/hooks/unused.py",
         '        self.collectives.all_reduce(used, self.group, self.size, "all-reduce of the parameters\' use")',
