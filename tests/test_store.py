@@ -157,6 +157,26 @@ def test_isp_train_prepares_jsonl_once_then_takes_the_store(tmp_path):
         assert [json.loads(r)["loss"] for r in fa] == [json.loads(r)["loss"] for r in fb]  # the same tokens
 
 
+@pytest.mark.timeout(240)
+def test_isp_train_on_a_text_file_takes_the_store_isp_prepare_data_made(tmp_path, capsys):
+    # before, isp-train --data FILE.txt --tokenizer DIR (no --data-cache) tokenized the
+    # file again into a cache of its own (no EOS, random windows) beside the store
+    from isp_comm.testing import tiny_tokenizer
+    from isp_comm.train.store import main
+
+    tiny_tokenizer(str(tmp_path / "tok"), "the quick brown fox jumps over the lazy dog " * 20)
+    data = tmp_path / "corpus.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    main([str(data), "--tokenizer", str(tmp_path / "tok")])
+    folder = capsys.readouterr().out.splitlines()[-1]
+    before = sorted(os.listdir(tmp_path))
+    args = [*SMALL, "--steps", "2", "--no-trace", "--data", str(data), "--tokenizer", str(tmp_path / "tok")]
+    res = isp_train(2, *args, "--out", str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(set(os.listdir(tmp_path)) - {"run"}) == before, "isp-train made a file of its own beside the data"
+    assert f"{open_store(folder).meta['n_tokens']} tokens (" in res.stdout and "packed rows" in res.stdout, res.stdout
+
+
 def test_pretokenized_files_are_memory_mapped(tmp_path):
     from isp_comm.train.sources import load_tokens
 

@@ -384,7 +384,7 @@ def test_hf_model_trains_exports_and_generates(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     curve = losses(out)
     assert curve[16] < curve[1] - 1.0, curve  # ln(vocab) ~ 5.7 at the random start; the text repeats
-    assert [p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]  # cached next to the data
+    assert [p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.store-")]  # prepared next to the data
     hf = str(tmp_path / "hf")
     res = export_cli(os.path.join(out, "checkpoints"), "--hf", hf)
     assert res.returncode == 0, res.stderr
@@ -398,21 +398,24 @@ def test_hf_model_trains_exports_and_generates(tmp_path) -> None:
     assert len(new) == 5 and tok.decode(new)
 
 
-def test_tokens_are_cached_next_to_the_data(tmp_path) -> None:
+def test_an_earlier_versions_tokenizer_cache_is_still_read(tmp_path) -> None:
+    """A text file an earlier version tokenized into ``FILE.txt.tokens-KEY.npy`` is read
+    from that cache again (a run begun on it resumes on the same tokens); none is
+    written any more, and a changed file has none."""
+    import numpy as np
+
     from isp_comm.train import hf_model
 
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    _hf_folder(tmp_path / "m", data.read_text())
-    tokens, vocab = hf_model.tokenize(str(tmp_path / "m"), str(data))
-    (cache,) = [p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]
-    stamp = os.stat(tmp_path / cache).st_mtime_ns
-    again, _ = hf_model.tokenize(str(tmp_path / "m"), str(data))
-    assert torch.equal(tokens, again) and os.stat(tmp_path / cache).st_mtime_ns == stamp  # read, not rewritten
-    assert int(tokens.max()) < vocab
-    data.write_text("another text")  # a changed file is tokenized again, under another name
-    hf_model.tokenize(str(tmp_path / "m"), str(data))
-    assert len([p for p in os.listdir(tmp_path) if p.startswith("corpus.txt.tokens-")]) == 2
+    tok = str(tmp_path / "m")
+    _hf_folder(tok, data.read_text())
+    assert hf_model.older_cache(tok, str(data)) == ""
+    np.save(hf_model.cache_path(tok, str(data)), np.array([5, 6, 7], dtype=np.uint32))  # as an earlier version
+    tokens, vocab = hf_model.read_older_cache(tok, hf_model.older_cache(tok, str(data)))
+    assert tokens.tolist() == [5, 6, 7] and tokens.dtype == torch.int64 and vocab > 7
+    data.write_text("another text")
+    assert hf_model.older_cache(tok, str(data)) == ""
 
 
 def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:

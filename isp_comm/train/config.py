@@ -66,7 +66,8 @@ class TrainConfig:
     shaped by --layers, --hidden, --heads and --kv-heads (ignored with --model)."""
     tokenizer: str = ""
     """A tokenizer folder (what transformers' AutoTokenizer reads, local files only)
-    that tokenizes the --data text; the tokens are cached next to the data. Empty =
+    that tokenizes the --data text into a token store (next to the data, or under
+    --data-cache). Empty =
     the --model folder's tokenizer when it has one, else bytes as tokens."""
     layers: int = 4
     """Transformer blocks of the reference llama."""

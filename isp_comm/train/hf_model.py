@@ -103,7 +103,7 @@ def _fingerprint(tokenizer_dir: str, data: str) -> str:
 
 
 def cache_path(tokenizer_dir: str, data: str) -> str:
-    """Where the tokens of ``data`` under this tokenizer are kept: next to the data."""
+    """Where an earlier version kept the tokens of ``data`` under this tokenizer."""
     return f"{data}.tokens-{_fingerprint(tokenizer_dir, data)}.npy"
 
 
@@ -116,26 +116,18 @@ def load_tokenizer(path: str):  # -> transformers.PreTrainedTokenizerBase
         raise ValueError(f"--tokenizer {path}: cannot load a tokenizer from it ({exc})") from exc
 
 
-def tokenize(tokenizer_dir: str, data: str) -> tuple[torch.Tensor, int]:
-    """The tokens of the text file ``data``, from the cache when it is there (written
-    atomically otherwise, when the data's folder is writable), and the tokenizer's
-    vocabulary size."""
-    tok = load_tokenizer(tokenizer_dir)
+def older_cache(tokenizer_dir: str, data: str) -> str:
+    """The tokenizer cache an earlier version wrote for the text file ``data`` (its
+    tokens, no EOS, next to it), or "" when there is none: a run begun on it reads it
+    again, so that it resumes on the same tokens. Nothing writes one any more: a text
+    file becomes a token store, as ``isp-prepare-data`` makes it."""
     cache = cache_path(tokenizer_dir, data)
-    if os.path.isfile(cache):
-        return torch.from_numpy(np.load(cache).astype(np.int64)), len(tok)
-    with open(data, encoding="utf-8", errors="replace") as f:
-        ids = tok(f.read(), add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ValueError(f"--data {data}: the tokenizer found no tokens in it")
-    arr = np.asarray(ids, dtype=np.uint32)
-    try:
-        tmp = f"{cache}.{os.getpid()}.tmp.npy"
-        np.save(tmp, arr)
-        os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only data folder: tokenize again next time
-    return torch.from_numpy(arr.astype(np.int64)), len(tok)
+    return cache if os.path.isfile(cache) else ""
+
+
+def read_older_cache(tokenizer_dir: str, cache: str) -> tuple[torch.Tensor, int]:
+    """The tokens of an :func:`older_cache` and the tokenizer's vocabulary size."""
+    return torch.from_numpy(np.load(cache).astype(np.int64)), len(load_tokenizer(tokenizer_dir))
 
 
 def check_vocab(what: str, vocab: int, model_vocab: int, model_dir: str) -> None:
