@@ -182,8 +182,8 @@ def test_packed_run_resumes_bitwise_and_logs_eval(tmp_path) -> None:
         s: r["eval_loss"] for s, r in rows.items() if "eval_loss" in r
     }
     # resuming on other data is one line: random windows of the same store, another store,
-    # and one of the same documents' lengths (so of as many rows) but other tokens (before:
-    # resumed on them, saying only that --data had changed)
+    # one of the same documents' lengths (so of as many rows) but other tokens (before:
+    # resumed on them, saying only that --data had changed), and another held-out share
     other = _store(str(tmp_path / "o"), seed=1)
     mine = open_store(store)
     ends = np.asarray(mine.offsets).tolist()
@@ -192,7 +192,8 @@ def test_packed_run_resumes_bitwise_and_logs_eval(tmp_path) -> None:
     for args, words in (
         (["--data", store, "--no-pack-boundaries"], "trained on a packed data order, this run reads random windows"),
         (["--data", other], "packed rows came from 2092 tokens (checksum 24683), this run's from 2245"),
-        (["--data", same_rows], "same --data to resume"),
+        (["--data", same_rows], "same --data and --eval-split to resume"),
+        (["--eval-split", "0.2"], "same --data and --eval-split to resume"),  # before: named --data alone
     ):
         res = _train(*args, "--steps", "8", "--out", cut, "--resume")
         lines = [line for line in res.stderr.splitlines() if line.strip()]
@@ -212,7 +213,7 @@ def test_random_windows_resume_only_on_their_data(tmp_path) -> None:
         res = _train(*args, "--steps", "4", "--out", out, "--resume")
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
-        assert "random windows" in lines[0] and "same --data and --seq" in lines[0], lines
+        assert "random windows" in lines[0] and "same --data, --seq and --eval-split" in lines[0], lines
     assert _train("--steps", "3", "--out", out, "--resume").returncode == 0
 
 

@@ -1135,6 +1135,17 @@ def test_init_from_a_file_that_is_not_a_state_dict_says_so(tmp_path) -> None:
         _train1("--steps", "1", "--init-from", str(junk), "--out", str(tmp_path / "r")),
         "holds a list, not a state dict",
     )
+    # a model of another width: before, "embed.weight: expected shape (256, 32), got
+    # (256, 64)" without the flag or the file
+    from isp_comm.models.llama import LlamaConfig, build
+
+    torch.save(build(LlamaConfig(hidden=64, ffn_hidden=172, n_layers=2)).state_dict(), whole)
+    _one_line(
+        _train1("--steps", "1", "--init-from", str(whole), "--out", str(tmp_path / "r")),
+        f"--init-from {whole}: ",
+        "shape (256, 64), the model's (256, 32)",
+        "--hidden",
+    )
 
 
 def test_the_other_tools_name_the_path_they_could_not_read(tmp_path, capsys) -> None:

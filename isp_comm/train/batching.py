@@ -182,19 +182,22 @@ class TrainData:
         theirs = "random windows" if "windows" in saved else "a packed data order" if saved else None
         mine = "random windows" if self.order is None else "a packed data order"
         if theirs is not None and theirs != mine:
-            raise ValueError(f"the checkpoint was trained on {theirs}, this run reads {mine}: same --data to resume")
+            raise ValueError(
+                f"the checkpoint was trained on {theirs}, this run reads {mine}: same --data and --pack-boundaries "
+                "to resume"
+            )
         if self.order is None:
             if saved and saved["windows"] != self.windows():
                 raise ValueError(
                     f"the checkpoint's random windows ({_windows_text(saved['windows'])}) are not this run's "
-                    f"({_windows_text(self.windows())}): same --data and --seq to resume"
+                    f"({_windows_text(self.windows())}): same --data, --seq and --eval-split to resume"
                 )
             return
         if saved.get("tokens", self.identity()) != self.identity():
             theirs, mine = saved["tokens"], self.identity()
             raise ValueError(
                 f"the checkpoint's packed rows came from {theirs[0]} tokens (checksum {theirs[1]}), this run's from "
-                f"{mine[0]} (checksum {mine[1]}): same --data to resume"
+                f"{mine[0]} (checksum {mine[1]}): same --data and --eval-split to resume"
             )
         if saved:
             self.order.load_state_dict(saved)

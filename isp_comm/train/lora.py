@@ -92,4 +92,12 @@ def init_from(comm, path: str) -> None:
     missing = sorted(plain for plain in names.values() if plain not in full)
     if missing:
         raise ValueError(f"--init-from {path}: lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    wrong = [(plain, ours) for ours, plain in names.items() if full[plain].shape != current[ours].shape]
+    if wrong:
+        plain, ours = wrong[0]
+        raise ValueError(
+            f"--init-from {path}: {plain} has shape {tuple(full[plain].shape)}, the model's "
+            f"{tuple(current[ours].shape)} ({len(wrong)} of {len(names)} tensors differ): the file holds another "
+            "model; give the model flags it was trained with (--layers, --hidden, --heads, --kv-heads, or --model)"
+        )
     comm.load_state_dict({**current, **{ours: full[plain] for ours, plain in names.items()}})

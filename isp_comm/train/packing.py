@@ -180,7 +180,7 @@ class DataOrder:
         if state["n_rows"] != self.n_rows or state["seed"] != self.seed:
             raise ValueError(
                 f"the checkpoint's data order ({state['n_rows']} rows, seed {state['seed']}) is not this run's "
-                f"({self.n_rows} rows, seed {self.seed}): same --data, --seq and --seed to resume"
+                f"({self.n_rows} rows, seed {self.seed}): same --data, --seq, --eval-split and --seed to resume"
             )
         self.position = int(state["position"])
 
