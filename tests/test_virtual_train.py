@@ -94,8 +94,11 @@ def test_a_virtual_rank_writes_metrics_and_says_it_is_virtual(tmp_path) -> None:
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for r in got:
         assert r["comm_s"] > 0 and 0 <= r["exposed_comm_s"] <= r["step_s"] and r["comm_late_s"] >= 0
-    saved = os.path.join(out, "checkpoints")
-    assert not os.path.exists(saved) or not os.listdir(saved)
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
+    rank0 = str(tmp_path / "rank0")
+    res = virtual(*SMALL, "--steps", "1", "--virtual-world", "2", "--virtual-gbps", "1", "--no-trace", "--out", rank0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not os.path.exists(os.path.join(rank0, "checkpoints"))  # before: an empty folder (rank 0 made it)
     with open(os.path.join(out, "trace.json")) as f:
         pids = {e["pid"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
     assert len(pids) == 1

@@ -48,10 +48,11 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
             if stretched:
                 print(stretched, flush=True)
             run_folder.cut_metrics(cfg.out, start)
-    job.saver = checkpoint.Checkpointer(
-        cfg.out, cfg.async_save, job.device.type == "cuda", keep=cfg.keep_checkpoints, flags=saved_flags(cfg)
-    )
-    closing.callback(job.saver.close)
+    if not cfg.virtual_world:  # one rank's shards are no checkpoint: no saver, no checkpoints/ folder
+        job.saver = checkpoint.Checkpointer(
+            cfg.out, cfg.async_save, job.device.type == "cuda", keep=cfg.keep_checkpoints, flags=saved_flags(cfg)
+        )
+        closing.callback(job.saver.close)
     if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
         write_run_files(job, start)
@@ -146,9 +147,10 @@ def finish(job: Job, start: int, last: dict) -> None:
     local_spans = (tracer.wall_origin if tracer is not None else 0.0, comm.stop_trace())
     if job.breakdown is not None:  # collective: every rank, before the final save
         job.breakdown.report()
-    if start < cfg.steps and cfg.final_save and not cfg.virtual_world:  # one rank's shards: no checkpoint
-        job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
-    job.saver.close()
+    if job.saver is not None:  # a virtual run has none
+        if start < cfg.steps and cfg.final_save:
+            job.saver.save(cfg.steps, comm, job.opt, job.data.state_dict())
+        job.saver.close()
     if cfg.virtual_world:  # one real rank: keep its lane (a virtual group's gather would only model it)
         spans = [local_spans]
     else:
