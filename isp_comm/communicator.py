@@ -24,11 +24,15 @@ from isp_comm.consistency import broadcast_weights, check_same_weights
 from isp_comm.context import CommContext
 from isp_comm.discovery import (
     CLOSED_SHARDS,
+    MATRIX_OPTIMIZERS,
     build_units,
     find_blocks,
     outer_replicated,
+    refuse_added_parameters,
     refuse_assign,
     refuse_data_parallel_outside,
+    refuse_deepcopy,
+    refuse_matrix_optimizer,
     target_device,
     validate,
 )
@@ -299,10 +303,25 @@ class ISPCommunicator:
             else model.register_forward_pre_hook(functools.partial(refuse_labels, self._vocab_head), with_kwargs=True)
         )
         self._undo_generate = self._wrap_generate()
+        self._watch_parameters()
         self._chunk_check = self._sequence_check = None
         if g.sp_size > 1:
             check = self._sequence_check = SequenceCheck(g.sp_group, g.sp_size, self.backend, self.ctx, model)
             self._chunk_check = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+
+    def _watch_parameters(self) -> None:
+        """What the step pre-hook checks (:meth:`_before_step`): the parameters wrapping
+        left (any added later is refused), those of which this rank holds part (a
+        matrix-aware optimizer on them is refused); and no deep copy of the model or a
+        block (:func:`~isp_comm.discovery.refuse_deepcopy`)."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        self._wrapped_ids = frozenset(id(p) for p in named.values())
+        self._partial_ids = frozenset(
+            id(named[fqn]) for fqn, (_, pc) in self._sharded.items() if named[fqn].numel() < pc.shape.numel()
+        )
+        self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
+        for module in self._no_copies:
+            module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
 
     def _add_summed(self, unit: BlockUnit) -> None:
         """A unit whose backward sums its shard's gradient over WP itself: averaged over
@@ -495,6 +514,18 @@ class ISPCommunicator:
         planned] in ``isp_comm/hooks/engine.py``). With ``find_unused_parameters``, the
         gradients no rank produced go back to ``None`` ([Note: unused parameters]),
         except in the step that makes a fresh optimizer's states, whose zeros are its own."""
+        held = [p for g in opt.param_groups for p in g["params"]]
+        if isinstance(opt, MATRIX_OPTIMIZERS) and any(id(p) in self._partial_ids for p in held):
+            refuse_matrix_optimizer(opt)
+        if any(id(p) not in self._wrapped_ids for p in held):  # not all this model's: another's, or added
+            added = {id(p) for p in held}
+            names = [
+                n
+                for n, p in self.model.named_parameters()
+                if id(p) in added and id(p) not in self._wrapped_ids and (p.requires_grad or p.grad is not None)
+            ]
+            if names:
+                refuse_added_parameters(names)
         r = self.engine.reducer
         if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
             mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
@@ -785,6 +816,8 @@ class ISPCommunicator:
         for handle in (self._chunk_check, self._labels_check, self._wrapper_check, *self._assign_checks):
             if handle is not None:
                 handle.remove()
+        for module in self._no_copies:
+            module.__dict__.pop("__deepcopy__", None)
         if self._undo_generate is not None:
             self._undo_generate()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):

@@ -126,6 +126,44 @@ def refuse_assign(module: nn.Module, state_dict: dict[str, Any], prefix: str, lo
         )
 
 
+def refuse_deepcopy(memo: dict) -> None:
+    """``__deepcopy__`` of the wrapped model and of its blocks, set on each instance
+    (``copy.deepcopy`` looks it up there): a copy would keep the blocks' forwards,
+    which gather this communicator's shards, so it would compute with the original's
+    weights whatever its own hold (an EMA's ``AveragedModel`` among others)."""
+    raise ValueError(
+        "a model wrapped by an ISPCommunicator cannot be deep-copied: its blocks' forwards gather this "
+        "communicator's shards, so the copy would compute with the original's weights, not its own. Copy it "
+        "before wrapping and wrap the copy with an ISPCommunicator of its own (an EMA: AveragedModel(model) "
+        "before wrapping, then wrap model and ema.module alike; its update then averages shard with shard)"
+    )
+
+
+def refuse_added_parameters(names: list[str]) -> None:
+    """Parameters of the wrapped model that wrapping never saw, stepped by an optimizer."""
+    raise ValueError(
+        f"parameters were added to the model after it was wrapped ({', '.join(names[:3])}"
+        f"{' ...' if len(names) > 3 else ''}): an ISPCommunicator averages over the ranks only the gradients of "
+        "the parameters it wrapped, so each rank would step these with its own. Add them before wrapping "
+        "(with peft: wrap after get_peft_model)"
+    )
+
+
+MATRIX_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
+"""torch's optimizers whose update of a matrix reads the whole matrix (Adafactor's row
+and column statistics, Muon's orthogonalisation): on a rank's rows they compute another
+update than on the parameter, and train on without a word."""
+
+
+def refuse_matrix_optimizer(opt: torch.optim.Optimizer) -> None:
+    raise ValueError(
+        f"{type(opt).__name__} computes each matrix's update from the whole matrix (factored statistics, or "
+        "its orthogonalisation), and this rank holds only its rows of the blocks' weights: it would train "
+        "another model than on one process. Use an elementwise optimizer (AdamW, Adam, SGD, ...) for the "
+        "sharded parameters"
+    )
+
+
 def validate(model: nn.Module, blocks: list[nn.Module]) -> None:
     """A ``ValueError`` (``TypeError`` for a non-module block) for what cannot be wrapped."""
     if not blocks:

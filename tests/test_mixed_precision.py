@@ -289,3 +289,39 @@ def test_fp16_reduction_divides_before_and_after() -> None:
     for r in every:
         assert r["finite"], r
         assert r["rel"] < 3.5e-3, r  # 5x the measured 6.9e-4 (fp16: 11 bits, a few roundings)
+
+
+def _scaler_worker(rank: int, world: int) -> dict[str, tuple[float, bool]]:
+    """One step of fp16-style loss scaling with an inf planted in rank 0's rows of a
+    block's weight: each scaler's new scale, and whether this rank stepped."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from isp_comm.models.llama import LlamaConfig
+    from tests.parity import TINY
+
+    out = {}
+    for name, make in (("torch.amp", torch.amp.GradScaler), ("sharded", ShardedGradScaler)):
+        model = build(LlamaConfig(**TINY))
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make("cpu", init_scale=2.0**10)
+        x = torch.randint(0, 37, (2, 8))
+        scaler.scale(loss_fn(model(x), x)).backward()
+        if rank == 0:
+            model.layers[0].mlp.gate_proj.weight.grad[0, 0] = float("inf")  # this rank's rows only
+        before = model.embed.weight.detach().clone()  # a whole parameter: stepped or not
+        scaler.step(opt)
+        scaler.update()
+        out[name] = (scaler.get_scale(), not torch.equal(before, model.embed.weight))
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fp16_loss_scaling_agrees_across_ranks_with_the_sharded_grad_scaler() -> None:
+    # torch.amp.GradScaler sees this rank's rows only: rank 0 skips its step and halves
+    # its scale while rank 1 steps (the documented pitfall, shown here so that the doc's
+    # advice stays needed); FSDP2's ShardedGradScaler all-reduces the inf flag
+    r0, r1 = run_ranks(_scaler_worker, 2, timeout_s=100)
+    assert r0["torch.amp"] == (512.0, False) and r1["torch.amp"] == (1024.0, True), (r0, r1)
+    assert r0["sharded"] == r1["sharded"] == (512.0, False), (r0, r1)
