@@ -322,6 +322,25 @@ class ISPCommunicator:
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
+        self._state_dict_hooks = [
+            self.model.register_state_dict_post_hook(lambda _m, sd, prefix, _meta: self._sharded_entries(sd, prefix)),
+            self.model.register_load_state_dict_pre_hook(lambda _m, sd, prefix, *_: self._state.as_local(sd, prefix)),
+            self.model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_updated()),
+        ]
+
+    def _sharded_entries(self, state_dict: dict, prefix: str) -> None:
+        """[Note: the model's own state dict] ``model.state_dict()`` (and a parent
+        module's, and torch's ``get_model_state_dict``) holds the sharded parameters
+        as DTensors on the live shards, as under FSDP2, so that
+        ``dcp.save({"model": model.state_dict()})`` saves every rank's rows: as plain
+        tensors DCP took them for replicated ones and kept one rank's, without a word.
+        ``model.load_state_dict`` takes them back (and full tensors) through
+        ``ShardedState.as_local``. With pieces, what a caller writes into them is seen,
+        as through :meth:`state_dict` (they are watched)."""
+        with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
+            handed = self._state.as_dtensors(state_dict, prefix)
+            if self.engine.refresh is not None and handed:
+                self.engine.refresh.watch(handed)
 
     def _add_summed(self, unit: BlockUnit) -> None:
         """A unit whose backward sums its shard's gradient over WP itself: averaged over
@@ -738,11 +757,7 @@ class ISPCommunicator:
         piece (see docs/sharding.md), and ``dcp.load``'s writes into it make the WP
         shards be rebuilt before the next forward ([Note: refreshing the WP shards])."""
         self._check_idle("state_dict()")
-        sd = self._state.state_dict()
-        if self.engine.refresh is not None:
-            with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
-                self.engine.refresh.watch([v.to_local() for k, v in sd.items() if k in self._state.sharded])
-        return sd
+        return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (this run's, or another WP size's
@@ -818,6 +833,8 @@ class ISPCommunicator:
                 handle.remove()
         for module in self._no_copies:
             module.__dict__.pop("__deepcopy__", None)
+        for handle in self._state_dict_hooks:
+            handle.remove()
         if self._undo_generate is not None:
             self._undo_generate()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):

@@ -108,7 +108,7 @@ class FullState:
         def out(t: torch.Tensor) -> torch.Tensor:
             return t.to("cpu") if cpu and t.device.type != "cpu" else t
 
-        own = self.model.state_dict()
+        own = self.model.state_dict(keep_vars=True)  # the live tensors: the sharded ones stay plain
         sd = {k: out(v).clone() for k, v in own.items() if k not in self.sharded and keep}
         for unit in self.units:
             fulls = self.gather_full(unit, list(unit.shards))

@@ -240,12 +240,45 @@ class ShardedState:
     # ---- model state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Original FQNs; sharded parameters as DTensors on the live shards, everything
-        else (replicated parameters, persistent buffers) as plain tensors."""
-        sd = self.model.state_dict()
-        for fqn, t in sd.items():
+        else (replicated parameters, persistent buffers) as plain tensors: the model's
+        own ``state_dict()``, whose post-hook is :meth:`as_dtensors` while wrapped."""
+        return self.model.state_dict()
+
+    def as_dtensors(self, state_dict: dict[str, Any], prefix: str) -> list[torch.Tensor]:
+        """A ``state_dict`` post-hook's work: each sharded parameter's entry (under
+        ``prefix``, the model's place in the module asked) becomes a DTensor on this
+        rank's live shard, as FSDP2's parameters are, so that DCP and torch's
+        ``get_model_state_dict`` see what is sharded ([Note: the model's own state
+        dict]); returns their local tensors. An entry that is the parameter itself
+        (``keep_vars=True``) stays: the caller asked for the live objects."""
+        from torch.distributed.tensor import DTensor
+
+        handed = []
+        for fqn in self.sharded:
+            t = state_dict.get(prefix + fqn)
+            if t is None or isinstance(t, nn.Parameter | DTensor):
+                continue
+            d = state_dict[prefix + fqn] = self.as_dtensor(fqn, own_storage(t))
+            handed.append(d.to_local())
+        return handed
+
+    def as_local(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """A ``load_state_dict`` pre-hook's work, the inverse of :meth:`as_dtensors`:
+        each sharded parameter's DTensor, or full tensor, becomes this rank's rows, and
+        another DTensor a full tensor, so that ``Module.load_state_dict`` copies into
+        the shards as it copies into any parameter. A plain tensor of the shard's shape
+        (a state dict of an earlier version's, which held the shards so) is this rank's
+        rows already."""
+        from torch.distributed.tensor import DTensor
+
+        for key, value in list(state_dict.items()):
+            fqn = key[len(prefix) :] if key.startswith(prefix) else None
             if fqn in self.sharded:
-                sd[fqn] = self.as_dtensor(fqn, own_storage(t))
-        return sd
+                shard = self.model.get_parameter(fqn)
+                if isinstance(value, DTensor) or value.shape != shard.shape:
+                    state_dict[key] = self.local_of(fqn, value, shard)
+            elif fqn is not None and isinstance(value, DTensor):
+                state_dict[key] = value.full_tensor()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -86,7 +86,7 @@ def open_reporters(job: Job, start: int, closing: contextlib.ExitStack) -> None:
 def write_run_files(job: Job, start: int) -> None:
     """What ran (the flags and rank 0's shard of every parameter), and its first line."""
     cfg, model = job.cfg, job.model
-    shards = {k: list(v.shape) for k, v in model.state_dict().items()}
+    shards = {k: list(v.shape) for k, v in model.state_dict(keep_vars=True).items()}  # the shards themselves
     run_folder.write_run(cfg.out, cfg, job.world, shards, job.previous, start, {} if cfg.model else asdict(job.mcfg))
     run_folder.write_config(cfg.out, cfg)
     if cfg.model:
