@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -792,3 +794,104 @@ def test_a_failed_rendezvous_says_what_torch_kept_inside_and_what_usually_causes
     ), said
     assert "inner exception" not in said and "--rdzv-endpoint h:7 could not be reached or hosted" in said, said
     assert rendezvous_failure(ValueError("bad"), "h:7") == "bad"
+
+
+class _SilentServer:
+    """A port held by a process that accepts connections and never reads or answers
+    (another program, a stuck earlier run): what torch's rendezvous waited on with no
+    end, deaf to Ctrl-C. ``accepted``: the connections it took."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port, self.accepted, self._stop = self.sock.getsockname()[1], [], threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.accepted.append(self.sock.accept()[0])
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        for s in [self.sock, *self.accepted]:
+            s.close()
+        assert not self.thread.is_alive() and self.sock.fileno() == -1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["wait", "ctrl-c"])
+def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: str) -> None:
+    """--rdzv-endpoint on a port whose holder accepts and never answers: the launcher
+    asks it with torch's own client, in a thread it waits 15 s for (launch's
+    ``rendezvous.ANSWER_S``), then exits 2 with one line naming the endpoint and no
+    rank started. A Ctrl-C during that wait exits 130 quietly. Before, the launch hung
+    for as long as the holder lived (645 s, ended by killing it, then 32 lines of C++
+    frames), and Ctrl-C did nothing."""
+    server = _SilentServer()
+    endpoint = f"127.0.0.1:{server.port}"
+    env, temp = _own_temp(tmp_path)
+    out = str(tmp_path / "run")
+    cmd = _own(2, *SMALL, *COMMON, "--steps", "2", "--rdzv-endpoint", endpoint, "--out", out)
+    try:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            if end == "ctrl-c":
+                # the first connection (the probe's plain connect; unfixed, torch's client), and a
+                # second for the probe's client to ask: the launcher now waits on the answer
+                deadline = time.monotonic() + 50
+                while not server.accepted and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert server.accepted, "the launcher never connected to the endpoint"
+                time.sleep(1.0)
+                proc.send_signal(signal.SIGINT)
+            # the bound: the torch import (seconds on a loaded machine), then the 15 s wait;
+            # unfixed, nothing ends it (the holder lives on): the kill below
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    lines = [x for x in err.splitlines() if x.strip()]
+    if end == "wait":
+        assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, err[-3000:])
+        assert lines[0].startswith("isp-train: error: launching 2 ranks failed: the rendezvous store at ")
+        assert f"--rdzv-endpoint {endpoint} did not answer" in lines[0] and "choose a free port" in lines[0], lines
+        assert took >= 15, took  # it waited the whole 15 s: a real store has that long to answer
+    else:
+        assert proc.returncode == 130 and not lines, (proc.returncode, err[-3000:])
+    assert not os.path.exists(out) and not _left_in(temp), _left_in(temp)
+
+
+@pytest.mark.timeout(30)
+def test_the_rendezvous_probe_passes_a_real_store_and_a_free_port() -> None:
+    """A TCPStore server at the endpoint answers torch's client in milliseconds (5 s
+    allowed, on a loaded machine); a port nobody listens on is refused at once (its
+    store is the agent's to host); neither is reported silent."""
+    from datetime import timedelta
+
+    from isp_comm.train.rendezvous import endpoint_address, store_is_silent
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    start = time.monotonic()
+    assert not store_is_silent(f"127.0.0.1:{store.port}")
+    assert time.monotonic() - start < 5
+    store.set("still", "serving")  # the probe's client left the server as it was
+    assert store.get("still") == b"serving"
+    del store
+    with socket.socket() as s:  # a port just free: bound, never listened on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    assert not store_is_silent(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 2  # refused, not the 3 s connect timeout
+    # torch's own reading of the endpoint: its default port, IPv6 in brackets
+    assert endpoint_address("host") == ("host", 29400)
+    assert endpoint_address("[::1]:7") == ("::1", 7)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from isp_comm.backends.shm import owners_gone
 from isp_comm.processes import AfterImport, children_start_with_stops_blocked
+from isp_comm.train.rendezvous import silent_store_failure, store_is_silent
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -217,6 +218,12 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         monitor_interval=0.1,
     )
     try:
+        if rdzv_endpoint and store_is_silent(rdzv_endpoint):  # torch would wait on it, deaf to Ctrl-C
+            print(
+                f"isp-train: error: launching {nproc} ranks failed: {silent_store_failure(rdzv_endpoint)}",
+                file=sys.stderr,
+            )
+            return 2
         with children_start_with_stops_blocked():  # [Note: a signal while a child starts]
             elastic_launch(config, entrypoint=sys.executable)("-m", "isp_comm.train", *argv)
     except ChildFailedError as exc:
