@@ -828,7 +828,7 @@ class _SilentServer:
 def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: str) -> None:
     """--rdzv-endpoint on a port whose holder accepts and never answers: the launcher
     asks it with torch's own client, in a thread it waits 15 s for (launch's
-    ``rendezvous.ANSWER_S``), then exits 2 with one line naming the endpoint and no
+    ``launch.ANSWER_S``), then exits 2 with one line naming the endpoint and no
     rank started. A Ctrl-C during that wait exits 130 quietly. Before, the launch hung
     for as long as the holder lived (645 s, ended by killing it, then 32 lines of C++
     frames), and Ctrl-C did nothing."""
@@ -877,7 +877,7 @@ def test_the_rendezvous_probe_passes_a_real_store_and_a_free_port() -> None:
     store is the agent's to host); neither is reported silent."""
     from datetime import timedelta
 
-    from isp_comm.train.rendezvous import endpoint_address, store_is_silent
+    from isp_comm.train.launch import endpoint_address, store_is_silent
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     start = time.monotonic()
