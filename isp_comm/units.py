@@ -237,6 +237,8 @@ class BlockUnit(BlockLayout):
     # ---- module attributes ------------------------------------------------------------
     def swap_in(self, tensors: list[torch.Tensor]) -> None:
         for sp, t in zip(self.params, tensors):
+            if sp.name not in sp.module._parameters:
+                _moved(sp)
             sp.module._parameters[sp.name] = t
         for module, name, i, _ in self.aliases:
             module._parameters[name] = tensors[i]
@@ -299,3 +301,15 @@ class BlockUnit(BlockLayout):
             if base is not None and base.shape == self.master.shape and base.dtype == self.master.dtype:
                 return base
         return torch.empty_like(self.master)
+
+
+def _moved(sp: ShardedParam) -> None:
+    """A block's parameter that is no longer its module's: ``torch.nn.utils.parametrize``
+    (weight norm, spectral norm) moved it into the parametrization after wrapping, which
+    then computes from the shard (a shape error deep in the block, or at wp 1 a
+    gradient no reduction sees)."""
+    raise RuntimeError(
+        f"isp-comm: {sp.fqn} is no longer a parameter of its module: a parametrization (torch.nn.utils."
+        "parametrize, weight_norm, spectral_norm) registered after wrapping moved it, and would compute from "
+        "this rank's shard; register it before wrapping (its original tensor then stays whole) or not at all"
+    )
