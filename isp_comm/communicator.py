@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from isp_comm.backends import Backend, make_backend
 from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
-from isp_comm.consistency import broadcast_weights, check_same_weights
+from isp_comm.consistency import broadcast_weights, check_same_weights, repeated_rows
 from isp_comm.context import CommContext
 from isp_comm.discovery import (
     CLOSED_SHARDS,
@@ -61,6 +61,7 @@ from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_paral
 from isp_comm.state import ShardedState
 from isp_comm.trace import clock_for
 from isp_comm.units import BlockUnit
+from isp_comm.virtual import is_virtual
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, refuse_labels, vocab_parallel_cross_entropy
 
 log = logging.getLogger("isp_comm")
@@ -293,7 +294,7 @@ class ISPCommunicator:
         self._orig_forwards: list[tuple[nn.Module, Any]] = []
         for unit in self.units:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
-        self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self.engine.root_pre_forward())
+        self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward())
         self._root_post_handle = model.register_forward_hook(lambda _m, _a, _o: self.engine.root_post_forward())
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
         self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in model.modules()]
@@ -322,11 +323,39 @@ class ISPCommunicator:
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
+        self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
         self._state_dict_hooks = [
             self.model.register_state_dict_post_hook(lambda _m, sd, prefix, _meta: self._sharded_entries(sd, prefix)),
             self.model.register_load_state_dict_pre_hook(lambda _m, sd, prefix, *_: self._state.as_local(sd, prefix)),
             self.model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_updated()),
         ]
+
+    def _root_pre_forward(self) -> None:
+        if self._rows_unchecked and not torch.compiler.is_compiling():  # traced: left to an eager forward
+            self._check_rows()
+        self.engine.root_pre_forward()
+
+    def _check_rows(self) -> None:
+        """[Note: rows initialised after wrapping] torchtitan initialises a model after
+        ``fully_shard``, each DTensor shard drawing its own part of the whole. Here the
+        parameters are plain shards: an ``nn.init`` after wrapping draws from one
+        generator state on every rank, so every rank's rows are the whole's first rows
+        and the weight is them repeated, and it trains on, worse, without a word. The
+        first forward compares a checksum of each sharded parameter over the WP group
+        (the world, for pieces; one small all-gather, once, of torch's) and refuses rows alike on every rank but not
+        constant (zeros and ones are a real initialisation). Until a forward passes it;
+        not while torch.compile traces the model (an eager forward checks)."""
+        g = self.groups
+        named = [(n, p) for n, p in self.model.named_parameters() if id(p) in self._partial_ids]
+        same = repeated_rows(named, g.world_group if self._state.pieces else g.wp_group, self._state.device)
+        if same:
+            raise ValueError(
+                f"{', '.join(same[:3])}{' ...' if len(same) > 3 else ''}: every rank of the WP group holds the same "
+                "values, where each holds its own rows of the weight: initialised after wrapping, from one generator "
+                "state on every rank (the weight is its first rows repeated)? Initialise before wrapping, build on the "
+                "meta device with ISPConfig(init_seed=...), or load the weights (comm.load_full_state_dict)"
+            )
+        self._rows_unchecked = False
 
     def _sharded_entries(self, state_dict: dict, prefix: str) -> None:
         """[Note: the model's own state dict] ``model.state_dict()`` (and a parent
@@ -339,8 +368,8 @@ class ISPCommunicator:
         as through :meth:`state_dict` (they are watched)."""
         with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
             handed = self._state.as_dtensors(state_dict, prefix)
-            if self.engine.refresh is not None and handed:
-                self.engine.refresh.watch(handed)
+            if self.engine.refresh is not None and handed and not torch.is_inference_mode_enabled():
+                self.engine.refresh.watch(handed)  # inference tensors keep no version: see docs/state.md
 
     def _add_summed(self, unit: BlockUnit) -> None:
         """A unit whose backward sums its shard's gradient over WP itself: averaged over

@@ -7,7 +7,9 @@ sharded, :func:`check_same_weights` compares a checksum of every parameter over 
 world (one small all-gather) and names the first that differs;
 ``ISPConfig(sync_module_states=True)`` instead broadcasts rank 0's weights, as FSDP1's
 option of that name does. Parameters still on the meta device are skipped: they are
-materialised identically later (see :mod:`isp_comm.materialize`).
+materialised identically later (see :mod:`isp_comm.materialize`). After wrapping, the
+opposite mistake, :func:`repeated_rows`: shards alike on every rank that holds part of
+a weight ([Note: rows initialised after wrapping] in ``isp_comm/communicator.py``).
 """
 
 from __future__ import annotations
@@ -67,3 +69,21 @@ def broadcast_weights(model: nn.Module) -> None:
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type != "meta":
             dist.broadcast(t.data, src=0)
+
+
+@torch.no_grad()
+def repeated_rows(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device) -> list[str]:
+    """The parameters among ``named`` (this rank's rows of each) that hold the same,
+    not constant, values on every rank of ``group`` (the ranks that hold the other
+    rows): rows initialised after wrapping from one generator state on every rank
+    (each drew the parameter's first rows), never a shard of real weights. One
+    all-gather of torch's, as :func:`check_same_weights` (outside any step's count of
+    the backend's collectives)."""
+    if not named:
+        return []
+    mine = torch.tensor([fingerprint(p) for _, p in named], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    same = [all(torch.equal(f[i], every[0][i]) for f in every) for i in range(len(named))]
+    varied = [p.numel() > 1 and bool((p.reshape(-1) != p.reshape(-1)[0]).any()) for _, p in named]
+    return [n for (n, _), s, v in zip(named, same, varied) if s and v]

@@ -455,3 +455,35 @@ def test_a_parametrization_registered_after_wrapping_is_refused_at_the_forward()
     for diff, said in run_ranks(_parametrized_worker, 2, timeout_s=90):
         assert diff < 2e-6, diff
         assert said.startswith("isp-comm: layers.1.mlp.gate_proj.weight is no longer a parameter"), said
+
+
+def _init_after_wrap_worker(rank: int, world: int) -> list[str]:
+    """torchtitan's order, an init after wrapping (one seed on every rank), at wp 2 and
+    with the state over the world (wp 1, pieces); then zeros (constant: a real
+    initialisation), and the seeded init before wrapping."""
+    said = []
+    for wp, opts, how in ((2, {}, "after"), (1, {"state_sharding": "world"}, "after"), (2, {}, "zeros")):
+        model = build(LlamaConfig(n_layers=2, hidden=16, ffn_hidden=24, n_heads=2, n_kv_heads=1, vocab_size=11))
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**opts))
+        torch.manual_seed(0)
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.weight) if how == "zeros" else nn.init.trunc_normal_(m.weight, std=0.02)
+        for _ in range(2):  # the check holds until a forward passes it
+            try:
+                model(torch.randint(0, 11, (2, 8)))
+                said.append("ran")
+            except ValueError as exc:
+                said.append(str(exc))
+        comm.close()
+    return said
+
+
+@pytest.mark.timeout(100)
+def test_weights_initialised_after_wrapping_are_refused_at_the_first_forward() -> None:
+    # before: every rank drew the weight's first rows, and the model trained on with
+    # each weight its first rows repeated, without a word
+    for said in run_ranks(_init_after_wrap_worker, 2, timeout_s=90):
+        refused = "layers.0.attn.q_proj.weight, layers.0.attn.k_proj.weight, layers.0.attn.v_proj.weight ...: "
+        assert all(s.startswith(refused) and "initialised after wrapping" in s for s in said[:4]), said
+        assert said[4:] == ["ran", "ran"], said
