@@ -313,8 +313,10 @@ class ISPCommunicator:
     def _watch_parameters(self) -> None:
         """What the step pre-hook checks (:meth:`_before_step`): the parameters wrapping
         left (any added later is refused), those of which this rank holds part (a
-        matrix-aware optimizer on them is refused); and no deep copy of the model or a
-        block (:func:`~isp_comm.discovery.refuse_deepcopy`)."""
+        matrix-aware optimizer on them is refused; their rows checked at the first
+        training forward, :meth:`_check_rows`); no deep copy of the model or a block
+        (:func:`~isp_comm.discovery.refuse_deepcopy`); the model's own state dict
+        sharded (:meth:`_sharded_entries`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
         self._partial_ids = frozenset(
@@ -331,7 +333,7 @@ class ISPCommunicator:
         ]
 
     def _root_pre_forward(self) -> None:
-        if self._rows_unchecked and not torch.compiler.is_compiling():  # traced: left to an eager forward
+        if self._rows_unchecked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._check_rows()
         self.engine.root_pre_forward()
 
@@ -341,17 +343,19 @@ class ISPCommunicator:
         parameters are plain shards: an ``nn.init`` after wrapping draws from one
         generator state on every rank, so every rank's rows are the whole's first rows
         and the weight is them repeated, and it trains on, worse, without a word. The
-        first forward compares a checksum of each sharded parameter over the WP group
-        (the world, for pieces; one small all-gather, once, of torch's) and refuses rows alike on every rank but not
-        constant (zeros and ones are a real initialisation). Until a forward passes it;
-        not while torch.compile traces the model (an eager forward checks)."""
+        first forward with grad (a training one: every rank of the group runs it, where
+        one replica may generate alone) compares a checksum of each sharded parameter
+        over the WP group (the world, for pieces; one small all-gather of torch's, once)
+        and refuses rows alike on every rank but not constant (zeros and ones are a
+        real initialisation). Until a forward passes it; not while torch.compile traces
+        the model (an eager forward checks)."""
         g = self.groups
         named = [(n, p) for n, p in self.model.named_parameters() if id(p) in self._partial_ids]
         same = repeated_rows(named, g.world_group if self._state.pieces else g.wp_group, self._state.device)
         if same:
             raise ValueError(
-                f"{', '.join(same[:3])}{' ...' if len(same) > 3 else ''}: every rank of the WP group holds the same "
-                "values, where each holds its own rows of the weight: initialised after wrapping, from one generator "
+                f"{', '.join(same[:3])}{' ...' if len(same) > 3 else ''}: every rank holding part of the weight holds "
+                "the same values, where each holds its own rows: initialised after wrapping, from one generator "
                 "state on every rank (the weight is its first rows repeated)? Initialise before wrapping, build on the "
                 "meta device with ISPConfig(init_seed=...), or load the weights (comm.load_full_state_dict)"
             )

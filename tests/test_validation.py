@@ -469,6 +469,8 @@ def _init_after_wrap_worker(rank: int, world: int) -> list[str]:
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 nn.init.zeros_(m.weight) if how == "zeros" else nn.init.trunc_normal_(m.weight, std=0.02)
+        with torch.no_grad():  # an evaluation, not checked: one replica may generate alone
+            model(torch.randint(0, 11, (2, 8)))
         for _ in range(2):  # the check holds until a forward passes it
             try:
                 model(torch.randint(0, 11, (2, 8)))
