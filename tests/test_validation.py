@@ -29,6 +29,15 @@ def tiny() -> nn.Module:
     return build(LlamaConfig(n_layers=2, hidden=16, ffn_hidden=24, n_heads=2, n_kv_heads=1, vocab_size=11))
 
 
+def said_by(refusal: type[Exception], call, *args) -> str:
+    """What ``call(*args)`` said: ``"ran"``, or the message of the ``refusal`` it raised."""
+    try:
+        call(*args)
+    except refusal as exc:
+        return str(exc)
+    return "ran"
+
+
 @pytest.mark.parametrize(
     "kw, msg",
     [
@@ -280,11 +289,7 @@ def _replaced_worker(rank: int, world: int) -> list[str]:
         run = model
         if how == "fully_shard of a parent":
             run = fully_shard(nn.Sequential(model), mesh=init_device_mesh("cpu", (world,)))
-        try:
-            run(torch.randint(0, 11, (2, 8))).sum().backward()
-            said.append("ran")
-        except RuntimeError as exc:
-            said.append(str(exc))
+        said.append(said_by(RuntimeError, lambda r: r(torch.randint(0, 11, (2, 8))).sum().backward(), run))
         comm.close()
     return said
 
@@ -379,11 +384,7 @@ def _ema_worker(rank: int, world: int) -> tuple[list[str], float]:
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world))
         opt = make([p for p in model.layers.parameters() if p.dim() == 2])
         loss_fn(model(torch.randint(0, 37, (2, 8))), torch.randint(0, 37, (2, 8))).backward()
-        try:
-            opt.step()
-            said.append("stepped")
-        except ValueError as exc:
-            said.append(str(exc))
+        said.append(said_by(ValueError, opt.step))
         comm.close()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 37, (2 * world, 8), generator=g), torch.randint(0, 37, (2 * world, 8), generator=g))]
@@ -438,11 +439,7 @@ def _parametrized_worker(rank: int, world: int) -> tuple[float, str]:
         full.append(comm.full_state_dict() if comm else model.state_dict())
         if comm:
             weight_norm(model.layers[1].mlp.gate_proj)
-            try:
-                model(x)
-                said = "ran"
-            except RuntimeError as exc:
-                said = str(exc)
+            said = said_by(RuntimeError, model, x)
             comm.close()
     return max((full[1][k] - v).abs().max().item() for k, v in full[0].items()), said
 
@@ -472,11 +469,7 @@ def _init_after_wrap_worker(rank: int, world: int) -> list[str]:
         with torch.no_grad():  # an evaluation, not checked: one replica may generate alone
             model(torch.randint(0, 11, (2, 8)))
         for _ in range(2):  # the check holds until a forward passes it
-            try:
-                model(torch.randint(0, 11, (2, 8)))
-                said.append("ran")
-            except ValueError as exc:
-                said.append(str(exc))
+            said.append(said_by(ValueError, model, torch.randint(0, 11, (2, 8))))
         comm.close()
     return said
 
