@@ -73,8 +73,9 @@ def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, int, str, object]:
     if not tok_dir and cfg.model and cfg.data and not is_pretokenized(cfg.data):
         tok_dir = cfg.model if hf_model.has_tokenizer(cfg.model) else ""
     offsets = None
-    older = hf_model.older_cache(tok_dir, cfg.data) if tok_dir and cfg.data.endswith(".txt") else ""
-    if older and not cfg.data_cache:
+    text_file = tok_dir and cfg.data.endswith(".txt") and not cfg.data_cache  # --data-cache: always the store
+    older = hf_model.older_cache(tok_dir, cfg.data) if text_file else ""
+    if older:
         tokens, vocab = hf_model.read_older_cache(tok_dir, older)
     elif tok_dir:  # prepared once by rank 0 (a progress bar there), then opened by the others
         store = _on_rank0_first(prepare_text, cfg.data, tok_dir, cfg.data_cache, dist.get_rank() == 0)
