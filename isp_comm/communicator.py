@@ -565,10 +565,14 @@ class ISPCommunicator:
         step that did not go as planned is settled ([Note: steps that did not go as
         planned] in ``isp_comm/hooks/engine.py``). With ``find_unused_parameters``, the
         gradients no rank produced go back to ``None`` ([Note: unused parameters]),
-        except in the step that makes a fresh optimizer's states, whose zeros are its own."""
+        except in the step that makes a fresh optimizer's states, whose zeros are its own.
+        An optimizer of sharded parameters gets its state-dict hooks here, at its first
+        step ([Note: the optimizer's own state dict] in ``isp_comm/state.py``)."""
         held = [p for g in opt.param_groups for p in g["params"]]
-        if isinstance(opt, MATRIX_OPTIMIZERS) and any(id(p) in self._partial_ids for p in held):
-            refuse_matrix_optimizer(opt)
+        if any(id(p) in self._partial_ids for p in held):
+            if isinstance(opt, MATRIX_OPTIMIZERS):
+                refuse_matrix_optimizer(opt)
+            self._state.hook_optimizer(opt)  # [Note: the optimizer's own state dict]
         if any(id(p) not in self._wrapped_ids for p in held):  # not all this model's: another's, or added
             added = {id(p) for p in held}
             names = [
@@ -868,6 +872,7 @@ class ISPCommunicator:
             module.__dict__.pop("__deepcopy__", None)
         for handle in self._state_dict_hooks:
             handle.remove()
+        self._state.unhook_optimizers()
         if self._undo_generate is not None:
             self._undo_generate()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):

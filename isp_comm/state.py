@@ -30,6 +30,7 @@ other dict (full tensors, another run's DTensors) work.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -171,6 +172,9 @@ class ShardedState:
         self.making_states = False
         """Inside the step at learning rate 0 that makes a fresh optimizer's states: not a
         training step (its zero gradients are no backward's)."""
+        self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
+        """Optimizers whose own state dict is sharded, and their hooks' handles
+        ([Note: the optimizer's own state dict])."""
 
     # ---- DTensor views -----------------------------------------------------------------
     @property
@@ -406,6 +410,104 @@ class ShardedState:
             state[index[fqn]] = {k: self._local_state(fqn, p, v) for k, v in st.items()}
         opt.load_state_dict({"state": state, "param_groups": groups})
         self._await_first_step(opt, loaded=True)
+
+    # ---- the optimizer's own state dict ---------------------------------------------------
+    def hook_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Make ``opt.state_dict()`` and ``opt.load_state_dict()`` speak DTensors for the
+        states of sharded parameters, once per optimizer (at its first step).
+
+        [Note: the optimizer's own state dict]
+        Under FSDP2 the parameters are DTensors, so their optimizer states are too, and
+        torch's ``get_optimizer_state_dict`` / ``get_state_dict(model, opt)`` (what
+        torchtitan's checkpointer saves) and ``set_*`` work on them unchanged. Here the
+        states are plain tensors of this rank's rows, which DCP would take for
+        replicated ones: it kept one rank's rows as everyone's, and a resumed run went on
+        from them without a word. So a post-hook on the optimizer's ``state_dict()``
+        hands each such state out as a DTensor on the live state tensor (laid out like
+        its parameter, :meth:`placement`; ``dcp.load`` writes into it in place), and a
+        pre-hook on ``load_state_dict()`` turns DTensors, and full tensors, back into
+        this rank's rows. States already in the optimizer as DTensors when it is hooked
+        (a ``load_state_dict`` before its first step) are made rows then. torch's API
+        makes a fresh optimizer's states by a step at learning rate 0 first, which
+        hooks it; :meth:`optimizer_state_dict` reads ``opt.state`` itself and is not
+        affected. As in :meth:`optimizer_state_dict`, a stepped optimizer's state dict
+        holds the states of the parameters it has not stepped yet, made for it, and a
+        load drops at the first step those that never stepped ([Note: states made for
+        a checkpoint])."""
+        if opt in self._hooked:
+            return
+        ref = weakref.ref(self)
+
+        def dtensors(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+            alive = ref()
+            return None if alive is None else alive._dtensor_states(o, sd)
+
+        def complete(o: torch.optim.Optimizer) -> None:
+            alive = ref()
+            if alive is not None and o.state:  # a fresh one's are torch's API's to make
+                alive._init_states(o)
+
+        def rows(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+            alive = ref()
+            return None if alive is None else alive._row_states(o, sd)
+
+        def loaded(o: torch.optim.Optimizer) -> None:
+            alive = ref()
+            if alive is not None:
+                alive._await_first_step(o, loaded=True)
+
+        self._hooked[opt] = [
+            opt.register_state_dict_pre_hook(complete),
+            opt.register_state_dict_post_hook(dtensors),
+            opt.register_load_state_dict_pre_hook(rows),
+            opt.register_load_state_dict_post_hook(loaded),
+        ]
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor was made
+        names = self._names()
+        for p, st in opt.state.items() if dtensor is not None else ():
+            if id(p) in names and any(isinstance(v, dtensor.DTensor) for v in st.values()):
+                opt.state[p] = {k: self._loaded_state(names[id(p)], p, v) for k, v in st.items()}
+
+    def unhook_optimizers(self) -> None:
+        """Remove :meth:`hook_optimizer`'s hooks (the communicator closes)."""
+        for handles in self._hooked.values():
+            for handle in handles:
+                handle.remove()
+        self._hooked.clear()
+
+    def _dtensor_states(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """``opt.state_dict()``'s post-hook: its states of sharded parameters as DTensors
+        (the optimizer's own state dicts are not touched: new ones replace them)."""
+        names, params = self._names(), [p for g in opt.param_groups for p in g["params"]]
+        for pid, st in sd["state"].items():
+            p = params[pid] if isinstance(pid, int) and pid < len(params) else None
+            fqn = names.get(id(p))
+            if fqn in self.sharded:
+                sd["state"][pid] = {k: self._state_value(fqn, k, p, v) for k, v in st.items()}
+        return sd
+
+    def _row_states(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """``opt.load_state_dict()``'s pre-hook: states of sharded parameters as this
+        rank's rows, matched to the parameters by position as the load matches them."""
+        names = self._names()
+        saved = [i for g in sd["param_groups"] for i in g["params"]]
+        by_index = dict(zip(saved, (p for g in opt.param_groups for p in g["params"])))
+        state = {}
+        for pid, st in sd["state"].items():
+            p = by_index.get(pid)
+            fqn = names.get(id(p))
+            state[pid] = st if fqn is None else {k: self._loaded_state(fqn, p, v) for k, v in st.items()}
+        return {**sd, "state": state}
+
+    def _loaded_state(self, fqn: str, p: torch.Tensor, v: Any) -> Any:
+        """A loaded state value as the optimizer keeps it: a sharded parameter's DTensor
+        or full tensor as this rank's rows; a plain tensor of the shard's shape (what
+        ``opt.state_dict()`` held before it was hooked) as it is."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(v, DTensor) or (fqn in self.sharded and torch.is_tensor(v) and v.dim() and v.shape != p.shape):
+            return self._local_state(fqn, p, v)
+        return v
 
     def _await_first_step(
         self, opt: torch.optim.Optimizer, loaded: bool, made: list[torch.Tensor] | None = None

@@ -350,6 +350,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            if marks is None or made:",
         ["tests/test_state.py::test_states_dcp_loaded_in_place_outlive_the_first_step"],
     ),
+    "the optimizer's own state dict left as plain shards (torch's get_state_dict)": (
+        "isp_comm/state.py",
+        '                sd["state"][pid] = {k: self._state_value(fqn, k, p, v) for k, v in st.items()}\n',
+        "                pass\n",
+        ["tests/test_state.py::test_torchs_get_and_set_state_dict_save_and_resume_the_optimizer_too"],
+    ),
 }
 
 

@@ -189,11 +189,14 @@ def test_a_fresh_optimizers_states_after_a_forward_without_backward(backward: bo
         assert with_state == params, (with_state, params)
 
 
-def _resume_worker(rank: int, world: int, root: str, wp: int, config_kw: dict) -> dict[str, float]:
+def _resume_worker(rank: int, world: int, root: str, wp: int, config_kw: dict, api: str) -> dict[str, float]:
     """Four AdamW steps whose first two leave block 2 and the pooler unused (no state
     yet), checkpointed with DCP after step 2: the run that saved and went on, and a fresh
-    optimizer that loaded the checkpoint, each against the run that never saved."""
+    optimizer that loaded the checkpoint, each against the run that never saved. The
+    state dicts are the communicator's, or (``api="torch"``) torch's ``get_state_dict``
+    and ``set_state_dict``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
     from tests.parity import loss_fn
@@ -209,7 +212,11 @@ def _resume_worker(rank: int, world: int, root: str, wp: int, config_kw: dict) -
             data = [torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2)]
             if how == "resumed" and step < 2:
                 continue
-            if how == "resumed" and step == 2:
+            if how == "resumed" and step == 2 and api == "torch":
+                msd, osd = get_state_dict(model, opt)
+                dcp.load({"model": msd, "optim": osd}, checkpoint_id=root)
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            elif how == "resumed" and step == 2:
                 state = {"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}
                 dcp.load(state, checkpoint_id=root)
                 comm.load_state_dict(state["model"])
@@ -218,7 +225,8 @@ def _resume_worker(rank: int, world: int, root: str, wp: int, config_kw: dict) -
             loss_fn(model(data[0].chunk(world)[rank]), data[1].chunk(world)[rank]).backward()
             opt.step(), opt.zero_grad()
             if how == "saved" and step == 1:
-                dcp.save({"model": comm.state_dict(), "optim": comm.optimizer_state_dict(opt)}, checkpoint_id=root)
+                msd, osd = get_state_dict(model, opt) if api == "torch" else (None, comm.optimizer_state_dict(opt))
+                dcp.save({"model": msd or comm.state_dict(), "optim": osd}, checkpoint_id=root)
         full[how] = comm.full_state_dict()
         comm.close()
     return {how: max((full[how][k] - v).abs().max().item() for k, v in full["plain"].items()) for how in full}
@@ -226,13 +234,19 @@ def _resume_worker(rank: int, world: int, root: str, wp: int, config_kw: dict) -
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "world, wp, config_kw",
-    [(2, 2, {}), (4, 2, {"state_sharding": "world", "shard_outer_params": True})],
-    ids=["wp2", "wp2x2-world"],
+    "world, wp, config_kw, api",
+    [
+        (2, 2, {}, "comm"),
+        (4, 2, {"state_sharding": "world", "shard_outer_params": True}, "comm"),
+        (2, 2, {}, "torch"),
+    ],
+    ids=["wp2", "wp2x2-world", "wp2-torch-api"],
 )
-def test_a_checkpoint_of_parameters_not_yet_stepped_resumes(tmp_path, world: int, wp: int, config_kw: dict) -> None:
+def test_a_checkpoint_of_parameters_not_yet_stepped_resumes(
+    tmp_path, world: int, wp: int, config_kw: dict, api: str
+) -> None:
     # bitwise: the same operations in one process. Before, the stepped optimizer's state
     # dict left out block 2's and the pooler's states, which a fresh optimizer's asks
     # for, and dcp.load failed ("Missing key in checkpoint state_dict: optim.state...")
-    for out in run_ranks(_resume_worker, world, str(tmp_path), wp, config_kw, timeout_s=180):
+    for out in run_ranks(_resume_worker, world, str(tmp_path), wp, config_kw, api, timeout_s=180):
         assert out == {"plain": 0.0, "saved": 0.0, "resumed": 0.0}, out
