@@ -583,6 +583,8 @@ class ISPCommunicator:
             if names:
                 refuse_added_parameters(names)
         r = self.engine.reducer
+        if r.user_hooks.running:  # a step from a gradient hook: [Note: post-accumulate-grad hooks]
+            return
         if self.engine.phase is not Phase.IDLE:  # a step that did not go as planned: settled first
             mine = {id(p) for p in (*r.replicated, *r.wp_summed)}  # whose .grad a forward stashes
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):

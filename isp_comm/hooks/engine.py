@@ -154,6 +154,7 @@ class BlockEngine:
                 self.root_post_forward()
         if torch.is_grad_enabled() and self._arms_reductions(second):
             self.reducer.stash()
+            self.reducer.user_hooks.hold(self._shards(), whole=False)  # [Note: post-accumulate-grad hooks]
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
         if not second:
@@ -468,7 +469,11 @@ class BlockEngine:
         if torch._C._current_autograd_node() is not None:
             return
         if self.phase is Phase.BACKWARD:
-            self.end_backward()
+            self.reducer.user_hooks.quiet = True  # its gradients are dropped: no hook sees them
+            try:
+                self.end_backward()
+            finally:
+                self.reducer.user_hooks.quiet = False
             for unit in (u for u in (self.root, *self.summed, *self.units) if u is not None):
                 for shard in unit.shards:
                     shard.grad = None

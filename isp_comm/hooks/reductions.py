@@ -38,6 +38,7 @@ from isp_comm.backends.base import Backend, CompletedHandle, Handle, HandleGroup
 from isp_comm.config import ISPConfig
 from isp_comm.context import CommContext
 from isp_comm.groups import ParallelGroups
+from isp_comm.hooks.grad_hooks import UserGradHooks
 from isp_comm.layout import ReduceGroup
 from isp_comm.memory_pool import ReduceScatterBuffers
 from isp_comm.units import BlockUnit
@@ -151,8 +152,8 @@ class GradientReducer:
         self._arrived: set[int] = set()  # ids of the parameters whose gradient arrived this backward
         self.arrived: set[int] = set()
         """The last backward's ``_arrived`` (its whole gradients produced on this rank)."""
-        self.made: set[int] = set()
-        """The whole gradients the last backward's reduction made, ``.grad`` having been ``None``."""
+        self.made: set[int] = set()  # the whole gradients the last backward's reduction made (.grad was None)
+        self.user_hooks = UserGradHooks()  # the user's: [Note: post-accumulate-grad hooks]
         self.entered: Callable[[], None] | None = None
         """Called as a whole gradient arrives in a backward the buckets are armed for: the
         engine's start of a backward, for one that reaches no block (a forward that ran
@@ -294,6 +295,8 @@ class GradientReducer:
         r.unit.accumulate_grad(r.out, r.group)
         if r.pooled:
             self.rs_buffers.release(r.group.dtype, r.pair)
+        shards = r.unit.shards
+        self.user_hooks.call(shards[i] for i in r.group.members if shards[i].requires_grad)
 
     def drain(self) -> None:
         while self.inflight:
@@ -430,6 +433,8 @@ class GradientReducer:
             for b in self._buckets:
                 b.waiting, b.done, b.handle = len(b.params), set(), None
             self._next_bucket = 0
+            ours = {pid: accumulated.id for pid, (_, accumulated) in self._hooks.items()}
+            self.user_hooks.hold((p for b in self._buckets for p in b.params), whole=True, ours=ours)
             # without overlap, or with find_unused_parameters (see [Note: bucketed whole
             # gradients]), reduce_whole issues every bucket
             self._active = self._syncing and self.config.overlap and not self.config.find_unused_parameters
@@ -490,6 +495,7 @@ class GradientReducer:
         """No backward followed the forward that armed the buckets: they disarm (and
         anything set aside goes back into ``.grad``)."""
         self._active = self._armed = False
+        self.user_hooks.release(call=False)
         if not self.deferred_backwards:  # what is set aside waits for the syncing backward
             self._put_back()
 
@@ -514,6 +520,7 @@ class GradientReducer:
                 self.made = {id(p) for b in self._buckets for p in b.params if p not in self._stash}
         if not self._syncing:  # see [Note: replica reductions deferred]
             self.deferred_backwards += 1
+            self.user_hooks.release(call=False)
             return
         self.deferred_backwards = 0
         if world > 1 and self._buckets:
@@ -537,6 +544,7 @@ class GradientReducer:
                     else:
                         p.grad.copy_(piece)
         self._put_back()
+        self.user_hooks.release(call=True)  # [Note: post-accumulate-grad hooks]
 
     def _divide_in_place(self, b: Bucket) -> None:
         """A bucket over one rank: its gradients averaged where they are, as a flat
@@ -568,6 +576,7 @@ class GradientReducer:
         else:
             self._deferred.clear()  # gradients left waiting are dropped, not reduced at close
             self.drain()
+        self.user_hooks.release(call=False)
         for hooks in self._hooks.values():
             for h in hooks:
                 h.remove()

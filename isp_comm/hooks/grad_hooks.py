@@ -1,0 +1,103 @@
+"""The post-accumulate-grad hooks a user put on the parameters, called once the
+gradient they see is the global batch's.
+
+[Note: post-accumulate-grad hooks]
+torch calls a parameter's post-accumulate-grad hooks once autograd has accumulated
+its gradient into ``.grad``. That is how an optimizer is stepped in the backward (one
+optimizer per parameter, stepped and zeroed from its hook, so that each gradient is
+freed as soon as it is used), and FSDP2 keeps the idiom by calling a sharded
+parameter's hooks after its reduce-scatter. Here:
+
+- A sharded parameter's gradient is written by the engine (its reduced shard, or
+  piece), never by autograd. Its hooks are called by the reducer once its reduce
+  group's gradient is in ``.grad``, after the replica stage too; with the replica
+  reduction deferred, by the backward that syncs. Autograd would call them too, with
+  no gradient, for the shard that anchors its block's node in the graph
+  (``UnshardBlock``): so from a forward with grad to its backward's end every
+  shard's hooks are held out of its hook dict, and the reducer calls the held ones.
+- A whole (replicated) parameter's gradient is accumulated by autograd before it is
+  averaged over the ranks, so its hooks would see this rank's part alone and step the
+  replicas apart. From a forward with grad to its backward's end they are held out
+  of the parameter's hooks (:meth:`UserGradHooks.hold`) and called once the average is
+  in ``.grad``, the earlier micro-steps' gradients added back (:meth:`release`).
+- Nothing is called for a backward that did not go as planned (its gradients are
+  dropped: :attr:`quiet`), nor by one whose replica reduction is deferred (no
+  ``.grad`` is written), nor for a whole parameter without a gradient.
+- While a hook runs, :attr:`running` says so: the communicator's step pre-hook then
+  knows that a step inside the backward is the hook's, not a step that did not go as
+  planned.
+
+Hooks are told apart from the reducer's own by their handles' ids, never by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from torch import nn
+
+Hook = Callable[[nn.Parameter], None]
+
+
+def _hooks_of(p: nn.Parameter) -> dict[int, Hook] | None:
+    """``p``'s post-accumulate-grad hooks by handle id (torch keeps them there), or ``None``."""
+    return getattr(p, "_post_accumulate_grad_hooks", None)
+
+
+class UserGradHooks:
+    """The user's post-accumulate-grad hooks of one wrapped model (see the note above)."""
+
+    def __init__(self) -> None:
+        self.running = False
+        """A user's hook is running (called from the backward, or from its end)."""
+        self.quiet = False
+        """Set while a backward that did not go as planned is ended: no hook is called."""
+        self._held: dict[nn.Parameter, tuple[list[tuple[int, Hook]], bool]] = {}
+        """Per parameter: its hooks held out of autograd's reach, and whether it is whole
+        (called at :meth:`release`) or a shard (called by :meth:`call`)."""
+
+    def call(self, params: Iterable[nn.Parameter]) -> None:
+        """Run each of the shards ``params``' hooks: their gradients are final for this backward."""
+        if self.quiet:
+            return
+        for p in params:
+            held = self._held.get(p)
+            hooks = [h for _, h in held[0]] if held is not None else list((_hooks_of(p) or {}).values())
+            if hooks:
+                self._run(p, hooks)
+
+    def _run(self, p: nn.Parameter, hooks: list[Hook]) -> None:
+        self.running = True
+        try:
+            for hook in hooks:
+                hook(p)
+        finally:
+            self.running = False
+
+    def hold(self, params: Iterable[nn.Parameter], whole: bool, ours: Mapping[int, int] | None = None) -> None:
+        """Take the hooks other than ours (``ours``: parameter id -> our handle's id) out
+        of ``params`` until :meth:`release`, out of autograd's reach: the ``whole``
+        parameters' until their average is in ``.grad``, the shards' for :meth:`call`."""
+        for p in params:
+            hooks = _hooks_of(p)
+            if not hooks or p in self._held:
+                continue
+            mine = ours.get(id(p)) if ours else None
+            theirs = [(k, h) for k, h in hooks.items() if k != mine]
+            for k, _ in theirs:
+                del hooks[k]
+            if theirs:
+                self._held[p] = (theirs, whole)
+
+    def release(self, call: bool) -> None:
+        """Put the held hooks back; with ``call`` (the averages are in ``.grad``) run
+        the whole parameters', parameter by parameter in the order they were held."""
+        held, self._held = self._held, {}
+        for p, (theirs, _) in held.items():
+            hooks = _hooks_of(p)
+            if hooks is not None:
+                hooks.update(theirs)
+        if call and not self.quiet:
+            for p, (theirs, whole) in held.items():
+                if whole and p.grad is not None:
+                    self._run(p, [h for _, h in theirs])

@@ -1,0 +1,100 @@
+"""Post-accumulate-grad hooks on a wrapped model: the optimizer stepped in the backward
+([Note: post-accumulate-grad hooks] in ``isp_comm/hooks/grad_hooks.py``), against the
+same idiom on the plain model over the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+from isp_comm.testing import run_ranks
+from tests.parity import ATOL, Case, batches, loss_fn, max_diff
+
+CASE = Case(optim="adamw", bias=True, micro=2, steps=3)
+
+
+def _step_in_backward(model: torch.nn.Module, acting: list[bool] | None = None) -> dict[int, int]:
+    """torch's recipe: an AdamW per parameter, stepped and zeroed from the parameter's
+    post-accumulate-grad hook (only while ``acting[0]``, when given); returns the
+    steps per parameter (by position)."""
+    params = list(model.parameters())
+    opts = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, eps=1e-6) for p in params}
+    calls = dict.fromkeys(range(len(params)), 0)
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def step(p: torch.nn.Parameter) -> None:
+        if acting is not None and not acting[0]:
+            return
+        calls[index[id(p)]] += 1
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(step)
+    return calls
+
+
+def _reference(world: int, defer: bool) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """The plain model; ``defer``: its hooks step at the last micro-step only, on the
+    sum of the step's gradients (FSDP2's hooks without gradient sync alike)."""
+    model = CASE.build()
+    acting = [True]
+    calls = _step_in_backward(model, acting)
+    for step in batches(CASE, world):
+        for i, (x, y) in enumerate(step):
+            acting[0] = not defer or i == len(step) - 1
+            (loss_fn(model(x), y) / CASE.micro).backward()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls
+
+
+def _worker(rank: int, world: int, layouts: list) -> dict[str, tuple[float, dict]]:
+    """Per layout: the largest difference from the plain model, and the parameters
+    the hooks stepped another number of times (a deferred backward's must not run)."""
+    out = {}
+    for name, wp, config_kw in layouts:
+        defer = config_kw.pop("defer", False)
+        model = CASE.build()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
+        calls = _step_in_backward(model)
+        for step in batches(CASE, world):
+            for i, (x, y) in enumerate(step):
+                comm.set_requires_replica_sync(not defer or i == len(step) - 1)
+                (comm.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]) / CASE.micro).backward()
+        got = comm.full_state_dict()
+        comm.close()
+        want, want_calls = _reference(world, defer)
+        out[name] = (max_diff(got, want), {k: (n, want_calls[k]) for k, n in calls.items() if n != want_calls[k]})
+    return out
+
+
+LAYOUTS = {
+    2: [
+        ("wp2", 2, {}),
+        ("pieces", 1, {"state_sharding": "world"}),
+        (
+            "wp2-outer-vocab-ckpt",
+            2,
+            {"shard_outer_params": True, "vocab_parallel": True, "activation_checkpointing": 0.5},
+        ),
+    ],
+    4: [
+        ("wp2x2-world-outer", 2, {"state_sharding": "world", "shard_outer_params": True}),
+        ("wp2x2-deferred", 2, {"defer": True}),
+        ("wp2x2-world-deferred", 2, {"state_sharding": "world", "defer": True}),
+    ],
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_optimizer_stepped_in_the_backward_trains_as_on_the_plain_model(world: int) -> None:
+    # AdamW's tolerance (reduction order over ranks against one process); each hook
+    # called once per backward (per step, deferred), as autograd calls it on the plain
+    # model. Before, a
+    # sharded parameter's hooks never ran (its gradient is the engine's, not autograd's:
+    # it was never stepped), and a replicated one's stepped on this rank's gradient
+    # before the average (the replicas drifted apart), without a word
+    for out in run_ranks(_worker, world, LAYOUTS[world], timeout_s=180):
+        for name, (diff, other_calls) in out.items():
+            assert diff < ATOL["adamw"] and not other_calls, (name, diff, other_calls)
