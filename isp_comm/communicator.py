@@ -33,6 +33,7 @@ from isp_comm.discovery import (
     refuse_data_parallel_outside,
     refuse_deepcopy,
     refuse_matrix_optimizer,
+    refuse_save_pretrained,
     target_device,
     validate,
 )
@@ -93,6 +94,14 @@ def _step_hook_of(comm: ISPCommunicator, before: bool = False) -> Callable[..., 
             alive._before_step(opt) if before else alive._after_step(opt)
 
     return hook
+
+
+def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``obj``'s own attribute ``name`` to ``value``; returns what puts it back as
+    it was (its own earlier value, or none: the class's shows again)."""
+    had, before = name in obj.__dict__, obj.__dict__.get(name)
+    setattr(obj, name, value)
+    return functools.partial(setattr, obj, name, before) if had else functools.partial(delattr, obj, name)
 
 
 @contextlib.contextmanager
@@ -315,8 +324,9 @@ class ISPCommunicator:
         left (any added later is refused), those of which this rank holds part (a
         matrix-aware optimizer on them is refused; their rows checked at the first
         training forward, :meth:`_check_rows`); no deep copy of the model or a block
-        (:func:`~isp_comm.discovery.refuse_deepcopy`); the model's own state dict
-        sharded (:meth:`_sharded_entries`)."""
+        (:func:`~isp_comm.discovery.refuse_deepcopy`); no ``save_pretrained`` of the
+        shards (:func:`~isp_comm.discovery.refuse_save_pretrained`); the model's own
+        state dict sharded (:meth:`_sharded_entries`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
         self._partial_ids = frozenset(
@@ -325,6 +335,12 @@ class ISPCommunicator:
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
+        save = getattr(self.model, "save_pretrained", None)
+        self._undo_save = (
+            _patch(self.model, "save_pretrained", refuse_save_pretrained(save))
+            if self._partial_ids and callable(save)
+            else None
+        )
         self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
         self._state_dict_hooks = [
             self.model.register_state_dict_post_hook(lambda _m, sd, prefix, _meta: self._sharded_entries(sd, prefix)),
@@ -477,7 +493,6 @@ class ISPCommunicator:
         sp, synced = g.sp_size > 1, g.wp_size > 1 and dist.is_initialized() and dist.get_world_size() > 1
         if not callable(generate) or (self._vocab_head is None and not sp and not synced):
             return None
-        had, before = "generate" in model.__dict__, model.__dict__.get("generate")
         whole_logits, whole_sequences, embedding = self.whole_logits, self._whole_sequences, self._embed_lookup
         synced_over_wp = self._synced_over_wp
         params = list(inspect.signature(generate).parameters)
@@ -493,12 +508,7 @@ class ISPCommunicator:
             with whole_sequences(), whole_logits(), _set(embedding, "checking"), synced_over_wp():
                 return generate(*args, **kwargs)
 
-        model.generate = generate_wrapped
-        return (
-            functools.partial(setattr, model, "generate", before)
-            if had
-            else functools.partial(delattr, model, "generate")
-        )
+        return _patch(model, "generate", generate_wrapped)
 
     @contextlib.contextmanager
     def _synced_over_wp(self) -> Iterator[None]:
@@ -875,8 +885,9 @@ class ISPCommunicator:
         for handle in self._state_dict_hooks:
             handle.remove()
         self._state.unhook_optimizers()
-        if self._undo_generate is not None:
-            self._undo_generate()
+        for undo in (self._undo_generate, self._undo_save):
+            if undo is not None:
+                undo()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):
             if unit is None:
                 continue

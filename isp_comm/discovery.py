@@ -139,6 +139,28 @@ def refuse_deepcopy(memo: dict) -> None:
     )
 
 
+def refuse_save_pretrained(save: Any) -> Any:
+    """``save`` (transformers' or peft's ``save_pretrained`` of the wrapped model), made
+    to refuse a call without ``state_dict=``: it would take the model's own state dict,
+    this rank's shards as DTensors, which safetensors cannot write ("invalid python
+    storage") or, where it can, would write one rank's rows. With the full state dict
+    given it writes that, as it does for an FSDP2 model."""
+
+    @functools.wraps(save)
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("state_dict") is None:
+            raise ValueError(
+                "save_pretrained() of a model wrapped by an ISPCommunicator would save this rank's shards: call "
+                "comm.save_hf_checkpoint(path) on every rank (a transformers model; streamed, so no rank holds the "
+                "whole model), or gather sd = comm.full_state_dict(cpu=True, rank0_only=True) on every rank and call "
+                "save_pretrained(path, state_dict=sd) on rank 0 (peft's adapter too; rank 0 then holds the whole "
+                "model in host memory)"
+            )
+        return save(*args, **kwargs)
+
+    return save_pretrained
+
+
 def refuse_added_parameters(names: list[str]) -> None:
     """Parameters of the wrapped model that wrapping never saw, stepped by an optimizer."""
     raise ValueError(

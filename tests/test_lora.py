@@ -185,3 +185,44 @@ def test_mfu_counts_a_frozen_base_at_four_flops_a_parameter() -> None:
     adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
     assert adapters > 0
     assert flops_per_token(lora, 8) == 6 * adapters + 4 * linears + attention
+
+
+def _save_pretrained_worker(rank: int, world: int, root: str) -> dict[str, object]:
+    """``save_pretrained`` of a wrapped transformers model and of a wrapped peft one:
+    without ``state_dict=`` (refused, naming the way), and with the full state dict
+    gathered on every rank and saved on rank 0 (what it wrote, loaded back, against the
+    wrapped model's values); after ``close`` it is the class's own again."""
+    from tests.test_validation import said_by
+
+    out: dict[str, object] = {}
+    for name, make in (("transformers", lambda: _base_model("llama")), ("peft", lambda: _lora_model("llama"))):
+        model = make()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world))
+        out[f"{name}-plain"] = said_by(ValueError, model.save_pretrained, f"{root}/{name}-plain")
+        full = comm.full_state_dict(cpu=True, rank0_only=True)
+        if rank == 0:
+            mine = {k: v for k, v in full.items() if "lora_" in k or name != "peft"}  # the save empties full
+            model.save_pretrained(f"{root}/{name}", state_dict=full)
+            if name == "peft":
+                back = peft.PeftModel.from_pretrained(_base_model("llama"), f"{root}/{name}")
+            else:
+                back = transformers.LlamaForCausalLM.from_pretrained(f"{root}/{name}")
+            sd = back.state_dict()
+            out[f"{name}-saved"] = max_diff({k: sd[k] for k in mine}, mine) if len(mine) > 10 else "too few"
+        torch.distributed.barrier()
+        comm.close()
+        out[f"{name}-closed"] = "save_pretrained" not in model.__dict__
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_save_pretrained_is_refused_without_the_full_state_dict_and_saves_with_it(tmp_path) -> None:
+    # before: transformers' save_pretrained stopped in safetensors ("invalid python
+    # storage") on one rank and wrote its shards on another; peft's alike
+    out = run_ranks(_save_pretrained_worker, 2, str(tmp_path), timeout_s=140)
+    for rank, said in enumerate(out):
+        for name in ("transformers", "peft"):
+            assert "comm.save_hf_checkpoint(path)" in said[f"{name}-plain"], said
+            assert said[f"{name}-closed"] is True, said
+            # bitwise: the same values written and read
+            assert rank or said[f"{name}-saved"] == 0.0, (name, said[f"{name}-saved"])
