@@ -342,11 +342,7 @@ class ISPCommunicator:
             else None
         )
         self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
-        self._state_dict_hooks = [
-            self.model.register_state_dict_post_hook(lambda _m, sd, prefix, _meta: self._sharded_entries(sd, prefix)),
-            self.model.register_load_state_dict_pre_hook(lambda _m, sd, prefix, *_: self._state.as_local(sd, prefix)),
-            self.model.register_load_state_dict_post_hook(lambda _m, _keys: self.params_updated()),
-        ]
+        self._state_dict_hooks = self._shard_state_dict_hooks()
 
     def _root_pre_forward(self) -> None:
         if self._rows_unchecked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -377,19 +373,54 @@ class ISPCommunicator:
             )
         self._rows_unchecked = False
 
-    def _sharded_entries(self, state_dict: dict, prefix: str) -> None:
-        """[Note: the model's own state dict] ``model.state_dict()`` (and a parent
-        module's, and torch's ``get_model_state_dict``) holds the sharded parameters
-        as DTensors on the live shards, as under FSDP2, so that
+    def _shard_state_dict_hooks(self) -> list[Any]:
+        """[Note: the model's own state dict] ``model.state_dict()`` (a parent module's,
+        a sub-module's, and torch's ``get_model_state_dict``) holds the sharded
+        parameters as DTensors on the live shards, as under FSDP2, so that
         ``dcp.save({"model": model.state_dict()})`` saves every rank's rows: as plain
         tensors DCP took them for replicated ones and kept one rank's, without a word.
-        ``model.load_state_dict`` takes them back (and full tensors) through
-        ``ShardedState.as_local``. With pieces, what a caller writes into them is seen,
-        as through :meth:`state_dict` (they are watched)."""
+        ``load_state_dict`` takes them back (and full tensors) through
+        ``ShardedState.as_local``. The hooks sit on each module that owns a sharded
+        parameter, which every state dict and every load of a module above it passes
+        through, so a block's own ``state_dict()`` is sharded as the model's is; the
+        model's load pre-hook makes another system's DTensors of whole tensors full.
+        With pieces, what a caller writes into the entries is seen, as through
+        :meth:`state_dict` (they are watched), and a load marks the owner's pieces
+        written."""
+        state, sharded = self._state, self._state.sharded
+        hooks = [
+            self.model.register_load_state_dict_pre_hook(lambda _m, sd, prefix, *_: state.whole_entries(sd, prefix))
+        ]
+        for name, module in self.model.named_modules():
+            own = ((n, f"{name}.{n}" if name else n) for n, _ in module.named_parameters(recurse=False))
+            names = tuple((n, fqn) for n, fqn in own if fqn in sharded)
+            if not names:
+                continue
+            ids = {id(self.model.get_parameter(fqn)) for _, fqn in names}
+            hooks += [
+                module.register_state_dict_post_hook(
+                    lambda _m, sd, prefix, _meta, n=names: self._sharded_entries(sd, prefix, n)
+                ),
+                module.register_load_state_dict_pre_hook(
+                    lambda _m, sd, prefix, *_, n=names: state.as_local(sd, prefix, n)
+                ),
+                module.register_load_state_dict_post_hook(lambda _m, _keys, ids=ids: self._loaded(ids)),
+            ]
+        return hooks
+
+    def _sharded_entries(self, state_dict: dict, prefix: str, names: tuple[tuple[str, str], ...]) -> None:
+        """A state dict passed a module owning sharded parameters ``names``: their
+        entries as DTensors (see :meth:`_shard_state_dict_hooks`), watched with pieces."""
         with torch.no_grad():  # the DTensors' own local tensors (with grad: a view made for the call)
-            handed = self._state.as_dtensors(state_dict, prefix)
+            handed = self._state.as_dtensors(state_dict, prefix, names)
             if self.engine.refresh is not None and handed and not torch.is_inference_mode_enabled():
                 self.engine.refresh.watch(handed)  # inference tensors keep no version: see docs/state.md
+
+    def _loaded(self, ids: set[int]) -> None:
+        """A load passed a module owning the sharded parameters ``ids``: with pieces, the
+        units holding them rebuild their WP shards before their next gathers."""
+        if self.engine.refresh is not None:
+            self.engine.refresh.mark_stale(ids)
 
     def _add_summed(self, unit: BlockUnit) -> None:
         """A unit whose backward sums its shard's gradient over WP itself: averaged over

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 # costs every process about 0.7 s of CPU (sympy among others), and training needs none.
 
 
+Names = tuple[tuple[str, str], ...]
+"""A module's own names of its sharded parameters, each with its FQN in the model."""
+
+
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory under a storage of its own (DLPack: no copy, ``t``'s buffer kept
     alive).
@@ -248,40 +252,48 @@ class ShardedState:
         own ``state_dict()``, whose post-hook is :meth:`as_dtensors` while wrapped."""
         return self.model.state_dict()
 
-    def as_dtensors(self, state_dict: dict[str, Any], prefix: str) -> list[torch.Tensor]:
-        """A ``state_dict`` post-hook's work: each sharded parameter's entry (under
-        ``prefix``, the model's place in the module asked) becomes a DTensor on this
-        rank's live shard, as FSDP2's parameters are, so that DCP and torch's
-        ``get_model_state_dict`` see what is sharded ([Note: the model's own state
-        dict]); returns their local tensors. An entry that is the parameter itself
+    def as_dtensors(self, state_dict: dict[str, Any], prefix: str, names: Names) -> list[torch.Tensor]:
+        """A ``state_dict`` post-hook's work, on a module that owns sharded parameters
+        (``names``: its own names of them, with their FQNs in the model): each one's
+        entry (under ``prefix``, the module's place in the module asked) becomes a
+        DTensor on this rank's live shard, as FSDP2's parameters are, so that DCP and
+        torch's ``get_model_state_dict`` see what is sharded ([Note: the model's own
+        state dict]); returns their local tensors. An entry that is the parameter itself
         (``keep_vars=True``) stays: the caller asked for the live objects."""
         from torch.distributed.tensor import DTensor
 
         handed = []
-        for fqn in self.sharded:
-            t = state_dict.get(prefix + fqn)
+        for local, fqn in names:
+            t = state_dict.get(prefix + local)
             if t is None or isinstance(t, nn.Parameter | DTensor):
                 continue
-            d = state_dict[prefix + fqn] = self.as_dtensor(fqn, own_storage(t))
+            d = state_dict[prefix + local] = self.as_dtensor(fqn, own_storage(t))
             handed.append(d.to_local())
         return handed
 
-    def as_local(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """A ``load_state_dict`` pre-hook's work, the inverse of :meth:`as_dtensors`:
-        each sharded parameter's DTensor, or full tensor, becomes this rank's rows, and
-        another DTensor a full tensor, so that ``Module.load_state_dict`` copies into
-        the shards as it copies into any parameter. A plain tensor of the shard's shape
-        (a state dict of an earlier version's, which held the shards so) is this rank's
-        rows already."""
+    def as_local(self, state_dict: dict[str, Any], prefix: str, names: Names) -> None:
+        """A ``load_state_dict`` pre-hook's work on such a module, the inverse of
+        :meth:`as_dtensors`: each sharded parameter's DTensor, or full tensor, becomes
+        this rank's rows, so that ``Module.load_state_dict`` copies into the shards as
+        it copies into any parameter. A plain tensor of the shard's shape (a state dict
+        of an earlier version's, which held the shards so) is this rank's rows already."""
+        from torch.distributed.tensor import DTensor
+
+        for local, fqn in names:
+            value = state_dict.get(prefix + local)
+            if value is None:
+                continue
+            shard = self.model.get_parameter(fqn)
+            if isinstance(value, DTensor) or value.shape != shard.shape:
+                state_dict[prefix + local] = self.local_of(fqn, value, shard)
+
+    def whole_entries(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """The model's ``load_state_dict`` pre-hook: a DTensor given for a parameter or
+        buffer that is not sharded here (another system's checkpoint) is made full."""
         from torch.distributed.tensor import DTensor
 
         for key, value in list(state_dict.items()):
-            fqn = key[len(prefix) :] if key.startswith(prefix) else None
-            if fqn in self.sharded:
-                shard = self.model.get_parameter(fqn)
-                if isinstance(value, DTensor) or value.shape != shard.shape:
-                    state_dict[key] = self.local_of(fqn, value, shard)
-            elif fqn is not None and isinstance(value, DTensor):
+            if isinstance(value, DTensor) and key.startswith(prefix) and key[len(prefix) :] not in self.sharded:
                 state_dict[key] = value.full_tensor()
 
     @torch.no_grad()

@@ -564,9 +564,10 @@ def test_state_dicts_under_inference_mode_and_many_without_a_forward(tmp_path) -
     # before: with the state over the world, a state dict (and the HF checkpoint's save
     # and load, which take one) under inference_mode stopped with "Inference tensors do
     # not track version counter", and each state dict's watch entries stayed until the
-    # next forward (5,000 calls: 210,000 entries, +197 MiB), where now the last one's do
+    # next forward (5,000 calls: 210,000 entries, +197 MiB), where now the last one's
+    # do, and those of the calls since the entries last doubled (pruned at doublings)
     for watched, n, diff in run_ranks(_inference_mode_worker, 2, str(tmp_path), timeout_s=90):
-        assert watched == n and diff == 0.0, (watched, n, diff)
+        assert n <= watched <= 3 * n + 64 and diff == 0.0, (watched, n, diff)
 
 
 def _torch_optimizer_state_dict_worker(rank: int, world: int, root: str) -> dict[str, list[float]]:
@@ -635,3 +636,53 @@ def test_torchs_get_and_set_state_dict_save_and_resume_the_optimizer_too(tmp_pat
     # resumed run went on from them without a word (the model half was mended earlier)
     for out in run_ranks(_torch_optimizer_state_dict_worker, 2, str(tmp_path), timeout_s=140):
         assert all(v == [0.0] * 4 for v in out.values()), out
+
+
+def _submodule_state_dict_worker(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """A sub-module's own state dict (a block's, and the blocks' ``ModuleList``'s): saved
+    with DCP, loaded into a fresh wrapped model's same sub-module with ``dcp.load`` and
+    its ``load_state_dict``; per layout, the loaded blocks' largest difference from the
+    saved ones, and whether its sharded entries were DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    data, out = _data(GLOBAL, SAVED_AT), {}
+    for name, wp, opts in (("wp2", 2, {}), ("pieces", 1, {"state_sharding": "world"})):
+        model = _model()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**opts))
+        opt = _optim("adamw", model.parameters())
+        _steps(comm, model, opt, rank, world, data)
+        saved = {k: v for k, v in comm.full_state_dict().items() if k.startswith("layers.")}
+        block = model.layers[1].state_dict()
+        dcp.save({"layers": model.layers.state_dict(), "block": block}, checkpoint_id=f"{root}/{name}")
+        comm.close()
+        model = _model()
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**opts))
+        x = data[0][0][:2]
+        model(x)  # with pieces: the gathers' WP shards must be rebuilt after the load
+        layers = model.layers.state_dict()
+        dcp.load({"layers": layers}, checkpoint_id=f"{root}/{name}")
+        model.layers.load_state_dict(layers)
+        loaded = {k: v for k, v in comm.full_state_dict().items() if k.startswith("layers.")}
+        before = model(x).detach()
+        with torch.no_grad():
+            for p in model.layers[1].parameters():
+                p.zero_()
+        one = model.layers[1].state_dict()
+        dcp.load({"block": one}, checkpoint_id=f"{root}/{name}")
+        model.layers[1].load_state_dict(one)
+        out[name] = [
+            max_diff(loaded, saved),
+            (model(x).detach() - before).abs().max().item(),
+            float(not all(isinstance(block[k], DTensor) for k in ("attn.q_proj.weight", "mlp.down_proj.weight"))),
+        ]
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_submodules_own_state_dict_is_sharded_too(tmp_path) -> None:
+    # bitwise. Before, only the root's state dict held DTensors: a block's, or the
+    # blocks' ModuleList's, held this rank's rows as plain tensors, which DCP kept once,
+    # and the load gave rank 0's rows to every rank, without a word
+    for out in run_ranks(_submodule_state_dict_worker, 2, str(tmp_path), timeout_s=110):
+        assert all(v == [0.0] * 3 for v in out.values()), out

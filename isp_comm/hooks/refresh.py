@@ -86,6 +86,7 @@ class WeightRefresh:
         self._inflight: _Gather | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._watched: list[tuple[weakref.ref, torch.Tensor, int]] = []  # see watch()
+        self._prune_at = 0  # len(_watched) at which watch() next drops the entries whose tensors are gone
         self._gone_written = False  # an entry dropped by watch() whose tensor was written: for the next look
         self.leaked: list[torch.Tensor] = []
         """Buffers an abandoned gather may still write (see [Note: buffers of a failed step])."""
@@ -114,15 +115,19 @@ class WeightRefresh:
         (``dcp.load(comm.state_dict(), ...)`` drops it as soon as it has written, or a
         dict kept past a forward, written, then dropped) at the next look, through the
         alias; an entry whose root is gone is dropped once a look has read it, or by
-        the next ``watch``, which keeps what it read for the next look (a loop taking
-        state dicts without a forward held every one's entries until then)."""
-        kept = []
-        for r, alias, n in self._watched:
-            if r() is not None:
-                kept.append((r, alias, n))
-            elif alias._version != n:
-                self._gone_written = True
-        self._watched = kept
+        a later ``watch`` once the entries have doubled since they were last pruned
+        (a state dict watches module by module), which keeps what it read for the next
+        look (a loop taking state dicts without a forward held every one's entries
+        until then)."""
+        if len(self._watched) >= self._prune_at:  # a state dict watches per module: pruned at doublings
+            kept = []
+            for r, alias, n in self._watched:
+                if r() is not None:
+                    kept.append((r, alias, n))
+                elif alias._version != n:
+                    self._gone_written = True
+            self._watched = kept
+            self._prune_at = 2 * len(kept) + 64
         for t in handed:
             root = t if t._base is None else t._base
             self._watched.append((weakref.ref(root), root.detach(), root._version))
@@ -133,6 +138,7 @@ class WeightRefresh:
         written = self._gone_written or any(alias._version != n for _, alias, n in self._watched)
         self._gone_written = False
         self._watched = [(r, alias, alias._version) for r, alias, _ in self._watched if r() is not None]
+        self._prune_at = 2 * len(self._watched) + 64
         if written:
             self.mark_stale()
         for u in self.units:
