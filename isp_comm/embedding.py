@@ -60,7 +60,8 @@ class _HiddenSplitLookup(torch.autograd.Function):
             raise IndexError(
                 f"a token id outside the vocabulary [0, {shard.shape[0]}) in the WP group's ids: one of this "
                 "rank's, or, with shard_outer_params, ids gathered from ranks that fed inputs of different shapes "
-                "(gloo gathers those without a word): the ranks of a WP group must feed inputs of one shape"
+                "(a training step on CUDA does not compare them): the ranks of a WP group must feed inputs of one "
+                "shape"
             ) from None
         out = comm.gather_columns(mine, chunk, hidden, "all-to-all of the hidden-split embedding")  # [*ids, hidden]
         ctx.save_for_backward(every)
@@ -93,7 +94,8 @@ class HiddenSplitEmbedding:
     """The forward installed on an ``nn.Embedding`` whose weight is this rank's columns.
 
     While :attr:`checking` is set (a wrapped model's ``generate``, where each rank
-    brings prompts of its own) the ranks' id shapes are compared before the gather."""
+    brings prompts of its own) the ranks' id shapes are compared before the gather,
+    and in training where that syncs nothing (:meth:`WPComm.check_on_host`)."""
 
     def __init__(self, embedding: nn.Embedding, hidden: int, chunk: int, comm: WPComm, dtype: torch.dtype | None):
         self.embedding, self.hidden, self.chunk, self.comm, self.dtype = embedding, hidden, chunk, comm, dtype
@@ -101,11 +103,10 @@ class HiddenSplitEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embedding
-        if self.checking:
-            self.comm.check_one_shape(
-                ids,
-                "the hidden-split embedding (shard_outer_params) token ids",
-                "it gathers the group's ids, so every rank of a WP group feeds ids of one shape: in generate(), "
-                "one batch size and prompts padded to one length",
-            )
+        (self.comm.check_one_shape if self.checking else self.comm.check_on_host)(
+            ids,
+            "the hidden-split embedding (shard_outer_params) token ids",
+            "it gathers the group's ids, so every rank of a WP group feeds ids of one shape: in training, pad "
+            "to one length or pack; in generate(), one batch size and prompts padded to one length",
+        )
         return _HiddenSplitLookup.apply(ids, e.weight, self.hidden, self.chunk, e.padding_idx, self.comm, self.dtype)

@@ -89,7 +89,8 @@ class WPComm:
         mismatched sizes (gloo has reset the connection, aborted a rank or gathered
         garbage, without a word; ``why``: what the caller needs of the shapes). One
         small all-gather read on the host: for generation and evaluation, which read
-        it every step anyway, never in a training step (see docs/api.md)."""
+        it every step anyway, and in a training step only where that syncs nothing
+        (:meth:`check_on_host`; docs/api.md)."""
         if self.size == 1:
             return
         mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=t.device)
@@ -99,6 +100,14 @@ class WPComm:
         if any(s != every[0] for s in every):
             shapes = ", ".join(f"WP rank {r}: {tuple(s[1 : 1 + s[0]])}" for r, s in enumerate(every))
             raise ValueError(f"the WP group's ranks brought {fed} of different shapes ({shapes}): {why}")
+
+    def check_on_host(self, t: torch.Tensor, fed: str, why: str) -> None:
+        """:meth:`check_one_shape` in a training step too, where it syncs nothing: ``t``
+        on the CPU, with a backend that does not compare sizes itself (gloo, which
+        gathered garbage, aborted a rank or reset the connection). On CUDA a step does
+        not read the host, so it is not compared there (docs/api.md)."""
+        if t.device.type == "cpu" and not self.backend.checks_sizes:
+            self.check_one_shape(t, fed, why)
 
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         t = t.contiguous()
@@ -196,14 +205,14 @@ class VocabParallelHead:
             raise RuntimeError(
                 "whole logits (generate(), comm.whole_logits()) are for inference: run them under torch.no_grad()"
             )
-        if self.whole:  # in generation, or by another's evaluation code: the host is read anyway
-            self.comm.check_one_shape(
-                x,
-                "the vocab-parallel head hidden states",
-                "whole logits gather the group's tokens, so every rank of a WP group needs one batch size (in "
-                "generate(), with num_beams and num_return_sequences) and, where more than the last position is "
-                "asked for (assisted decoding, logits_to_keep=0, a plain forward), one length",
-            )
+        # in generation, or by another's evaluation code, the host is read anyway; in training, on the CPU alone
+        (self.comm.check_one_shape if self.whole else self.comm.check_on_host)(
+            x,
+            "the vocab-parallel head hidden states",
+            "the head gathers the group's tokens, so every rank of a WP group needs one batch size (in "
+            "generate(), with num_beams and num_return_sequences) and, where more than the last position is "
+            "asked for (training: pad to one length or pack; assisted decoding, logits_to_keep=0), one length",
+        )
         x_all = _GatherTokens.apply(x, self.comm) if self.comm.size > 1 else x[None]
         logits = F.linear(x_all, self.head.weight.to(x.dtype))
         return self._whole(logits) if self.whole else logits

@@ -482,3 +482,29 @@ def test_weights_initialised_after_wrapping_are_refused_at_the_first_forward() -
         refused = "layers.0.attn.q_proj.weight, layers.0.attn.k_proj.weight, layers.0.attn.v_proj.weight ...: "
         assert all(s.startswith(refused) and "initialised after wrapping" in s for s in said[:4]), said
         assert said[4:] == ["ran", "ran"], said
+
+
+def _ragged_worker(rank: int, world: int) -> dict[str, str]:
+    """Rank 1 feeds shorter sequences than rank 0, in a training forward, where the WP
+    group computes on each other's tokens: what each layout said."""
+    from tests.parity import TINY
+
+    said = {}
+    for name, kw in (("shard-outer", {"shard_outer_params": True}), ("vocab-parallel", {"vocab_parallel": True})):
+        model = build(LlamaConfig(**TINY))
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend="torch", **kw))
+        x = torch.randint(0, 37, (2, 8 - 2 * rank))
+        said[name] = said_by(ValueError, lambda c=comm, m=model, x=x: c.cross_entropy(m(x), x).backward())
+        comm.close()
+    return said
+
+
+@pytest.mark.timeout(100)
+def test_ranks_feeding_different_shapes_where_the_wp_group_shares_tokens_are_told_on_gloo() -> None:
+    # gloo moves mismatched sizes without a word: before, training gathered garbage ids
+    # (then "a token id outside the vocabulary"), aborted the rank with the smaller
+    # buffer or reset the peer's connection; on the CPU the shapes are now compared
+    # before the gather, which syncs nothing there
+    for rank, said in enumerate(run_ranks(_ragged_worker, 2, timeout_s=90)):
+        for name, text in said.items():
+            assert "different shapes" in text and "WP rank 1: (2, 6" in text, (rank, name, text)

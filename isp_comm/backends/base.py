@@ -144,6 +144,11 @@ class Backend:
     """Bytes the backend copied into or out of its own scratch around collectives,
     since it was made (``comm.stats()["staged_bytes"]``). 0 unless a backend stages:
     ``torch.distributed`` runs on the caller's tensors."""
+    checks_sizes: bool = False
+    """Whether a collective whose ranks bring different sizes stops with a line that
+    names them (the CPU shared-memory backend's "collectives out of step"), or has no
+    peers to differ (the virtual one). Default: no (gloo moves them without a word):
+    where the host is the device, the WP group's token gathers compare shapes first."""
     symmetric_buffers: bool = False
     """Whether :meth:`empty` with a group serves memory that the group's ranks allocate
     together and map (CPU shared memory, NVSHMEM's heap): such a buffer cannot be

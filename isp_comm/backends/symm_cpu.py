@@ -131,6 +131,7 @@ class SymmCpuBackend(Backend):
 
     name = "symm"
     symmetric_buffers = True  # the pool's buffers are shared-memory segments the peers map
+    checks_sizes = True  # each call's sizes are compared: "collectives out of step"
 
     def __init__(self, timeout_s: float = 300.0, strict: bool = True) -> None:
         """``strict``: a segment that cannot be reserved is an error on every rank

@@ -260,6 +260,7 @@ class VirtualBackend(Backend):
     recorded on the collective's stream (CUDA; see [Note: the virtual backend on CUDA])."""
 
     name = "virtual"
+    checks_sizes = True  # one rank: no peer brings another size
 
     def __init__(
         self,
