@@ -98,3 +98,39 @@ def test_an_optimizer_stepped_in_the_backward_trains_as_on_the_plain_model(world
     for out in run_ranks(_worker, world, LAYOUTS[world], timeout_s=180):
         for name, (diff, other_calls) in out.items():
             assert diff < ATOL["adamw"] and not other_calls, (name, diff, other_calls)
+
+
+def _unused_worker(rank: int, world: int) -> tuple[float, dict]:
+    """With ``find_unused_parameters``: the last block and a pooler unused by every
+    rank. Their hooks must not run (a plain model runs none: no gradient was
+    accumulated), so AdamW's weight decay leaves them where the plain model does.
+    Returns the largest difference from the plain model and the parameters stepped
+    another number of times."""
+    from tests.test_unused_parameters import _model
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(3)]
+    plain, plan = _model()
+    plan["depth"] = 2
+    plain_calls = _step_in_backward(plain)
+    for x in data:
+        loss_fn(plain(x), x).backward()
+    model, plan = _model()
+    plan["depth"] = 2
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(find_unused_parameters=True))
+    calls = _step_in_backward(model)
+    for x in data:
+        xs = x.chunk(world)[rank]
+        comm.cross_entropy(model(xs), xs).backward()
+    got = comm.full_state_dict()
+    comm.close()
+    other = {k: (n, plain_calls[k]) for k, n in calls.items() if n != plain_calls[k]}
+    return max_diff(got, dict(plain.state_dict())), other
+
+
+@pytest.mark.timeout(100)
+def test_with_find_unused_parameters_an_unused_parameters_hook_does_not_run() -> None:
+    # AdamW's tolerance, as above. Before, the unused block's shards and the pooler got
+    # zeros reduced for them and their hooks stepped on those (weight decay moved them)
+    for diff, other_calls in run_ranks(_unused_worker, 2, timeout_s=90):
+        assert diff < ATOL["adamw"] and not other_calls, (diff, other_calls)

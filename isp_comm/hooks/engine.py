@@ -503,6 +503,10 @@ class BlockEngine:
             arrived = r.arrived if self.groups.world_size > 1 else None
             whole = [p for p in (*r.replicated, *r.wp_summed) if p.requires_grad]
             self.unused.backward_ends(self._shards(), whole, r.made, arrived)
+        hooks, synced = self.reducer.user_hooks, self.reducer.syncing
+        if self.unused is not None and synced and hooks.pending() and not hooks.quiet:
+            self.unused.settle()  # the hooks step: the unused gradients go back to None first
+        hooks.release(call=synced)  # [Note: post-accumulate-grad hooks]
         self.phase = Phase.IDLE
         self.ctx.phase = "outer"
         self._callback_queued = False

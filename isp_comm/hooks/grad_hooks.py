@@ -22,7 +22,12 @@ parameter's hooks after its reduce-scatter. Here:
   in ``.grad``, the earlier micro-steps' gradients added back (:meth:`release`).
 - Nothing is called for a backward that did not go as planned (its gradients are
   dropped: :attr:`quiet`), nor by one whose replica reduction is deferred (no
-  ``.grad`` is written), nor for a whole parameter without a gradient.
+  ``.grad`` is written), nor for a parameter left without a gradient. With
+  ``find_unused_parameters`` a parameter no rank used gets zeros reduced, taken back
+  to ``None`` once every rank's use is known, which costs a host read: so the shards'
+  hooks wait for the backward's end too (``defer``), and there, when any hook is to
+  run, the engine settles the use first (the read a step would make; every rank
+  must then register the same hooks, as the recipe does).
 - While a hook runs, :attr:`running` says so: the communicator's step pre-hook then
   knows that a step inside the backward is the hook's, not a step that did not go as
   planned.
@@ -47,7 +52,9 @@ def _hooks_of(p: nn.Parameter) -> dict[int, Hook] | None:
 class UserGradHooks:
     """The user's post-accumulate-grad hooks of one wrapped model (see the note above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer: bool = False) -> None:
+        self._later: list[nn.Parameter] | None = [] if defer else None
+        """The shards whose gradients are final, when their hooks wait for :meth:`release`."""
         self.running = False
         """A user's hook is running (called from the backward, or from its end)."""
         self.quiet = False
@@ -59,6 +66,9 @@ class UserGradHooks:
     def call(self, params: Iterable[nn.Parameter]) -> None:
         """Run each of the shards ``params``' hooks: their gradients are final for this backward."""
         if self.quiet:
+            return
+        if self._later is not None:
+            self._later.extend(params)
             return
         for p in params:
             held = self._held.get(p)
@@ -89,15 +99,27 @@ class UserGradHooks:
             if theirs:
                 self._held[p] = (theirs, whole)
 
+    def pending(self) -> bool:
+        """Whether :meth:`release` with ``call`` would run a hook (a parameter without a
+        gradient aside)."""
+        return bool(self._later) or any(whole for _, whole in self._held.values())
+
     def release(self, call: bool) -> None:
-        """Put the held hooks back; with ``call`` (the averages are in ``.grad``) run
-        the whole parameters', parameter by parameter in the order they were held."""
+        """Put the held hooks back; with ``call`` (the backward is over, the averages
+        in ``.grad``) run the deferred shards' hooks, then the whole parameters', each
+        parameter's in the order they came, for those with a gradient."""
         held, self._held = self._held, {}
+        later, self._later = self._later, None if self._later is None else []
         for p, (theirs, _) in held.items():
             hooks = _hooks_of(p)
             if hooks is not None:
                 hooks.update(theirs)
-        if call and not self.quiet:
-            for p, (theirs, whole) in held.items():
-                if whole and p.grad is not None:
-                    self._run(p, [h for _, h in theirs])
+        if not call or self.quiet:
+            return
+        for p in later or ():
+            hooks = _hooks_of(p)
+            if hooks and p.grad is not None:
+                self._run(p, list(hooks.values()))
+        for p, (theirs, whole) in held.items():
+            if whole and p.grad is not None:
+                self._run(p, [h for _, h in theirs])

@@ -153,7 +153,7 @@ class GradientReducer:
         self.arrived: set[int] = set()
         """The last backward's ``_arrived`` (its whole gradients produced on this rank)."""
         self.made: set[int] = set()  # the whole gradients the last backward's reduction made (.grad was None)
-        self.user_hooks = UserGradHooks()  # the user's: [Note: post-accumulate-grad hooks]
+        self.user_hooks = UserGradHooks(config.find_unused_parameters)  # [Note: post-accumulate-grad hooks]
         self.entered: Callable[[], None] | None = None
         """Called as a whole gradient arrives in a backward the buckets are armed for: the
         engine's start of a backward, for one that reaches no block (a forward that ran
@@ -363,6 +363,11 @@ class GradientReducer:
                 r = InflightReduce(unit, group, pair, out, CompletedHandle(), None, pooled=False)
             self.inflight.append(r)
 
+    @property
+    def syncing(self) -> bool:
+        """Whether the backward armed last reduces over the replicas (writes ``.grad``)."""
+        return self._syncing
+
     def sync_changed(self) -> bool:
         """Whether ``replica_sync`` now says otherwise than the armed backward does: a
         forward with grad whose backward never came (an accuracy forward) armed it, and
@@ -520,7 +525,6 @@ class GradientReducer:
                 self.made = {id(p) for b in self._buckets for p in b.params if p not in self._stash}
         if not self._syncing:  # see [Note: replica reductions deferred]
             self.deferred_backwards += 1
-            self.user_hooks.release(call=False)
             return
         self.deferred_backwards = 0
         if world > 1 and self._buckets:
@@ -544,7 +548,6 @@ class GradientReducer:
                     else:
                         p.grad.copy_(piece)
         self._put_back()
-        self.user_hooks.release(call=True)  # [Note: post-accumulate-grad hooks]
 
     def _divide_in_place(self, b: Bucket) -> None:
         """A bucket over one rank: its gradients averaged where they are, as a flat
