@@ -84,8 +84,9 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a state dict dropped before a look unseen": (
         "isp_comm/hooks/refresh.py",
-        "        written = any(alias._version != n for _, alias, n in self._watched)",
-        "        written = any(alias._version != n for r, alias, n in self._watched if r() is not None)",
+        "        written = self._gone_written or any(alias._version != n for _, alias, n in self._watched)",
+        "        written = self._gone_written or any("
+        "alias._version != n for r, alias, n in self._watched if r() is not None)",
         [WRITES],
     ),
     "a block called alone reads stale shards": (
@@ -140,8 +141,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a backward an exception escaped never ended": (
         "isp_comm/hooks/engine.py",
-        "        if self.phase is Phase.BACKWARD:\n            self.end_backward()",
-        "        if False:\n            self.end_backward()",
+        "            try:\n                self.end_backward()\n",
+        "            try:\n                pass\n",
         [UNPLANNED],
     ),
     "a second forward's gather in another slot": (
