@@ -4,6 +4,8 @@ same idiom on the plain model over the global batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -134,3 +136,45 @@ def test_with_find_unused_parameters_an_unused_parameters_hook_does_not_run() ->
     # zeros reduced for them and their hooks stepped on those (weight decay moved them)
     for diff, other_calls in run_ranks(_unused_worker, 2, timeout_s=90):
         assert diff < ATOL["adamw"] and not other_calls, (diff, other_calls)
+
+
+def _removed_worker(rank: int, world: int, wp: int, config_kw: dict) -> tuple[dict, dict]:
+    """Hooks a user removes: a one-shot hook that removes itself, and hooks removed
+    between the forward and the backward of the first step; their calls on the
+    wrapped model and on the plain one (an outside review's case)."""
+
+    def run(model: torch.nn.Module, loss: Callable) -> dict[str, int]:
+        calls, handles = {"one-shot": 0, "removed": 0}, {}
+
+        def once(p: torch.nn.Parameter) -> None:
+            calls["one-shot"] += 1
+            handles[id(p)].remove()
+
+        def counted(_p: torch.nn.Parameter) -> None:
+            calls["removed"] += 1
+
+        for p in model.parameters():
+            handles[id(p)] = p.register_post_accumulate_grad_hook(once)
+        removed = [p.register_post_accumulate_grad_hook(counted) for p in model.parameters()]
+        for i, (x, y) in enumerate(batches(CASE, world)[0] * 3):
+            out = loss(model, x, y)
+            for h in removed if i == 0 else ():
+                h.remove()
+            out.backward()
+            model.zero_grad()
+        return calls
+
+    model = CASE.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
+    got = run(model, lambda m, x, y: comm.cross_entropy(m(x.chunk(world)[rank]), y.chunk(world)[rank]))
+    comm.close()
+    return got, run(CASE.build(), lambda m, x, y: loss_fn(m(x), y))
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("wp, config_kw", [(2, {}), (1, {"state_sharding": "world"})], ids=["wp2", "pieces"])
+def test_a_hook_removed_stays_removed(wp: int, config_kw: dict) -> None:
+    # before: a hook removed while the communicator held it aside came back when the
+    # backward ended (one-shot hooks ran every step, removed ones on every parameter)
+    for got, plain in run_ranks(_removed_worker, 2, wp, config_kw, timeout_s=90):
+        assert got == plain, (got, plain)

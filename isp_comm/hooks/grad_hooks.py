@@ -20,9 +20,13 @@ parameter's hooks after its reduce-scatter. Here:
   replicas apart. From a forward with grad to its backward's end they are held out
   of the parameter's hooks (:meth:`UserGradHooks.hold`) and called once the average is
   in ``.grad``, the earlier micro-steps' gradients added back (:meth:`release`).
-- Nothing is called for a backward that did not go as planned (its gradients are
-  dropped: :attr:`quiet`), nor by one whose replica reduction is deferred (no
-  ``.grad`` is written), nor for a parameter left without a gradient. With
+- A backward that did not go as planned (an exception escaped it) calls nothing
+  more once it is settled (:attr:`quiet`: the gradients still in flight are
+  dropped); the hooks of the shards whose reductions had completed before have run,
+  as a plain model has run those of the gradients it accumulated before the
+  exception (which ones differ: the reductions run behind autograd). Nothing is
+  called by a backward whose replica reduction is deferred (no ``.grad`` is
+  written), nor for a parameter left without a gradient. With
   ``find_unused_parameters`` a parameter no rank used gets zeros reduced, taken back
   to ``None`` once every rank's use is known, which costs a host read: so the shards'
   hooks wait for the backward's end too (``defer``), and there, when any hook is to
@@ -37,6 +41,7 @@ Hooks are told apart from the reducer's own by their handles' ids, never by name
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
@@ -59,9 +64,10 @@ class UserGradHooks:
         """A user's hook is running (called from the backward, or from its end)."""
         self.quiet = False
         """Set while a backward that did not go as planned is ended: no hook is called."""
-        self._held: dict[nn.Parameter, tuple[list[tuple[int, Hook]], bool]] = {}
-        """Per parameter: its hooks held out of autograd's reach, and whether it is whole
-        (called at :meth:`release`) or a shard (called by :meth:`call`)."""
+        self._held: dict[nn.Parameter, tuple[dict[int, Hook], int | None, bool]] = {}
+        """Per parameter: its hook dict set aside ([Note: hooks held aside]), our hook's
+        key in it, and whether it is whole (called at :meth:`release`) or a shard
+        (called by :meth:`call`)."""
 
     def call(self, params: Iterable[nn.Parameter]) -> None:
         """Run each of the shards ``params``' hooks: their gradients are final for this backward."""
@@ -71,8 +77,7 @@ class UserGradHooks:
             self._later.extend(params)
             return
         for p in params:
-            held = self._held.get(p)
-            hooks = [h for _, h in held[0]] if held is not None else list((_hooks_of(p) or {}).values())
+            hooks = self._theirs(p)
             if hooks:
                 self._run(p, hooks)
 
@@ -86,40 +91,53 @@ class UserGradHooks:
 
     def hold(self, params: Iterable[nn.Parameter], whole: bool, ours: Mapping[int, int] | None = None) -> None:
         """Take the hooks other than ours (``ours``: parameter id -> our handle's id) out
-        of ``params`` until :meth:`release`, out of autograd's reach: the ``whole``
-        parameters' until their average is in ``.grad``, the shards' for :meth:`call`."""
+        of autograd's reach until :meth:`release`: the ``whole`` parameters' until
+        their average is in ``.grad``, the shards' for :meth:`call`.
+
+        [Note: hooks held aside] The parameter's hook dict itself is set aside and a
+        dict of ours alone put in its place (torch then calls that one): the user's
+        handles point at the dict set aside, so a hook removed meanwhile, by the caller
+        or by itself (a one-shot hook), stays removed when it comes back."""
         for p in params:
             hooks = _hooks_of(p)
             if not hooks or p in self._held:
                 continue
             mine = ours.get(id(p)) if ours else None
-            theirs = [(k, h) for k, h in hooks.items() if k != mine]
-            for k, _ in theirs:
-                del hooks[k]
-            if theirs:
-                self._held[p] = (theirs, whole)
+            if all(k == mine for k in hooks):
+                continue
+            kept = OrderedDict((k, h) for k, h in hooks.items() if k == mine)
+            p._post_accumulate_grad_hooks = kept  # torch's setter: autograd now calls this one (None would not)
+            self._held[p] = (hooks, mine, whole)
+
+    def _theirs(self, p: nn.Parameter) -> list[Hook]:
+        """``p``'s user hooks now (held aside or not), as a list: one may remove itself."""
+        held = self._held.get(p)
+        hooks, mine = (held[0], held[1]) if held is not None else (_hooks_of(p) or {}, None)
+        return [h for k, h in hooks.items() if k != mine]
 
     def pending(self) -> bool:
         """Whether :meth:`release` with ``call`` would run a hook (a parameter without a
         gradient aside)."""
-        return bool(self._later) or any(whole for _, whole in self._held.values())
+        return bool(self._later) or any(whole for _, _, whole in self._held.values())
 
     def release(self, call: bool) -> None:
-        """Put the held hooks back; with ``call`` (the backward is over, the averages
-        in ``.grad``) run the deferred shards' hooks, then the whole parameters', each
-        parameter's in the order they came, for those with a gradient."""
+        """Put the held hook dicts back (with any hook registered meanwhile); with
+        ``call`` (the backward is over, the averages in ``.grad``) run the deferred
+        shards' hooks, then the whole parameters', each parameter's in the order they
+        came, for those with a gradient."""
         held, self._held = self._held, {}
         later, self._later = self._later, None if self._later is None else []
-        for p, (theirs, _) in held.items():
-            hooks = _hooks_of(p)
-            if hooks is not None:
-                hooks.update(theirs)
+        for p, (hooks, mine, _) in held.items():
+            now = _hooks_of(p) or {}
+            hooks.update((k, h) for k, h in now.items() if k != mine)  # registered while held
+            p._post_accumulate_grad_hooks = hooks
         if not call or self.quiet:
             return
         for p in later or ():
-            hooks = _hooks_of(p)
+            hooks = self._theirs(p)
             if hooks and p.grad is not None:
-                self._run(p, list(hooks.values()))
-        for p, (theirs, whole) in held.items():
-            if whole and p.grad is not None:
-                self._run(p, [h for _, h in theirs])
+                self._run(p, hooks)
+        for p, (hooks, mine, whole) in held.items():
+            theirs = [h for k, h in hooks.items() if k != mine]
+            if whole and theirs and p.grad is not None:
+                self._run(p, theirs)
