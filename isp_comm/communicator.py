@@ -335,12 +335,11 @@ class ISPCommunicator:
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
-        save = getattr(self.model, "save_pretrained", None)
-        self._undo_save = (
-            _patch(self.model, "save_pretrained", refuse_save_pretrained(save))
-            if self._partial_ids and callable(save)
-            else None
-        )
+        self._undo_save = [  # the model's, and an inner transformers model's (model.model, peft's base model)
+            _patch(m, "save_pretrained", refuse_save_pretrained(m.save_pretrained))
+            for m in self.model.modules()
+            if callable(getattr(m, "save_pretrained", None)) and any(id(p) in self._partial_ids for p in m.parameters())
+        ]
         self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
         self._state_dict_hooks = self._shard_state_dict_hooks()
 
@@ -916,7 +915,7 @@ class ISPCommunicator:
         for handle in self._state_dict_hooks:
             handle.remove()
         self._state.unhook_optimizers()
-        for undo in (self._undo_generate, self._undo_save):
+        for undo in (self._undo_generate, *self._undo_save):
             if undo is not None:
                 undo()
         for unit, fwd in ((self.vocab_unit, self._head_forward), (self.embed_unit, self._embed_forward)):
