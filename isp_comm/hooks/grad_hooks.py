@@ -73,8 +73,8 @@ class UserGradHooks:
         """Run each of the shards ``params``' hooks: their gradients are final for this backward."""
         if self.quiet:
             return
-        if self._later is not None:
-            self._later.extend(params)
+        if self._later is not None:  # only those with hooks: pending() decides a host read on it
+            self._later.extend(p for p in params if self._theirs(p))
             return
         for p in params:
             hooks = self._theirs(p)
