@@ -21,8 +21,9 @@ from torch import nn
 from isp_comm.config import FLOAT_DTYPES, ISPConfig
 from isp_comm.embedding import supports_hidden_split
 from isp_comm.groups import ParallelGroups
+from isp_comm.hooks.grad_hooks import refuse_gradient_hooks
 from isp_comm.materialize import materialize_module, materialize_rest, model_initializer
-from isp_comm.units import BlockUnit, ReplicatedParam
+from isp_comm.units import BlockUnit, ReplicatedParam, owned_params
 from isp_comm.vocab_parallel import find_output_head
 
 
@@ -325,7 +326,10 @@ def build_units(
     built = Units([])
     world = config.state_sharding == "world"  # a replica group of one: the same as "wp"
     replicas = (groups.replica_size, groups.replica_rank) if world else (1, 0)
-    for s in unit_specs(model, block_list, config, head):
+    specs = unit_specs(model, block_list, config, head)
+    named = ((fqn, p) for s in specs for fqn, _, _, p in owned_params(s.owners, s.names))
+    refuse_gradient_hooks(named, wrapping=True)  # before anything is sharded
+    for s in specs:
         mp = dict(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype) if s.cast else {}
         unit = BlockUnit(
             s.index, s.block, s.owners, s.replicated, groups.wp_size, groups.wp_rank, device, materialize,

@@ -6,7 +6,7 @@ See :mod:`isp_comm.layout` for where each parameter's bytes live ([Note: layouts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,26 +38,31 @@ def find_sharded(
     found: list[ShardedParam] = []
     alias_of: list[tuple[nn.Module, str, int, str]] = []
     seen: dict[int, int] = {}
+    for fqn, module, name, p in owned_params(owners, names):
+        if id(p) in seen:
+            alias_of.append((module, name, seen[id(p)], fqn))
+            continue
+        if p.dim() == 0:
+            raise ValueError(f"{fqn}: a 0-dim parameter cannot be sharded")
+        dim = 1 if id(p) in dim1 else 0
+        assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
+        out = p.shape[dim]
+        chunk = -(-out // wp_size)
+        start = min(wp_rank * chunk, out)
+        seen[id(p)] = len(found)
+        found.append(ShardedParam(module, name, fqn, p.shape, chunk, min(chunk, out - start), 0, dim, p.dtype, start))
+    return found, alias_of
+
+
+def owned_params(
+    owners: list[tuple[str, nn.Module]], names: tuple[str, ...] | None
+) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """``(fqn, module, name, parameter)`` for each direct parameter of ``owners``
+    called ``names`` (any, for ``None``): what one unit shards, tied ones each time."""
     for fqn_prefix, module in owners:
         for name, p in list(module._parameters.items()):
-            if p is None or (names is not None and name not in names):
-                continue
-            fqn = f"{fqn_prefix}.{name}" if fqn_prefix else name
-            if id(p) in seen:
-                alias_of.append((module, name, seen[id(p)], fqn))
-                continue
-            if p.dim() == 0:
-                raise ValueError(f"{fqn_prefix}.{name}: a 0-dim parameter cannot be sharded")
-            dim = 1 if id(p) in dim1 else 0
-            assert dim == 0 or p.dim() == 2, "only 2-D parameters are split along dim 1"
-            out = p.shape[dim]
-            chunk = -(-out // wp_size)
-            start = min(wp_rank * chunk, out)
-            seen[id(p)] = len(found)
-            found.append(
-                ShardedParam(module, name, fqn, p.shape, chunk, min(chunk, out - start), 0, dim, p.dtype, start)
-            )
-    return found, alias_of
+            if p is not None and (names is None or name in names):
+                yield (f"{fqn_prefix}.{name}" if fqn_prefix else name), module, name, p
 
 
 class BlockUnit(BlockLayout):

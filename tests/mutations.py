@@ -363,6 +363,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            pass\n",
         ["tests/test_grad_hooks.py::test_an_optimizer_stepped_in_the_backward_trains_as_on_the_plain_model[2]"],
     ),
+    "a register_hook on a shard left never to run": (
+        "isp_comm/hooks/engine.py",
+        "            refuse_gradient_hooks(self._named_shards(), wrapping=False)",
+        "            pass",
+        ["tests/test_grad_hooks.py::test_gradient_hooks_that_would_never_run_are_refused[wp2]"],
+    ),
+    "a gradient hook put on before wrapping dropped": (
+        "isp_comm/discovery.py",
+        "    refuse_gradient_hooks(named, wrapping=True)",
+        "    pass",
+        ["tests/test_grad_hooks.py::test_gradient_hooks_that_would_never_run_are_refused[pieces]"],
+    ),
 }
 
 

@@ -178,3 +178,41 @@ def test_a_hook_removed_stays_removed(wp: int, config_kw: dict) -> None:
     # backward ended (one-shot hooks ran every step, removed ones on every parameter)
     for got, plain in run_ranks(_removed_worker, 2, wp, config_kw, timeout_s=90):
         assert got == plain, (got, plain)
+
+
+def _refused_worker(rank: int, world: int, wp: int, config_kw: dict) -> list[str]:
+    """What is refused, in order: a hook put on a parameter before wrapping; a
+    ``register_hook`` on a shard after wrapping, at the next training forward; then
+    (the handle removed) that a training step goes on, and a ``register_hook`` on a
+    whole parameter is called, as on DDP."""
+    told = []
+    model = CASE.build()
+    model.layers[0].attn.q_proj.weight.register_post_accumulate_grad_hook(lambda p: None)
+    model.layers[1].mlp.up_proj.bias.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match="registered before wrapping") as before:
+        ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
+    told.append(str(before.value))
+    model = CASE.build()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**config_kw))
+    x, y = (t.chunk(world)[rank] for t in batches(CASE, world)[0][0])
+    handle = model.layers[1].attn.o_proj.weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match="register_post_accumulate_grad_hook") as after:
+        model(x)
+    told.append(str(after.value))
+    handle.remove()
+    seen = []
+    model.layers[1].mlp_norm.weight.register_hook(lambda g: seen.append(g.shape))
+    comm.cross_entropy(model(x), y).backward()
+    comm.close()
+    return [*told, str(seen)]
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("wp, config_kw", [(2, {}), (1, {"state_sharding": "world"})], ids=["wp2", "pieces"])
+def test_gradient_hooks_that_would_never_run_are_refused(wp: int, config_kw: dict) -> None:
+    # before: both were dropped without a word (the hooks of a sharded parameter never
+    # ran, nor an optimizer stepped from them)
+    for before, after, seen in run_ranks(_refused_worker, 2, wp, config_kw, timeout_s=90):
+        assert "layers.0.attn.q_proj.weight, layers.1.mlp.up_proj.bias" in before, before
+        assert "register_hook on layers.1.attn.o_proj.weight " in after, after
+        assert seen == str([torch.Size([36])]), seen

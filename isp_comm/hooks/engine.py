@@ -21,6 +21,7 @@ from isp_comm.context import CommContext
 from isp_comm.hooks.autograd import PreBackward, ShardViews
 from isp_comm.hooks.block_state import BlockState, GatherResources, GatherState, swap_in_views
 from isp_comm.hooks.casting import cast_floats, cast_params_in, cast_params_out, map_tensors
+from isp_comm.hooks.grad_hooks import refuse_gradient_hooks
 from isp_comm.hooks.reductions import GradientReducer
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.unused import UnusedGradients
@@ -153,6 +154,7 @@ class BlockEngine:
             if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
                 self.root_post_forward()
         if torch.is_grad_enabled() and self._arms_reductions(second):
+            refuse_gradient_hooks(self._named_shards(), wrapping=False)  # [Note: gradient hooks on a shard]
             self.reducer.stash()
             self.reducer.user_hooks.hold(self._shards(), whole=False)  # [Note: post-accumulate-grad hooks]
             self.phase = Phase.FORWARD
@@ -447,8 +449,12 @@ class BlockEngine:
 
     def _shards(self) -> list[torch.nn.Parameter]:
         """Every unit's trainable shards (pieces), the outer unit's included."""
+        return [s for _, s in self._named_shards()]
+
+    def _named_shards(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """:meth:`_shards` with their FQNs."""
         units = (u for u in (self.root, *self.summed, *self.units) if u is not None)
-        return [s for u in units for s in u.shards if s.requires_grad]
+        return [(pc.fqn, s) for u in units for pc, s in zip(u.pieces, u.shards) if s.requires_grad]
 
     def settle(self, forward: bool = False) -> None:
         """Bring the engine back to IDLE after a step that did not go as planned, when it

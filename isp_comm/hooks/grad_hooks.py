@@ -49,6 +49,39 @@ from torch import nn
 Hook = Callable[[nn.Parameter], None]
 
 
+def refuse_gradient_hooks(named: Iterable[tuple[str, nn.Parameter]], wrapping: bool) -> None:
+    """[Note: gradient hooks on a shard] A hook ``register_hook`` put on a parameter sees
+    its gradient as autograd computes it; a sharded parameter's gradient is written by
+    the engine, never by autograd, so such a hook would never run (FSDP2 drops it
+    alike, without a word). And wrapping replaces each sharded parameter by its shard,
+    a new parameter of the same name, so any gradient hook on the parameter before
+    (post-accumulate-grad ones too) would never run, nor an optimizer of the whole
+    parameter stepped from it. Both are refused, naming the parameters: ``wrapping``
+    at the constructor, before anything is sharded; otherwise at a forward with grad,
+    for a ``register_hook`` on a shard after wrapping. A post-accumulate-grad hook
+    registered after wrapping works (see the note above); a whole parameter's hooks
+    work as on DDP's."""
+    hooked = [
+        name
+        for name, p in named
+        if p._backward_hooks or (wrapping and _hooks_of(p))  # empty dicts stay once a handle is removed
+    ]
+    if not hooked:
+        return
+    listed = f"{', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}"
+    if wrapping:
+        raise ValueError(
+            f"isp-comm: {listed} hold a gradient hook registered before wrapping, which would never run: wrapping "
+            "replaces each sharded parameter by its shard, a new parameter of the same name. Register hooks (and "
+            "build optimizers) after wrapping, on model.parameters()"
+        )
+    raise RuntimeError(
+        f"isp-comm: register_hook on {listed} would never run: a sharded parameter's gradient is reduced and "
+        "written by isp-comm, not by autograd. Use register_post_accumulate_grad_hook, which runs once the reduced "
+        "gradient is in p.grad (modify p.grad there), and remove the register_hook handle"
+    )
+
+
 def _hooks_of(p: nn.Parameter) -> dict[int, Hook] | None:
     """``p``'s post-accumulate-grad hooks by handle id (torch keeps them there), or ``None``."""
     return getattr(p, "_post_accumulate_grad_hooks", None)
