@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from isp_comm.backends import Backend, make_backend
 from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
-from isp_comm.consistency import broadcast_weights, check_same_weights, repeated_rows
+from isp_comm.consistency import ReplicaCheck, broadcast_weights, check_same_weights, repeated_rows
 from isp_comm.context import CommContext
 from isp_comm.discovery import (
     CLOSED_SHARDS,
@@ -326,7 +326,8 @@ class ISPCommunicator:
         training forward, :meth:`_check_rows`); no deep copy of the model or a block
         (:func:`~isp_comm.discovery.refuse_deepcopy`); no ``save_pretrained`` of the
         shards (:func:`~isp_comm.discovery.refuse_save_pretrained`); the model's own
-        state dict sharded (:meth:`_sharded_entries`)."""
+        state dict sharded (:meth:`_sharded_entries`); the replicated parameters
+        compared across ranks now and then (:class:`~isp_comm.consistency.ReplicaCheck`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
         self._partial_ids = frozenset(
@@ -342,6 +343,10 @@ class ISPCommunicator:
         ]
         self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
         self._state_dict_hooks = self._shard_state_dict_hooks()
+        shards = {id(s) for u in self.sharded_units for s in u.shards}
+        self._replicas = [(n, p) for n, p in self.model.named_parameters() if id(p) not in shards]
+        if self._replicas and self.groups.world_size > 1 and self.backend.identical_sums and not is_virtual():
+            self.engine.after_backward = ReplicaCheck(self._replicas, self.groups.world_group, self._state.device)
 
     def _root_pre_forward(self) -> None:
         if self._rows_unchecked and torch.is_grad_enabled() and not torch.compiler.is_compiling():

@@ -1,4 +1,4 @@
-"""Every rank must start from the same weights: a fingerprint check, or rank 0's broadcast.
+"""Every rank must hold the same weights: a fingerprint check, or rank 0's broadcast.
 
 A forgotten ``torch.manual_seed`` gives each rank its own initial weights. Wrapping
 would accept them and training would run: the replicated parameters would differ
@@ -10,6 +10,7 @@ option of that name does. Parameters still on the meta device are skipped: they 
 materialised identically later (see :mod:`isp_comm.materialize`). After wrapping, the
 opposite mistake, :func:`repeated_rows`: shards alike on every rank that holds part of
 a weight ([Note: rows initialised after wrapping] in ``isp_comm/communicator.py``).
+While training, :class:`ReplicaCheck`: replicated parameters that part across ranks.
 """
 
 from __future__ import annotations
@@ -22,23 +23,60 @@ from torch import nn
 
 from isp_comm.virtual import is_virtual
 
-_CHUNK = 1 << 24  # elements per step of the device-side checksum
+_CHUNK = 1 << 22  # elements per step of the device-side checksum (3 int64 temporaries of it)
 
 
-def fingerprint(t: torch.Tensor) -> tuple[int, int]:
-    """A checksum of ``t``'s bytes: CRC-32 on CPU (no copy), two chunked integer sums
-    of its 32-bit words elsewhere (no copy to the host)."""
-    t = t.detach().contiguous()
-    raw = t.view(-1).view(torch.uint8)
-    if t.device.type == "cpu":
-        return zlib.crc32(raw.numpy()), raw.numel()
+def _device_sums(t: torch.Tensor) -> torch.Tensor:
+    """Two chunked integer sums of ``t``'s 32-bit words (the second weighted by
+    position), as a tensor on ``t``'s device: nothing read on the host."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    a = b = torch.zeros((), dtype=torch.int64, device=t.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=t.device)
     for start in range(0, words.numel(), _CHUNK):
         w = words[start : start + _CHUNK].to(torch.int64)
-        a = a + w.sum()
-        b = b + (w * (torch.arange(w.numel(), device=t.device) % 65521 + 1)).sum()
-    return int(a), int(b)
+        sums[0] += w.sum()
+        sums[1] += (w * (torch.arange(w.numel(), device=t.device) % 65521 + 1)).sum()
+    return sums
+
+
+def fingerprints(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A checksum of each tensor's bytes, as an ``(n, 2)`` int64 tensor on ``device``:
+    CRC-32 and the size on CPU (no copy), :func:`_device_sums` elsewhere (no copy to
+    the host, so one read of the gathered result is the only sync)."""
+    if not tensors:
+        return torch.zeros(0, 2, dtype=torch.int64, device=device)
+    if all(t.device.type == "cpu" for t in tensors):
+        rows = [(zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy()), t.nbytes) for t in tensors]
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+    return torch.stack([_device_sums(t).to(device) for t in tensors])
+
+
+def gathered_fingerprints(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Every rank of ``group``'s :func:`fingerprints` of its ``tensors``, as a
+    ``(ranks, n, 2)`` tensor on ``device``: one all-gather of torch's (outside any
+    step's count of the backend's collectives), nothing read on the host."""
+    mine = fingerprints(tensors, device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return torch.stack(every)
+
+
+def differing_in(every: torch.Tensor, names: list[str]) -> dict[str, list[int]]:
+    """The ``names`` whose fingerprints in ``every`` (:func:`gathered_fingerprints`)
+    differ across ranks, each with the ranks whose copy differs from the first's."""
+    every = every.cpu()
+    apart = (every != every[:1]).any(dim=-1)  # (ranks, n)
+    return {name: apart[:, i].nonzero().flatten().tolist() for i, name in enumerate(names) if apart[:, i].any()}
+
+
+def differing(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, device: torch.device
+) -> dict[str, list[int]]:
+    """The tensors among ``named`` whose bytes differ across ``group``'s ranks (see
+    :func:`differing_in`): one all-gather and one read on the host."""
+    return differing_in(gathered_fingerprints([t for _, t in named], group, device), [n for n, _ in named])
 
 
 @torch.no_grad()
@@ -47,17 +85,12 @@ def check_same_weights(model: nn.Module, device: torch.device) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
     if dist.get_world_size() == 1 or not named or is_virtual():  # a virtual world: no peer to differ
         return
-    mine = torch.tensor([fingerprint(p) for _, p in named], dtype=torch.int64, device=device).view(-1, 2)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    for i, (name, _) in enumerate(named):
-        differ = [r for r, f in enumerate(every) if not torch.equal(f[i], every[0][i])]
-        if differ:
-            raise ValueError(
-                f"parameter {name} differs across ranks (rank 0 and ranks {differ} hold different values): "
-                "build the model with the same seed on every rank (torch.manual_seed before building it), "
-                "or pass ISPConfig(sync_module_states=True) to start every rank from rank 0's weights"
-            )
+    for name, ranks in differing(named, None, device).items():
+        raise ValueError(
+            f"parameter {name} differs across ranks (rank 0 and ranks {ranks} hold different values): "
+            "build the model with the same seed on every rank (torch.manual_seed before building it), "
+            "or pass ISPConfig(sync_module_states=True) to start every rank from rank 0's weights"
+        )
 
 
 @torch.no_grad()
@@ -81,9 +114,66 @@ def repeated_rows(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGrou
     the backend's collectives)."""
     if not named:
         return []
-    mine = torch.tensor([fingerprint(p) for _, p in named], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    same = [all(torch.equal(f[i], every[0][i]) for f in every) for i in range(len(named))]
+    differ = differing(named, group, device)
     varied = [p.numel() > 1 and bool((p.reshape(-1) != p.reshape(-1)[0]).any()) for _, p in named]
-    return [n for (n, _), s, v in zip(named, same, varied) if s and v]
+    return [n for (n, _), v in zip(named, varied) if n not in differ and v]
+
+
+class ReplicaCheck:
+    """[Note: replicas that drift apart] Every rank steps its copy of a replicated
+    parameter on the same averaged gradient, so the copies stay bitwise alike, unless
+    something changes a gradient by a figure of one rank's own before the step:
+    ``torch.nn.utils.clip_grad_norm_`` on the wrapped model (the norm of this rank's
+    shards), ``torch.amp.GradScaler`` (one rank finds an inf in its shards and skips
+    the step its peer takes), an update of the user's that depends on the rank. The
+    replicas would part for good, and a checkpoint keep rank 0's, without a word.
+
+    So at the end of backward 2, 4, 8, ... (a point every rank reaches together, where
+    a forward need not be: one rank may evaluate alone) a checksum of each replicated
+    parameter is gathered over the world, log2 of the backwards in all; copies that
+    differ stop the run on every rank, naming them. On the CPU the check reads the
+    result at once; on CUDA it is copied to the host behind the step and read at the
+    next backward's end, long done by then, so no step waits on the device for it.
+    Only where the backend's sums are the same on every rank
+    (``Backend.identical_sums``), which the communicator decides."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device) -> None:
+        self.named, self.group, self.device = named, group, device
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+        """The last gather not read yet: its backward, its host copy, the copy's event."""
+
+    def __call__(self, ended: int) -> None:
+        """The ``ended``-th backward has ended: read the last gather, and gather anew at a power of two."""
+        if self._pending is not None:
+            self._read()
+        if ended < 2 or ended & (ended - 1):
+            return
+        every = gathered_fingerprints([t for _, t in self.named], self.group, self.device)
+        if every.device.type != "cuda":
+            self._pending = (ended, every, None)
+            self._read()
+            return
+        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+        host.copy_(every, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (ended, host, done)
+
+    def _read(self) -> None:
+        assert self._pending is not None
+        ended, every, done = self._pending
+        self._pending = None
+        if done is not None and not done.query():
+            done.synchronize()  # a whole backward later: not expected to wait
+        apart = differing_in(every, [n for n, _ in self.named])
+        if not apart:
+            return
+        names = list(apart)
+        raise RuntimeError(
+            f"isp-comm: the replicated parameters {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} differ "
+            f"across ranks (ranks {apart[names[0]]} from rank 0) at backward {ended}: every rank steps them on the "
+            "same averaged gradient, so a gradient was changed by a figure of one rank's own before a step. "
+            "torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "
+            "comm.clip_grad_norm_); torch.amp.GradScaler lets one rank skip a step its peer takes (use "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler)"
+        )

@@ -375,6 +375,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "    pass",
         ["tests/test_grad_hooks.py::test_gradient_hooks_that_would_never_run_are_refused[pieces]"],
     ),
+    "replicas that part left unchecked": (
+        "isp_comm/consistency.py",
+        "        if not apart:\n            return\n",
+        "        if True:\n            return\n",
+        ["tests/test_validation.py::test_replicas_stepped_apart_stop_the_run_and_say_why[torch]"],
+    ),
 }
 
 

@@ -313,6 +313,10 @@ def _scaler_worker(rank: int, world: int) -> dict[str, tuple[float, bool]]:
         scaler.step(opt)
         scaler.update()
         out[name] = (scaler.get_scale(), not torch.equal(before, model.embed.weight))
+        try:  # the next backward compares the replicas ([Note: replicas that drift apart])
+            scaler.scale(loss_fn(model(x), x)).backward()
+        except RuntimeError as exc:
+            out[name] += ("ShardedGradScaler" in str(exc),)
         comm.close()
     return out
 
@@ -321,7 +325,8 @@ def _scaler_worker(rank: int, world: int) -> dict[str, tuple[float, bool]]:
 def test_fp16_loss_scaling_agrees_across_ranks_with_the_sharded_grad_scaler() -> None:
     # torch.amp.GradScaler sees this rank's rows only: rank 0 skips its step and halves
     # its scale while rank 1 steps (the documented pitfall, shown here so that the doc's
-    # advice stays needed); FSDP2's ShardedGradScaler all-reduces the inf flag
+    # advice stays needed), and the next backward stops the run saying so (before: it
+    # trained on, the replicas apart); FSDP2's ShardedGradScaler all-reduces the inf flag
     r0, r1 = run_ranks(_scaler_worker, 2, timeout_s=100)
-    assert r0["torch.amp"] == (512.0, False) and r1["torch.amp"] == (1024.0, True), (r0, r1)
+    assert r0["torch.amp"] == (512.0, False, True) and r1["torch.amp"] == (1024.0, True, True), (r0, r1)
     assert r0["sharded"] == r1["sharded"] == (512.0, False), (r0, r1)

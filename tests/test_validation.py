@@ -508,3 +508,43 @@ def test_ranks_feeding_different_shapes_where_the_wp_group_shares_tokens_are_tol
     for rank, said in enumerate(run_ranks(_ragged_worker, 2, timeout_s=90)):
         for name, text in said.items():
             assert "different shapes" in text and "WP rank 1: (2, 6" in text, (rank, name, text)
+
+
+def _clip_worker(rank: int, world: int, clip: str) -> list[str]:
+    """Four steps of AdamW at wp 2 clipped by ``clip`` ("torch": torch's
+    clip_grad_norm_ on the wrapped model; "comm": the communicator's): what each
+    backward said."""
+    from tests.parity import TINY
+
+    model = build(LlamaConfig(**TINY))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend="torch"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    said = []
+    for step in range(4):
+        x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(step * world + rank))
+        said.append(said_by(RuntimeError, lambda x=x: comm.cross_entropy(model(x), x).backward()))
+        if said[-1] != "ran":
+            break
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        else:
+            comm.clip_grad_norm_(0.1)
+        opt.step()
+        opt.zero_grad()
+    comm.close()
+    return said
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("clip", ["torch", "comm"])
+def test_replicas_stepped_apart_stop_the_run_and_say_why(clip: str) -> None:
+    # before: torch's clip_grad_norm_ on the wrapped model scaled each rank's
+    # gradients by its own shards' norm, the replicated parameters parted and the run
+    # trained on, without a word; [Note: replicas that drift apart]
+    for said in run_ranks(_clip_worker, 2, clip, timeout_s=90):
+        if clip == "comm":
+            assert said == ["ran"] * 4, said
+            continue
+        assert said[0] == "ran" and len(said) == 2, said  # compared at backward 2, after one step
+        assert said[1].startswith("isp-comm: the replicated parameters embed.weight") and "ranks [1]" in said[1]
+        assert "comm.clip_grad_norm_" in said[1], said

@@ -149,6 +149,12 @@ class Backend:
     names them (the CPU shared-memory backend's "collectives out of step"), or has no
     peers to differ (the virtual one). Default: no (gloo moves them without a word):
     where the host is the device, the WP group's token gathers compare shapes first."""
+    identical_sums: bool = True
+    """Whether an all-reduce leaves bitwise the same sum on every rank of its group, so
+    that parameters stepped on it stay bitwise alike (NCCL and gloo: each sum is made
+    once and sent; the shared-memory backends: every rank adds in rank order). The
+    communicator's check that the replicas stay alike ([Note: replicas that drift
+    apart]) runs only where they do. Default: yes."""
     symmetric_buffers: bool = False
     """Whether :meth:`empty` with a group serves memory that the group's ranks allocate
     together and map (CPU shared memory, NVSHMEM's heap): such a buffer cannot be

@@ -264,6 +264,7 @@ class NvshmemBackend(Backend):
     name = "nvshmem"
     symmetric_sources = True  # see [Note: collectives without copies]
     symmetric_buffers = True  # the pool is symmetric heap, allocated by every PE together
+    identical_sums = False  # a team reduction may add the peers from each PE's own on: last bits differ
     _PLAN = "the memory plan (pool buffers and the scratch of planned collectives)"
 
     def __init__(

@@ -82,6 +82,8 @@ class BlockEngine:
         """Buffers a step cut short left to collectives in flight (see [Note: buffers of a failed step])."""
         self.unused: UnusedGradients | None = None
         """With ``find_unused_parameters``: what this rank's backwards produced (see [Note: unused parameters])."""
+        self.after_backward: Callable[[int], None] | None = None  # told each backward's end, with their count
+        self._ended = 0
 
     def _event(self, kind: str, index: int) -> None:
         if self.ctx.events is not None:  # every block, every step: nothing to do unless recording
@@ -517,6 +519,9 @@ class BlockEngine:
         self.ctx.phase = "outer"
         self._callback_queued = False
         self._check_own_shards()
+        self._ended += 1
+        if self.after_backward is not None:
+            self.after_backward(self._ended)
 
     def _check_own_shards(self) -> None:
         """[Note: parameters replaced behind the engine] Every block is swapped out
