@@ -276,7 +276,7 @@ class BlockUnit(BlockLayout):
         block's backward to ``zero_grad``, never during the forward.
         """
         flat = self._grad_buffer()
-        if group is self.whole_group:  # one kernel for the whole block
+        if group is self.whole_group and all(s.requires_grad for s in self.shards):  # one kernel for the block
             fresh = [s for s in self.shards if s.grad is None]
             if len(fresh) == len(self.shards):
                 for pc, shard in zip(self.pieces, self.shards):

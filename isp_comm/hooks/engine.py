@@ -281,7 +281,15 @@ class BlockEngine:
     def root_post_forward(self) -> None:
         """Forward done: the model's outer parameters are shards again, and the engine
         lets go of their gathered region (see [Note: the outer region's lifetime]),
-        and of a block prefetched for a part of the model the forward skipped."""
+        and of a block prefetched for a part of the model the forward skipped.
+
+        [Note: a forward that raised] Called by a forward hook that torch runs even when
+        the forward raised (``always_call``): the outer parameters are then put back at
+        once, not at the next forward, since until then ``model.parameters()``, a state
+        dict or an in-place edit would see (and write) the forward's casts or gathered
+        copies. Nothing to do when no forward of ours began (a pre-hook refused it)."""
+        if not self._in_root:
+            return
         self._in_root = False
         self._release_leftovers()
         if self._outer_cast is not None:

@@ -543,6 +543,8 @@ class GradientReducer:
                 for p in b.params:
                     piece = b.flat[off : off + p.numel()].view_as(p)
                     off += p.numel()
+                    if not p.requires_grad:  # frozen since the forward: autograd made it none either
+                        continue
                     if p.grad is None:
                         p.grad = piece.clone()
                     else:
@@ -553,6 +555,8 @@ class GradientReducer:
         """A bucket over one rank: its gradients averaged where they are, as a flat
         buffer would be (divided before and after, or once in fp32; zeros where none came)."""
         for p in b.params:
+            if not p.requires_grad:  # frozen since the forward: see reduce_whole
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif p.dtype in LOW_PRECISION:
