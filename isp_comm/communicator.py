@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from isp_comm.backends import Backend, make_backend
 from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
-from isp_comm.consistency import ReplicaCheck, broadcast_weights, check_same_weights, repeated_rows
+from isp_comm.consistency import WeightsCheck, broadcast_weights, check_same_weights, repeated_rows, rows_alike
 from isp_comm.context import CommContext
 from isp_comm.discovery import (
     CLOSED_SHARDS,
@@ -329,7 +329,7 @@ class ISPCommunicator:
         (:func:`~isp_comm.discovery.refuse_deepcopy`); no ``save_pretrained`` of the
         shards (:func:`~isp_comm.discovery.refuse_save_pretrained`); the model's own
         state dict sharded (:meth:`_sharded_entries`); the replicated parameters
-        compared across ranks now and then (:class:`~isp_comm.consistency.ReplicaCheck`)."""
+        compared across ranks now and then (:meth:`_watch_weights`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
         self._partial_ids = frozenset(
@@ -345,10 +345,26 @@ class ISPCommunicator:
         ]
         self._rows_unchecked = bool(self._partial_ids) and not is_virtual()  # [Note: rows initialised after wrapping]
         self._state_dict_hooks = self._shard_state_dict_hooks()
-        shards = {id(s) for u in self.sharded_units for s in u.shards}
-        self._replicas = [(n, p) for n, p in self.model.named_parameters() if id(p) not in shards]
-        if self._replicas and self.groups.world_size > 1 and self.backend.identical_sums and not is_virtual():
-            self.engine.after_backward = ReplicaCheck(self._replicas, self.groups.world_group, self._state.device)
+        self._watch_weights()
+
+    def _watch_weights(self) -> None:
+        """The check at the end of backward 2, 4, 8, ... ([Note: replicas that drift
+        apart] in ``isp_comm/consistency.py``): the replicated parameters alike on every
+        rank (where the backend's sums are), the partial ones not alike over the ranks
+        that hold their parts (the WP groups, contiguous as ``ParallelGroups.create``
+        makes them; the world, for pieces)."""
+        g, shards = self.groups, {id(s) for u in self.sharded_units for s in u.shards}
+        named = list(self.model.named_parameters())
+        replicas = [(n, p) for n, p in named if id(p) not in shards] if self.backend.identical_sums else []
+        partial = [(n, p) for n, p in named if id(p) in self._partial_ids]
+        if self._state.pieces:
+            rows_groups = [list(range(g.world_size))]
+        elif g.wp_ranks == tuple(range(g.wp_ranks[0], g.wp_ranks[0] + g.wp_size)) and g.wp_ranks[0] % g.wp_size == 0:
+            rows_groups = [list(range(k, k + g.wp_size)) for k in range(0, g.world_size, g.wp_size)]
+        else:
+            rows_groups = []
+        if (replicas or partial) and g.world_size > 1 and not is_virtual():
+            self.engine.after_backward = WeightsCheck(replicas, partial, rows_groups, g.world_group, self._state.device)
 
     def _root_pre_forward(self) -> None:
         if self._rows_unchecked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -366,17 +382,13 @@ class ISPCommunicator:
         over the WP group (the world, for pieces; one small all-gather of torch's, once)
         and refuses rows alike on every rank but not constant (zeros and ones are a
         real initialisation). Until a forward passes it; not while torch.compile traces
-        the model (an eager forward checks)."""
+        the model (an eager forward checks). An init later in the run is found by the
+        check at backward 2, 4, 8, ... (:meth:`_watch_weights`)."""
         g = self.groups
         named = [(n, p) for n, p in self.model.named_parameters() if id(p) in self._partial_ids]
         same = repeated_rows(named, g.world_group if self._state.pieces else g.wp_group, self._state.device)
         if same:
-            raise ValueError(
-                f"{', '.join(same[:3])}{' ...' if len(same) > 3 else ''}: every rank holding part of the weight holds "
-                "the same values, where each holds its own rows: initialised after wrapping, from one generator "
-                "state on every rank (the weight is its first rows repeated)? Initialise before wrapping, build on the "
-                "meta device with ISPConfig(init_seed=...), or load the weights (comm.load_full_state_dict)"
-            )
+            raise ValueError(rows_alike(same))
         self._rows_unchecked = False
 
     def _shard_state_dict_hooks(self) -> list[Any]:

@@ -39,23 +39,33 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def _varied(t: torch.Tensor) -> torch.Tensor:
+    """1 where ``t`` holds more than one value, as an int64 scalar on its device."""
+    flat = t.detach().reshape(-1)
+    return (flat != flat[0]).any().to(torch.int64) if flat.numel() > 1 else flat.new_zeros((), dtype=torch.int64)
+
+
 def fingerprints(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A checksum of each tensor's bytes, as an ``(n, 2)`` int64 tensor on ``device``:
-    CRC-32 and the size on CPU (no copy), :func:`_device_sums` elsewhere (no copy to
-    the host, so one read of the gathered result is the only sync)."""
+    """A checksum of each tensor's bytes, and whether it holds more than one value, as
+    an ``(n, 3)`` int64 tensor on ``device``: CRC-32 and the size on CPU (no copy),
+    :func:`_device_sums` elsewhere (no copy to the host, so one read of the gathered
+    result is the only sync)."""
     if not tensors:
-        return torch.zeros(0, 2, dtype=torch.int64, device=device)
+        return torch.zeros(0, 3, dtype=torch.int64, device=device)
     if all(t.device.type == "cpu" for t in tensors):
-        rows = [(zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy()), t.nbytes) for t in tensors]
+        rows = [
+            (zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy()), t.nbytes, int(_varied(t)))
+            for t in tensors
+        ]
         return torch.tensor(rows, dtype=torch.int64, device=device)
-    return torch.stack([_device_sums(t).to(device) for t in tensors])
+    return torch.stack([torch.cat([_device_sums(t), _varied(t).view(1)]).to(device) for t in tensors])
 
 
 def gathered_fingerprints(
     tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
     """Every rank of ``group``'s :func:`fingerprints` of its ``tensors``, as a
-    ``(ranks, n, 2)`` tensor on ``device``: one all-gather of torch's (outside any
+    ``(ranks, n, 3)`` tensor on ``device``: one all-gather of torch's (outside any
     step's count of the backend's collectives), nothing read on the host."""
     mine = fingerprints(tensors, device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -69,6 +79,30 @@ def differing_in(every: torch.Tensor, names: list[str]) -> dict[str, list[int]]:
     every = every.cpu()
     apart = (every != every[:1]).any(dim=-1)  # (ranks, n)
     return {name: apart[:, i].nonzero().flatten().tolist() for i, name in enumerate(names) if apart[:, i].any()}
+
+
+def alike_in(every: torch.Tensor, names: list[str], groups: list[list[int]]) -> list[str]:
+    """The ``names`` whose fingerprints in ``every`` are the same on every rank of one
+    of ``groups`` (ranks that each hold other rows of it), and not constant there."""
+    every = every.cpu()
+    out = []
+    for i, name in enumerate(names):
+        for g in (g for g in groups if len(g) > 1):
+            rows = every[g, i]
+            if bool((rows == rows[:1]).all()) and bool(rows[0, 2]):
+                out.append(name)
+                break
+    return out
+
+
+def rows_alike(names: list[str]) -> str:
+    """What a user is told of weights whose rows are alike on every rank (:func:`alike_in`)."""
+    return (
+        f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: every rank holding part of the weight holds "
+        "the same values, where each holds its own rows: initialised after wrapping, from one generator "
+        "state on every rank (the weight is its first rows repeated)? Initialise before wrapping, build on the "
+        "meta device with ISPConfig(init_seed=...), or load the weights (comm.load_full_state_dict)"
+    )
 
 
 def differing(
@@ -114,12 +148,11 @@ def repeated_rows(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGrou
     the backend's collectives)."""
     if not named:
         return []
-    differ = differing(named, group, device)
-    varied = [p.numel() > 1 and bool((p.reshape(-1) != p.reshape(-1)[0]).any()) for _, p in named]
-    return [n for (n, _), v in zip(named, varied) if n not in differ and v]
+    every = gathered_fingerprints([p for _, p in named], group, device)
+    return alike_in(every, [n for n, _ in named], [list(range(every.shape[0]))])
 
 
-class ReplicaCheck:
+class WeightsCheck:
     """[Note: replicas that drift apart] Every rank steps its copy of a replicated
     parameter on the same averaged gradient, so the copies stay bitwise alike, unless
     something changes a gradient by a figure of one rank's own before the step:
@@ -131,14 +164,26 @@ class ReplicaCheck:
     So at the end of backward 2, 4, 8, ... (a point every rank reaches together, where
     a forward need not be: one rank may evaluate alone) a checksum of each replicated
     parameter is gathered over the world, log2 of the backwards in all; copies that
-    differ stop the run on every rank, naming them. On the CPU the check reads the
-    result at once; on CUDA it is copied to the host behind the step and read at the
-    next backward's end, long done by then, so no step waits on the device for it.
-    Only where the backend's sums are the same on every rank
-    (``Backend.identical_sums``), which the communicator decides."""
+    differ stop the run on every rank, naming them. Only where the backend's sums are
+    the same on every rank (``Backend.identical_sums``), which the communicator
+    decides. The same gather carries a checksum of each parameter this rank holds
+    part of: rows alike on every rank of a group that holds its parts (``rows_groups``)
+    mean an initialisation after wrapping from one generator state on every rank, made
+    after the first forward's look ([Note: rows initialised after wrapping]), which
+    stops the run too. On the CPU the check reads the result at once; on CUDA it is
+    copied to the host behind the step and read at the next backward's end, long done
+    by then, so no step waits on the device for it."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device) -> None:
-        self.named, self.group, self.device = named, group, device
+    def __init__(
+        self,
+        replicas: list[tuple[str, torch.Tensor]],
+        partial: list[tuple[str, torch.Tensor]],
+        rows_groups: list[list[int]],
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.replicas, self.partial, self.rows_groups = replicas, partial, rows_groups
+        self.group, self.device = group, device
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         """The last gather not read yet: its backward, its host copy, the copy's event."""
 
@@ -148,7 +193,8 @@ class ReplicaCheck:
             self._read()
         if ended < 2 or ended & (ended - 1):
             return
-        every = gathered_fingerprints([t for _, t in self.named], self.group, self.device)
+        tensors = [t for _, t in (*self.replicas, *self.partial)]
+        every = gathered_fingerprints(tensors, self.group, self.device)
         if every.device.type != "cuda":
             self._pending = (ended, every, None)
             self._read()
@@ -165,15 +211,18 @@ class ReplicaCheck:
         self._pending = None
         if done is not None and not done.query():
             done.synchronize()  # a whole backward later: not expected to wait
-        apart = differing_in(every, [n for n, _ in self.named])
-        if not apart:
-            return
-        names = list(apart)
-        raise RuntimeError(
-            f"isp-comm: the replicated parameters {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} differ "
-            f"across ranks (ranks {apart[names[0]]} from rank 0) at backward {ended}: every rank steps them on the "
-            "same averaged gradient, so a gradient was changed by a figure of one rank's own before a step. "
-            "torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "
-            "comm.clip_grad_norm_); torch.amp.GradScaler lets one rank skip a step its peer takes (use "
-            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler)"
-        )
+        n = len(self.replicas)
+        apart = differing_in(every[:, :n], [name for name, _ in self.replicas])
+        if apart:
+            names = list(apart)
+            raise RuntimeError(
+                f"isp-comm: the replicated parameters {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+                f"differ across ranks (ranks {apart[names[0]]} from rank 0) at backward {ended}: every rank steps "
+                "them on the same averaged gradient, so a gradient was changed by a figure of one rank's own before "
+                "a step. torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "
+                "comm.clip_grad_norm_); torch.amp.GradScaler lets one rank skip a step its peer takes (use "
+                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler)"
+            )
+        alike = alike_in(every[:, n:], [name for name, _ in self.partial], self.rows_groups)
+        if alike:
+            raise RuntimeError(f"isp-comm: at backward {ended}, {rows_alike(alike)}")

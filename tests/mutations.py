@@ -381,6 +381,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        if True:\n            return\n",
         ["tests/test_validation.py::test_replicas_stepped_apart_stop_the_run_and_say_why[torch]"],
     ),
+    "rows alike after a later init left unchecked": (
+        "isp_comm/consistency.py",
+        '            raise RuntimeError(f"isp-comm: at backward {ended}, {rows_alike(alike)}")\n',
+        "            pass\n",
+        ["tests/test_validation.py::test_weights_initialised_after_the_first_step_stop_the_run_at_the_next_check[wp2]"],
+    ),
     "the outer parameters left swapped by a forward that raised": (
         "isp_comm/communicator.py",
         "            lambda _m, _a, _o: self.engine.root_post_forward(), always_call=True\n",

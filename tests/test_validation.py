@@ -484,6 +484,38 @@ def test_weights_initialised_after_wrapping_are_refused_at_the_first_forward() -
         assert said[4:] == ["ran", "ran"], said
 
 
+def _init_after_a_step_worker(rank: int, world: int, wp: int, opts: dict) -> list[str]:
+    """One step, then an init of every linear from one seed on every rank (after the
+    first forward's look), then training on: what each backward said."""
+    model = build(LlamaConfig(n_layers=2, hidden=16, ffn_hidden=24, n_heads=2, n_kv_heads=1, vocab_size=11))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(**opts))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    said = []
+    for step in range(3):
+        x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(step * world + rank))
+        said.append(said_by(RuntimeError, lambda x=x: comm.cross_entropy(model(x), x).backward()))
+        if said[-1] != "ran":
+            break
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            torch.manual_seed(7)
+            model.apply(lambda m: nn.init.normal_(m.weight, std=0.05) if isinstance(m, nn.Linear) else None)
+    comm.close()
+    return said
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("wp, opts", [(2, {}), (1, {"state_sharding": "world"})], ids=["wp2", "pieces"])
+def test_weights_initialised_after_the_first_step_stop_the_run_at_the_next_check(wp: int, opts: dict) -> None:
+    # before: the first forward's look had passed, and the run trained on with each
+    # weight its first rows repeated, without a word (an outside review)
+    for said in run_ranks(_init_after_a_step_worker, 2, wp, opts, timeout_s=90):
+        assert said[0] == "ran" and len(said) == 2, said
+        assert said[1].startswith("isp-comm: at backward 2, layers.0.attn.q_proj.weight"), said
+        assert "initialised after wrapping" in said[1], said
+
+
 def _ragged_worker(rank: int, world: int) -> dict[str, str]:
     """Rank 1 feeds shorter sequences than rank 0, in a training forward, where the WP
     group computes on each other's tokens: what each layout said."""
