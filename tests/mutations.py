@@ -387,6 +387,14 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            pass\n",
         ["tests/test_validation.py::test_weights_initialised_after_the_first_step_stop_the_run_at_the_next_check[wp2]"],
     ),
+    "weights written between a forward and its backward left unchecked": (
+        "isp_comm/hooks/block_state.py",
+        "        self._check_unwritten()\n",
+        "",
+        [
+            "tests/test_engine_parity.py::test_weights_written_between_forward_and_backward_are_refused_as_autograd_does[wp2]"
+        ],
+    ),
     "the outer parameters left swapped by a forward that raised": (
         "isp_comm/communicator.py",
         "            lambda _m, _a, _o: self.engine.root_post_forward(), always_call=True\n",

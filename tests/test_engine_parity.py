@@ -715,6 +715,40 @@ def test_a_block_frozen_between_forward_and_backward_gets_no_gradient(world: int
         assert diff < 1e-5 and with_grad == [], (diff, with_grad)
 
 
+def _written_before_backward_worker(rank: int, world: int, wp: int, config_kw: dict) -> list[str]:
+    """The blocks' linear weights halved under ``no_grad`` between a forward and its
+    backward, in both models: what each backward said; then a step that goes on."""
+    from tests.parity import loss_fn
+
+    g = torch.Generator().manual_seed(0)
+    model, ref, comm, *_ = _wrapped_and_plain(wp, config_kw)
+    a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+    said = []
+    for m, x, y in ((ref, a, b), (model, a.chunk(world)[rank], b.chunk(world)[rank])):
+        loss = loss_fn(m(x), y)
+        with torch.no_grad():
+            for lin in (lin for lin in m.layers.modules() if isinstance(lin, torch.nn.Linear)):
+                lin.weight.mul_(0.5)
+        try:
+            loss.backward()
+            said.append("ran")
+        except RuntimeError as exc:
+            said.append(str(exc))
+    loss_fn(model(a.chunk(world)[rank]), b.chunk(world)[rank]).backward()  # the next step runs
+    comm.close()
+    return said
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("wp, config_kw", [(2, {}), (1, {"state_sharding": "world"})], ids=["wp2", "pieces"])
+def test_weights_written_between_forward_and_backward_are_refused_as_autograd_does(wp: int, config_kw: dict) -> None:
+    # before: the plain model's backward refused, the wrapped one gathered the halved
+    # shards again and combined them with the forward's activations (an outside review)
+    for plain, wrapped in run_ranks(_written_before_backward_worker, 2, wp, config_kw, timeout_s=90):
+        assert "modified by an inplace operation" in plain, plain
+        assert wrapped.startswith("isp-comm: block 2's weights were written in place"), wrapped  # the last first
+
+
 def _forward_raised_worker(rank: int, world: int, config_kw: dict) -> list:
     """A forward that raises (from a hook on block 1), with and without grad: what
     ``model.parameters()`` are, and the full weights, right after it, against before."""

@@ -102,6 +102,7 @@ class BlockState:
         self._staging: torch.Tensor | None = None
         self._landing: Any = None
         self._cast: list | None = None  # in-block replicated params cast while swapped in
+        self._versions: tuple[int, ...] | None = None  # the shards' at the last forward with grad
 
     @property
     def swapped_in(self) -> bool:
@@ -117,6 +118,7 @@ class BlockState:
     def end_backward(self) -> None:
         """The backward is over: the graphs it ran freed what they saved."""
         self._forwards.clear()
+        self._versions = None
 
     # ---- SHARDED -> GATHERING -> GATHERED ------------------------------------------------
     def unshard(self, backward: bool) -> bool:
@@ -231,8 +233,27 @@ class BlockState:
         grad, until its gradients exist, so that a recompute calling the block's
         original forward directly sees them."""
         self.backward_at = self.res.ctx.mark()
+        self._check_unwritten()
         with torch.enable_grad():
             self.swap_in(hooks)
+
+    def _check_unwritten(self) -> None:
+        """[Note: weights written between a forward and its backward] A plain model's
+        backward refuses weights an in-place write changed since its forward saved
+        them (autograd's "modified by an inplace operation"). Here the forward saved
+        views of the slot, not the shards, and the backward gathers the shards again:
+        it would combine the new weights with the forward's activations, without a
+        word. So the shards' version counters, taken at each forward with grad, are
+        compared when the block's backward begins (also after an optimizer stepped
+        from a gradient hook between two forwards' backwards of one block)."""
+        if self._versions is not None and self._versions != tuple(s._version for s in self.unit.shards):
+            raise RuntimeError(
+                f"isp-comm: block {self.unit.index}'s weights were written in place between its forward and its "
+                "backward (an optimizer step, an edit under torch.no_grad, a load): the backward would combine the "
+                "new weights with the forward's activations. A plain model's backward refuses this too (autograd: "
+                "a variable needed for gradient computation modified by an inplace operation); write the weights "
+                "after the backward"
+            )
 
     def post_backward(self) -> None:
         """Every weight gradient of the block's use by one forward exists: swap out
@@ -265,6 +286,7 @@ class BlockState:
         grad = torch.is_grad_enabled()
         if grad:
             self.unit.refresh_trainable()
+            self._versions = tuple(s._version for s in self.unit.shards)  # [Note: weights written between ...]
         self.saved_views = grad
         views = self.swap_in(hooks)
         node = next((v.grad_fn for v in views if v.grad_fn is not None), None)  # a frozen first one has none
