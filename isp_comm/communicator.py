@@ -305,7 +305,7 @@ class ISPCommunicator:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward())
         self._root_post_handle = model.register_forward_hook(  # [Note: a forward that raised]
-            lambda _m, _a, _o: self.engine.root_post_forward(), always_call=True
+            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None), always_call=True
         )
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
         self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in model.modules()]

@@ -278,20 +278,25 @@ class BlockEngine:
         else:
             unit.swap_in([unit.shard_view(unit.flat_shard, sp).detach() for sp in unit.params])
 
-    def root_post_forward(self) -> None:
+    def root_post_forward(self, raised: bool = False) -> None:
         """Forward done: the model's outer parameters are shards again, and the engine
         lets go of their gathered region (see [Note: the outer region's lifetime]),
         and of a block prefetched for a part of the model the forward skipped.
 
         [Note: a forward that raised] Called by a forward hook that torch runs even when
-        the forward raised (``always_call``): the outer parameters are then put back at
-        once, not at the next forward, since until then ``model.parameters()``, a state
-        dict or an in-place edit would see (and write) the forward's casts or gathered
-        copies. Nothing to do when no forward of ours began (a pre-hook refused it)."""
+        the forward raised (``always_call``; ``raised``: it did, and left no output):
+        the outer parameters are then put back at once, not at the next forward, since
+        until then ``model.parameters()``, a state dict or an in-place edit would see
+        (and write) the forward's casts or gathered copies. Only that, which waits on
+        nothing: the blocks it left gathered or in flight wait for the next forward (or
+        the close), since a wait here could fail again (a collective that passed its
+        deadline) and torch would print that beside the forward's own error. Nothing to
+        do when no forward of ours began (a pre-hook refused it)."""
         if not self._in_root:
             return
         self._in_root = False
-        self._release_leftovers()
+        if not raised:
+            self._release_leftovers()
         if self._outer_cast is not None:
             cast_params_out(self._outer_cast)
             self._outer_cast = None
