@@ -121,7 +121,8 @@ def test_classify_names_the_rank_not_responding_and_what_the_others_wait_for() -
     beat["time"] = now - 7.0
     d = classify(records, {1: beat}, 3, now)
     assert list(d.not_responding) == [1] and not d.out_of_step and not d.behind
-    assert d.lines[0].startswith("rank 1 is not responding (stopped or dead; last heard 7.0 s ago: ")
+    assert d.lines[0].startswith("rank 1 is not responding (stopped or dead; last heard 7.0 s ago, when it was at ")
+    assert d.lines[0].endswith("; it may have gone up to 0.5 s further)")  # the heartbeat's pace, not a position
     assert "its last collective block 1 backward reduce-scatter #3 completed" in d.lines[0]
     assert d.lines[1] == "ranks 0 and 2 wait in block 0 forward all-gather #4"
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from isp_comm.backends.shm import pid_alive
-from isp_comm.flight.heartbeat import Heartbeat, StoreKeys
+from isp_comm.flight.heartbeat import POLL_S, Heartbeat, StoreKeys
 from isp_comm.flight.record import describe
 from isp_comm.flight.watchdog import Watchdog
 
@@ -127,7 +127,8 @@ def _not_responding_line(r: int, beat: dict[str, Any] | None, now: float) -> str
         last = beat["last"]
         done = f"completed {now - last['done']:.1f} s ago" if last.get("done") else "issued"
         where.append(f"its last collective {describe(last)} {done}")
-    tail = f": {', '.join(where)}" if where else ""
+    # the heartbeat publishes a moving position every POLL_S at most: the rank may have gone further since
+    tail = f", when it was at {', '.join(where)}; it may have gone up to {POLL_S} s further" if where else ""
     return f"rank {r} is not responding (stopped or dead; last heard {now - beat['time']:.1f} s ago{tail})"
 
 

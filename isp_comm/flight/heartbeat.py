@@ -34,7 +34,8 @@ BEAT_S = 3.0
 still; when it moves, one every :data:`POLL_S` at most (so a rank that stops leaves a
 position at most that old)."""
 POLL_S = 0.5
-"""Seconds between two looks for a diagnosis request or a live trigger."""
+"""Seconds between two looks for a diagnosis request or a live trigger, and at least
+between two heartbeats of a moving position."""
 LIVE_TRIGGER = ".isp-doctor-live"
 """The trigger file ``isp-comm doctor --live`` writes in the run folder."""
 LIVE_DIR = "live"
