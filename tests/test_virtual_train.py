@@ -39,9 +39,15 @@ def peak_mib(out: str) -> float:
 @pytest.mark.parametrize(
     "args, text",
     [
-        (["--save-every", "2"], "--save-every with --virtual-world"),
-        (["--resume"], "--resume with --virtual-world"),
-        (["--async-save"], "--async-save with --virtual-world"),
+        (["--save-every", "2"], "--save-every with --virtual-world: a virtual run holds one rank's shards"),
+        (["--resume"], "--resume with --virtual-world: a virtual run saves no checkpoint, so there is none"),
+        (["--async-save"], "--async-save with --virtual-world: a virtual run holds one rank's shards"),
+        # each refused flag has its own reason: --plan and --nproc-per-node once gave the checkpoints' one
+        (["--init-from", __file__], "--init-from with --virtual-world: a virtual run measures a rank's memory"),
+        (["--nproc-per-node", "2"], "--nproc-per-node with --virtual-world: a virtual run is one process"),
+        (["--plan", "--virtual-gbps", "100"], "--plan forecasts a job without running it"),
+        # a link model given with a value no link has once asked for a link model
+        (["--virtual-gbps", "-1"], "--virtual-gbps must be > 0 (the bus bandwidth in GB/s), got -1.0"),
         (["--virtual-rank", "4"], "the rank in [0, 4)"),
         ([], "--virtual-world needs a link model"),
         (["--virtual-gbps", "1", "--target", "h100x8"], "give one link model"),

@@ -14,9 +14,27 @@ import torch
 from isp_comm.backends.virtual import FlatLink, LinkModel, VirtualBackend
 from isp_comm.virtual import init_virtual_world, is_virtual
 
-REFUSED = ("save_every", "resume", "init_from", "async_save", "nproc_per_node", "plan")
-"""Flags a virtual run refuses: one rank's shards are not a checkpoint (save, resume,
-init), and there is one process (no launch; --plan plans without running)."""
+NO_CHECKPOINT = "a virtual run holds one rank's shards, which are not a checkpoint of the job"
+REFUSED = {
+    "save_every": f"{NO_CHECKPOINT}, so it saves none; drop the flag",
+    "async_save": f"{NO_CHECKPOINT}, so it saves none; drop the flag",
+    "resume": "a virtual run saves no checkpoint, so there is none to continue from; drop the flag (it starts anew)",
+    "init_from": (
+        "a virtual run measures a rank's memory and time, which the weights do not change, and its values are "
+        "not the job's (its collectives mirror this rank's data); drop the flag"
+    ),
+    "nproc_per_node": (
+        "a virtual run is one process that plays one rank of the --virtual-world job; drop the flag, or drop "
+        "--virtual-world to launch real ranks"
+    ),
+    "plan": (
+        "--plan forecasts a job without running it, --virtual-world runs one rank of it; give one of them "
+        "(--plan --target NAMExG --nodes K plans a job of that size)"
+    ),
+}
+"""Flags a virtual run refuses, each with its reason and what to do: one rank's shards
+are not a checkpoint (save, resume), its weights change nothing it measures (init),
+and there is one process (no launch; --plan plans without running)."""
 
 
 def check(cfg) -> None:
@@ -29,13 +47,11 @@ def check(cfg) -> None:
     n, r = cfg.virtual_world, cfg.virtual_rank
     if n < 1 or not 0 <= r < n:
         raise ValueError(f"--virtual-world {n} --virtual-rank {r}: the world must be >= 1 and the rank in [0, {n})")
-    for name in REFUSED:
+    for name, why in REFUSED.items():
         if getattr(cfg, name):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(
-                f"{flag} with --virtual-world: a virtual run is one rank of the job (its shards are not a "
-                "checkpoint, and it launches nothing); drop the flag"
-            )
+            raise ValueError(f"--{name.replace('_', '-')} with --virtual-world: {why}")
+    if not cfg.virtual_gbps >= 0:  # 0: not given
+        raise ValueError(f"--virtual-gbps must be > 0 (the bus bandwidth in GB/s), got {cfg.virtual_gbps}")
     if cfg.virtual_gbps and (cfg.target or cfg.profile):
         raise ValueError("--virtual-gbps and --target/--profile: give one link model")
     if cfg.target:
