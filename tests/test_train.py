@@ -437,6 +437,22 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
         assert len(err) == 1 and f"--model {tmp_path}" in err[0], err
 
 
+def test_a_model_folder_that_does_not_exist_is_said_so(tmp_path, capsys) -> None:
+    # --model nowhere once said "no config.json in that folder", of a folder that is not there
+    from isp_comm.train.config import parse_config
+
+    (tmp_path / "model.pt").write_bytes(b"")
+    for given, text in (
+        (tmp_path / "nowhere", ": no such folder: give a local folder"),
+        (tmp_path / "model.pt", " is a file, not a folder: give a local folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse_config(["--model", str(given)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--model {given}{text} of a transformers model" in err[0], err
+
+
 def test_lora_targets_take_spaces_and_refuse_none(capsys) -> None:
     from isp_comm.train.config import parse_config
 

@@ -38,8 +38,16 @@ _TOKENIZER_FILES = (
 
 
 def model_type(path: str) -> str:
-    """The ``model_type`` of ``path/config.json``; a ``ValueError`` when the folder has
-    no such file or the type is not one isp-train supports."""
+    """The ``model_type`` of ``path/config.json``; a ``ValueError`` when there is no
+    such folder (said so: "no config.json in that folder" sent a user looking inside
+    a folder that did not exist), the folder has no such file, or the type is not one
+    isp-train supports."""
+    if not os.path.isdir(path):
+        what = f"--model {path} is a file, not a folder" if os.path.exists(path) else f"--model {path}: no such folder"
+        raise ValueError(
+            f"{what}: give a local folder of a transformers model (its config.json and safetensors, as "
+            "save_pretrained writes them)"
+        )
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ValueError(f"--model {path}: no config.json in that folder")
