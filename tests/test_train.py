@@ -654,7 +654,10 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     _one_line(_train1("--steps", "4", "--out", out), "holds checkpoints", "--resume", "--overwrite")
     _one_line(_train1("--steps", "4", "--resume", "--out", out), "step 4", "--steps 4 must be larger")
     nowhere = str(tmp_path / "nowhere")  # a mistyped --out: refused, and not made (with a lock in it)
-    _one_line(_train1("--steps", "4", "--resume", "--out", nowhere), f"--resume: no run folder {nowhere}")
+    _one_line(  # and says what to do (it did not name --resume auto)
+        _train1("--steps", "4", "--resume", "--out", nowhere),
+        f"--resume: no run folder {nowhere}: check --out, or give --resume auto, which starts a new run",
+    )
     assert not os.path.exists(nowhere)
     shutil.rmtree(os.path.join(out, "checkpoints", "step_000004"))
     with open(os.path.join(out, "checkpoints", "latest"), "w") as f:

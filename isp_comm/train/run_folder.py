@@ -63,7 +63,10 @@ def prepare(cfg: TrainConfig, closing: contextlib.ExitStack) -> str | None:
     if dist.get_rank() == 0 or is_virtual():  # a virtual run's one process, whatever its rank
         try:
             if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.out):  # not made for a refusal
-                raise ValueError(f"--resume: no run folder {cfg.out}")
+                raise ValueError(
+                    f"--resume: no run folder {cfg.out}: check --out, or give --resume auto, which starts a new "
+                    "run when there is nothing to resume"
+                )
             closing.callback(survive.lock_folder(cfg.out).close)
             error, path = _check(cfg)
         except ValueError as exc:
