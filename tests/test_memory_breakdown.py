@@ -390,7 +390,8 @@ def test_what_runs_untracked_is_never_counted() -> None:
 def test_isp_train_memory_breakdown_refuses_what_it_cannot_see() -> None:
     from isp_comm.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="--memory-breakdown sees eager operators only"):
+    # and says what to do: it named the conflict, not the fix
+    with pytest.raises(ValueError, match="--memory-breakdown sees eager operators only.*; drop one "):
         TrainConfig(memory_breakdown=True, compile=True)
     with pytest.raises(ValueError, match="--plan only forecasts one"):
         TrainConfig(memory_breakdown=True, plan=True)

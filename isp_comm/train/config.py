@@ -259,10 +259,7 @@ class TrainConfig:
         parse_report_to(self.report_to)  # one line for an unknown tracker or a missing package
         if not 0.0 <= self.ckpt <= 1.0:
             raise ValueError(f"--ckpt must be in [0, 1], got {self.ckpt}")
-        if self.memory_breakdown and self.compile:
-            raise ValueError("--memory-breakdown sees eager operators only: a --compile'd block is one call to it")
-        if self.memory_breakdown and self.plan:
-            raise ValueError("--memory-breakdown measures a run and --plan only forecasts one: give one of them")
+        self._check_memory_breakdown()
         if not self.clip >= 0:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
         if not 0 < self.lr < 1e30:  # AdamW keeps the learning rate as a float (or refuses it)
@@ -328,6 +325,17 @@ class TrainConfig:
 
             if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
+
+    def _check_memory_breakdown(self) -> None:
+        """--memory-breakdown against the flags it cannot measure, each refusal saying
+        which flag to drop."""
+        if self.memory_breakdown and self.compile:
+            raise ValueError(
+                "--memory-breakdown sees eager operators only: a --compile'd block is one call to it; drop one "
+                "(--compile to measure the eager run, or --memory-breakdown to train compiled)"
+            )
+        if self.memory_breakdown and self.plan:
+            raise ValueError("--memory-breakdown measures a run and --plan only forecasts one: give one of them")
 
     def _check_plan(self) -> None:
         if self.nodes < 1:
