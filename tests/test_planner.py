@@ -354,6 +354,30 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
     assert res.returncode == 2 and "give them with --plan" in res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_plan_of_a_target_says_where_its_world_came_from() -> None:
+    """A --batch the target's world does not divide names --target and --nodes (it gave
+    "world / sp = 16" alone), and a --nproc-per-node the target's count contradicts is
+    refused (it was ignored without a word, the plan for the target's 8 a node)."""
+    for flags, words in [
+        (
+            ["--target", "h100", "--nodes", "2", "--batch", "8"],
+            "--batch 8 must be divisible by world / sp = 16 (the world of --target h100 --nodes 2: 8 GPUs a node x "
+            "2 nodes)",
+        ),
+        (
+            ["--target", "h100x8", "--nproc-per-node", "4"],
+            "--nproc-per-node 4 with --plan --target h100x8: the target sets the ranks a node (8); give --target "
+            "h100x4 to plan 4 a node, without --nproc-per-node",
+        ),
+    ]:
+        res = _plan("--layers", "2", *flags)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
+    res = _plan("--layers", "2", "--target", "h100x8", "--nproc-per-node", "8")  # the same count: no contradiction
+    assert res.returncode == 0 and "world 8" in res.stdout.splitlines()[0], res.stderr[-2000:]
+
+
 @pytest.mark.serial  # it calibrates this machine
 @pytest.mark.timeout(120)
 def test_plan_checks_the_layout_before_calibrating(tmp_path) -> None:

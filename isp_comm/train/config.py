@@ -192,8 +192,9 @@ class TrainConfig:
     or of --profile."""
     target: str = ""
     """With --plan: plan for a device you are not on: h100, h200, a100, b200 or cpu,
-    optionally xG for G per node (h100x8), published figures; the world is G x --nodes
-    and no device of that kind is needed here."""
+    optionally xG for G per node (h100x8; a bare GPU name is 8 a node, cpu 1), published
+    figures; the world is G x --nodes (a --nproc-per-node other than G is refused) and
+    no device of that kind is needed here."""
     nodes: int = 1
     """With --target: how many nodes of it."""
     profile: str = ""
@@ -358,7 +359,14 @@ class TrainConfig:
         if self.target:
             from isp_comm.planner.targets import parse_target
 
-            parse_target(self.target, self.nodes)  # one line naming the known targets
+            cluster = parse_target(self.target, self.nodes)  # one line naming the known targets
+            if self.plan and self.nproc_per_node and self.nproc_per_node != cluster.per_node:
+                # it was ignored without a word: the plan was for the target's GPUs a node
+                n, name = self.nproc_per_node, cluster.target.name
+                raise ValueError(
+                    f"--nproc-per-node {n} with --plan --target {self.target}: the target sets the ranks a node "
+                    f"({cluster.per_node}); give --target {name}x{n} to plan {n} a node, without --nproc-per-node"
+                )
 
     def _check_eval(self) -> None:
         if self.eval_batches < 1:

@@ -196,13 +196,31 @@ def _heads(model: torch.nn.Module) -> tuple[int, int]:
     return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def _check_layout(cfg: TrainConfig, world: int) -> None:
+    """:func:`check_layout` for the world planned; with --target, a refusal says that
+    world came from --target and --nodes (it gave "world / sp = 16" for a --batch 8
+    and left the user to guess where 16 came from)."""
+    if not cfg.target:
+        check_layout(cfg, world)
+        return
+    cluster = parse_target(cfg.target, cfg.nodes)
+    try:
+        check_layout(cfg, cluster.world)
+    except ValueError as exc:
+        unit = "GPU" if cluster.target.device == "cuda" else "rank"
+        per_node = f"{cluster.per_node} {unit}{'s' if cluster.per_node > 1 else ''} a node"
+        nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
+        where = f"the world of --target {cfg.target} --nodes {cfg.nodes}: {per_node} x {nodes}"
+        raise ValueError(f"{exc} ({where})") from None
+
+
 def plan(cfg: TrainConfig, world: int) -> None:
     """``--plan``: the forecast table for these flags on the planning profile's device,
     the predicted step, with ``--search`` the fastest layouts, then one JSON line
     (phase -> MiB per rank, absolute, and ``step_s``, ``tokens_per_s``). Under a
     launcher (``torchrun --nproc-per-node N``) every rank waits for the profile (one
     of them calibrates: [Note: one process calibrates]) and rank 0 alone prints."""
-    check_layout(cfg, parse_target(cfg.target, cfg.nodes).world if cfg.target else world)  # before calibrating
+    _check_layout(cfg, world)  # before calibrating
     if cfg.model:  # the model's own vocabulary (0: nothing to check it against)
         vocab, tok_dir = 0, ""
     elif cfg.tokenizer:
