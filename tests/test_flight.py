@@ -264,6 +264,17 @@ def test_doctor_live_asks_through_the_trigger_file(tmp_path) -> None:
     assert "an earlier run's, set aside when the next one started" in doctor.show(str(tmp_path))
 
 
+def test_doctor_live_with_no_job_answering_exits_2(tmp_path, capsys) -> None:
+    # it printed "no rank ... answered" and exited 0, which a script took for an answer
+    from isp_comm.cli import main as isp_comm_main
+
+    (tmp_path / "run.json").write_text(json.dumps({"world": 2}))
+    assert isp_comm_main(["doctor", "--live", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"isp-comm doctor: no rank of a job in {tmp_path} answered"), err
+    assert f"isp-comm doctor {tmp_path}, without --live, shows the diagnosis" in err[0]
+
+
 class FakeEvent:
     def __init__(self) -> None:
         self.fired = False

@@ -58,7 +58,9 @@ def _position(rec: dict[str, Any], now: float) -> str:
 
 def live(run: str, wait_s: float = 4 * POLL_S + 3.0) -> str:
     """Ask the job writing to ``run`` where each rank is: touch the trigger, collect the
-    answers its ranks write to ``run/live/`` for up to ``wait_s`` seconds."""
+    answers its ranks write to ``run/live/`` for up to ``wait_s`` seconds. A
+    ``ValueError`` when no rank answers (``isp-comm doctor`` exits 2: it printed the
+    line and exited 0, and a script took the silence for an answer)."""
     need_folder(run, "the folder of the running job (isp-train's --out)")
     trigger = os.path.join(run, LIVE_TRIGGER)
     with open(trigger, "w") as f:
@@ -79,7 +81,10 @@ def live(run: str, wait_s: float = 4 * POLL_S + 3.0) -> str:
         time.sleep(0.2)
     now = time.time()
     if not records:
-        return f"isp-comm doctor: no rank of a job in {run} answered within {wait_s:.0f} s (is it running?)"
+        raise ValueError(
+            f"no rank of a job in {run} answered within {wait_s:.0f} s: is it running? (a job that has ended "
+            f"answers nothing; isp-comm doctor {run}, without --live, shows the diagnosis a hang left)"
+        )
     n = world if world is not None else max(records) + 1
     lines = [_position(records[r], now) for r in sorted(records)]
     d = classify(records, {}, n, now)
