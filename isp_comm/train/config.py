@@ -492,8 +492,9 @@ def parser() -> argparse.ArgumentParser:
     (None) unless given, so that a config file's values show through."""
     p = _Parser(
         prog="isp-train",
-        description="Train the reference llama, or a transformers model (--model), with ISP. Run it under "
-        "torchrun (torchrun --nproc-per-node N -m isp_comm.train ...); every flag can also be set in --config.",
+        description="Train the reference llama, or a transformers model (--model), with ISP. With --nproc-per-node "
+        "N it launches N ranks on this machine itself (no torchrun needed; torchrun --nproc-per-node N -m "
+        "isp_comm.train ... works too); every flag can also be set in --config.",
     )
     keys = "keys with underscores, e.g. kv_heads = 2"
     p.add_argument("--config", default="", help=f"a TOML or JSON file (a run's config.json) setting flags ({keys})")
