@@ -4,6 +4,6 @@ install:
 train:
 	torchrun --nproc-per-node 4 -m isp_comm.train
 test:
-	python -m pytest -q
+	python -m pytest -q -n 2
 lint:
 	ruff check . && ruff format --check .
