@@ -87,7 +87,7 @@ def block_bytes(model, seq: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--seq", type=int, default=8192, help="tokens of the one sequence a rank (default 8192)")
     ap.add_argument("--ops", action="store_true", help="also the bytes by operator")
     add_out(ap)

@@ -70,7 +70,7 @@ def window(kind: str, cfg: LlamaConfig, args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)

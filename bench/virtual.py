@@ -805,7 +805,7 @@ def scaling_table(results: list[dict], peak_tflops: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--quick", action="store_true", help="tiny configurations on CPU (under 5 minutes)")
     ap.add_argument(
         "--config", choices=[*CONFIGS, *QUICK, *SCALED], action="append",

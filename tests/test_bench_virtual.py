@@ -13,6 +13,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.timeout(100)
+def test_help_describes_it_in_a_whole_sentence() -> None:
+    # argparse was given the docstring's first line, which stopped at "under the same modelled"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--help"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "under the same modelled collectives, the compute-only bound and the planner's prediction." in " ".join(
+        res.stdout.split()
+    ), res.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("config", ["tiny-n4", "tiny-n8-world"])
