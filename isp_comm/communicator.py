@@ -328,8 +328,8 @@ class ISPCommunicator:
         training forward, :meth:`_check_rows`); no deep copy of the model or a block
         (:func:`~isp_comm.discovery.refuse_deepcopy`); no ``save_pretrained`` of the
         shards (:func:`~isp_comm.discovery.refuse_save_pretrained`); the model's own
-        state dict sharded (:meth:`_sharded_entries`); the replicated parameters
-        compared across ranks now and then (:meth:`_watch_weights`)."""
+        state dict sharded (:meth:`_sharded_entries`); the weights compared across
+        ranks now and then (:meth:`_watch_weights`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
         self._partial_ids = frozenset(

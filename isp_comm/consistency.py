@@ -10,7 +10,8 @@ option of that name does. Parameters still on the meta device are skipped: they 
 materialised identically later (see :mod:`isp_comm.materialize`). After wrapping, the
 opposite mistake, :func:`repeated_rows`: shards alike on every rank that holds part of
 a weight ([Note: rows initialised after wrapping] in ``isp_comm/communicator.py``).
-While training, :class:`ReplicaCheck`: replicated parameters that part across ranks.
+While training, :class:`WeightsCheck`: replicated parameters that part across ranks,
+and shards alike again (an init after the first step).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from isp_comm.virtual import is_virtual
 
-_CHUNK = 1 << 22  # elements per step of the device-side checksum (3 int64 temporaries of it)
+_CHUNK = 1 << 20  # elements per step of the device-side checksum: 3 int64 temporaries of 8 MiB at most
 
 
 def _device_sums(t: torch.Tensor) -> torch.Tensor:
