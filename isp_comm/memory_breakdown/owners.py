@@ -89,8 +89,9 @@ def communicator_parts(comm: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 SHARED = "shared memory"
-"""The parts of mapped shared-memory segments: named when an operator has touched
-them (the tracker then counts them), never counted for merely existing."""
+"""The parts of mapped shared-memory segments (each a byte tensor over its whole
+mapping): the tracker counts the pages of each that this process has touched, as its
+RSS does ([Note: shared segments count their resident pages] in ``tracker.py``)."""
 
 
 def shared_memory_parts(backend: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,6 +24,19 @@ part, the stronger replacing the weaker:
    pairs it made, and again after it) and around the optimizer's step, while they
    are alive.
 
+[Note: shared segments count their resident pages]
+A segment of the CPU shared-memory backend is one storage over a whole mapping, but a
+rank holds only the pages it has touched: its own scratch up to the largest payload
+(the segment is the next power of two, at least 64 KiB), its chunk of each peer's
+landing buffer and reduce-scatter inputs, nothing of a peer's slots or outputs. The
+worker thread that touches them is not seen by this mode, and ``torch.from_numpy``
+over a mapping is an operator, so every segment mapped inside the tracker was noted
+whole, touched or not. So a segment its owners name (``shared memory: ...``,
+:data:`.owners.SHARED`) counts the pages this process has mapped, read from
+``/proc/self/pagemap`` (the present bit, as RSS counts them) each time the owners are
+read: a page once touched stays mapped, so from the second step on the figure is the
+step's. Where pagemap cannot be read, the whole segment.
+
 A phase's peak keeps the storages alive at that moment, not their parts: a gradient
 shard made in backward is named by its owner when the backward ends, and the peak
 inside that backward counts it under that name.
@@ -58,11 +71,13 @@ holds its shard, not the tensor's global size.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,6 +120,28 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _flat_tensors(v)]
     return []
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes(st: torch.UntypedStorage) -> int | None:
+    """The bytes of the pages of ``st`` (a mapped host storage) that this process has
+    mapped now, as its RSS counts them (``/proc/self/pagemap``'s present bit); None
+    where pagemap cannot be read. See [Note: shared segments count their resident pages]."""
+    nbytes, base = st.nbytes(), st.data_ptr()
+    if nbytes == 0:
+        return 0
+    first, last = base // PAGE, (base + nbytes - 1) // PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return None
+    if len(entries) != last - first + 1:
+        return None
+    return int((entries >> np.uint64(63)).sum()) * PAGE
 
 
 def _size(st: torch.UntypedStorage, cuda: bool) -> tuple[int, int]:
@@ -226,9 +263,26 @@ class MemoryBreakdown(TorchDispatchMode):
             if not part.startswith(SHARED):
                 self._tag(t, part, OWNER)
                 continue
-            info = self._known.get(getattr(t, "_local_tensor", t).untyped_storage())  # named when touched
+            if t.dtype == torch.uint8:  # a segment: its resident pages ([Note: shared segments count ...])
+                self._count_resident(t, part)
+                continue
+            info = self._known.get(t.untyped_storage())  # the accumulator of bf16 reductions: named when touched
             if info is not None and info.source < OWNER:
                 info.part, info.source = part, OWNER
+
+    def _count_resident(self, t: torch.Tensor, part: str) -> None:
+        """Name the shared segment ``t`` (a byte tensor over the whole mapping) ``part``
+        and count the pages of it this process holds now (see [Note: shared segments
+        count their resident pages]); the whole segment where pagemap cannot be read."""
+        info = self._note(t, part, OWNER)
+        if info is None:
+            return
+        info.part, info.source = part, OWNER
+        resident = resident_bytes(t.untyped_storage())
+        if resident is not None and resident != info.nbytes:
+            with self._lock:
+                self.current += resident - info.nbytes
+                info.nbytes = resident
 
     # ---- storages ---------------------------------------------------------------------
     def _note(self, t: torch.Tensor, part: str, source: int) -> _Storage | None:
