@@ -42,11 +42,17 @@ class StepCollectives:
         """The element-wise maximum of ``tensor`` over ``group``, in place (an
         all-gather and a local max: backends reduce by sum only); returns it."""
         if size > 1:
-            every = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-            mine = tensor.contiguous().view(-1)
-            self.ctx.wait(self.ctx.record(self.backend.all_gather(every, mine, group), "all-gather", group, mine), what)
-            tensor.copy_(every.view(size, *tensor.shape).amax(dim=0))
+            tensor.copy_(self.all_gather(tensor, group, size, what).amax(dim=0))
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: ProcessGroup, size: int, what: str) -> torch.Tensor:
+        """Every rank's ``tensor`` over ``group`` (``size`` ranks), stacked rank-major."""
+        if size == 1:
+            return tensor.unsqueeze(0)
+        every = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        mine = tensor.contiguous().view(-1)
+        self.ctx.wait(self.ctx.record(self.backend.all_gather(every, mine, group), "all-gather", group, mine), what)
+        return every.view(size, *tensor.shape)
 
     def all_gather_object(self, obj: Any, group: ProcessGroup, size: int, what: str) -> list[Any]:
         """Every rank's picklable ``obj``, rank-major (a host meeting: never in a step).

@@ -364,7 +364,12 @@ class ISPCommunicator:
         else:
             rows_groups = []
         if (replicas or partial) and g.world_size > 1 and not is_virtual():
-            self.engine.after_backward = WeightsCheck(replicas, partial, rows_groups, g.world_group, self._state.device)
+            gather = self._gather(g.world_group, g.world_size, "the weights' check")
+            self.engine.after_backward = WeightsCheck(replicas, partial, rows_groups, gather, self._state.device)
+
+    def _gather(self, group: Any, size: int, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """An all-gather over ``group`` on the backend, waited under the deadline (the checks' own)."""
+        return functools.partial(self.collectives.all_gather, group=group, size=size, what=what)
 
     def _root_pre_forward(self) -> None:
         if self._rows_unchecked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -386,7 +391,8 @@ class ISPCommunicator:
         check at backward 2, 4, 8, ... (:meth:`_watch_weights`)."""
         g = self.groups
         named = [(n, p) for n, p in self.model.named_parameters() if id(p) in self._partial_ids]
-        same = repeated_rows(named, g.world_group if self._state.pieces else g.wp_group, self._state.device)
+        group, size = (g.world_group, g.world_size) if self._state.pieces else (g.wp_group, g.wp_size)
+        same = repeated_rows(named, self._gather(group, size, "the check of rows alike"), self._state.device)
         if same:
             raise ValueError(rows_alike(same))
         self._rows_unchecked = False

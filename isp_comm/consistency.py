@@ -17,6 +17,7 @@ and shards alike again (an init after the first step).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,16 +63,29 @@ def fingerprints(tensors: list[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.stack([torch.cat([_device_sums(t), _varied(t).view(1)]).to(device) for t in tensors])
 
 
-def gathered_fingerprints(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device
-) -> torch.Tensor:
-    """Every rank of ``group``'s :func:`fingerprints` of its ``tensors``, as a
-    ``(ranks, n, 3)`` tensor on ``device``: one all-gather of torch's (outside any
-    step's count of the backend's collectives), nothing read on the host."""
-    mine = fingerprints(tensors, device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return torch.stack(every)
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""Every rank's copy of this rank's tensor, stacked rank-major: one all-gather over a
+group. The communicator's go through its backend and wait under its deadline
+(:meth:`~isp_comm.collectives.StepCollectives.all_gather`); :func:`torch_gather`'s
+before there is one."""
+
+
+def torch_gather(group: dist.ProcessGroup | None) -> Gather:
+    """A :data:`Gather` of ``torch.distributed``'s over ``group`` (under the process
+    group's own timeout): for the checks made before the communicator's backend exists."""
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, t, group=group)
+        return torch.stack(every)
+
+    return gather
+
+
+def gathered_fingerprints(tensors: list[torch.Tensor], gather: Gather, device: torch.device) -> torch.Tensor:
+    """Every rank's :func:`fingerprints` of its ``tensors``, as a ``(ranks, n, 3)``
+    tensor on ``device``: one all-gather, nothing read on the host."""
+    return gather(fingerprints(tensors, device))
 
 
 def differing_in(every: torch.Tensor, names: list[str]) -> dict[str, list[int]]:
@@ -106,12 +120,10 @@ def rows_alike(names: list[str]) -> str:
     )
 
 
-def differing(
-    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, device: torch.device
-) -> dict[str, list[int]]:
-    """The tensors among ``named`` whose bytes differ across ``group``'s ranks (see
-    :func:`differing_in`): one all-gather and one read on the host."""
-    return differing_in(gathered_fingerprints([t for _, t in named], group, device), [n for n, _ in named])
+def differing(named: list[tuple[str, torch.Tensor]], gather: Gather, device: torch.device) -> dict[str, list[int]]:
+    """The tensors among ``named`` whose bytes differ across the ranks ``gather``
+    reaches (see :func:`differing_in`): one all-gather and one read on the host."""
+    return differing_in(gathered_fingerprints([t for _, t in named], gather, device), [n for n, _ in named])
 
 
 @torch.no_grad()
@@ -120,7 +132,7 @@ def check_same_weights(model: nn.Module, device: torch.device) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
     if dist.get_world_size() == 1 or not named or is_virtual():  # a virtual world: no peer to differ
         return
-    for name, ranks in differing(named, None, device).items():
+    for name, ranks in differing(named, torch_gather(None), device).items():
         raise ValueError(
             f"parameter {name} differs across ranks (rank 0 and ranks {ranks} hold different values): "
             "build the model with the same seed on every rank (torch.manual_seed before building it), "
@@ -140,16 +152,15 @@ def broadcast_weights(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def repeated_rows(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device) -> list[str]:
+def repeated_rows(named: list[tuple[str, torch.Tensor]], gather: Gather, device: torch.device) -> list[str]:
     """The parameters among ``named`` (this rank's rows of each) that hold the same,
-    not constant, values on every rank of ``group`` (the ranks that hold the other
-    rows): rows initialised after wrapping from one generator state on every rank
-    (each drew the parameter's first rows), never a shard of real weights. One
-    all-gather of torch's, as :func:`check_same_weights` (outside any step's count of
-    the backend's collectives)."""
+    not constant, values on every rank ``gather`` reaches (the ranks that hold the
+    other rows): rows initialised after wrapping from one generator state on every
+    rank (each drew the parameter's first rows), never a shard of real weights. One
+    all-gather and one read on the host."""
     if not named:
         return []
-    every = gathered_fingerprints([p for _, p in named], group, device)
+    every = gathered_fingerprints([p for _, p in named], gather, device)
     return alike_in(every, [n for n, _ in named], [list(range(every.shape[0]))])
 
 
@@ -164,7 +175,8 @@ class WeightsCheck:
 
     So at the end of backward 2, 4, 8, ... (a point every rank reaches together, where
     a forward need not be: one rank may evaluate alone) a checksum of each replicated
-    parameter is gathered over the world, log2 of the backwards in all; copies that
+    parameter is gathered over the world (``gather``: the communicator's, under its
+    deadline), log2 of the backwards in all; copies that
     differ stop the run on every rank, naming them. Only where the backend's sums are
     the same on every rank (``Backend.identical_sums``), which the communicator
     decides. The same gather carries a checksum of each parameter this rank holds
@@ -180,11 +192,11 @@ class WeightsCheck:
         replicas: list[tuple[str, torch.Tensor]],
         partial: list[tuple[str, torch.Tensor]],
         rows_groups: list[list[int]],
-        group: dist.ProcessGroup,
+        gather: Gather,
         device: torch.device,
     ) -> None:
         self.replicas, self.partial, self.rows_groups = replicas, partial, rows_groups
-        self.group, self.device = group, device
+        self.gather, self.device = gather, device
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         """The last gather not read yet: its backward, its host copy, the copy's event."""
 
@@ -195,7 +207,7 @@ class WeightsCheck:
         if ended < 2 or ended & (ended - 1):
             return
         tensors = [t for _, t in (*self.replicas, *self.partial)]
-        every = gathered_fingerprints(tensors, self.group, self.device)
+        every = gathered_fingerprints(tensors, self.gather, self.device)
         if every.device.type != "cuda":
             self._pending = (ended, every, None)
             self._read()
@@ -203,7 +215,7 @@ class WeightsCheck:
         host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
         host.copy_(every, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(every.device))  # the copy's stream, not the current device's
         self._pending = (ended, host, done)
 
     def _read(self) -> None:

@@ -155,6 +155,8 @@ class BlockEngine:
             self.settle(forward=True)
             if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
                 self.root_post_forward()
+        if torch.is_grad_enabled() and not second and any(st.views_held for st in self.states):
+            self.reducer.user_hooks.defer_shards()  # a second forward before one backward: [Note: post-accumulate-...]
         if torch.is_grad_enabled() and self._arms_reductions(second):
             refuse_gradient_hooks(self._named_shards(), wrapping=False)  # [Note: gradient hooks on a shard]
             self.reducer.stash()

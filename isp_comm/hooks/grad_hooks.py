@@ -31,7 +31,10 @@ parameter's hooks after its reduce-scatter. Here:
   to ``None`` once every rank's use is known, which costs a host read: so the shards'
   hooks wait for the backward's end too (``defer``), and there, when any hook is to
   run, the engine settles the use first (the read a step would make; every rank
-  must then register the same hooks, as the recipe does).
+  must then register the same hooks, as the recipe does). Two forwards with grad
+  before one backward (DPO's chosen and rejected) reduce a block's gradients once per
+  forward, where autograd accumulates a parameter's once: the shards' hooks then wait
+  for the backward's end too (:meth:`UserGradHooks.defer_shards`), and run once.
 - While a hook runs, :attr:`running` says so: the communicator's step pre-hook then
   knows that a step inside the backward is the hook's, not a step that did not go as
   planned.
@@ -91,8 +94,9 @@ class UserGradHooks:
     """The user's post-accumulate-grad hooks of one wrapped model (see the note above)."""
 
     def __init__(self, defer: bool = False) -> None:
-        self._later: list[nn.Parameter] | None = [] if defer else None
-        """The shards whose gradients are final, when their hooks wait for :meth:`release`."""
+        self._defer = defer
+        self._later: dict[nn.Parameter, None] | None = {} if defer else None
+        """The shards whose gradients are final, when their hooks wait for :meth:`release` (once each)."""
         self.running = False
         """A user's hook is running (called from the backward, or from its end)."""
         self.quiet = False
@@ -107,12 +111,18 @@ class UserGradHooks:
         if self.quiet:
             return
         if self._later is not None:  # only those with hooks: pending() decides a host read on it
-            self._later.extend(p for p in params if self._theirs(p))
+            self._later.update((p, None) for p in params if self._theirs(p))
             return
         for p in params:
             hooks = self._theirs(p)
             if hooks:
                 self._run(p, hooks)
+
+    def defer_shards(self) -> None:
+        """A second forward with grad before the backward: the shards' hooks wait for
+        the backward's end, as with ``find_unused_parameters`` (see the note above)."""
+        if self._later is None:
+            self._later = {}
 
     def _run(self, p: nn.Parameter, hooks: list[Hook]) -> None:
         self.running = True
@@ -159,7 +169,7 @@ class UserGradHooks:
         shards' hooks, then the whole parameters', each parameter's in the order they
         came, for those with a gradient."""
         held, self._held = self._held, {}
-        later, self._later = self._later, None if self._later is None else []
+        later, self._later = self._later, {} if self._defer else None
         for p, (hooks, mine, _) in held.items():
             now = _hooks_of(p) or {}
             hooks.update((k, h) for k, h in now.items() if k != mine)  # registered while held
