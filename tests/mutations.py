@@ -395,6 +395,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_engine_parity.py::test_weights_written_between_forward_and_backward_are_refused_as_autograd_does[wp2]"
         ],
     ),
+    "shards' hooks run after each forward's reduction of one backward": (
+        "isp_comm/hooks/engine.py",
+        "            self.reducer.user_hooks.defer_shards()",
+        "            pass",
+        ["tests/test_grad_hooks.py::test_an_optimizer_stepped_in_the_backward_of_two_forwards_steps_once[wp2]"],
+    ),
     "the outer parameters left swapped by a forward that raised": (
         "isp_comm/communicator.py",
         "            lambda _m, _a, _o: self.engine.root_post_forward(), always_call=True\n",
