@@ -224,14 +224,28 @@ def test_a_push_never_lands_in_a_buffer_a_peer_still_reads() -> None:
 def _train_worker(rank: int, world: int, backend: str, granularity: str, dtype: str) -> dict:
     """ISP training at wp = world on ``backend`` (``nvshmem`` on the fakes, or the CPU
     ``symm`` backend) against single-process training, the replicated parameters frozen
-    so that every collective of a step is a pool gather or reduce-scatter."""
+    so that every collective of a step is a pool gather or reduce-scatter, but for the
+    checks of the weights (the first forward's, backward 2's: small all-gathers out of
+    the schedule, [Note: replicas that drift apart]), whose staged bytes are counted apart."""
     import isp_comm.communicator as communicator
     from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups
+    from isp_comm.collectives import StepCollectives
     from isp_comm.models.llama import LlamaConfig, build
     from tests.fakes import FakeNvshmem
 
     os.environ.pop("NVSHMEM_SYMMETRIC_SIZE", None)  # isp-comm sizes the heap
     fakes = []
+    in_checks = [0]
+    gather = StepCollectives.all_gather
+
+    def counted(self, *args, **kwargs):
+        before = self.backend.staged_bytes
+        try:
+            return gather(self, *args, **kwargs)
+        finally:
+            in_checks[0] += self.backend.staged_bytes - before
+
+    StepCollectives.all_gather = counted  # this rank's process only
 
     def make(name, device, timeout_s):
         fakes.append(FakeNvshmem())
@@ -251,14 +265,15 @@ def _train_worker(rank: int, world: int, backend: str, granularity: str, dtype: 
                 p.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     ropt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    staged = []
+    staged, checks = [], []
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randint(0, 37, (2 * world, 7), generator=g), torch.randint(0, 37, (2 * world, 7), generator=g)
-        before = comm.stats()["staged_bytes"]
+        before, checked = comm.stats()["staged_bytes"], in_checks[0]
         comm.cross_entropy(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]).backward()
         opt.step(), opt.zero_grad()
-        staged.append(comm.stats()["staged_bytes"] - before)
+        checks.append(in_checks[0] - checked)
+        staged.append(comm.stats()["staged_bytes"] - before - checks[-1])
         F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten()).backward()
         ropt.step(), ropt.zero_grad()
     full, want = comm.full_state_dict(), ref.state_dict()
@@ -272,6 +287,7 @@ def _train_worker(rank: int, world: int, backend: str, granularity: str, dtype: 
     return {
         "err": err,
         "staged": staged,
+        "checks": checks,
         "direct": (stats["direct_all_gathers"], stats["direct_reduce_scatters"]),
         "gathers": stats["all_gathers"],
         "heap": stats["device_heap_bytes"],
@@ -295,6 +311,7 @@ def test_a_step_stages_nothing_on_the_pool_collectives(backend: str, granularity
     for rank, r in enumerate(results):
         assert r["err"] < (2e-6 if dtype == "fp32" else 1e-2), r
         assert r["staged"] == [0, 0, 0], r
+        assert r["checks"][0] > 0 and r["checks"][1] > 0 and r["checks"][2] == 0, r  # first forward, backward 2
         assert r["direct"][0] > 0 and r["direct"][1] > 0, r
         if backend == "nvshmem":
             assert r["heap"] == HEAP_GRANULARITY, r  # the plan plus margin, in one granule
