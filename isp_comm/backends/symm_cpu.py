@@ -370,16 +370,16 @@ class SymmCpuBackend(Backend):
             if item is None:
                 return
             kind, g, epoch, out, inp, h, extra = item
-            if failed is not None:  # peers are out of step after a failure: fail fast
-                h._finish(failed)
-                continue
-            try:
-                with writing_mode(out):
-                    _WORKER_OPS[kind](self, g, epoch, out, inp, *extra)
-                h._finish()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                failed = exc
-                h._finish(exc)
+            error = failed  # peers are out of step after a failure: fail fast
+            if failed is None:
+                try:
+                    with writing_mode(out):
+                        _WORKER_OPS[kind](self, g, epoch, out, inp, *extra)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    error = failed = exc
+            # the caller's tensors are theirs again once it is told: none kept to the next collective
+            item = out = inp = extra = None
+            h._finish(error)
 
     def _wait_flags(self, g: _Group, base: int, target: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
