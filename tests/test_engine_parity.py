@@ -298,6 +298,18 @@ def _unplanned_worker(rank: int, world: int, shard_outer: bool) -> dict:
         except IndexError:
             pass
     opt.step(), ropt.step()
+    opt.zero_grad(), ropt.zero_grad()
+    # 4. the same, interrupted in a block (KeyboardInterrupt: torch runs its always-call
+    # forward hooks for an Exception only, so the next forward undoes what it left)
+    step(2)
+    handle = model.layers[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    with torch.no_grad():
+        try:
+            model(mine(x))
+        except KeyboardInterrupt:
+            pass
+    handle.remove()
+    opt.step(), ropt.step()
     with torch.no_grad():
         out = {"logits": (model(mine(x)) - ref(mine(x))).abs().max().item(), "second": second}
     out["phase_after_abort"] = phase_after_abort

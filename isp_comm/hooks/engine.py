@@ -153,7 +153,7 @@ class BlockEngine:
         second, self._hook_called = self._hook_called, from_hook
         if not second:
             self.settle(forward=True)
-            if self._in_root:  # the last forward raised before its end: undo what it left (outer casts, region)
+            if self._in_root:  # the last forward was interrupted: undo what it left (see [Note: a forward that raised])
                 self.root_post_forward()
         if torch.is_grad_enabled() and not second and any(st.views_held for st in self.states):
             self.reducer.user_hooks.defer_shards()  # a second forward before one backward: [Note: post-accumulate-...]
@@ -293,7 +293,8 @@ class BlockEngine:
         nothing: the blocks it left gathered or in flight wait for the next forward (or
         the close), since a wait here could fail again (a collective that passed its
         deadline) and torch would print that beside the forward's own error. Nothing to
-        do when no forward of ours began (a pre-hook refused it)."""
+        do when no forward of ours began (a pre-hook refused it). torch runs the hook
+        for an ``Exception`` only: after a ``KeyboardInterrupt`` the next forward does it."""
         if not self._in_root:
             return
         self._in_root = False
