@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from isp_comm.errors import few_names
 from isp_comm.virtual import is_virtual
 
 _CHUNK = 1 << 20  # elements per step of the device-side checksum: 3 int64 temporaries of 8 MiB at most
@@ -113,7 +114,7 @@ def alike_in(every: torch.Tensor, names: list[str], groups: list[list[int]]) -> 
 def rows_alike(names: list[str]) -> str:
     """What a user is told of weights whose rows are alike on every rank (:func:`alike_in`)."""
     return (
-        f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: every rank holding part of the weight holds "
+        f"{few_names(names)}: every rank holding part of the weight holds "
         "the same values, where each holds its own rows: initialised after wrapping, from one generator "
         "state on every rank (the weight is its first rows repeated)? Initialise before wrapping, build on the "
         "meta device with ISPConfig(init_seed=...), or load the weights (comm.load_full_state_dict)"
@@ -229,7 +230,7 @@ class WeightsCheck:
         if apart:
             names = list(apart)
             raise RuntimeError(
-                f"isp-comm: the replicated parameters {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+                f"isp-comm: the replicated parameters {few_names(names)} "
                 f"differ across ranks (ranks {apart[names[0]]} from rank 0) at backward {ended}: every rank steps "
                 "them on the same averaged gradient, so a gradient was changed by a figure of one rank's own before "
                 "a step. torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "

@@ -20,6 +20,7 @@ from torch import nn
 
 from isp_comm.config import FLOAT_DTYPES, ISPConfig
 from isp_comm.embedding import supports_hidden_split
+from isp_comm.errors import few_names
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.grad_hooks import refuse_gradient_hooks
 from isp_comm.materialize import materialize_module, materialize_rest, model_initializer
@@ -165,10 +166,9 @@ def refuse_save_pretrained(save: Any) -> Any:
 def refuse_added_parameters(names: list[str]) -> None:
     """Parameters of the wrapped model that wrapping never saw, stepped by an optimizer."""
     raise ValueError(
-        f"parameters were added to the model after it was wrapped ({', '.join(names[:3])}"
-        f"{' ...' if len(names) > 3 else ''}): an ISPCommunicator averages over the ranks only the gradients of "
-        "the parameters it wrapped, so each rank would step these with its own. Add them before wrapping "
-        "(with peft: wrap after get_peft_model)"
+        f"parameters were added to the model after it was wrapped ({few_names(names)}): an ISPCommunicator "
+        "averages over the ranks only the gradients of the parameters it wrapped, so each rank would step these "
+        "with its own. Add them before wrapping (with peft: wrap after get_peft_model)"
     )
 
 

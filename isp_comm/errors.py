@@ -47,3 +47,9 @@ def need_folder(path: str, expected: str) -> None:
     if os.path.exists(path):
         raise ValueError(f"{path} is a file, not a folder: give {expected}")
     raise ValueError(f"{path}: no such folder")
+
+
+def few_names(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, comma-separated, and `` ...`` when there are more:
+    a refusal names what it refuses without a line per parameter."""
+    return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")

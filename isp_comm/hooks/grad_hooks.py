@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
+from isp_comm.errors import few_names
+
 Hook = Callable[[nn.Parameter], None]
 
 
@@ -71,7 +73,7 @@ def refuse_gradient_hooks(named: Iterable[tuple[str, nn.Parameter]], wrapping: b
     ]
     if not hooked:
         return
-    listed = f"{', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}"
+    listed = few_names(hooked)
     if wrapping:
         raise ValueError(
             f"isp-comm: {listed} hold a gradient hook registered before wrapping, which would never run: wrapping "
