@@ -158,9 +158,10 @@ class BlockEngine:
         if torch.is_grad_enabled() and not second and any(st.views_held for st in self.states):
             self.reducer.user_hooks.defer_shards()  # a second forward before one backward: [Note: post-accumulate-...]
         if torch.is_grad_enabled() and self._arms_reductions(second):
-            refuse_gradient_hooks(self._named_shards(), wrapping=False)  # [Note: gradient hooks on a shard]
+            named = self._named_shards()
+            refuse_gradient_hooks(named, wrapping=False)  # [Note: gradient hooks on a shard]
             self.reducer.stash()
-            self.reducer.user_hooks.hold(self._shards(), whole=False)  # [Note: post-accumulate-grad hooks]
+            self.reducer.user_hooks.hold((s for _, s in named), whole=False)  # [Note: post-accumulate-grad hooks]
             self.phase = Phase.FORWARD
             self.ctx.phase = "forward"
         if not second:
