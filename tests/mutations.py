@@ -191,8 +191,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a failed forward's outer region kept": (
         "isp_comm/hooks/engine.py",
-        "            if self._in_root:  # the last forward raised",
-        "            if False:  # the last forward raised",
+        "            if self._in_root:  # the last forward was interrupted",
+        "            if False:  # the last forward was interrupted",
         [UNPLANNED.replace("[False]", "[True]")],
     ),
     "pieces cut unlike DTensor": (
@@ -365,7 +365,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "a register_hook on a shard left never to run": (
         "isp_comm/hooks/engine.py",
-        "            refuse_gradient_hooks(self._named_shards(), wrapping=False)",
+        "            refuse_gradient_hooks(named, wrapping=False)",
         "            pass",
         ["tests/test_grad_hooks.py::test_gradient_hooks_that_would_never_run_are_refused[wp2]"],
     ),
