@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import inspect
-import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.checkpoint import checkpoint
 
 from isp_comm.backends import Backend, make_backend
+from isp_comm.buffers import make_buffers
 from isp_comm.collectives import StepCollectives
 from isp_comm.config import ISPConfig
 from isp_comm.consistency import WeightsCheck, broadcast_weights, check_same_weights, repeated_rows, rows_alike
@@ -40,36 +38,21 @@ from isp_comm.discovery import (
 from isp_comm.embedding import HiddenSplitEmbedding
 from isp_comm.flight.diagnosis import attach
 from isp_comm.full_state import FullState
+from isp_comm.generate import flag_set, patch, wrap_generate
 from isp_comm.groups import ParallelGroups
 from isp_comm.hooks.compiled import BlockCompute
 from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.unused import UnusedGradients
-from isp_comm.layout import replica_collectives, replica_largest
 from isp_comm.loss import cross_entropy
-from isp_comm.memory_pool import (
-    MemoryPlan,
-    ReduceScatterBuffers,
-    SlotPool,
-    copied_collectives,
-    gather_landing,
-    make_plan,
-    releases_reduce_buffers,
-    shared_memory_need,
-)
+from isp_comm.memory_pool import MemoryPlan, releases_reduce_buffers
 from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel
 from isp_comm.state import ShardedState
 from isp_comm.trace import clock_for
 from isp_comm.units import BlockUnit
 from isp_comm.virtual import is_virtual
 from isp_comm.vocab_parallel import VocabParallelHead, WPComm, refuse_labels, vocab_parallel_cross_entropy
-
-log = logging.getLogger("isp_comm")
-
-
-def _plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _check_types(model: nn.Module, groups: ParallelGroups, config: ISPConfig) -> None:
@@ -94,27 +77,6 @@ def _step_hook_of(comm: ISPCommunicator, before: bool = False) -> Callable[..., 
             alive._before_step(opt) if before else alive._after_step(opt)
 
     return hook
-
-
-def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
-    """Set ``obj``'s own attribute ``name`` to ``value``; returns what puts it back as
-    it was (its own earlier value, or none: the class's shows again)."""
-    had, before = name in obj.__dict__, obj.__dict__.get(name)
-    setattr(obj, name, value)
-    return functools.partial(setattr, obj, name, before) if had else functools.partial(delattr, obj, name)
-
-
-@contextlib.contextmanager
-def _set(obj: Any, flag: str) -> Iterator[None]:
-    """``obj.flag`` is ``True`` inside, as it was after (nothing when ``obj`` is ``None``)."""
-    before = getattr(obj, flag, None)
-    if obj is not None:
-        setattr(obj, flag, True)
-    try:
-        yield
-    finally:
-        if obj is not None:
-            setattr(obj, flag, before)
 
 
 def _closed_block(*_args: Any, **_kwargs: Any) -> None:
@@ -167,10 +129,11 @@ class ISPCommunicator:
             self.backend.close()
             raise
 
-        built = build_units(model, block_list, groups, config, device, head)
+        built = self._built = build_units(model, block_list, groups, config, device, head)
         self.units, self.vocab_unit, self.embed_unit, self.root = built.blocks, built.vocab, built.embed, built.root
         replicated_all = self._index_shards(device)
-        self._plan, self.pool, self.rs_buffers = self._plan_memory(replicated_all)
+        buffers = self._buffers = make_buffers(built, replicated_all, groups, config, self.backend, self._release_pairs)
+        self._plan, self.pool, self.rs_buffers = buffers.plan, buffers.pool, buffers.rs_buffers
         self.engine = self._make_engine(replicated_all)
         self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
         self._install_forwards(round(config.activation_checkpointing * len(block_list)))
@@ -206,78 +169,6 @@ class ISPCommunicator:
         self._full = FullState(self.model, self.groups, self._sharded, self.sharded_units, self.backend, self.ctx)
         in_units = {id(s) for unit in self.sharded_units for s in unit.shards}
         return [p for p in self.model.parameters() if id(p) not in in_units]
-
-    def _plan_memory(self, replicated: list[nn.Parameter]) -> tuple[MemoryPlan, SlotPool, ReduceScatterBuffers]:
-        """The slot pool and the reduce-scatter buffers, sized once by the MaxPool plan;
-        with shared memory, its need is checked (and reserved, or refused, on every
-        rank alike) first."""
-        config, units = self.config, self.units
-        alloc = functools.partial(self._alloc, device=units[0].device)
-        gdt = [(u.gather_dtype, u.gathered_numel) for u in units]
-        rdt = [(g.dtype, g.gathered_numel) for u in units for g in u.full_groups]  # frozen ones may thaw
-        rdt += [(g.dtype, g.scattered_bound) for u in units for g in u.full_groups if g.replicas > 1]
-        landing = gather_landing(self.groups.wp_size, config.comm_granularity)
-        k = config.max_inflight_reduce_scatter
-        cast = [(u.gather_dtype, u.shard_numel) for u in units if u.gather_dtype != u.dtype]
-        plan = make_plan(gdt, rdt, config.n_slots, k, self.groups.wp_size, landing, cast)
-        shm = self.backend.check_capacity(*self._shared_memory_need(plan, replicated))  # CPU shared memory
-        if not self.backend.disabled:
-            plan = dataclasses.replace(plan, shm_bytes=shm)
-        g = self.groups
-        gathered, _, repl = self._largest_collectives(replicated)
-        sent = max(u.flat_shard.nbytes for u in (*self.units, self.root) if u is not None)
-        replica = {kind: max(sizes, default=0) for kind, sizes in replica_collectives(self.sharded_units)}
-        for group, size, nbytes, lane in (  # a collective's input bytes per rank, per lane
-            (g.wp_group, g.wp_size, sent, "gather"),
-            (g.wp_group, g.wp_size, gathered, "reduce"),
-            (g.replica_group, g.replica_size, replica.get("all_reduce", replica.get("reduce_scatter", 0)), "reduce"),
-            (g.replica_group, g.replica_size if "all_gather" in replica else 1, replica.get("all_gather", 0), "gather"),
-            (g.world_group, g.world_size, repl, "reduce"),
-            (g.sp_group, g.sp_size, 0, "all_to_all"),  # decided here, sized by the batch at first use
-        ):
-            if size > 1:
-                self.backend.reserve(group, nbytes, units[0].device, lane)  # CUDA symmetric memory: scratch
-        moved = self._moved = self._shards_to_move(plan)
-        self._plan_heap(plan, replicated, sum(u.flat_shard.nbytes for u in moved))  # NVSHMEM: sized before init
-        for u in moved:
-            u.move_shard(alloc(u.flat_shard.numel(), u.dtype))
-        if self.groups.rank == 0:
-            log.info(plan.describe())
-        pooled = config.memory_pool
-        release = self._release_pairs
-        plain = functools.partial(_plain_buffer, device=units[0].device)  # made in a backward, by this rank alone
-        pairs = ReduceScatterBuffers(plan, plain if release else alloc, pooled=pooled, release=release)
-        return plan, SlotPool(plan, alloc, pooled=pooled), pairs
-
-    def _shards_to_move(self, plan: MemoryPlan) -> list[BlockUnit]:
-        """The blocks whose gathers read their flat shard itself (no cast), when the
-        backend reads gather sources only from symmetric buffers (see
-        :attr:`~isp_comm.backends.base.Backend.symmetric_sources`) and the pool has them."""
-        if not (self.backend.symmetric_sources and self.config.memory_pool and self.groups.wp_size > 1):
-            return []
-        return [u for u in self.units if u.gather_dtype == u.dtype and u.flat_shard.numel()]
-
-    def _plan_heap(self, plan: MemoryPlan, replicated: list[nn.Parameter], shard_bytes: int) -> None:
-        """Tell the backend what its fixed device memory must hold (see
-        :meth:`~isp_comm.backends.base.Backend.plan_symmetric`): the pool's buffers and
-        the shards moved beside them (``shard_bytes``), and the planned collectives that
-        do not run on them."""
-        g, pooled = self.groups, self.config.memory_pool
-
-        def unit_sizes(u: BlockUnit) -> tuple[int, list[int]]:
-            return u.shard_numel * u.gather_dtype.itemsize, [r.gathered_numel * r.dtype.itemsize for r in u.full_groups]
-
-        copied = copied_collectives(
-            (g.wp_size, g.replica_size, g.world_size),
-            pooled,
-            [unit_sizes(u) for u in self.units],
-            unit_sizes(self.root) if self.root is not None else None,
-            replica_collectives(self.sharded_units),
-            sum(p.numel() * p.element_size() for p in replicated),
-        )
-        groups = {"wp": g.wp_group, "replica": g.replica_group, "world": g.world_group}
-        buffers = plan.pool_bytes + shard_bytes if pooled and g.wp_size > 1 else 0
-        self.backend.plan_symmetric(g.wp_group, buffers, [(groups[w], kind, n) for w, kind, n in copied])
 
     def _install_forwards(self, n_ckpt: int) -> None:
         """The vocab-parallel head's and hidden-split embedding's forwards, every
@@ -339,7 +230,7 @@ class ISPCommunicator:
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
         self._undo_save = [  # the model's, and an inner transformers model's (model.model, peft's base model)
-            _patch(m, "save_pretrained", refuse_save_pretrained(m.save_pretrained))
+            patch(m, "save_pretrained", refuse_save_pretrained(m.save_pretrained))
             for m in self.model.modules()
             if callable(getattr(m, "save_pretrained", None)) and any(id(p) in self._partial_ids for p in m.parameters())
         ]
@@ -455,30 +346,11 @@ class ISPCommunicator:
         else:
             self.engine.reducer.wp_summed += list(unit.shards)
 
-    def _shared_memory_need(self, plan: MemoryPlan, replicated: list[nn.Parameter]) -> tuple[int, list[int]]:
-        """See :func:`~isp_comm.memory_pool.shared_memory_need` (what is ever gathered:
-        the blocks and the outer parameters' unit)."""
-        g = self.groups
-        sizes = (g.wp_size, g.replica_size, g.world_size)
-        largest = self._largest_collectives(replicated)
-        return shared_memory_need(plan.pool_bytes, self.config.memory_pool, sizes, *largest)
-
-    def _largest_collectives(self, replicated: list[nn.Parameter]) -> tuple[int, int, int]:
-        """Bytes per rank of the largest collective of each group: a gathered unit
-        (WP), the replica collectives' largest buffer (a flat shard's all-reduce, or
-        every replica's pieces), every replicated parameter (world)."""
-        units = [u for u in (*self.units, self.root) if u is not None]
-        return (
-            max(u.gathered_numel * u.flat_shard.element_size() for u in units),
-            replica_largest(self.sharded_units),
-            sum(p.numel() * p.element_size() for p in replicated),
-        )
-
     @property
     def sharded_units(self) -> list[BlockUnit]:
-        """The blocks, then the outer parameters' unit and the vocab-parallel head's,
-        when they exist."""
-        return [*self.units, *(u for u in (self.root, self.vocab_unit, self.embed_unit) if u is not None)]
+        """The blocks, then the outer parameters' unit, the vocab-parallel head's and the
+        hidden-split embedding's, when they exist."""
+        return self._built.sharded()
 
     # ---- construction helpers ----------------------------------------------------------
     def _apply_sequence_parallel(self) -> Callable[[], None]:
@@ -511,7 +383,7 @@ class ISPCommunicator:
         ``generate`` runs inside it. Without ``vocab_parallel`` the logits are whole
         already and it does nothing. See [Note: whole logits] in
         ``isp_comm/vocab_parallel.py`` for what it costs."""
-        with _set(self._vocab_head, "whole"):
+        with flag_set(self._vocab_head, "whole"):
             yield
 
     @contextlib.contextmanager
@@ -526,81 +398,28 @@ class ISPCommunicator:
         self._undo_sp()
         self._undo_sp = None
         try:
-            with _set(self._sequence_check, "paused"):
+            with flag_set(self._sequence_check, "paused"):
                 yield
         finally:
             self._undo_sp = self._apply_sequence_parallel()
 
     def _wrap_generate(self) -> Callable[[], None] | None:
-        """The model's ``generate`` (transformers'), made to work as on a model FSDP
-        shards. At wp > 1 every forward gathers over the WP group, so a rank whose
-        sequences are done must keep running forwards until its peers' are:
-        ``synced_gpus`` defaults to ``True`` there, as transformers sets it for an
-        FSDP-managed model (without it, a peer waited in a block's gather until the
-        deadline), and the ranks agree on going on over the WP group (see
-        :meth:`_synced_over_wp`). Under ``vocab_parallel`` it runs in
-        :meth:`whole_logits`, so that it sees the logits it expects; under sequence
-        parallelism in :meth:`_whole_sequences` (each rank generates from prompts of its
-        own). Returns what puts the instance back as it was, for ``close``."""
-        model = self.model
-        generate = getattr(model, "generate", None)
+        """The model's ``generate`` made to work as on a model FSDP shards
+        (:func:`isp_comm.generate.wrap_generate`), where it needs to: at wp > 1 in a
+        job of several ranks (the ranks go on together), under ``vocab_parallel`` (in
+        :meth:`whole_logits`, so that it sees the logits it expects) and under sequence
+        parallelism (in :meth:`_whole_sequences`: each rank generates from prompts of
+        its own, their shapes compared where the WP group computes on each other's
+        tokens). Returns what puts the instance back as it was, for ``close``."""
         g = self.groups
-        sp, synced = g.sp_size > 1, g.wp_size > 1 and dist.is_initialized() and dist.get_world_size() > 1
-        if not callable(generate) or (self._vocab_head is None and not sp and not synced):
+        synced = g.wp_size > 1 and dist.is_initialized() and dist.get_world_size() > 1
+        if self._vocab_head is None and g.sp_size == 1 and not synced:
             return None
-        whole_logits, whole_sequences, embedding = self.whole_logits, self._whole_sequences, self._embed_lookup
-        synced_over_wp = self._synced_over_wp
-        params = list(inspect.signature(generate).parameters)
-        at = params.index("synced_gpus") if "synced_gpus" in params else len(params)  # given by position?
 
-        @functools.wraps(generate)
-        def generate_wrapped(*args: Any, **kwargs: Any) -> Any:
-            if synced and len(args) > at and args[at] is None:
-                args = (*args[:at], True, *args[at + 1 :])
-            elif synced and len(args) <= at and kwargs.get("synced_gpus") is None:
-                kwargs["synced_gpus"] = True
-            # each rank's own prompts: shapes compared where the WP group computes on each other's tokens
-            with whole_sequences(), whole_logits(), _set(embedding, "checking"), synced_over_wp():
-                return generate(*args, **kwargs)
+        def contexts() -> list[contextlib.AbstractContextManager[Any]]:
+            return [self._whole_sequences(), self.whole_logits(), flag_set(self._embed_lookup, "checking")]
 
-        return _patch(model, "generate", generate_wrapped)
-
-    @contextlib.contextmanager
-    def _synced_over_wp(self) -> Iterator[None]:
-        """Inside, transformers' ``synced_gpus`` asks the WP group, through the
-        communicator's backend and under its deadline, whether any rank still has
-        sequences to finish, where transformers all-reduces over the whole job with
-        torch's own (a default group's collective, outside the deadline and the hang
-        diagnosis: a peer that failed kept a rank waiting until the process group's
-        timeout, and a job whose other replicas did not generate waited for good).
-        The forwards' collectives are the WP group's, so its ranks are the ones that
-        must go on together."""
-        wp_comm = self._wp_comm
-        owners = [m for m in self.model.modules() if hasattr(type(m), "_has_unfinished_sequences")]
-
-        def has_unfinished(this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
-            if not synced_gpus:
-                return not this_peer_finished
-            going = torch.tensor([0.0 if this_peer_finished else 1.0], device=device)
-            return wp_comm.all_reduce(going, "all-reduce of generate()'s unfinished sequences").item() > 0
-
-        before = [m.__dict__.get("_has_unfinished_sequences") for m in owners]
-        for m in owners:
-            m._has_unfinished_sequences = has_unfinished
-        try:
-            yield
-        finally:
-            for m, fn in zip(owners, before):
-                if fn is None:
-                    del m._has_unfinished_sequences
-                else:
-                    m._has_unfinished_sequences = fn
-
-    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # a fixed pool is allocated once, collectively: symmetric buffers the WP peers
-        # write into; per-gather allocations (memory_pool=False) are plain
-        group = self.groups.wp_group if self.config.memory_pool else None
-        return self.backend.empty(numel, dtype, device, group)
+        return wrap_generate(self.model, self._wp_comm, synced=synced, contexts=contexts)
 
     def _wrap_forward(self, unit: BlockUnit, checkpointed: bool) -> None:
         block = unit.block
@@ -960,9 +779,5 @@ class ISPCommunicator:
             else:
                 block.forward = fwd
             block.__dict__.pop("compile", None)  # BlockCompute's, see [Note: compiled blocks]
-        self.pool.close()
-        self.rs_buffers.close()
-        if not cut_short:  # the shards leave the backend's memory before it is freed (kept after a failure)
-            for unit in self._moved:
-                unit.move_shard(torch.empty_like(unit.flat_shard))
+        self._buffers.close(cut_short)
         self.backend.close()

@@ -249,6 +249,11 @@ class Units:
     embed: BlockUnit | None = None
     root: BlockUnit | None = None
 
+    def sharded(self) -> list[BlockUnit]:
+        """The blocks, then the outer parameters' unit, the vocab-parallel head's and the
+        hidden-split embedding's, when they exist."""
+        return [*self.blocks, *(u for u in (self.root, self.vocab, self.embed) if u is not None)]
+
 
 @dataclass
 class UnitSpec:
