@@ -320,3 +320,31 @@ def test_the_forecast_reads_the_class_make_backend_builds() -> None:
     assert backend_class("auto", "cpu").symmetric_buffers and not backend_class("torch", "cpu").symmetric_buffers
     cuda = {name: backend_class(name, "cuda") for name in BACKENDS}
     assert {n for n, cls in cuda.items() if cls.symmetric_buffers} == {"nvshmem"} and cuda["nvshmem"] is NvshmemBackend
+
+
+def _in_place_reduce_scatter_worker(rank: int, world: int) -> list[bool]:
+    # the output is the rank's own chunk of its input, in a symmetric buffer (the
+    # direct path) and in an ordinary tensor (the scratch path), as gloo allows
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    group = dist.group.WORLD
+    n, ok = 5, []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        full = [torch.arange(world * n).to(dtype) + 10 * r for r in range(world)]
+        want = sum(f.double() for f in full)[rank * n : (rank + 1) * n].to(dtype)
+        for direct in (True, False):
+            if direct:
+                inp = backend.empty(world * n, dtype, torch.device("cpu"), group=group)
+            else:
+                inp = torch.empty(world * n, dtype=dtype)
+            inp.copy_(full[rank])
+            out = inp[rank * n : (rank + 1) * n]
+            backend.reduce_scatter(out, inp, group).wait(TIMEOUT)
+            ok.append(torch.equal(out, want))
+    backend.close()
+    return ok
+
+
+@pytest.mark.timeout(60)
+def test_reduce_scatter_in_place_into_its_own_chunk() -> None:
+    """See [Note: a reduce-scatter in place]: every rank's sum, on both paths."""
+    assert run_ranks(_in_place_reduce_scatter_worker, 2, timeout_s=50) == [[True] * 6] * 2

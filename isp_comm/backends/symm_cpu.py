@@ -480,19 +480,26 @@ class SymmCpuBackend(Backend):
         self._wait_flags(g, g.size, epoch, "reduce-scatter (peers still reading)")
 
     def _sum_chunks(self, g: _Group, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Sum in rank order; bf16/fp16 accumulate in fp32."""
-        if out.dtype in (torch.float32, torch.float64) or not out.is_floating_point():
-            out.copy_(chunks[0])
-            for c in chunks[1:]:
-                out.add_(c)
-            return
-        if g.acc is None or g.acc.numel() < out.numel():
-            g.acc = kept_empty(out.numel(), torch.float32, "cpu")
-        acc = g.acc[: out.numel()]
+        """Sum in rank order; bf16/fp16 accumulate in fp32.
+
+        [Note: a reduce-scatter in place] ``out`` is summed into directly only when it
+        overlaps no chunk after the first: a direct reduce-scatter whose output is the
+        rank's own chunk of its symmetric input (in place, as gloo allows) reads that
+        chunk as ``chunks[me]``, and summing into ``out`` first would add the partial
+        sum instead of the rank's own values on every rank but the first (silently)."""
+        if out.is_floating_point() and out.dtype not in (torch.float32, torch.float64):
+            if g.acc is None or g.acc.numel() < out.numel():
+                g.acc = kept_empty(out.numel(), torch.float32, "cpu")
+            acc = g.acc[: out.numel()]
+        elif any(_overlaps(out, c) for c in chunks[1:]):
+            acc = torch.empty_like(out)  # the same sum, in the dtype itself, then copied
+        else:
+            acc = out
         acc.copy_(chunks[0])
         for c in chunks[1:]:
             acc.add_(c)
-        out.copy_(acc)
+        if acc is not out:
+            out.copy_(acc)
 
     def _do_reduce_scatter(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor) -> None:
         n = out.numel()
@@ -569,6 +576,14 @@ _FALLBACK_OPS = {
 
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes that ``a`` and ``b`` span (first to last element) intersect."""
+    if not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _signature(what: str, nbytes: int) -> int:
