@@ -219,6 +219,28 @@ def test_collectives_out_of_step_fail_on_every_rank_naming_each() -> None:
         assert "rank 0: all-gather of 16 bytes, rank 1: all-reduce of 24 bytes" in text, text
 
 
+def _mixed_paths_worker(rank: int, world: int) -> str:
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    group = dist.group.WORLD
+    buf = backend.empty(world * 4, torch.float32, torch.device("cpu"), group=group)
+    buf.fill_(-1.0)  # rank 1's: a live buffer that no collective below may write
+    out = buf if rank == 0 else torch.empty(world * 4)  # rank 0 gathers into a symmetric buffer, rank 1 not
+    try:
+        backend.all_gather(out, torch.ones(4), group).wait(10)
+        return "no error" + ("" if rank == 0 or torch.equal(buf, torch.full_like(buf, -1.0)) else ", buffer written")
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        backend.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_into_a_symmetric_buffer_on_some_ranks_only_is_out_of_step() -> None:
+    """See [Note: what each rank issued]: the path is part of what each rank issued."""
+    for text in run_ranks(_mixed_paths_worker, 2, timeout_s=40):
+        assert "rank 0: all-gather into a symmetric buffer of 16 bytes, rank 1: all-gather of 16 bytes" in text, text
+
+
 def _symmetric_worker(rank: int, world: int) -> int:
     # all-gathers into symmetric buffers (peers write straight into them): equal to
     # gloo, also at an offset inside the buffer and in place

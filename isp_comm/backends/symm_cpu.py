@@ -419,13 +419,14 @@ class SymmCpuBackend(Backend):
         self._arrive(g, epoch, what, 0 if src is None else src.numel() * src.element_size())
         return [s.bytes for s in g.scratch]
 
-    def _arrive(self, g: _Group, epoch: int, what: str, nbytes: int) -> None:
+    def _arrive(self, g: _Group, epoch: int, what: str, nbytes: int, direct: bool = False) -> None:
         """Publish what I issued and ``ready = e``, wait for every peer's, and check that
         we all issued the same: collectives are paired by their order alone, so a rank
         out of step (another kind, another size) would otherwise mix its bytes into a
         collective it never meant, and every rank would go on with wrong values. See
-        [Note: what each rank issued]."""
-        mine, slots = _signature(what, nbytes), (3 + epoch % 2) * g.size  # a peer may be one epoch ahead
+        [Note: what each rank issued]. ``direct``: through symmetric buffers, not the scratch."""
+        slots = (3 + epoch % 2) * g.size  # a peer may be one epoch ahead
+        mine = _signature(_DIRECT[what] if direct else what, nbytes)
         g.flags.store(slots + g.me, mine)
         g.flags.store(g.me, epoch)
         self._wait_flags(g, 0, epoch, what)
@@ -453,7 +454,7 @@ class SymmCpuBackend(Backend):
     def _do_all_gather_direct(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor, where: int) -> None:
         nb = inp.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers write into me (read after ready)
-        self._arrive(g, epoch, "all-gather", nb)  # my output may be written
+        self._arrive(g, epoch, "all-gather", nb, direct=True)  # my output may be written
         if nb:
             src = inp.reshape(-1).view(torch.uint8)
             for r in range(g.size):
@@ -472,7 +473,7 @@ class SymmCpuBackend(Backend):
     ) -> None:
         nb = out.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers read my input (read after ready)
-        self._arrive(g, epoch, "reduce-scatter", inp.numel() * inp.element_size())  # my input may be read
+        self._arrive(g, epoch, "reduce-scatter", inp.numel() * inp.element_size(), direct=True)  # my input may be read
         if nb:
             chunks = [self._peer_region(g, r, g.me * nb, nb).view(inp.dtype) for r in range(g.size)]
             self._sum_chunks(g, chunks, out.view(-1))
@@ -575,7 +576,11 @@ _FALLBACK_OPS = {
 """What a group that cannot use shared memory calls on TorchBackend, per kind."""
 
 
-_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier")
+_DIRECT = {
+    "all-gather": "all-gather into a symmetric buffer",
+    "reduce-scatter": "reduce-scatter from a symmetric buffer",
+}
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier", *_DIRECT.values())
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -600,7 +605,12 @@ def _signature(what: str, nbytes: int) -> int:
     every rank of a group issues the same kind with the same input size; anything else
     (an extra forward on one rank, an SP rank fed a different batch) fails on every
     rank of the group with one message naming each rank's collective, where the torch
-    backend's gloo aborts the process and this backend went on with wrong values."""
+    backend's gloo aborts the process and this backend went on with wrong values.
+    The kind tells a collective through symmetric buffers from one through the
+    scratch (``_DIRECT``): a rank gathering into a symmetric buffer writes where each
+    peer published its buffer, and a peer on the scratch path published nothing this
+    epoch, so its stale address was written into (another live buffer of its) while
+    it read the scratch its peer never filled: both went on without a word."""
     return (_KINDS.index(what) << 56) | nbytes
 
 
