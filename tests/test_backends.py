@@ -241,6 +241,36 @@ def test_a_gather_into_a_symmetric_buffer_on_some_ranks_only_is_out_of_step() ->
         assert "rank 0: all-gather into a symmetric buffer of 16 bytes, rank 1: all-gather of 16 bytes" in text, text
 
 
+def _sizes_that_do_not_fit_worker(rank: int, world: int) -> list[str]:
+    backend = SymmCpuBackend(timeout_s=TIMEOUT)
+    group = dist.group.WORLD
+    buf = backend.empty(world * 4 + 2, torch.float32, torch.device("cpu"), group=group)
+    buf.fill_(-1.0)
+    said = []
+    for issue in (
+        lambda: backend.all_gather(buf[: world * 4 - 1], torch.ones(4), group),  # peers would write past it
+        lambda: backend.all_gather(torch.empty(world * 4 + 1), torch.ones(4), group),
+        lambda: backend.reduce_scatter(torch.empty(3), buf[: world * 4], group),
+        lambda: backend.all_to_all(torch.empty(world * 3 + 1), torch.ones(world * 3 + 1), group),
+    ):
+        try:
+            issue().wait(5)
+            said.append("no error")
+        except ValueError as exc:
+            said.append(str(exc))
+    untouched = torch.equal(buf[world * 4 - 1 :], torch.full((3,), -1.0))
+    backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(TIMEOUT)  # still in step
+    backend.close()
+    return said + [f"untouched {untouched}"]
+
+
+@pytest.mark.timeout(60)
+def test_sizes_that_do_not_fit_are_refused_at_issue() -> None:
+    """See [Note: sizes checked at issue]."""
+    for said in run_ranks(_sizes_that_do_not_fit_worker, 2, timeout_s=50):
+        assert all("do not fit each other" in s for s in said[:4]) and said[4] == "untouched True", said
+
+
 def _symmetric_worker(rank: int, world: int) -> int:
     # all-gathers into symmetric buffers (peers write straight into them): equal to
     # gloo, also at an offset inside the buffer and in place

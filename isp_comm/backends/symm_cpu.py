@@ -283,6 +283,7 @@ class SymmCpuBackend(Backend):
     def _submit(self, kind: str, group: ProcessGroup, out, inp, nbytes: int) -> Handle:
         if self._closed:
             raise RuntimeError("the symmetric-memory backend is closed")
+        _check_sizes(kind, group.size(), out, inp)
         g = self._group(group, nbytes)
         if g is None and kind == "barrier":
             self._fallback.barrier(group, self.timeout_s)
@@ -581,6 +582,31 @@ _DIRECT = {
     "reduce-scatter": "reduce-scatter from a symmetric buffer",
 }
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier", *_DIRECT.values())
+
+
+def _check_sizes(kind: str, size: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Refuse, at issue, a collective whose output and input sizes do not fit.
+
+    [Note: sizes checked at issue] The worker never compares them: a gather into a
+    symmetric buffer lets every peer write ``size x input`` bytes from where the
+    output starts, past a shorter output into whatever follows it in the buffer; a
+    reduce-scatter takes its chunks' length from the output, a gather leaves a longer
+    output's tail as it was, an all-to-all drops an input's last ``numel % size``
+    elements. gloo refuses each; so does this backend, before the epoch is taken (the
+    peers then stop at their deadline naming this rank)."""
+    if kind == "all_gather":
+        fits = out.numel() == size * inp.numel()
+    elif kind == "reduce_scatter":
+        fits = inp.numel() == size * out.numel()
+    elif kind == "all_to_all":
+        fits = out.numel() == inp.numel() and inp.numel() % size == 0
+    else:
+        return
+    if not fits:
+        raise ValueError(
+            f"{kind.replace('_', '-')} over {size} ranks: an output of {out.numel()} elements and an input of "
+            f"{inp.numel()} do not fit each other"
+        )
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
