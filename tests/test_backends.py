@@ -193,6 +193,28 @@ def test_stalled_peer_times_out_naming_it() -> None:
     assert "all-gather" in text and "ranks [1]" in text, msg
 
 
+def _waited_at_the_backends_deadline_worker(rank: int, world: int) -> str:
+    backend = SymmCpuBackend(timeout_s=2.0)
+    group = dist.group.WORLD
+    backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)  # set-up done
+    if rank == 1:  # alive, but never joins the next collective
+        time.sleep(5)
+        backend.close()
+        return ""
+    with pytest.raises(ISPCommTimeout) as info:
+        backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(2.0)  # as CommContext waits
+    backend.close()
+    return str(info.value)
+
+
+@pytest.mark.serial  # a 2 s deadline that must pass
+@pytest.mark.timeout(60)
+def test_a_wait_as_long_as_the_backends_deadline_names_the_late_rank() -> None:
+    """See [Note: a deadline names who is late]."""
+    text = run_ranks(_waited_at_the_backends_deadline_worker, 2, timeout_s=40)[0]
+    assert "ranks [1] of group [0, 1]" in text, text
+
+
 def _out_of_step_worker(rank: int, world: int) -> str:
     backend = SymmCpuBackend(timeout_s=TIMEOUT)
     group = dist.group.WORLD

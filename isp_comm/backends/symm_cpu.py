@@ -79,11 +79,12 @@ def host_id() -> str:
 
 
 class SymmHandle(Handle):
-    __slots__ = ("_done", "_error", "what")
+    __slots__ = ("_done", "_error", "_stalled", "what")
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, stalled: list[str | None] | None = None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._stalled = stalled or [None]  # the backend's: see [Note: a deadline names who is late]
         self.what = what
 
     def _finish(self, error: BaseException | None = None) -> None:
@@ -95,7 +96,10 @@ class SymmHandle(Handle):
 
     def wait(self, timeout_s: float) -> None:
         if not self._done.wait(timeout_s):
-            raise ISPCommTimeout(f"{self.what} did not complete within {timeout_s:.1f}s")
+            late = self._stalled[0]
+            raise ISPCommTimeout(
+                f"{self.what} did not complete within {timeout_s:.1f}s" + (f": {late}" if late else "")
+            )
         if self._error is not None:
             raise self._error
 
@@ -153,6 +157,7 @@ class SymmCpuBackend(Backend):
         # the thread is joined. weakref.finalize runs at exit and holds no ref to self.
         self._stop_at_exit = weakref.finalize(self, _stop_worker, self._queue, self._stopping, self._worker)
         self._last: SymmHandle | None = None
+        self._stalled: list[str | None] = [None]  # see [Note: a deadline names who is late]
         self._closed = False
         self.direct_all_gathers = 0  # all-gathers written straight into symmetric buffers
         self.direct_reduce_scatters = 0  # reduce-scatters read straight from symmetric buffers
@@ -308,7 +313,7 @@ class SymmCpuBackend(Backend):
         if not extra and kind != "barrier":  # through the scratch: in, then out (see Backend.staged_bytes)
             self.staged_bytes += nbytes + (out.numel() * out.element_size() if out is not None else nbytes)
         g.epoch += 1
-        h = SymmHandle(f"{kind.replace('_', '-')} (symm) over ranks {list(g.ranks)}")
+        h = SymmHandle(f"{kind.replace('_', '-')} (symm) over ranks {list(g.ranks)}", self._stalled)
         self._queue.put((kind, g, g.epoch, out, inp, h, extra))
         self._last = h
         return h
@@ -383,6 +388,20 @@ class SymmCpuBackend(Backend):
             h._finish(error)
 
     def _wait_flags(self, g: _Group, base: int, target: int, what: str) -> None:
+        """Wait until every rank's flag ``base + r`` reaches ``target``.
+
+        [Note: a deadline names who is late] The waiter's deadline (the handle's,
+        ``CommContext.timeout_s``) and this one are equal and start about together,
+        and the waiter's usually passes first: its error said only that the
+        collective did not complete. So while the worker sleeps here it keeps, in
+        ``_stalled`` (a list the handles share, holding no reference to the backend),
+        which ranks it waits for, and the handle's error names them."""
+        try:
+            self._wait_flags_until(g, base, target, what)
+        finally:
+            self._stalled[0] = None
+
+    def _wait_flags_until(self, g: _Group, base: int, target: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         pause, spins = 5e-5, 0
         next_probe = time.monotonic() + 0.1
@@ -396,6 +415,9 @@ class SymmCpuBackend(Backend):
                 continue
             now = time.monotonic()
             late = [g.ranks[r] for r in missing]
+            self._stalled[0] = (
+                f"the worker waits in {what} (symm, epoch {target}) for ranks {late} of group {list(g.ranks)}"
+            )
             if self._stopping.is_set():
                 raise ISPCommTimeout(f"{what} (symm, epoch {target}): abandoned, the backend is closing")
             if now > deadline:
