@@ -293,6 +293,28 @@ def test_sizes_that_do_not_fit_are_refused_at_issue() -> None:
         assert all("do not fit each other" in s for s in said[:4]) and said[4] == "untouched True", said
 
 
+def _grown_by_one_rank_worker(rank: int, world: int) -> str:
+    backend = SymmCpuBackend(timeout_s=5.0)
+    group = dist.group.WORLD
+    backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)  # set-up done: a 64 KiB scratch
+    n = 1000 if rank == 0 else 20000  # rank 1's 80 KB outgrow the scratch: it alone grows it
+    try:
+        backend.all_gather(torch.empty(world * n), torch.ones(n), group).wait(10)
+    except (RuntimeError, ISPCommTimeout) as exc:
+        return str(exc)
+    finally:
+        backend.close()
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_size_that_outgrows_the_scratch_on_one_rank_is_out_of_step() -> None:
+    """See [Note: a scratch grown by some ranks only]: every rank says what each issued
+    (before, the growing rank waited in gloo past the deadline)."""
+    for text in run_ranks(_grown_by_one_rank_worker, 2, timeout_s=80):
+        assert "rank 0: all-gather of 4000 bytes, rank 1: all-gather of 80000 bytes" in text, text
+
+
 def _symmetric_worker(rank: int, world: int) -> int:
     # all-gathers into symmetric buffers (peers write straight into them): equal to
     # gloo, also at an offset inside the buffer and in place

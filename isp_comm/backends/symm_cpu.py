@@ -230,7 +230,7 @@ class SymmCpuBackend(Backend):
             log.warning("isp-comm: %s; going on without shared memory for it", error or "a peer's /dev/shm is full")
         return False, None
 
-    def _group(self, group: ProcessGroup, nbytes: int) -> _Group | None:
+    def _group(self, group: ProcessGroup, nbytes: int, what: str = "") -> _Group | None:
         if self.disabled:
             return None
         ranks = tuple(dist.get_process_group_ranks(group))
@@ -238,8 +238,29 @@ class SymmCpuBackend(Backend):
             self._groups[ranks] = self._setup(group, ranks)
         g = self._groups[ranks]
         if g is not None and nbytes > g.capacity:
+            self._agree_to_grow(g, what, nbytes)
             self._grow(group, g, nbytes)
         return self._groups[ranks]
+
+    def _agree_to_grow(self, g: _Group, what: str, nbytes: int) -> None:
+        """Before a group's scratch grows (``torch.distributed`` calls in this thread),
+        check over the flags, within the deadline, that every rank is growing it for
+        the same collective.
+
+        [Note: a scratch grown by some ranks only] A rank grows the scratch when a
+        collective's bytes exceed it, through gloo calls that wait under the process
+        group's timeout (30 minutes), not this backend's. Ranks out of step by a size
+        that crosses the scratch's (an SP rank fed a longer batch) left the larger one
+        there, while its peers stopped at the deadline with "did not arrive" for it,
+        not "collectives out of step". So the growing rank first takes an epoch of
+        its own with the collective's kind and bytes as what it issued: every rank
+        growing for the same collective passes it, and a peer that is not meets it
+        with its own collective, both stopping with the line that names each."""
+        g.epoch += 1
+        h = SymmHandle(f"{what} (symm, growing its scratch) over ranks {list(g.ranks)}", self._stalled)
+        self._queue.put(("agree", g, g.epoch, None, None, h, (what, nbytes)))
+        self._last = h
+        h.wait(self.timeout_s)
 
     def _setup(self, group: ProcessGroup, ranks: tuple[int, ...]) -> _Group | None:
         infos: list = [None] * len(ranks)
@@ -289,7 +310,7 @@ class SymmCpuBackend(Backend):
         if self._closed:
             raise RuntimeError("the symmetric-memory backend is closed")
         _check_sizes(kind, group.size(), out, inp)
-        g = self._group(group, nbytes)
+        g = self._group(group, nbytes, kind.replace("_", "-"))
         if g is None and kind == "barrier":
             self._fallback.barrier(group, self.timeout_s)
             return CompletedHandle()
@@ -550,6 +571,10 @@ class SymmCpuBackend(Backend):
             flat_out[r * n : (r + 1) * n].copy_(buf[g.me * n * isz : (g.me + 1) * n * isz].view(inp.dtype))
         self._done(g, epoch)
 
+    def _do_agree(self, g: _Group, epoch: int, _out: None, _inp: None, what: str, nbytes: int) -> None:
+        self._arrive(g, epoch, what, nbytes)  # touches no scratch: see [Note: a scratch grown by some ranks only]
+        self._done(g, epoch)
+
     def _do_barrier(self, g: _Group, epoch: int, _out: None, _inp: None) -> None:
         self._exchange(g, epoch, "barrier", None)
         self._done(g, epoch)
@@ -587,6 +612,7 @@ _WORKER_OPS = {
     "all_reduce": SymmCpuBackend._do_all_reduce,
     "all_to_all": SymmCpuBackend._do_all_to_all,
     "barrier": SymmCpuBackend._do_barrier,
+    "agree": SymmCpuBackend._do_agree,
 }
 """What the worker runs for each kind of queued collective (a table, not a name lookup)."""
 
