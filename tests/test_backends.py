@@ -215,12 +215,14 @@ def test_a_wait_as_long_as_the_backends_deadline_names_the_late_rank() -> None:
     assert "ranks [1] of group [0, 1]" in text, text
 
 
-def _out_of_step_worker(rank: int, world: int) -> str:
+def _out_of_step_worker(rank: int, world: int, dtypes: bool = False) -> str:
     backend = SymmCpuBackend(timeout_s=TIMEOUT)
     group = dist.group.WORLD
     backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)  # set-up done
     try:
-        if rank == 0:  # an extra collective on one rank: paired by order, a peer's all-reduce meets it
+        if dtypes:  # the same bytes in another dtype: summed as this rank's, silently wrong
+            backend.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32), group).wait(10)
+        elif rank == 0:  # an extra collective on one rank: paired by order, a peer's all-reduce meets it
             backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)
         else:
             backend.all_reduce(torch.ones(6), group).wait(10)
@@ -238,7 +240,9 @@ def test_collectives_out_of_step_fail_on_every_rank_naming_each() -> None:
     every rank going on with the bytes of a collective it never meant."""
     for text in run_ranks(_out_of_step_worker, 2, timeout_s=40):
         assert "collectives out of step in group [0, 1]" in text, text
-        assert "rank 0: all-gather of 16 bytes, rank 1: all-reduce of 24 bytes" in text, text
+        assert "rank 0: all-gather of 16 bytes (torch.float32), rank 1: all-reduce of 24 bytes (torch.float32)" in text
+    said = "rank 0: all-reduce of 16 bytes (torch.float32), rank 1: all-reduce of 16 bytes (torch.int32)"
+    assert all(said in text for text in run_ranks(_out_of_step_worker, 2, True, timeout_s=40))
 
 
 def _mixed_paths_worker(rank: int, world: int) -> str:
@@ -259,8 +263,9 @@ def _mixed_paths_worker(rank: int, world: int) -> str:
 @pytest.mark.timeout(60)
 def test_a_gather_into_a_symmetric_buffer_on_some_ranks_only_is_out_of_step() -> None:
     """See [Note: what each rank issued]: the path is part of what each rank issued."""
+    said = "rank 0: all-gather into a symmetric buffer of 16 bytes (torch.float32), rank 1: all-gather of 16 bytes ("
     for text in run_ranks(_mixed_paths_worker, 2, timeout_s=40):
-        assert "rank 0: all-gather into a symmetric buffer of 16 bytes, rank 1: all-gather of 16 bytes" in text, text
+        assert said in text, text
 
 
 def _sizes_that_do_not_fit_worker(rank: int, world: int) -> list[str]:
@@ -312,7 +317,7 @@ def test_a_size_that_outgrows_the_scratch_on_one_rank_is_out_of_step() -> None:
     """See [Note: a scratch grown by some ranks only]: every rank says what each issued
     (before, the growing rank waited in gloo past the deadline)."""
     for text in run_ranks(_grown_by_one_rank_worker, 2, timeout_s=80):
-        assert "rank 0: all-gather of 4000 bytes, rank 1: all-gather of 80000 bytes" in text, text
+        assert "rank 0: all-gather of 4000 bytes (torch.float32), rank 1: all-gather of 80000 bytes (" in text, text
 
 
 def _symmetric_worker(rank: int, world: int) -> int:

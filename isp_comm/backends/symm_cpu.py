@@ -230,7 +230,9 @@ class SymmCpuBackend(Backend):
             log.warning("isp-comm: %s; going on without shared memory for it", error or "a peer's /dev/shm is full")
         return False, None
 
-    def _group(self, group: ProcessGroup, nbytes: int, what: str = "") -> _Group | None:
+    def _group(
+        self, group: ProcessGroup, nbytes: int, what: str = "", dtype: torch.dtype | None = None
+    ) -> _Group | None:
         if self.disabled:
             return None
         ranks = tuple(dist.get_process_group_ranks(group))
@@ -238,11 +240,11 @@ class SymmCpuBackend(Backend):
             self._groups[ranks] = self._setup(group, ranks)
         g = self._groups[ranks]
         if g is not None and nbytes > g.capacity:
-            self._agree_to_grow(g, what, nbytes)
+            self._agree_to_grow(g, what, nbytes, dtype)
             self._grow(group, g, nbytes)
         return self._groups[ranks]
 
-    def _agree_to_grow(self, g: _Group, what: str, nbytes: int) -> None:
+    def _agree_to_grow(self, g: _Group, what: str, nbytes: int, dtype: torch.dtype | None) -> None:
         """Before a group's scratch grows (``torch.distributed`` calls in this thread),
         check over the flags, within the deadline, that every rank is growing it for
         the same collective.
@@ -258,7 +260,7 @@ class SymmCpuBackend(Backend):
         with its own collective, both stopping with the line that names each."""
         g.epoch += 1
         h = SymmHandle(f"{what} (symm, growing its scratch) over ranks {list(g.ranks)}", self._stalled)
-        self._queue.put(("agree", g, g.epoch, None, None, h, (what, nbytes)))
+        self._queue.put(("agree", g, g.epoch, None, None, h, (what, nbytes, dtype)))
         self._last = h
         h.wait(self.timeout_s)
 
@@ -310,7 +312,8 @@ class SymmCpuBackend(Backend):
         if self._closed:
             raise RuntimeError("the symmetric-memory backend is closed")
         _check_sizes(kind, group.size(), out, inp)
-        g = self._group(group, nbytes, kind.replace("_", "-"))
+        dtype = next((t.dtype for t in (inp, out) if t is not None), None)  # an all-reduce's is its out
+        g = self._group(group, nbytes, kind.replace("_", "-"), dtype)
         if g is None and kind == "barrier":
             self._fallback.barrier(group, self.timeout_s)
             return CompletedHandle()
@@ -460,17 +463,21 @@ class SymmCpuBackend(Backend):
         if src is not None and src.numel():
             flat = src.reshape(-1)
             g.scratch[g.me].bytes[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
-        self._arrive(g, epoch, what, 0 if src is None else src.numel() * src.element_size())
+        nbytes, dtype = (0, None) if src is None else (src.numel() * src.element_size(), src.dtype)
+        self._arrive(g, epoch, what, nbytes, dtype)
         return [s.bytes for s in g.scratch]
 
-    def _arrive(self, g: _Group, epoch: int, what: str, nbytes: int, direct: bool = False) -> None:
+    def _arrive(
+        self, g: _Group, epoch: int, what: str, nbytes: int, dtype: torch.dtype | None = None, direct: bool = False
+    ) -> None:
         """Publish what I issued and ``ready = e``, wait for every peer's, and check that
         we all issued the same: collectives are paired by their order alone, so a rank
         out of step (another kind, another size) would otherwise mix its bytes into a
         collective it never meant, and every rank would go on with wrong values. See
-        [Note: what each rank issued]. ``direct``: through symmetric buffers, not the scratch."""
+        [Note: what each rank issued]. ``dtype``: the input's (``None``: no tensor);
+        ``direct``: through symmetric buffers, not the scratch."""
         slots = (3 + epoch % 2) * g.size  # a peer may be one epoch ahead
-        mine = _signature(_DIRECT[what] if direct else what, nbytes)
+        mine = _signature(_DIRECT[what] if direct else what, nbytes, dtype)
         g.flags.store(slots + g.me, mine)
         g.flags.store(g.me, epoch)
         self._wait_flags(g, 0, epoch, what)
@@ -498,7 +505,7 @@ class SymmCpuBackend(Backend):
     def _do_all_gather_direct(self, g: _Group, epoch: int, out: torch.Tensor, inp: torch.Tensor, where: int) -> None:
         nb = inp.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers write into me (read after ready)
-        self._arrive(g, epoch, "all-gather", nb, direct=True)  # my output may be written
+        self._arrive(g, epoch, "all-gather", nb, inp.dtype, direct=True)  # my output may be written
         if nb:
             src = inp.reshape(-1).view(torch.uint8)
             for r in range(g.size):
@@ -517,7 +524,8 @@ class SymmCpuBackend(Backend):
     ) -> None:
         nb = out.numel() * inp.element_size()
         g.flags.store(2 * g.size + g.me, where)  # where peers read my input (read after ready)
-        self._arrive(g, epoch, "reduce-scatter", inp.numel() * inp.element_size(), direct=True)  # my input may be read
+        nb_in = inp.numel() * inp.element_size()
+        self._arrive(g, epoch, "reduce-scatter", nb_in, inp.dtype, direct=True)  # my input may be read
         if nb:
             chunks = [self._peer_region(g, r, g.me * nb, nb).view(inp.dtype) for r in range(g.size)]
             self._sum_chunks(g, chunks, out.view(-1))
@@ -571,8 +579,10 @@ class SymmCpuBackend(Backend):
             flat_out[r * n : (r + 1) * n].copy_(buf[g.me * n * isz : (g.me + 1) * n * isz].view(inp.dtype))
         self._done(g, epoch)
 
-    def _do_agree(self, g: _Group, epoch: int, _out: None, _inp: None, what: str, nbytes: int) -> None:
-        self._arrive(g, epoch, what, nbytes)  # touches no scratch: see [Note: a scratch grown by some ranks only]
+    def _do_agree(
+        self, g: _Group, epoch: int, _out: None, _inp: None, what: str, nbytes: int, dtype: torch.dtype | None
+    ) -> None:
+        self._arrive(g, epoch, what, nbytes, dtype)  # no scratch: see [Note: a scratch grown by some ranks only]
         self._done(g, epoch)
 
     def _do_barrier(self, g: _Group, epoch: int, _out: None, _inp: None) -> None:
@@ -629,6 +639,9 @@ _DIRECT = {
     "all-gather": "all-gather into a symmetric buffer",
     "reduce-scatter": "reduce-scatter from a symmetric buffer",
 }
+_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8)
+_DTYPES += (torch.uint8, torch.int16, torch.bool, torch.complex64, torch.complex128)
+"""The dtypes a signature names by code (0: no tensor); any other is one code beyond."""
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier", *_DIRECT.values())
 
 
@@ -665,18 +678,21 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _signature(what: str, nbytes: int) -> int:
-    """A collective's kind and this rank's input bytes in one flag word.
+def _signature(what: str, nbytes: int, dtype: torch.dtype | None) -> int:
+    """A collective's kind, its input's dtype and this rank's input bytes in one flag word.
 
     [Note: what each rank issued]
     The flags pair collectives by epoch, that is by their order alone. Beside its
-    ``ready`` flag each rank publishes its collective's kind and input size (kind in
-    the top 8 bits, bytes in the low 56), written before ``ready`` and read after
+    ``ready`` flag each rank publishes its collective's kind, dtype and input size
+    (kind in the top 8 bits, the dtype's code in the next 8, bytes in the low 48),
+    written before ``ready`` and read after
     every peer's ``ready``, in one of two slots by the epoch's parity: a peer may be
     one epoch ahead (a direct all-gather publishes without waiting for the last
     epoch's readers), never two (each collective ends waiting for every peer's
     ``done`` of the one before, which comes after its reads). In a correct program
-    every rank of a group issues the same kind with the same input size; anything else
+    every rank of a group issues the same kind with the same input size and dtype
+    (the same bytes in another dtype, summed, would be summed as this rank's dtype,
+    silently wrong); anything else
     (an extra forward on one rank, an SP rank fed a different batch) fails on every
     rank of the group with one message naming each rank's collective, where the torch
     backend's gloo aborts the process and this backend went on with wrong values.
@@ -685,8 +701,11 @@ def _signature(what: str, nbytes: int) -> int:
     peer published its buffer, and a peer on the scratch path published nothing this
     epoch, so its stale address was written into (another live buffer of its) while
     it read the scratch its peer never filled: both went on without a word."""
-    return (_KINDS.index(what) << 56) | nbytes
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return (_KINDS.index(what) << 56) | (code << 48) | nbytes
 
 
 def _describe(signature: int) -> str:
-    return f"{_KINDS[signature >> 56]} of {signature & ((1 << 56) - 1)} bytes"
+    code = (signature >> 48) & 0xFF
+    dtype = "" if code == 0 else f" ({_DTYPES[code]})" if code < len(_DTYPES) else " (another dtype)"
+    return f"{_KINDS[signature >> 56]} of {signature & ((1 << 48) - 1)} bytes{dtype}"
