@@ -150,8 +150,8 @@ class ISPConfig:
     """Collective backend: ``"torch"`` (torch.distributed: gloo on CPU, NCCL on CUDA),
     ``"symm"`` (symmetric memory: POSIX shared memory between the ranks of one host
     on CPU, ``torch.distributed._symmetric_memory`` on CUDA), ``"nvshmem"``
-    (nvshmem4py, CUDA) or ``"auto"`` (symm on CPU where shared memory allows, torch
-    otherwise; on CUDA always torch, i.e. NCCL)."""
+    (nvshmem4py, CUDA) or ``"auto"`` (symm on CPU where shared memory allows and the
+    host has libatomic or an x86 CPU, torch otherwise; on CUDA always torch, i.e. NCCL)."""
 
     init_seed: int | None = None
     """For a model built under ``torch.device("meta")``: initialise each module with a

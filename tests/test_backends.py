@@ -449,3 +449,21 @@ def _in_place_reduce_scatter_worker(rank: int, world: int) -> list[bool]:
 def test_reduce_scatter_in_place_into_its_own_chunk() -> None:
     """See [Note: a reduce-scatter in place]: every rank's sum, on both paths."""
     assert run_ranks(_in_place_reduce_scatter_worker, 2, timeout_s=50) == [[True] * 6] * 2
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "x86_64"])
+def test_flags_that_could_be_read_out_of_order_keep_the_shared_memory_backend_off(monkeypatch, machine) -> None:
+    """See [Note: publication order]: without libatomic a flag is a plain store and a
+    plain load, in order on x86 only. On a weakly ordered CPU ``"auto"`` is gloo and
+    ``"symm"`` is refused, saying what to install; on x86 both are the backend."""
+    from isp_comm.backends import backend_class, shm
+
+    monkeypatch.setattr(shm, "_libatomic", lambda: None)
+    monkeypatch.setattr(shm.platform, "machine", lambda: machine)
+    if machine == "x86_64":
+        assert backend_class("auto", "cpu") is SymmCpuBackend is backend_class("symm", "cpu")
+        return
+    assert backend_class("auto", "cpu") is TorchBackend
+    for refused in (lambda: backend_class("symm", "cpu"), SymmCpuBackend):
+        with pytest.raises(ValueError, match="needs libatomic on this aarch64 CPU.*libatomic1"):
+            refused()

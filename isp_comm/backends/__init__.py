@@ -6,6 +6,7 @@ import torch
 
 from isp_comm.backends import cuda_symm, nvshmem_backend
 from isp_comm.backends.base import Backend, CompletedHandle, Handle
+from isp_comm.backends.shm import unordered_flags
 from isp_comm.backends.symm_cpu import SymmCpuBackend
 from isp_comm.backends.torch_backend import TorchBackend
 
@@ -16,7 +17,8 @@ def backend_class(name: str, device_type: str) -> type[Backend]:
 
     ``"symm"``: POSIX shared memory on CPU, torch symmetric memory on CUDA;
     ``"nvshmem"``: nvshmem4py (CUDA); ``"auto"``: symm on CPU where shared memory
-    allows, torch (NCCL) on CUDA."""
+    allows and the host publishes its flags in order (:func:`~isp_comm.backends.shm.
+    unordered_flags`), torch (gloo) otherwise, torch (NCCL) on CUDA."""
     from isp_comm.config import BACKENDS
 
     if name not in BACKENDS:
@@ -26,6 +28,11 @@ def backend_class(name: str, device_type: str) -> type[Backend]:
     if device_type == "cpu":
         if name == "nvshmem":
             raise ValueError("backend 'nvshmem' needs CUDA parameters")
+        unordered = unordered_flags()
+        if unordered and name == "symm":
+            raise ValueError(unordered)
+        if unordered:  # auto: gloo, where this host's flags could be read out of order
+            return TorchBackend
         return SymmCpuBackend  # auto: falls back when /dev/shm is short, with the same buffers
     if name == "nvshmem":
         return nvshmem_backend.NvshmemBackend

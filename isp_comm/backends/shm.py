@@ -18,7 +18,10 @@ store and read with an acquire load (libatomic's ``__atomic_store_8`` /
 ``__atomic_load_8``), so data copied before a flag store (large copies may use
 non-temporal stores) is visible to a peer that has read the flag, on x86 and on weak
 memory models alike. Without libatomic, a lock round trip (a locked RMW, a full fence
-on x86) precedes a plain store.
+on x86) precedes a plain store, and a load is plain: enough on x86, whose stores are
+seen in order and whose loads are not reordered with each other, and not on a weakly
+ordered CPU (Arm, POWER), where a peer could read the flag and then older data. There
+the backend is not used (:func:`unordered_flags`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from __future__ import annotations
 import _posixshmem
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
+import platform
 import threading
 
 import numpy as np
@@ -36,6 +41,7 @@ import torch
 from isp_comm.errors import SharedMemoryError
 
 _SEQ_CST, _ACQUIRE = 5, 2
+_STRONGLY_ORDERED = ("x86_64", "amd64", "i386", "i686", "x86")
 PREFIX = "isp_"
 SHM_DIR = "/dev/shm"
 DOCKER_HINT = "give the job more (Docker: --shm-size, e.g. --shm-size=8g) or use backend='torch'"
@@ -109,10 +115,9 @@ class Flags:
         assert seg.nbytes >= n * self.STRIDE * 8
         self._words = seg.array.view(np.int64)
         self._base = seg.array.ctypes.data
-        lib = ctypes.util.find_library("atomic")
+        atomic = _libatomic()
         self._store = self._load = None
-        if lib:
-            atomic = ctypes.CDLL(lib)
+        if atomic is not None:
             self._store = getattr(atomic, "__atomic_store_8")
             self._store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
             self._load = getattr(atomic, "__atomic_load_8")
@@ -135,6 +140,25 @@ class Flags:
         if self._load is not None:
             return int(self._load(self._addr(i), _ACQUIRE))
         return int(self._words[i * self.STRIDE])
+
+
+@functools.cache
+def _libatomic() -> ctypes.CDLL | None:
+    lib = ctypes.util.find_library("atomic")
+    return ctypes.CDLL(lib) if lib else None
+
+
+def unordered_flags() -> str | None:
+    """Why this host cannot publish the flags in order, or ``None`` when it can: no
+    libatomic on a weakly ordered CPU ([Note: publication order])."""
+    machine = platform.machine()
+    if _libatomic() is not None or machine.lower() in _STRONGLY_ORDERED:
+        return None
+    return (
+        f"the CPU shared-memory backend needs libatomic on this {machine} CPU (its loads and stores may be seen "
+        "out of order, and a peer could read a flag before the data it publishes): install it (Debian and "
+        "Ubuntu: the libatomic1 package) or use backend='torch'"
+    )
 
 
 def pid_alive(pid: int) -> bool:

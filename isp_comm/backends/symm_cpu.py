@@ -52,7 +52,16 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, kept_empty, symmetric_refusal, writing_mode
-from isp_comm.backends.shm import DOCKER_HINT, SHM_DIR, Flags, Segment, pid_alive, segment_name, shm_free_bytes
+from isp_comm.backends.shm import (
+    DOCKER_HINT,
+    SHM_DIR,
+    Flags,
+    Segment,
+    pid_alive,
+    segment_name,
+    shm_free_bytes,
+    unordered_flags,
+)
 from isp_comm.backends.torch_backend import TorchBackend
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
 
@@ -140,6 +149,9 @@ class SymmCpuBackend(Backend):
     def __init__(self, timeout_s: float = 300.0, strict: bool = True) -> None:
         """``strict``: a segment that cannot be reserved is an error on every rank
         (else the group goes on without shared memory there; see the module note)."""
+        unordered = unordered_flags()
+        if unordered:
+            raise ValueError(unordered)
         self.timeout_s = timeout_s
         self.strict = strict
         self.disabled = False  # every collective through TorchBackend (see disable())
