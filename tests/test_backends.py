@@ -467,3 +467,21 @@ def test_flags_that_could_be_read_out_of_order_keep_the_shared_memory_backend_of
     for refused in (lambda: backend_class("symm", "cpu"), SymmCpuBackend):
         with pytest.raises(ValueError, match="needs libatomic on this aarch64 CPU.*libatomic1"):
             refused()
+
+
+def test_a_segment_that_cannot_be_mapped_is_a_shared_memory_error_and_leaves_nothing(monkeypatch) -> None:
+    """A creation that fails past ``shm_open`` (here ``mmap``: ENOMEM) removes the
+    segment it made and is a ``SharedMemoryError``, the error the creation's agreement
+    over the group carries to every rank; before, an ``OSError`` left the segment in
+    /dev/shm and the peers waiting in gloo for the agreement."""
+    from isp_comm.backends import shm
+    from isp_comm.errors import SharedMemoryError
+
+    def no_memory(*_args, **_kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm.mmap, "mmap", no_memory)
+    name = shm.segment_name(os.getpid(), "t0", "scratch", 0, 0)
+    with pytest.raises(SharedMemoryError, match="cannot create the shared-memory segment .*Cannot allocate memory"):
+        shm.Segment(name, 4096, create=True)
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))

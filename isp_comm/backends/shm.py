@@ -64,11 +64,18 @@ class Segment:
         self.name = name
         self.nbytes = max(nbytes, 8)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:  # every failure a SharedMemoryError, which the creation's agreement over the group carries
+            fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        except OSError as exc:
+            raise SharedMemoryError(_cannot(name, create, exc)) from exc
         try:
             if create:
                 self._reserve(fd, name, self.nbytes)
             self._map = mmap.mmap(fd, self.nbytes)
+        except OSError as exc:
+            if create:
+                Segment.unlink(name)
+            raise SharedMemoryError(_cannot(name, create, exc)) from exc
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
@@ -140,6 +147,13 @@ class Flags:
         if self._load is not None:
             return int(self._load(self._addr(i), _ACQUIRE))
         return int(self._words[i * self.STRIDE])
+
+
+def _cannot(name: str, create: bool, exc: OSError) -> str:
+    return (
+        f"cannot {'create' if create else 'map'} the shared-memory segment {name} in {SHM_DIR} ({exc.strerror}); "
+        "check that it is writable and mounted, or use backend='torch'"
+    )
 
 
 @functools.cache
