@@ -771,6 +771,40 @@ def test_a_signal_during_the_exit_callbacks_lets_them_finish_quietly() -> None:
     assert res.stdout == "released\n", res.stdout
 
 
+def test_a_rank_that_never_joins_is_named_in_one_line(monkeypatch, capsys) -> None:
+    # Before: rank 1 stopped while it started (SIGSTOP before its process group formed)
+    # left rank 0 to end at --comm-timeout + 60 s in torch's 20-line DistStoreError
+    # traceback, and isp-train's launcher said nothing (seen by an outside review). The
+    # error is torch's own, from a real store's wait; the join is the only thing faked.
+    import datetime
+
+    import torch.distributed as dist
+
+    from isp_comm.train.__main__ import rank_main
+    from isp_comm.train.config import parse_config
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    with pytest.raises(dist.DistStoreError) as waited:
+        store.wait(["/default_pg/0//cpu//0/1"], datetime.timedelta(milliseconds=50))
+
+    def init_process_group(*args, **kwargs):
+        raise waited.value
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr("faulthandler.enable", lambda **kwargs: None)  # pytest's capture has no fileno
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(SystemExit) as left:
+        rank_main(parse_config([*SMALL, "--comm-timeout", "5", "--device", "cpu"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert left.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith("isp-train: error: rank 0: the process group did not form within 65 s"), err
+    assert "rank 1 did not join" in err[0] and "--comm-timeout" in err[0], err
+
+
 def test_a_failed_rendezvous_says_what_torch_kept_inside_and_what_usually_causes_it() -> None:
     # Before: "launching 1 ranks failed: The connection to the C10d store has failed. See
     # inner exception for details.", the inner exception (the timeout, the address)

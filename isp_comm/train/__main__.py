@@ -31,6 +31,7 @@ import datetime
 import faulthandler
 import gc
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 def rank_main(cfg: TrainConfig) -> NoReturn:
     """One rank's run, and the end of its process. Its modules are imported here, not by
     the launcher, which would spend seconds loading them before any rank starts."""
-    from isp_comm.train import survive, virtual
+    from isp_comm.train import virtual
     from isp_comm.train.hang import hang_exit
     from isp_comm.train.loop import run
     from isp_comm.train.memory.oom import OutOfMemory
@@ -126,19 +127,7 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
     if cfg.virtual_world:
         virtual.start(cfg)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            port = str(survive.free_port())
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        store = survive.restart_store()  # None but in a restarted rank: torch's env:// rendezvous
-        # what waits outside the communicator (a checkpoint's gathers, making groups) ends
-        # as a hang does, not after torch's 30 minutes; a minute later than the
-        # communicator's deadline, so that a hang inside it is diagnosed first
-        timeout = datetime.timedelta(seconds=cfg.comm_timeout + 60)
-        if store is None:
-            dist.init_process_group(dist_backend(device), timeout=timeout)
-        else:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world, timeout=timeout)
+        form_process_group(cfg, device)
     try:
         with contextlib.ExitStack() as closing:
             run(cfg, device, closing)
@@ -158,6 +147,46 @@ def rank_main(cfg: TrainConfig) -> NoReturn:
     gc.collect()  # process groups held in reference cycles go while torch is whole
     dist.destroy_process_group()
     sys.exit(0)
+
+
+def form_process_group(cfg: TrainConfig, device: torch.device) -> None:
+    """Join the job's process group. A rank that never joins (stopped or stuck while it
+    starts) made every other rank end, at the timeout, in torch's 20-line traceback
+    and the launcher in silence; each waiting rank now ends with one line naming the
+    rank it waited for (:func:`not_joined`), exit code 1, which a restart may mend."""
+    from isp_comm.train import survive
+
+    if "RANK" not in os.environ:
+        port = str(survive.free_port())
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    store = survive.restart_store()  # None but in a restarted rank: torch's env:// rendezvous
+    # what waits outside the communicator (a checkpoint's gathers, making groups) ends
+    # as a hang does, not after torch's 30 minutes; a minute later than the
+    # communicator's deadline, so that a hang inside it is diagnosed first
+    timeout = datetime.timedelta(seconds=cfg.comm_timeout + 60)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        if store is None:
+            dist.init_process_group(dist_backend(device), timeout=timeout)
+        else:
+            dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world, timeout=timeout)
+    except dist.DistError as exc:
+        print(f"isp-train: error: rank {rank}: {not_joined(exc, timeout.total_seconds())}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def not_joined(exc: BaseException, timeout_s: float) -> str:
+    """What a process group that did not form says: the rank waited for, from the key
+    torch names (gloo's ``/default_pg/0//cpu//0/R`` holds rank R's address), the
+    timeout and what to do."""
+    lines = str(exc).strip().splitlines()
+    said = lines[-1] if lines else type(exc).__name__
+    found = re.search(r"keys: \S*/(\d+)\b", said)
+    who = f"rank {found.group(1)} did not join" if found else "a rank did not join"
+    return (
+        f"the process group did not form within {timeout_s:.0f} s (--comm-timeout + 60 s): {who} (stopped, stuck "
+        f"or still starting; its own line, if any, is above; a slow start needs a larger --comm-timeout); torch: {said}"
+    )
 
 
 if __name__ == "__main__":
