@@ -17,7 +17,7 @@ from isp_comm.errors import ISPCommTimeout
 from isp_comm.train import survive, virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
-from isp_comm.train.hang import inject_fault, quiet_after_hang
+from isp_comm.train.hang import inject_fault, quiet_after_hang, raise_if_set_up_stalled
 from isp_comm.train.job import Job, lr_at, setup
 from isp_comm.train.memory import RunBreakdown, oom
 from isp_comm.train.outputs import finish, open_outputs, report
@@ -36,6 +36,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         raise
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         oom.raise_if_out_of_memory(exc, dist.get_rank(), oom.Where(), None)
+        raise_if_set_up_stalled(exc, dist.get_rank(), cfg.comm_timeout)
         raise
     try:
         last = train(job, start, closing)
