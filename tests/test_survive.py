@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -319,6 +320,50 @@ def test_a_rank_killed_from_outside_is_named_by_the_launcher(tmp_path, sig: str)
         assert "isp-train: error: rank 0 crashed (SIGSEGV: a fault inside the rank" in stderr, stderr[-2000:]
         assert "Fatal Python error: Segmentation fault" in stderr and "isp_comm/train" in stderr, stderr[-3000:]
     assert _left_in(temp) == []  # a failed run leaves nothing either
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.serial
+def test_a_rank_killed_during_async_saves_leaves_the_survivor_one_line(tmp_path) -> None:
+    """--async-save, rank 1 SIGKILLed between steps: the survivor said its one line
+    (the dead peer), then its saver's close committed the save in flight, a collective
+    with the dead rank whose gloo error replaced that line with an 80-line traceback
+    (an outside review). The save in flight is now left as a .partial folder, and a
+    commit that loses its peer ends in one line too."""
+    env, temp = _own_temp(tmp_path)
+    out = str(tmp_path / "run")
+    args = [*SLOW, "--no-trace", "--log-every", "1000", "--backend", "torch", "--steps", "500"]
+    proc = subprocess.Popen(
+        _own(2, *args, "--save-every", "1", "--async-save", "--keep-checkpoints", "2", "--out", out),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+    _wait_for_step(proc, out, 3)
+    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 2, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    # the launcher's line, the diagnosis's, or (the kill in a save's commit, rank 0 out
+    # first) the survivor's own
+    named = ("rank 1 was killed by SIGKILL", "rank 1 is dead", "a peer rank stopped, stuck or died")
+    assert any(line in stderr for line in named), stderr[-2000:]
+    assert _left_in(temp) == []
+
+
+def test_a_failed_runs_saver_leaves_the_save_in_flight_uncommitted() -> None:
+    """On the way out of a run that lost a peer, the saver's close committed the save in
+    flight: a collective (the checksums' agreement) the dead peer never joins, whose
+    gloo error replaced the run's one line with a traceback (seen by an outside review,
+    --async-save, rank 1 killed while rank 0 waited in the clip's all-reduce)."""
+    from concurrent.futures import Future
+
+    from isp_comm.train.checkpoint import Checkpointer
+
+    saver = Checkpointer.__new__(Checkpointer)  # no process group: nothing here may use one
+    done: Future = Future()
+    done.set_result(None)
+    saver._pending, saver._stager, saver._group = (done, "run/checkpoints/step_000003.partial"), None, None
+    saver.close(failed=True)
+    assert saver._pending is None
 
 
 def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -> None:
@@ -830,8 +875,17 @@ def test_a_peer_stalled_in_the_set_up_is_one_line_not_a_traceback(monkeypatch) -
         loop.run(cfg, torch.device("cpu"), closing)
     said = str(stalled.value)
     assert len(said.splitlines()) == 1 and stalled.value.diagnosis is None, said
-    assert said.startswith("rank 0: the set-up before the first step") and "65 s (--comm-timeout + 60 s)" in said
+    assert said.startswith("rank 0: the set-up before the first step") and "65 s (--comm-timeout + 60 s)" in said, said
     assert "a peer rank stopped, stuck or died" in said and said.endswith("for send operation to complete"), said
+    # the same in the steps: a checkpoint's commit (a collective outside the communicator)
+    # whose peer was killed ended in an 80-line traceback (--async-save, an outside review)
+    where = types.SimpleNamespace(step=7, phase="save")
+    monkeypatch.setattr(loop, "setup", lambda *args: types.SimpleNamespace(rank=1, where=where, forecast=None))
+    monkeypatch.setattr(loop, "open_outputs", lambda *args: 0)
+    monkeypatch.setattr(loop, "train", setup)
+    with pytest.raises(ISPCommTimeout) as stalled, contextlib.ExitStack() as closing:
+        loop.run(cfg, torch.device("cpu"), closing)
+    assert str(stalled.value).startswith("rank 1: the save of step 7 waited past 65 s"), str(stalled.value)
 
 
 def test_a_failed_rendezvous_says_what_torch_kept_inside_and_what_usually_causes_it() -> None:

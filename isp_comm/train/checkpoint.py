@@ -236,8 +236,16 @@ class Checkpointer:
             self._failed(path, exc)
         self._commit(path)
 
-    def close(self) -> None:
-        """Wait for a save in flight and commit it, then free the stager's copies."""
+    def close(self, failed: bool = False) -> None:
+        """Wait for a save in flight and commit it, then free the stager's copies.
+
+        ``failed``: the run ends on a lost or stalled peer. The save in flight is then
+        left as it is, its ``.partial`` folder never resumed from (the next run removes
+        it): its commit is a collective that peer never joins, whose error replaced the
+        run's one line with a traceback (``--async-save``, a rank killed)."""
+        if failed and self._pending is not None:
+            self._pending = None
+            return  # its thread may still use the group and the stager: they end with the process
         self.wait()
         if self._stager is not None:
             self._stager.close()

@@ -51,19 +51,20 @@ def inject_fault(rank: int, step: int, forward: Callable[[], object], device: to
         raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (stop, extra or oom)")
 
 
-def raise_if_set_up_stalled(exc: RuntimeError, rank: int, comm_timeout: float) -> None:
-    """A wait of the set-up outside the communicator (the wrap's checks, making groups)
-    that passed the process group's timeout, or lost its peer, as an ``ISPCommTimeout``
-    with one line: it ended in torch's 30-line traceback on every waiting rank, after
-    --comm-timeout + 60 s of silence (a peer stopped while the model was wrapped, seen by
-    an outside review). No flight record exists yet to say which peer."""
+def raise_if_peer_lost(exc: RuntimeError, rank: int, where: str, comm_timeout: float) -> None:
+    """A wait outside the communicator (the set-up's groups and checks, a checkpoint's
+    commit) that passed the process group's timeout or lost its peer, as an
+    ``ISPCommTimeout`` with one line naming ``where``: it ended in torch's 30- to 80-line
+    traceback on every waiting rank (a peer stopped while the model was wrapped, or
+    killed while a save was committed; seen by an outside review). No flight record
+    covers such a wait, so the peer is not named here (the launcher names a dead one)."""
     said = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     if not isinstance(exc, torch.distributed.DistError) and "/gloo/" not in said:
         return
+    quiet_after_hang()
     raise ISPCommTimeout(
-        f"rank {rank}: the set-up before the first step (making the groups, wrapping the model) waited past "
-        f"{comm_timeout + 60:.0f} s (--comm-timeout + 60 s) or lost a peer: a peer rank stopped, stuck or died "
-        f"there (its own line, if any, is above); torch: {said}"
+        f"rank {rank}: {where} waited past {comm_timeout + 60:.0f} s (--comm-timeout + 60 s) or lost a peer: a "
+        f"peer rank stopped, stuck or died there (its own line, if any, is above); torch: {said}"
     ) from exc
 
 

@@ -17,7 +17,7 @@ from isp_comm.errors import ISPCommTimeout
 from isp_comm.train import survive, virtual
 from isp_comm.train.config import TrainConfig
 from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
-from isp_comm.train.hang import inject_fault, quiet_after_hang, raise_if_set_up_stalled
+from isp_comm.train.hang import inject_fault, quiet_after_hang, raise_if_peer_lost
 from isp_comm.train.job import Job, lr_at, setup
 from isp_comm.train.memory import RunBreakdown, oom
 from isp_comm.train.outputs import finish, open_outputs, report
@@ -36,7 +36,8 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         raise
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         oom.raise_if_out_of_memory(exc, dist.get_rank(), oom.Where(), None)
-        raise_if_set_up_stalled(exc, dist.get_rank(), cfg.comm_timeout)
+        set_up = "the set-up before the first step (making the groups, wrapping the model)"
+        raise_if_peer_lost(exc, dist.get_rank(), set_up, cfg.comm_timeout)
         raise
     try:
         last = train(job, start, closing)
@@ -47,6 +48,7 @@ def run(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack) -
         raise
     except RuntimeError as exc:
         oom.raise_if_out_of_memory(exc, job.rank, job.where, job.forecast)
+        raise_if_peer_lost(exc, job.rank, f"the {job.where.phase} of step {job.where.step}", cfg.comm_timeout)
         raise
 
 

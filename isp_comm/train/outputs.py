@@ -52,7 +52,8 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
         job.saver = checkpoint.Checkpointer(
             cfg.out, cfg.async_save, job.device.type == "cuda", keep=cfg.keep_checkpoints, flags=saved_flags(cfg)
         )
-        closing.callback(job.saver.close)
+        saver = job.saver  # a lost or stalled peer's RuntimeError: no commit on the way out
+        closing.push(lambda kind, _exc, _tb: saver.close(failed=kind is not None and issubclass(kind, RuntimeError)))
     if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
         write_run_files(job, start)
