@@ -366,6 +366,19 @@ def test_a_failed_runs_saver_leaves_the_save_in_flight_uncommitted() -> None:
     assert saver._pending is None
 
 
+def test_a_run_alone_that_fails_still_commits_its_save_in_flight() -> None:
+    """The save in flight is left uncommitted only where the commit waits on peers
+    that may have stopped (several ranks, an error of the steps): a run of one rank
+    that runs out of memory keeps its last save, and a signal's stop commits it."""
+    from isp_comm.train.outputs import _close_saver
+
+    said = []
+    saver = types.SimpleNamespace(close=lambda failed: said.append(failed))
+    for world, kind in ((1, torch.OutOfMemoryError), (2, torch.OutOfMemoryError), (2, KeyboardInterrupt), (2, None)):
+        _close_saver(saver, world, kind, None, None)
+    assert said == [False, True, False, False]
+
+
 def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -> None:
     """SIGTERM to one rank (a scheduler preempting it): it saves and leaves with 143;
     the rank the launcher stops after it may die of SIGTERM itself (-15), which made the

@@ -6,6 +6,7 @@ checkpoint, the trace and timeline, the trackers closed, the closing line."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -22,6 +23,15 @@ from isp_comm.train.evaluate import eval_note
 from isp_comm.train.job import Job, lr_at
 from isp_comm.train.reporting import Reporters, parse_report_to
 from isp_comm.train.timeline import draw, write_trace
+
+
+def _close_saver(saver: checkpoint.Checkpointer, world: int, kind: type[BaseException] | None, *_: object) -> None:
+    """The saver's close on the way out of a run: a run that ends on an error of its
+    steps (a ``RuntimeError``: a lost or stalled peer, an out-of-memory) in a job of
+    several ranks leaves the save in flight uncommitted, since its commit is a
+    collective that peers which stopped never join (its error replaced the run's one
+    line). Alone, the commit waits on no one: the save is kept."""
+    saver.close(failed=world > 1 and kind is not None and issubclass(kind, RuntimeError))
 
 
 def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
@@ -52,8 +62,7 @@ def open_outputs(job: Job, closing: contextlib.ExitStack) -> int:
         job.saver = checkpoint.Checkpointer(
             cfg.out, cfg.async_save, job.device.type == "cuda", keep=cfg.keep_checkpoints, flags=saved_flags(cfg)
         )
-        saver = job.saver  # a lost or stalled peer's RuntimeError: no commit on the way out
-        closing.push(lambda kind, _exc, _tb: saver.close(failed=kind is not None and issubclass(kind, RuntimeError)))
+        closing.push(functools.partial(_close_saver, job.saver, job.world))
     if virtual.leads(rank):
         job.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if start else "w")
         write_run_files(job, start)
