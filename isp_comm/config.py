@@ -170,7 +170,10 @@ class ISPConfig:
     the same weights (a checksum per parameter) and names the first that differs."""
 
     timeout_s: float = 300.0
-    """Deadline for every wait on communication."""
+    """Deadline for every wait on communication after wrapping. The wrap's own
+    agreements (the same weights on every rank, shared-memory segments, groups) are
+    ``torch.distributed`` calls under the process group's timeout, which
+    ``init_process_group(timeout=...)`` sets."""
 
     diagnosis_dir: str | None = None
     """Folder where, when a wait passes its deadline, the lowest surviving rank writes
