@@ -419,6 +419,30 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "                    if False:\n",
         ["tests/test_engine_parity.py::test_a_block_frozen_between_forward_and_backward_gets_no_gradient[wp2]"],
     ),
+    "an in-place reduce-scatter summed into the chunk it reads": (
+        "isp_comm/backends/symm_cpu.py",
+        "        elif any(_overlaps(out, c) for c in chunks[1:]):\n",
+        "        elif False:\n",
+        ["tests/test_backends.py::test_reduce_scatter_in_place_into_its_own_chunk"],
+    ),
+    "sizes that do not fit issued": (
+        "isp_comm/backends/symm_cpu.py",
+        "        _check_sizes(kind, group.size(), out, inp)\n",
+        "        pass\n",
+        ["tests/test_backends.py::test_sizes_that_do_not_fit_are_refused_at_issue"],
+    ),
+    "a symmetric buffer on some ranks only, unseen": (
+        "isp_comm/backends/symm_cpu.py",
+        "        mine = _signature(_DIRECT[what] if direct else what, nbytes, dtype)\n",
+        "        mine = _signature(what, nbytes, dtype)\n",
+        ["tests/test_backends.py::test_a_gather_into_a_symmetric_buffer_on_some_ranks_only_is_out_of_step"],
+    ),
+    "a segment left by a failed map": (
+        "isp_comm/backends/shm.py",
+        "            if create:\n                Segment.unlink(name)\n            raise SharedMemoryError(_cannot(",
+        "            raise SharedMemoryError(_cannot(",
+        ["tests/test_backends.py::test_a_segment_that_cannot_be_mapped_is_a_shared_memory_error_and_leaves_nothing"],
+    ),
 }
 
 
