@@ -81,6 +81,46 @@ def _single(group: ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
 
+_FITS = {
+    "all-gather": lambda size, out, inp: out == size * inp,
+    "reduce-scatter": lambda size, out, inp: inp == size * out,
+    "all-to-all": lambda size, out, inp: out == inp and inp % size == 0,
+}
+"""Whether an output and an input of these element counts fit, per kind."""
+
+
+def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.Tensor | None = None) -> None:
+    """Refuse, at issue and before any ``dist`` call, a collective that gloo would
+    run wrong without a word (NCCL refuses each of them itself).
+
+    [Note: what gloo does not check]
+    Gloo moves ``numel`` elements from a tensor's first one, whatever its strides: a
+    non-contiguous output (or all-reduced tensor) got sums or peers' data written
+    over the elements between the view's and missed its own, on every rank (torch
+    2.13). It compares no sizes either: an all-to-all of an input not divisible by
+    the group left uninitialised memory in the output, and the broadcasts and reduces
+    that make the gather and the reduce-scatter on CPU (see [Note: gloo's gather and
+    reduce-scatter on CPU]) copied a one-element input or chunk over a longer output
+    (``copy_`` broadcasts). An output of another dtype than the input was converted.
+    Each is refused here, on the rank that issues it, before anything is sent: its
+    peers then stop at their deadline."""
+    size = dist.get_world_size(group)
+    if inp is not None:
+        if out.dtype != inp.dtype:
+            raise ValueError(f"{kind}: an output of {out.dtype} and an input of {inp.dtype}: the dtypes differ")
+        if not _FITS[kind](size, out.numel(), inp.numel()):
+            raise ValueError(
+                f"{kind} over {size} ranks: an output of {out.numel()} elements and an input of "
+                f"{inp.numel()} do not fit each other"
+            )
+    if size > 1 and not out.is_contiguous():
+        what = "tensor" if inp is None else "output"
+        raise ValueError(
+            f"{kind} over {size} ranks: its {what} (shape {list(out.shape)}, strides {list(out.stride())}) "
+            "is not contiguous; gloo would write the elements from its first on, not the view's"
+        )
+
+
 def backend_for(config: str, device_type: str) -> str | None:
     """The backend that serves ``device_type`` in a group's backend config:
     ``"nccl"`` and ``"gloo"`` serve every device, ``"cpu:gloo,cuda:nccl"`` (what
@@ -140,6 +180,7 @@ class TorchBackend(Backend):
         return TorchHandle(work, what, group, host_wait=not nccl)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("all-gather", group, out, inp)  # see [Note: what gloo does not check]
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
@@ -152,6 +193,7 @@ class TorchBackend(Backend):
         return self._handle(work, "all-gather", group, inp.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("reduce-scatter", group, out, inp)
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
@@ -170,10 +212,12 @@ class TorchBackend(Backend):
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             return CompletedHandle()
+        refuse_unfit("all-reduce", group, tensor)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return self._handle(work, "all-reduce", group, tensor.device)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("all-to-all", group, out, inp)
         if _single(group):
             out.copy_(inp)
             return CompletedHandle()
