@@ -53,3 +53,18 @@ def test_what_gloo_would_run_wrong_is_refused_before_anything_is_sent() -> None:
     the guard is untouched and the group stays in step."""
     for said in run_ranks(_unfit_worker, 2, timeout_s=80):
         assert said == [f"{name}: refused" for name, _, _ in _unfit_cases(2, 0)] + ["in step True"], said
+
+
+def _reduce_scatter_into_another_chunk_worker(rank: int, world: int) -> list[float]:
+    torch.set_num_threads(1)
+    inp = torch.arange(1.0, 2 * world + 1) * (rank + 1)
+    TorchBackend().reduce_scatter(inp[:2], inp, dist.group.WORLD).wait(TIMEOUT)  # chunk 0, on every rank
+    return inp[:2].tolist()
+
+
+@pytest.mark.timeout(60)
+def test_reduce_scatter_whose_output_is_another_chunk_of_its_input() -> None:
+    """The chunks sent to the peers are copied before the output is written: on rank
+    1 the output is chunk 0, which it sends to rank 0."""
+    got = run_ranks(_reduce_scatter_into_another_chunk_worker, 2, timeout_s=50)
+    assert got == [[3.0, 6.0], [9.0, 12.0]], got

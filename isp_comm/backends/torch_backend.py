@@ -200,9 +200,10 @@ class TorchBackend(Backend):
         if inp.device.type == "cpu":  # gloo: see [Note: gloo's gather and reduce-scatter on CPU]
             world, me = dist.get_world_size(group), dist.get_rank(group)
             chunks = inp.view(world, -1)
-            out.view(-1).copy_(chunks[me])
-            # what goes to the other ranks, copied (gloo's reduce writes into a non-root's tensor)
+            # what goes to the other ranks, copied (gloo's reduce writes into a non-root's
+            # tensor) before ``out`` is written: ``out`` may overlap another chunk of ``inp``
             sent = list(torch.cat([chunks[:me], chunks[me + 1 :]]).unbind())
+            out.view(-1).copy_(chunks[me])
             sent.insert(me, out.view(-1))
             works = [dist.reduce(t, group=group, async_op=True, group_dst=i) for i, t in enumerate(sent)]
             return HandleGroup([self._handle(w, "reduce-scatter (reduces)", group, inp.device) for w in works])
