@@ -112,6 +112,17 @@ def test_fp32_sums_never_write_a_peer_buffer() -> None:
         assert torch.equal(out, torch.full((5,), 6.0, dtype=dtype))
 
 
+def test_fp64_and_int64_sums_keep_their_precision() -> None:
+    """An fp64 or int64 all-reduce (a validation total) was added in fp32: fp64 sums
+    kept 24 bits and int64 ones past 2**24 lost their low bits."""
+    cases = {torch.float64: ([1.0, 1e-9], [1e-12, 1.0]), torch.int64: ([2**40 + 1, 3], [1, 2**25 + 1])}
+    for dtype, (a, b) in cases.items():
+        peers = [torch.tensor(a, dtype=dtype), torch.tensor(b, dtype=dtype)]
+        out = torch.empty(2, dtype=dtype)
+        cuda_symm.sum_into(peers, out)
+        assert torch.equal(out, peers[0] + peers[1]), (dtype, out.tolist())
+
+
 def test_nccl_is_known_from_the_groups_device_config(monkeypatch) -> None:
     """``init_process_group()`` without a backend says "undefined" to get_backend and
     "cpu:gloo,cuda:nccl" to get_backend_config: CUDA collectives are NCCL's, and

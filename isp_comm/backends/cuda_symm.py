@@ -48,17 +48,25 @@ from isp_comm.backends.torch_backend import TorchBackend
 
 log = logging.getLogger("isp_comm")
 
-__all__ = ["CudaEventHandle", "CudaSymmBackend", "available", "sum_into"]
+__all__ = ["CudaEventHandle", "CudaSymmBackend", "accumulator", "available", "sum_into"]
 
 
 def available() -> bool:
     return cuda_with("torch.distributed._symmetric_memory")
 
 
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`sum_into` adds ``dtype`` in: fp32 for the narrower floats, the
+    dtype itself for fp32, fp64 and integers, as NCCL sums them (in fp32 an fp64 sum
+    kept 24 bits of mantissa and an int64 one lost its low bits past 2**24)."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
 def sum_into(peers: list[torch.Tensor], out: torch.Tensor) -> None:
-    """``out`` = the sum of ``peers``, accumulated in fp32. Never writes a peer's
-    buffer: they are other ranks' scratch, which those ranks may still read."""
-    if out.dtype == torch.float32:
+    """``out`` = the sum of ``peers``, in rank order, in :func:`accumulator`'s dtype.
+    Never writes a peer's buffer: they are other ranks' scratch, which those ranks
+    may still read."""
+    if accumulator(out.dtype) == out.dtype:
         torch.add(peers[0], peers[1], out=out)
         for p in peers[2:]:
             out.add_(p)
