@@ -680,3 +680,57 @@ def test_engine_on_the_cuda_backends_code_matches_single_process_training() -> N
         # fp32 SGD parity, as in tests/test_sequence_parallel.py
         assert all(e < 2e-6 for e in r["errors"].values()), r
         assert r["lazy"] == [[], []], r  # every group, SP's too, was decided at wrap time
+
+
+# ---- sizes that do not fit, on both CUDA backends' own code --------------------------------
+def _unfit_issues(world: int) -> list:
+    """Collectives whose output and input do not fit: each backend ran them on,
+    taking its counts from one side (see [Note: sizes that do not fit on CUDA])."""
+    return [
+        ("reduce-scatter short input", lambda b, g: b.reduce_scatter(torch.empty(3), torch.ones(world * 3 - 1), g)),
+        ("all-to-all indivisible", lambda b, g: b.all_to_all(torch.empty(world + 1), torch.ones(world + 1), g)),
+        ("all-gather long output", lambda b, g: b.all_gather(torch.empty(world * 2 + 1), torch.ones(2), g)),
+        ("all-gather dtypes", lambda b, g: b.all_gather(torch.empty(world * 2), torch.ones(2, dtype=torch.float64), g)),
+    ]
+
+
+def _unfit_worker(rank: int, world: int, name: str) -> list[str]:
+    from cuda.core import Device
+
+    from tests.fakes import Checked, FakeNvshmem, FakeSymm, _Device
+
+    cpu, group, said = torch.device("cpu"), dist.group.WORLD, []
+    if name == "symm":
+        fake = FakeSymm()
+        checks = (lambda device: f"gpu{rank}", lambda device, uuids: True)
+        backend = cuda_symm.CudaSymmBackend(60.0, symm=fake, runtime=HostRuntime(), peer_check=checks)
+        backend.reserve(group, 1 << 12, cpu, "reduce")
+    else:
+        assert Device.set_current  # the fake stands for this
+        api = nvshmem_backend.NvshmemApi(Checked(FakeNvshmem(), nvshmem), _Device)
+        backend = nvshmem_backend.NvshmemBackend(cpu, 60.0, api=api, runtime=HostRuntime())
+    try:
+        backend.all_reduce(torch.full((world * 3,), 7.0), group).wait(30)  # stale bytes in the scratch
+        for what, issue in _unfit_issues(world):
+            try:
+                issue(backend, group).wait(30)
+                said.append(f"{what}: no error")
+            except ValueError:
+                said.append(f"{what}: refused")
+        total = torch.ones(3)
+        backend.all_reduce(total, group).wait(30)  # the group is still in step
+        said.append(f"in step {total.tolist() == [float(world)] * 3}")
+    finally:
+        backend.close()
+        if name == "symm":
+            fake.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["symm", "nvshmem"])
+def test_sizes_that_do_not_fit_are_refused_at_issue_on_cuda(name: str) -> None:
+    """See [Note: sizes that do not fit on CUDA]: a ValueError on every rank, before
+    the collective; the group stays in step."""
+    for said in run_ranks(_unfit_worker, 2, name, timeout_s=100):
+        assert said == [f"{what}: refused" for what, _ in _unfit_issues(2)] + ["in step True"], said

@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept, symmetric_refusal
 from isp_comm.backends.streams import CudaEventHandle, CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.symm_cpu import host_id
-from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.backends.torch_backend import TorchBackend, refuse_unfit
 
 log = logging.getLogger("isp_comm")
 
@@ -214,6 +214,18 @@ class CudaSymmBackend(Backend):
         return [hdl.get_buffer(r, (n,), dtype, offset) for r in range(hdl.world_size)]
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        # [Note: sizes that do not fit on CUDA]
+        # Each collective here takes its count from one side: a reduce-scatter reads
+        # ``out.numel()`` elements at ``rank x out.numel()`` of every peer's scratch, so
+        # an input shorter than the group's share summed stale bytes of an earlier
+        # collective; a longer gather output kept its tail, a shorter one raised between
+        # the two device barriers (the peers then wait in the second until it traps);
+        # an all-to-all dropped an input's last ``numel % size`` elements; an output of
+        # another dtype was converted. NVSHMEM's copying path alike (nvshmem4py sizes a
+        # reduce-scatter by its destination and reads the source past its allocation,
+        # an all-to-all by the source's numel // npes). NCCL, the fallback, refuses
+        # each: so does every CUDA backend, at issue, before anything is sent.
+        refuse_unfit("all-gather", group, out, inp)
         if dist.get_world_size(group) == 1:
             out.copy_(inp.reshape(out.shape))
             return CompletedHandle()
@@ -229,6 +241,7 @@ class CudaSymmBackend(Backend):
         return self._run(group, "gather", inp, out, body)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("reduce-scatter", group, out, inp)  # see [Note: sizes that do not fit on CUDA]
         if dist.get_world_size(group) == 1:
             out.copy_(inp.reshape(out.shape))
             return CompletedHandle()
@@ -256,6 +269,7 @@ class CudaSymmBackend(Backend):
         return self._run(group, "reduce", tensor, None, body)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("all-to-all", group, out, inp)  # see [Note: sizes that do not fit on CUDA]
         if dist.get_world_size(group) == 1:
             out.copy_(inp)
             return CompletedHandle()

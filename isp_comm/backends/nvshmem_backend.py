@@ -160,7 +160,7 @@ from torch.distributed import ProcessGroup
 
 from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
-from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.backends.torch_backend import TorchBackend, refuse_unfit
 from isp_comm.errors import SymmetricHeapError
 
 log = logging.getLogger("isp_comm")
@@ -457,6 +457,7 @@ class NvshmemBackend(Backend):
 
     # ---- collectives ----------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("all-gather", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
         if not self._world_group(group):
             return self._fallback.all_gather(out, inp, group)
         self._ensure_init()
@@ -468,6 +469,7 @@ class NvshmemBackend(Backend):
         return self._collective("gather", group, inp, out, n, n * self._world, call)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("reduce-scatter", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
         if not self._world_group(group):
             return self._fallback.reduce_scatter(out, inp, group)
         self._ensure_init()
@@ -487,6 +489,7 @@ class NvshmemBackend(Backend):
         return self._collective("reduce", group, tensor, tensor, n, n, call)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
+        refuse_unfit("all-to-all", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
         if not self._world_group(group):
             return self._fallback.all_to_all(out, inp, group)
         self._ensure_init()

@@ -89,9 +89,23 @@ _FITS = {
 """Whether an output and an input of these element counts fit, per kind."""
 
 
-def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.Tensor | None = None) -> None:
-    """Refuse, at issue and before any ``dist`` call, a collective that gloo would
-    run wrong without a word (NCCL refuses each of them itself).
+def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Refuse, at issue and before anything is sent, a collective whose output and
+    input do not fit: sizes (see [Note: what gloo does not check]; the CUDA backends'
+    copies and reads take their counts from one side only) or dtypes (converted)."""
+    size = dist.get_world_size(group)
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{kind}: an output of {out.dtype} and an input of {inp.dtype}: the dtypes differ")
+    if not _FITS[kind](size, out.numel(), inp.numel()):
+        raise ValueError(
+            f"{kind} over {size} ranks: an output of {out.numel()} elements and an input of "
+            f"{inp.numel()} do not fit each other"
+        )
+
+
+def refuse_strided(kind: str, group: ProcessGroup, out: torch.Tensor) -> None:
+    """Refuse, at issue, a non-contiguous output (or all-reduced tensor) of a
+    collective over several ranks, which NCCL refuses and gloo runs wrong.
 
     [Note: what gloo does not check]
     Gloo moves ``numel`` elements from a tensor's first one, whatever its strides: a
@@ -102,19 +116,11 @@ def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.T
     that make the gather and the reduce-scatter on CPU (see [Note: gloo's gather and
     reduce-scatter on CPU]) copied a one-element input or chunk over a longer output
     (``copy_`` broadcasts). An output of another dtype than the input was converted.
-    Each is refused here, on the rank that issues it, before anything is sent: its
-    peers then stop at their deadline."""
+    Each is refused (here and by :func:`refuse_unfit`) on the rank that issues it,
+    before anything is sent: its peers then stop at their deadline."""
     size = dist.get_world_size(group)
-    if inp is not None:
-        if out.dtype != inp.dtype:
-            raise ValueError(f"{kind}: an output of {out.dtype} and an input of {inp.dtype}: the dtypes differ")
-        if not _FITS[kind](size, out.numel(), inp.numel()):
-            raise ValueError(
-                f"{kind} over {size} ranks: an output of {out.numel()} elements and an input of "
-                f"{inp.numel()} do not fit each other"
-            )
     if size > 1 and not out.is_contiguous():
-        what = "tensor" if inp is None else "output"
+        what = "output" if kind != "all-reduce" else "tensor"
         raise ValueError(
             f"{kind} over {size} ranks: its {what} (shape {list(out.shape)}, strides {list(out.stride())}) "
             "is not contiguous; gloo would write the elements from its first on, not the view's"
@@ -181,6 +187,7 @@ class TorchBackend(Backend):
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         refuse_unfit("all-gather", group, out, inp)  # see [Note: what gloo does not check]
+        refuse_strided("all-gather", group, out)
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
@@ -194,6 +201,7 @@ class TorchBackend(Backend):
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         refuse_unfit("reduce-scatter", group, out, inp)
+        refuse_strided("reduce-scatter", group, out)
         if _single(group):
             out.copy_(inp.view_as(out))
             return CompletedHandle()
@@ -213,12 +221,13 @@ class TorchBackend(Backend):
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
         if _single(group):
             return CompletedHandle()
-        refuse_unfit("all-reduce", group, tensor)
+        refuse_strided("all-reduce", group, tensor)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return self._handle(work, "all-reduce", group, tensor.device)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
         refuse_unfit("all-to-all", group, out, inp)
+        refuse_strided("all-to-all", group, out)
         if _single(group):
             out.copy_(inp)
             return CompletedHandle()
