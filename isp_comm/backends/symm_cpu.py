@@ -665,8 +665,9 @@ def _check_sizes(kind: str, size: int, out: torch.Tensor, inp: torch.Tensor) -> 
     output starts, past a shorter output into whatever follows it in the buffer; a
     reduce-scatter takes its chunks' length from the output, a gather leaves a longer
     output's tail as it was, an all-to-all drops an input's last ``numel % size``
-    elements. gloo refuses each; so does this backend, before the epoch is taken (the
-    peers then stop at their deadline naming this rank)."""
+    elements. TorchBackend refuses each (gloo itself does not: see [Note: what gloo
+    does not check]); so does this backend, before the epoch is taken (the peers then
+    stop at their deadline naming this rank)."""
     if kind == "all_gather":
         fits = out.numel() == size * inp.numel()
     elif kind == "reduce_scatter":
