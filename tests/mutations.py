@@ -427,7 +427,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "sizes that do not fit issued": (
         "isp_comm/backends/symm_cpu.py",
-        "        _check_sizes(kind, group.size(), out, inp)\n",
+        "        _check_sizes(kind, group, out, inp)\n",
         "        pass\n",
         ["tests/test_backends.py::test_sizes_that_do_not_fit_are_refused_at_issue"],
     ),

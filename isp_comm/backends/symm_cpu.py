@@ -62,7 +62,7 @@ from isp_comm.backends.shm import (
     shm_free_bytes,
     unordered_flags,
 )
-from isp_comm.backends.torch_backend import TorchBackend
+from isp_comm.backends.torch_backend import TorchBackend, refuse_unfit
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
 
 log = logging.getLogger("isp_comm")
@@ -323,7 +323,7 @@ class SymmCpuBackend(Backend):
     def _submit(self, kind: str, group: ProcessGroup, out, inp, nbytes: int) -> Handle:
         if self._closed:
             raise RuntimeError("the symmetric-memory backend is closed")
-        _check_sizes(kind, group.size(), out, inp)
+        _check_sizes(kind, group, out, inp)
         dtype = next((t.dtype for t in (inp, out) if t is not None), None)  # an all-reduce's is its out
         g = self._group(group, nbytes, kind.replace("_", "-"), dtype)
         if g is None and kind == "barrier":
@@ -657,30 +657,21 @@ _DTYPES += (torch.uint8, torch.int16, torch.bool, torch.complex64, torch.complex
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier", *_DIRECT.values())
 
 
-def _check_sizes(kind: str, size: int, out: torch.Tensor, inp: torch.Tensor) -> None:
-    """Refuse, at issue, a collective whose output and input sizes do not fit.
+def _check_sizes(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Refuse, at issue, a collective whose output and input do not fit
+    (:func:`~isp_comm.backends.torch_backend.refuse_unfit`: sizes and dtypes).
 
     [Note: sizes checked at issue] The worker never compares them: a gather into a
     symmetric buffer lets every peer write ``size x input`` bytes from where the
-    output starts, past a shorter output into whatever follows it in the buffer; a
-    reduce-scatter takes its chunks' length from the output, a gather leaves a longer
-    output's tail as it was, an all-to-all drops an input's last ``numel % size``
-    elements. TorchBackend refuses each (gloo itself does not: see [Note: what gloo
-    does not check]); so does this backend, before the epoch is taken (the peers then
-    stop at their deadline naming this rank)."""
-    if kind == "all_gather":
-        fits = out.numel() == size * inp.numel()
-    elif kind == "reduce_scatter":
-        fits = inp.numel() == size * out.numel()
-    elif kind == "all_to_all":
-        fits = out.numel() == inp.numel() and inp.numel() % size == 0
-    else:
-        return
-    if not fits:
-        raise ValueError(
-            f"{kind.replace('_', '-')} over {size} ranks: an output of {out.numel()} elements and an input of "
-            f"{inp.numel()} do not fit each other"
-        )
+    output starts, past a shorter output into whatever follows it in the buffer (and
+    in the input's dtype, whatever the output's); a reduce-scatter takes its chunks'
+    length from the output, a gather leaves a longer output's tail as it was, an
+    all-to-all drops an input's last ``numel % size`` elements. TorchBackend refuses
+    each (gloo itself does not: see [Note: what gloo does not check]); so does this
+    backend, before the epoch is taken (the peers then stop at their deadline naming
+    this rank)."""
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        refuse_unfit(kind.replace("_", "-"), group, out, inp)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
