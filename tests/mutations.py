@@ -421,7 +421,7 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "an in-place reduce-scatter summed into the chunk it reads": (
         "isp_comm/backends/symm_cpu.py",
-        "        elif any(_overlaps(out, c) for c in chunks[1:]):\n",
+        "        elif any(overlaps(out, c) for c in chunks[1:]):\n",
         "        elif False:\n",
         ["tests/test_backends.py::test_reduce_scatter_in_place_into_its_own_chunk"],
     ),

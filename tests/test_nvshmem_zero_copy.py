@@ -148,6 +148,36 @@ def test_pool_collectives_run_on_heap_slices_without_copies(world: int) -> None:
         assert r["calls"][-1] == "reduce", r
 
 
+def _in_place_worker(rank: int, world: int) -> dict:
+    """A gather whose output holds its input (at this rank's chunk) and a
+    reduce-scatter whose output is this rank's chunk of its input, both on the heap."""
+    from tests.fakes import FakeNvshmem
+
+    backend = _backend(FakeNvshmem())
+    group, n = dist.group.WORLD, 5
+    backend.plan_symmetric(group, 1 << 16, [])
+    buf = backend.empty(n * world, torch.float32, torch.device("cpu"), group)
+    mine = buf[rank * n : (rank + 1) * n]
+    mine.copy_(torch.arange(n) + 10.0 * rank)
+    backend.all_gather(buf, mine, group).wait(60)
+    gathered = torch.equal(buf, torch.cat([torch.arange(n) + 10.0 * r for r in range(world)]))
+    buf.copy_(torch.arange(n * world) + 100.0 * rank)
+    backend.reduce_scatter(mine, buf, group).wait(60)
+    want = sum(torch.arange(n * world) + 100.0 * r for r in range(world))[rank * n : (rank + 1) * n]
+    direct = (backend.direct_all_gathers, backend.direct_reduce_scatters)
+    result = {"right": (gathered, torch.equal(mine, want)), "direct": direct}
+    backend.close()
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_an_in_place_collective_on_the_heap_goes_through_the_scratch() -> None:
+    """NVSHMEM's collectives do not say that a destination may overlap the source:
+    an output lying on its input takes the copying path (none runs on the buffers)."""
+    for r in run_ranks(_in_place_worker, 2, timeout_s=100):
+        assert r == {"right": (True, True), "direct": (0, 0)}, r
+
+
 # ---- ordering: a push into a buffer a peer still reads --------------------------------------------
 def _ordering_worker(rank: int, world: int, landing: bool, sync: bool) -> dict:
     """The engine's use of the pool at ``comm_granularity="module"`` (gathers straight

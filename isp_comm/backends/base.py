@@ -54,6 +54,21 @@ def kept() -> contextlib.AbstractContextManager:
     return torch.inference_mode(False)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` and ``b`` span (first element to last, whatever the
+    strides between) intersect: an output that may be written while an input it lies
+    on is still read."""
+    if not a.numel() or not b.numel():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def kept_empty(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.empty`` of a buffer kept across steps (see :func:`kept`)."""
     with kept():

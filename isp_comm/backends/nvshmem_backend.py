@@ -158,7 +158,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept
+from isp_comm.backends.base import Backend, CompletedHandle, Handle, cuda_with, kept, overlaps
 from isp_comm.backends.streams import CudaRuntime, HostRuntime, Lanes
 from isp_comm.backends.torch_backend import TorchBackend, refuse_unfit
 from isp_comm.errors import SymmetricHeapError
@@ -453,7 +453,12 @@ class NvshmemBackend(Backend):
         return self._lanes.run(TEAM_STREAM, "team", self._device, tensors, body, what, group)
 
     def _zero_copy(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
-        return self._api.bindings is not None and inp.dtype in BINDING_DTYPES and self._in_heap(inp, out)
+        """Whether a collective runs on ``inp`` and ``out`` themselves: both on the heap,
+        in a dtype the bindings take, and apart (an in-place gather or reduce-scatter,
+        whose output lies on its input, goes through the scratch: NVSHMEM's collectives
+        do not say that they read a source a destination overlaps before writing it)."""
+        usable = self._api.bindings is not None and inp.dtype in BINDING_DTYPES
+        return usable and not overlaps(out, inp) and self._in_heap(inp, out)
 
     # ---- collectives ----------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:

@@ -51,7 +51,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from isp_comm.backends.base import Backend, CompletedHandle, Handle, kept_empty, symmetric_refusal, writing_mode
+from isp_comm.backends.base import (
+    Backend,
+    CompletedHandle,
+    Handle,
+    kept_empty,
+    overlaps,
+    symmetric_refusal,
+    writing_mode,
+)
 from isp_comm.backends.shm import (
     DOCKER_HINT,
     SHM_DIR,
@@ -556,7 +564,7 @@ class SymmCpuBackend(Backend):
             if g.acc is None or g.acc.numel() < out.numel():
                 g.acc = kept_empty(out.numel(), torch.float32, "cpu")
             acc = g.acc[: out.numel()]
-        elif any(_overlaps(out, c) for c in chunks[1:]):
+        elif any(overlaps(out, c) for c in chunks[1:]):
             acc = torch.empty_like(out)  # the same sum, in the dtype itself, then copied
         else:
             acc = out
@@ -672,14 +680,6 @@ def _check_sizes(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.T
     this rank)."""
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         refuse_unfit(kind.replace("_", "-"), group, out, inp)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes that ``a`` and ``b`` span (first to last element) intersect."""
-    if not a.numel() or not b.numel():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _signature(what: str, nbytes: int, dtype: torch.dtype | None) -> int:
