@@ -225,7 +225,7 @@ class CudaSymmBackend(Backend):
         # reduce-scatter by its destination and reads the source past its allocation,
         # an all-to-all by the source's numel // npes). NCCL, the fallback, refuses
         # each: so does every CUDA backend, at issue, before anything is sent.
-        refuse_unfit("all-gather", group, out, inp)
+        refuse_unfit("all-gather", dist.get_world_size(group), out, inp)
         if dist.get_world_size(group) == 1:
             out.copy_(inp.reshape(out.shape))
             return CompletedHandle()
@@ -241,7 +241,7 @@ class CudaSymmBackend(Backend):
         return self._run(group, "gather", inp, out, body)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("reduce-scatter", group, out, inp)  # see [Note: sizes that do not fit on CUDA]
+        refuse_unfit("reduce-scatter", dist.get_world_size(group), out, inp)  # [Note: sizes that do not fit on CUDA]
         if dist.get_world_size(group) == 1:
             out.copy_(inp.reshape(out.shape))
             return CompletedHandle()
@@ -269,7 +269,7 @@ class CudaSymmBackend(Backend):
         return self._run(group, "reduce", tensor, None, body)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("all-to-all", group, out, inp)  # see [Note: sizes that do not fit on CUDA]
+        refuse_unfit("all-to-all", dist.get_world_size(group), out, inp)  # [Note: sizes that do not fit on CUDA]
         if dist.get_world_size(group) == 1:
             out.copy_(inp)
             return CompletedHandle()

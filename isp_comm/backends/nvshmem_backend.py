@@ -462,7 +462,7 @@ class NvshmemBackend(Backend):
 
     # ---- collectives ----------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("all-gather", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
+        refuse_unfit("all-gather", dist.get_world_size(group), out, inp)  # [Note: sizes that do not fit on CUDA]
         if not self._world_group(group):
             return self._fallback.all_gather(out, inp, group)
         self._ensure_init()
@@ -474,7 +474,7 @@ class NvshmemBackend(Backend):
         return self._collective("gather", group, inp, out, n, n * self._world, call)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("reduce-scatter", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
+        refuse_unfit("reduce-scatter", dist.get_world_size(group), out, inp)  # [Note: sizes that do not fit on CUDA]
         if not self._world_group(group):
             return self._fallback.reduce_scatter(out, inp, group)
         self._ensure_init()
@@ -494,7 +494,7 @@ class NvshmemBackend(Backend):
         return self._collective("reduce", group, tensor, tensor, n, n, call)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("all-to-all", group, out, inp)  # see [Note: sizes that do not fit on CUDA] in cuda_symm.py
+        refuse_unfit("all-to-all", dist.get_world_size(group), out, inp)  # [Note: sizes that do not fit on CUDA]
         if not self._world_group(group):
             return self._fallback.all_to_all(out, inp, group)
         self._ensure_init()

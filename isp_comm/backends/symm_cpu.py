@@ -679,7 +679,7 @@ def _check_sizes(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.T
     backend, before the epoch is taken (the peers then stop at their deadline naming
     this rank)."""
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        refuse_unfit(kind.replace("_", "-"), group, out, inp)
+        refuse_unfit(kind.replace("_", "-"), group.size(), out, inp)
 
 
 def _signature(what: str, nbytes: int, dtype: torch.dtype | None) -> int:

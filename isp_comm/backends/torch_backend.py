@@ -89,11 +89,11 @@ _FITS = {
 """Whether an output and an input of these element counts fit, per kind."""
 
 
-def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> None:
+def refuse_unfit(kind: str, size: int, out: torch.Tensor, inp: torch.Tensor) -> None:
     """Refuse, at issue and before anything is sent, a collective whose output and
     input do not fit: sizes (see [Note: what gloo does not check]; the CUDA backends'
-    copies and reads take their counts from one side only) or dtypes (converted)."""
-    size = dist.get_world_size(group)
+    copies and reads take their counts from one side only) or dtypes (converted).
+    ``size``: the group's."""
     if out.dtype != inp.dtype:
         raise ValueError(f"{kind}: an output of {out.dtype} and an input of {inp.dtype}: the dtypes differ")
     if not _FITS[kind](size, out.numel(), inp.numel()):
@@ -103,7 +103,7 @@ def refuse_unfit(kind: str, group: ProcessGroup, out: torch.Tensor, inp: torch.T
         )
 
 
-def refuse_strided(kind: str, group: ProcessGroup, out: torch.Tensor) -> None:
+def refuse_strided(kind: str, size: int, out: torch.Tensor) -> None:
     """Refuse, at issue, a non-contiguous output (or all-reduced tensor) of a
     collective over several ranks, which NCCL refuses and gloo runs wrong.
 
@@ -118,7 +118,6 @@ def refuse_strided(kind: str, group: ProcessGroup, out: torch.Tensor) -> None:
     (``copy_`` broadcasts). An output of another dtype than the input was converted.
     Each is refused (here and by :func:`refuse_unfit`) on the rank that issues it,
     before anything is sent: its peers then stop at their deadline."""
-    size = dist.get_world_size(group)
     if size > 1 and not out.is_contiguous():
         what = "output" if kind != "all-reduce" else "tensor"
         raise ValueError(
@@ -186,13 +185,14 @@ class TorchBackend(Backend):
         return TorchHandle(work, what, group, host_wait=not nccl)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("all-gather", group, out, inp)  # see [Note: what gloo does not check]
-        refuse_strided("all-gather", group, out)
-        if _single(group):
+        size = dist.get_world_size(group)
+        refuse_unfit("all-gather", size, out, inp)  # see [Note: what gloo does not check]
+        refuse_strided("all-gather", size, out)
+        if size == 1:
             out.copy_(inp.view_as(out))
             return CompletedHandle()
         if inp.device.type == "cpu":  # gloo: see [Note: gloo's gather and reduce-scatter on CPU]
-            chunks = out.view(dist.get_world_size(group), -1)
+            chunks = out.view(size, -1)
             chunks[dist.get_rank(group)].copy_(inp.view(-1))
             works = [dist.broadcast(c, group=group, async_op=True, group_src=i) for i, c in enumerate(chunks)]
             return HandleGroup([self._handle(w, "all-gather (broadcasts)", group, inp.device) for w in works])
@@ -200,14 +200,15 @@ class TorchBackend(Backend):
         return self._handle(work, "all-gather", group, inp.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("reduce-scatter", group, out, inp)
-        refuse_strided("reduce-scatter", group, out)
-        if _single(group):
+        size = dist.get_world_size(group)
+        refuse_unfit("reduce-scatter", size, out, inp)
+        refuse_strided("reduce-scatter", size, out)
+        if size == 1:
             out.copy_(inp.view_as(out))
             return CompletedHandle()
         if inp.device.type == "cpu":  # gloo: see [Note: gloo's gather and reduce-scatter on CPU]
-            world, me = dist.get_world_size(group), dist.get_rank(group)
-            chunks = inp.view(world, -1)
+            me = dist.get_rank(group)
+            chunks = inp.view(size, -1)
             # what goes to the other ranks, copied (gloo's reduce writes into a non-root's
             # tensor) before ``out`` is written: ``out`` may overlap another chunk of ``inp``
             sent = list(torch.cat([chunks[:me], chunks[me + 1 :]]).unbind())
@@ -219,16 +220,18 @@ class TorchBackend(Backend):
         return self._handle(work, "reduce-scatter", group, inp.device)
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup) -> Handle:
-        if _single(group):
+        size = dist.get_world_size(group)
+        if size == 1:
             return CompletedHandle()
-        refuse_strided("all-reduce", group, tensor)
+        refuse_strided("all-reduce", size, tensor)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return self._handle(work, "all-reduce", group, tensor.device)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Handle:
-        refuse_unfit("all-to-all", group, out, inp)
-        refuse_strided("all-to-all", group, out)
-        if _single(group):
+        size = dist.get_world_size(group)
+        refuse_unfit("all-to-all", size, out, inp)
+        refuse_strided("all-to-all", size, out)
+        if size == 1:
             out.copy_(inp)
             return CompletedHandle()
         work = dist.all_to_all_single(out, inp, group=group, async_op=True)
