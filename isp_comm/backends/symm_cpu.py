@@ -662,6 +662,7 @@ _DIRECT = {
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8)
 _DTYPES += (torch.uint8, torch.int16, torch.bool, torch.complex64, torch.complex128)
 """The dtypes a signature names by code (0: no tensor); any other is one code beyond."""
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "barrier", *_DIRECT.values())
 
 
@@ -705,7 +706,7 @@ def _signature(what: str, nbytes: int, dtype: torch.dtype | None) -> int:
     peer published its buffer, and a peer on the scratch path published nothing this
     epoch, so its stale address was written into (another live buffer of its) while
     it read the scratch its peer never filled: both went on without a word."""
-    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    code = _DTYPE_CODES.get(dtype, len(_DTYPES))  # one lookup: every collective's signature
     return (_KINDS.index(what) << 56) | (code << 48) | nbytes
 
 
