@@ -14,6 +14,10 @@ A child opts in where it starts (:func:`die_with_parent`), or when its parent se
 A process that has no handlers of its own yet, or is leaving after a failure it has
 reported, answers Ctrl-C and SIGTERM with a quiet exit (:func:`leave_on_signals`).
 
+The cores a process may run on (:func:`usable_cores`: its affinity, capped by its
+container's CPU quota) size what shares them: a plan's ranks, and how long the
+shared-memory backend's waiting ranks yield before they sleep.
+
 [Note: a signal while a child starts]
 A SIGINT or SIGTERM that reaches a rank while its interpreter starts (the launcher
 forwards its Ctrl-C; ranks run in sessions of their own), before any line of ours
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -198,3 +203,36 @@ def children_start_with_stops_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity, capped by the CPU quota of
+    its cgroup (a container's ``--cpus``, a Kubernetes limit), which the affinity does
+    not show: a container limited to 2 CPUs on a 64-core host sees 64 in its affinity,
+    and a plan would give each of its ranks a core of its own. Reads cgroup v2's
+    ``cpu.max`` (of the process's own cgroup, else the root's) or v1's CFS quota."""
+    n = len(os.sched_getaffinity(0))
+    own = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
+    except OSError:
+        pass
+    candidates = [os.path.join(cgroup_root, own.lstrip("/"), "cpu.max"), os.path.join(cgroup_root, "cpu.max")]
+    candidates += [os.path.join(cgroup_root, v1, "cpu.cfs_quota_us") for v1 in ("cpu", "cpu,cpuacct")]
+    for path in candidates:
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if path.endswith("cpu.max"):
+                quota, period = fields[0], int(fields[1])
+            else:
+                with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as f:
+                    quota, period = fields[0], int(f.read().strip())
+            if quota in ("max", "-1"):
+                return n
+            if period > 0 and int(quota) > 0:
+                return max(1, min(n, math.ceil(int(quota) / period)))
+        except (OSError, IndexError, ValueError):  # absent, or not what the kernel writes: the affinity
+            continue
+    return n

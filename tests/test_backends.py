@@ -485,3 +485,18 @@ def test_a_segment_that_cannot_be_mapped_is_a_shared_memory_error_and_leaves_not
     with pytest.raises(SharedMemoryError, match="cannot create the shared-memory segment .*Cannot allocate memory"):
         shm.Segment(name, 4096, create=True)
     assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+def test_waiting_ranks_yield_less_when_the_container_gives_fewer_cores_than_the_host(monkeypatch) -> None:
+    """A group of 4 ranks in a container given 2 CPUs on a bigger host: its waiting
+    ranks spun 1000 yields before sleeping, as if each had a core (``os.cpu_count()``
+    counts the host's), taking the cores a peer copies on. The group counts the cores
+    the cgroup's quota allows (``usable_cores``)."""
+    from isp_comm.backends import symm_cpu
+
+    monkeypatch.setattr(symm_cpu.os, "cpu_count", lambda: 64)
+    group = dict(me=0, token="t", pids=[0] * 4, ctrl=None, flags=None)
+    monkeypatch.setattr(symm_cpu, "usable_cores", lambda: 2)
+    assert symm_cpu._Group(ranks=(0, 1, 2, 3), **group).spin_budget == 200
+    monkeypatch.setattr(symm_cpu, "usable_cores", lambda: 4)
+    assert symm_cpu._Group(ranks=(0, 1, 2, 3), **group).spin_budget == 1000

@@ -355,7 +355,7 @@ def test_the_cores_a_plan_counts_are_capped_by_the_cgroup_quota(tmp_path) -> Non
     a Kubernetes limit): the plan counted the affinity, giving each rank a core it did
     not have. The cgroup's quota caps it, v2's cpu.max or v1's CFS quota; no quota, or
     no cgroup files, leaves the affinity."""
-    from isp_comm.planner.profile import usable_cores
+    from isp_comm.processes import usable_cores
 
     affinity = len(os.sched_getaffinity(0))
     assert usable_cores(str(tmp_path)) == affinity  # no cgroup files

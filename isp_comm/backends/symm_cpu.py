@@ -72,6 +72,7 @@ from isp_comm.backends.shm import (
 )
 from isp_comm.backends.torch_backend import TorchBackend, refuse_unfit
 from isp_comm.errors import ISPCommTimeout, SharedMemoryError
+from isp_comm.processes import usable_cores
 
 log = logging.getLogger("isp_comm")
 HOST_ENV = "ISP_COMM_HOST_ID"  # overrides the host identity (tests simulate two hosts)
@@ -135,12 +136,14 @@ class _Group:
     epoch: int = 0
     acc: torch.Tensor | None = None  # fp32 accumulator for bf16/fp16 reductions
     buffers: list[tuple[int, int, list[Segment]]] = field(default_factory=list)  # (my base, bytes, per rank)
+    cores: int = field(default_factory=lambda: usable_cores())  # this host's, as the container allows
 
     @property
     def spin_budget(self) -> int:
         """Yields before sleeping: a waiting rank must not take the core a peer copies
-        on when the group's ranks outnumber the cores."""
-        return 1000 if self.size <= (os.cpu_count() or 1) else 200
+        on when the group's ranks outnumber the cores (the affinity capped by the
+        cgroup's quota: a container given 2 CPUs on a 64-core host has 2)."""
+        return 1000 if self.size <= self.cores else 200
 
     @property
     def size(self) -> int:

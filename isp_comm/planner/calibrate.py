@@ -56,11 +56,10 @@ from isp_comm.planner.profile import (
     Profile,
     describe_noise,
     launcher_free_env,
-    usable_cores,
 )
 from isp_comm.planner.step import COMPUTE_KINDS, KERNELS
 from isp_comm.planner.targets import TARGETS
-from isp_comm.processes import die_with_parent_if_asked
+from isp_comm.processes import die_with_parent_if_asked, usable_cores
 
 TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq", "32", "--no-trace", "--log-every", "1000"]
 """The calibration model: the reference llama at width 64, sequences of 32 tokens."""

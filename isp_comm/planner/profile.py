@@ -24,7 +24,7 @@ from typing import Literal
 
 from isp_comm.memory_forecast.weights import cublas_workspace_bytes
 from isp_comm.planner.targets import NCCL_CURVE_IB, NCCL_CURVE_NVLINK, Cluster
-from isp_comm.processes import DIE_WITH_PARENT_ENV
+from isp_comm.processes import DIE_WITH_PARENT_ENV, usable_cores
 
 Curve = list[list[float]]
 """Points [x, y], x ascending; read by :func:`interp` (linear in log x, flat outside)."""
@@ -273,39 +273,6 @@ PROFILE_VERSION = 5
 new one (2: ``transient_share``; 3: attention by head and head dim; 4: the cheap
 framework runs over 30 steps; 5: its ``noise``, and only steady ones cached), so an
 older cache is not read in its place."""
-
-
-def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may run on: its CPU affinity, capped by the CPU quota of
-    its cgroup (a container's ``--cpus``, a Kubernetes limit), which the affinity does
-    not show: a container limited to 2 CPUs on a 64-core host sees 64 in its affinity,
-    and a plan would give each of its ranks a core of its own. Reads cgroup v2's
-    ``cpu.max`` (of the process's own cgroup, else the root's) or v1's CFS quota."""
-    n = len(os.sched_getaffinity(0))
-    own = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            own = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
-    except OSError:
-        pass
-    candidates = [os.path.join(cgroup_root, own.lstrip("/"), "cpu.max"), os.path.join(cgroup_root, "cpu.max")]
-    candidates += [os.path.join(cgroup_root, v1, "cpu.cfs_quota_us") for v1 in ("cpu", "cpu,cpuacct")]
-    for path in candidates:
-        try:
-            with open(path) as f:
-                fields = f.read().split()
-            if path.endswith("cpu.max"):
-                quota, period = fields[0], int(fields[1])
-            else:
-                with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as f:
-                    quota, period = fields[0], int(f.read().strip())
-            if quota in ("max", "-1"):
-                return n
-            if period > 0 and int(quota) > 0:
-                return max(1, min(n, math.ceil(int(quota) / period)))
-        except (OSError, IndexError, ValueError):  # absent, or not what the kernel writes: the affinity
-            continue
-    return n
 
 
 def machine_key(local_world: int) -> str:

@@ -17,6 +17,7 @@ from isp_comm.planner import profile as profiles
 from isp_comm.planner import search as planner_search
 from isp_comm.planner.step import StepTime, step_time
 from isp_comm.planner.targets import gpu_target, parse_target
+from isp_comm.processes import usable_cores
 from isp_comm.train import hf_model
 from isp_comm.train.config import TrainConfig, check_heads, check_layout, resolve_device
 from isp_comm.train.metrics import proc_status_bytes
@@ -66,7 +67,7 @@ def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, in
     if prof.device == "cpu":
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        cores = prof.cores or profiles.usable_cores()  # a calibration's own, else this machine's
+        cores = prof.cores or usable_cores()  # a calibration's own, else this machine's
         prof = dataclasses.replace(prof, memory_bytes=avail // max(local, 1), cores=cores)
     return dataclasses.replace(prof, per_node=local, nodes=max(world // local, 1)), world
 
