@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -196,7 +197,8 @@ class ISPCommunicator:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
         self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward())
         self._root_post_handle = model.register_forward_hook(  # [Note: a forward that raised]
-            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None), always_call=True
+            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None and sys.exc_info()[1] is not None),
+            always_call=True,
         )
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)
         self._assign_checks = [m.register_load_state_dict_pre_hook(refuse_assign) for m in model.modules()]

@@ -551,10 +551,11 @@ def test_a_checkpoint_around_a_run_of_blocks() -> None:
             assert "a torch.utils.checkpoint region may hold at most n_slots blocks" in said, said
 
 
-def _early_exit_worker(rank: int, world: int, config_kw: dict) -> float:
+def _early_exit_worker(rank: int, world: int, config_kw: dict, returns: bool = True) -> float:
     """A model whose forward stops after its first two blocks on every other step (an
     early exit, a layer-dropping schedule), with grad; SGD against the single-process
-    model doing the same."""
+    model doing the same. ``returns``: the forward returns its logits, else keeps them
+    in an attribute and returns ``None``."""
     from isp_comm.models.llama import rope_tables
     from tests.parity import loss_fn
 
@@ -563,15 +564,18 @@ def _early_exit_worker(rank: int, world: int, config_kw: dict) -> float:
         h = self.embed(input_ids)
         for layer in self.layers[:depth]:
             h = layer(h, cos, sin, None)
-        return self.lm_head(self.norm(h))
+        self.logits = self.lm_head(self.norm(h))
+        return self.logits if returns else None
 
     g = torch.Generator().manual_seed(0)
     model, ref, comm, opt, ropt = _wrapped_and_plain(world, config_kw, forward)  # three blocks
     for step in range(4):
         depth = 2 if step % 2 == 0 else None
         a, b = (torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
-        loss_fn(model(a.chunk(world)[rank], depth), b.chunk(world)[rank]).backward()
-        loss_fn(ref(a, depth), b).backward()
+        model(a.chunk(world)[rank], depth)
+        loss_fn(model.logits, b.chunk(world)[rank]).backward()
+        ref(a, depth)
+        loss_fn(ref.logits, b).backward()
         opt.step(), ropt.step()
         opt.zero_grad(), ropt.zero_grad()
     return _distance_and_close(comm, ref)
@@ -585,6 +589,15 @@ def test_a_forward_that_exits_early_trains_as_a_plain_model(config_kw: dict) -> 
     # block's backward needed ("block 0 needs slot 0 but the slots are held by blocks
     # [2, None]").
     assert max(run_ranks(_early_exit_worker, 2, config_kw, timeout_s=90)) < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_forward_that_exits_early_and_returns_none_trains_as_a_plain_model() -> None:
+    # fp32 SGD at world 2: 1e-5 covers the sums' order. A forward that keeps its
+    # logits in an attribute and returns None was taken for one that raised, whose
+    # prefetched block waits for the next forward: the first block's backward then
+    # found its slot held by the third ("the slots are held by blocks [2, None]").
+    assert max(run_ranks(_early_exit_worker, 2, {}, False, timeout_s=90)) < 1e-5
 
 
 def _identity_block_worker(

@@ -287,7 +287,9 @@ class BlockEngine:
         and of a block prefetched for a part of the model the forward skipped.
 
         [Note: a forward that raised] Called by a forward hook that torch runs even when
-        the forward raised (``always_call``; ``raised``: it did, and left no output):
+        the forward raised (``always_call``; ``raised``: it did, and left no output;
+        torch hands such a hook ``None``, and a forward that returns ``None`` is told
+        apart by the exception torch is handling as it calls the hook):
         the outer parameters are then put back at once, not at the next forward, since
         until then ``model.parameters()``, a state dict or an in-place edit would see
         (and write) the forward's casts or gathered copies. Only that, which waits on
