@@ -181,6 +181,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        pass\n",
         ["tests/test_engine_parity.py::test_a_forward_that_exits_early_trains_as_a_plain_model[config_kw0]"],
     ),
+    "a forward that returns None taken for one that raised": (
+        "isp_comm/communicator.py",
+        "raised=out is None and sys.exc_info()[1] is not None",
+        "raised=out is None",
+        ["tests/test_engine_parity.py::test_a_forward_that_exits_early_and_returns_none_trains_as_a_plain_model"],
+    ),
     "whole gradients set aside at the forward, out of zero_grad()'s reach": (
         "isp_comm/hooks/reductions.py",
         "            self._armed, self._arrived = True, set()\n",
