@@ -246,6 +246,7 @@ class ISPCommunicator:
         rank (where the backend's sums are), the partial ones not alike over the ranks
         that hold their parts (the WP groups, contiguous as ``ParallelGroups.create``
         makes them; the world, for pieces)."""
+        self._weights_check: WeightsCheck | None = None
         g, shards = self.groups, {id(s) for u in self.sharded_units for s in u.shards}
         named = list(self.model.named_parameters())
         replicas = [(n, p) for n, p in named if id(p) not in shards] if self.backend.identical_sums else []
@@ -258,7 +259,11 @@ class ISPCommunicator:
             rows_groups = []
         if (replicas or partial) and g.world_size > 1 and not is_virtual():
             gather = self._gather(g.world_group, g.world_size, "the weights' check")
-            self.engine.after_backward = WeightsCheck(replicas, partial, rows_groups, gather, self._state.device)
+            check = self._weights_check = WeightsCheck(replicas, partial, rows_groups, gather, self._state.device)
+            self.engine.after_backward = check
+            # the weights leave the run through the model's state dict (ours, DCP's, an export's):
+            # the check no backward has read yet is read there first
+            self._state_dict_hooks.append(self.model.register_state_dict_post_hook(lambda *_: check.flush()))
 
     def _gather(self, group: Any, size: int, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """An all-gather over ``group`` on the backend, waited under the deadline (the checks' own)."""
@@ -783,3 +788,5 @@ class ISPCommunicator:
             block.__dict__.pop("compile", None)  # BlockCompute's, see [Note: compiled blocks]
         self._buffers.close(cut_short)
         self.backend.close()
+        if self._weights_check is not None and not (cut_short or failed) and sys.exc_info()[1] is None:
+            self._weights_check.flush()  # after the release, not over an error on its way: the last steps' replicas

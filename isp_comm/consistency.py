@@ -186,7 +186,9 @@ class WeightsCheck:
     after the first forward's look ([Note: rows initialised after wrapping]), which
     stops the run too. On the CPU the check reads the result at once; on CUDA it is
     copied to the host behind the step and read at the next backward's end, long done
-    by then, so no step waits on the device for it."""
+    by then, so no step waits on the device for it. A check no backward followed is
+    read where the weights leave the run (:meth:`flush`: a state dict, the close), so
+    the last steps' replicas are not saved or exported unchecked."""
 
     def __init__(
         self,
@@ -200,6 +202,8 @@ class WeightsCheck:
         self.gather, self.device = gather, device
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         """The last gather not read yet: its backward, its host copy, the copy's event."""
+        self.read_later = device.type == "cuda"
+        """Read a gather at the next backward's end (or :meth:`flush`), not at once."""
 
     def __call__(self, ended: int) -> None:
         """The ``ended``-th backward has ended: read the last gather, and gather anew at a power of two."""
@@ -211,13 +215,20 @@ class WeightsCheck:
         every = gathered_fingerprints(tensors, self.gather, self.device)
         if every.device.type != "cuda":
             self._pending = (ended, every, None)
+        else:
+            host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+            host.copy_(every, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(every.device))  # the copy's stream, not the current device's
+            self._pending = (ended, host, done)
+        if not self.read_later:
             self._read()
-            return
-        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
-        host.copy_(every, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(every.device))  # the copy's stream, not the current device's
-        self._pending = (ended, host, done)
+
+    def flush(self) -> None:
+        """Read the last gather if no backward has read it (a state dict or the close
+        after the last step); the same verdict on every rank, as the gather is."""
+        if self._pending is not None:
+            self._read()
 
     def _read(self) -> None:
         assert self._pending is not None

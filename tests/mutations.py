@@ -181,6 +181,14 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        pass\n",
         ["tests/test_engine_parity.py::test_a_forward_that_exits_early_trains_as_a_plain_model[config_kw0]"],
     ),
+    "the last weights' check left unread at a state dict": (
+        "isp_comm/communicator.py",
+        "self.model.register_state_dict_post_hook(lambda *_: check.flush())",
+        "self.model.register_state_dict_post_hook(lambda *_: None)",
+        [
+            "tests/test_validation.py::test_the_last_check_no_backward_read_is_read_where_the_weights_leave_the_run[full]"
+        ],
+    ),
     "a forward that returns None taken for one that raised": (
         "isp_comm/communicator.py",
         "raised=out is None and sys.exc_info()[1] is not None",

@@ -567,6 +567,39 @@ def _clip_worker(rank: int, world: int, clip: str) -> list[str]:
     return said
 
 
+def _unread_check_worker(rank: int, world: int, where: str) -> str:
+    """Two steps of AdamW at wp 2 clipped by torch's clip_grad_norm_ (the replicas
+    part), the weights' check read at the next backward's end as on CUDA, and no
+    backward after the second: what ``where`` (a state dict, the model's, the close)
+    said."""
+    from tests.parity import TINY
+
+    model = build(LlamaConfig(**TINY))
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend="torch"))
+    comm._weights_check.read_later = True  # as on CUDA: the gather is read at the next backward's end
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(step * world + rank))
+        comm.cross_entropy(model(x), x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+    calls = {"state_dict": comm.state_dict, "model.state_dict": model.state_dict, "full": comm.full_state_dict}
+    said = said_by(RuntimeError, calls.get(where, comm.close))
+    comm.close()  # a second close does nothing
+    return said
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("where", ["state_dict", "model.state_dict", "full", "close"])
+def test_the_last_check_no_backward_read_is_read_where_the_weights_leave_the_run(where: str) -> None:
+    # On CUDA the check's gather is read at the next backward's end: the last one of a
+    # run (backward 2 here) was never read, and its parted replicas were saved, exported
+    # or closed without a word; now a state dict and the close read it first
+    for said in run_ranks(_unread_check_worker, 2, where, timeout_s=90):
+        assert said.startswith("isp-comm: the replicated parameters embed.weight") and "backward 2" in said, said
+
+
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("clip", ["torch", "comm"])
 def test_replicas_stepped_apart_stop_the_run_and_say_why(clip: str) -> None:
