@@ -388,11 +388,11 @@ def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -
 
     from isp_comm.train.launch import failed_job_exit
 
-    def failures(*codes: int) -> ChildFailedError:  # in the order the ranks failed
+    def failures(*codes: int, stamps: tuple[int, ...] = ()) -> ChildFailedError:  # in the order the ranks failed
         made = {}
         for rank, code in enumerate(codes):
             made[rank] = ProcessFailure(rank, 1000 + rank, code, str(tmp_path / "none"))
-            made[rank].timestamp = rank  # rank 0 first
+            made[rank].timestamp = stamps[rank] if stamps else rank  # rank 0 first
         return ChildFailedError("isp_comm.train", made)
 
     assert failed_job_exit(failures(143, -15)) == 143
@@ -404,6 +404,16 @@ def test_a_job_ended_by_a_signalled_rank_exits_with_its_code(tmp_path, capsys) -
     assert "rank 0 was killed by SIGTERM (from outside the job" in capsys.readouterr().err
     assert failed_job_exit(failures(-11, -15)) == 2  # a segfault is the rank's own
     assert "rank 0 crashed (SIGSEGV: a fault inside the rank" in capsys.readouterr().err
+    # a rank killed leaves no error file: torch stamps it when the agent sees it, after
+    # its peer's error at losing it (the same whole second, or the next), and the kill
+    # went unnamed; a death by a signal the launcher does not send is the cause
+    for stamps in ((7, 7), (7, 8)):
+        assert failed_job_exit(failures(1, -9, stamps=stamps)) == 2
+        assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+    assert failed_job_exit(failures(1, -15, stamps=(7, 7))) == 2  # the launcher's own stop: not named
+    assert failed_job_exit(failures(1, -9, stamps=(7, 40))) == 2  # killed long after the error: not its cause
+    assert failed_job_exit(failures(143, -9, stamps=(7, 7))) == 143  # a rank that saved on a signal decides
+    assert not capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

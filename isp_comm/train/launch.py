@@ -29,7 +29,7 @@ from isp_comm.backends.shm import owners_gone
 from isp_comm.processes import AfterImport, children_start_with_stops_blocked
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts")
 """TrainConfig fields that the launcher consumes (the ranks never see them)."""
@@ -58,7 +58,7 @@ def failed_job_exit(exc: ChildFailedError) -> int:
     other failure is 2. A rank killed by a signal before anything failed (the
     out-of-memory killer) could not say why, and the ranks stopped after it do not: one
     line names it, and says whether the rank crashed (:data:`CRASH_SIGNALS`)."""
-    rank, first = exc.get_first_failure()
+    rank, first = first_failure(exc)
     if first.exitcode < 0:
         name = first.signal_name()
         said = (
@@ -70,6 +70,34 @@ def failed_job_exit(exc: ChildFailedError) -> int:
         )
         print(f"isp-train: error: {said}; the other ranks were stopped", file=sys.stderr)
     return first.exitcode if first.exitcode > 128 else 2
+
+
+def first_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that ended the job. torch's is the earliest stamped, but a rank that
+    died of a signal left no error file, so its stamp is when the agent saw it, after
+    the peer that lost it raised (in the same whole second, or the next): the peer's
+    error came first and the death went unnamed. A rank dead of a signal the launcher
+    does not send (not SIGTERM or SIGINT) seen within :data:`SEEN_WITHIN_S` of a first
+    failure that was an error (exit 1 to 127) is taken as the cause."""
+    rank, first = exc.get_first_failure()
+    if not 0 < first.exitcode < 128:
+        return rank, first
+    dead = [
+        (f.timestamp, r)
+        for r, f in exc.failures.items()
+        if f.exitcode < 0
+        and f.signal_name() not in ("SIGTERM", "SIGINT")
+        and f.timestamp - first.timestamp <= SEEN_WITHIN_S
+    ]
+    if not dead:
+        return rank, first
+    cause = min(dead)[1]
+    return cause, exc.failures[cause]
+
+
+SEEN_WITHIN_S = 5
+"""Seconds after a rank's error within which a peer's death by a signal is taken as its
+cause (the agent polls its ranks every 0.1 s; stamps are whole seconds)."""
 
 
 def rendezvous_failure(exc: BaseException, endpoint: str) -> str:
