@@ -121,6 +121,22 @@ def test_json_rows_null_and_bad_ones_name_their_line(tmp_path):
             texts("bad.jsonl", data)
 
 
+def test_a_text_file_that_is_not_utf8_is_refused_with_its_line(tmp_path):
+    """A ``.txt`` document is refused as a JSON row is: a Latin-1 file was once read with
+    its bytes replaced by U+FFFD, and trained on replacement characters without a word.
+    A byte-order mark is allowed (not a token)."""
+    from isp_comm.train.store import iter_texts
+
+    (tmp_path / "ok.txt").write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9\nna\xc3\xafve\n")
+    assert list(iter_texts([str(tmp_path / "ok.txt")])) == ["caf\u00e9\nna\u00efve\n"]
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\nna\u00efve\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape("latin1.txt: line 1 is not UTF-8 text (byte b'\\xe9')")):
+        list(iter_texts([str(tmp_path / "latin1.txt")]))
+    (tmp_path / "late.txt").write_bytes(b"alpha\nbeta\ngam\xffma\n")
+    with pytest.raises(ValueError, match=re.escape("late.txt: line 3 is not UTF-8 text (byte b'\\xff')")):
+        list(iter_texts([str(tmp_path / "late.txt")]))
+
+
 def test_check_data_refusals(tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(8, dtype=np.float32))
     np.save(tmp_path / "neg.npy", np.array([1, -2, 3], dtype=np.int32))

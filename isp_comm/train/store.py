@@ -137,11 +137,14 @@ def input_files(path: str) -> list[str]:
 
 def iter_texts(files: list[str], text_field: str = "text") -> Iterator[str]:
     """Each document's text: a whole ``.txt`` file, a JSON-lines row's or JSON list
-    item's ``text_field``, a Parquet row's ``text_field`` column (pyarrow, lazily)."""
+    item's ``text_field``, a Parquet row's ``text_field`` column (pyarrow, lazily).
+    Bytes that are not UTF-8 are refused with the file's line, in a ``.txt`` as in a
+    JSON file (a ``.txt`` once had them replaced by U+FFFD without a word: a Latin-1
+    file trained on replacement characters)."""
     for path in files:
-        if path.endswith(".txt"):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+        if path.endswith(".txt"):  # refused as a JSON row is: a replaced byte would train as U+FFFD
+            with open(path, "rb") as f:
+                yield _utf8(path, f.read(), 1)
         elif path.endswith((".jsonl", ".json")):
             yield from _json_texts(path, text_field)
         elif path.endswith(".parquet"):
