@@ -97,6 +97,19 @@ def test_prepare_folder_of_text_files_and_missing_field(tmp_path):
         prepare_store(str(bad), str(tmp_path / "tok"), progress=False)
 
 
+def test_data_with_no_documents_is_refused_naming_it(tmp_path):
+    """An empty ``.jsonl`` (or a folder of them) is one line naming the ``--data``: it
+    once stopped isp-train with "no tokens to store", which named neither the file nor
+    what was wrong with it."""
+    from isp_comm.testing import tiny_tokenizer
+
+    tiny_tokenizer(str(tmp_path / "tok"), "alpha beta gamma delta " * 30)
+    (tmp_path / "empty.jsonl").write_bytes(b"\n\n")
+    with pytest.raises(ValueError, match=r"--data .*empty\.jsonl: it holds no documents"):
+        prepare_store(str(tmp_path / "empty.jsonl"), str(tmp_path / "tok"), progress=False)
+    assert not [p for p in os.listdir(tmp_path) if ".store-" in p]  # nothing half-written left
+
+
 def test_json_rows_null_and_bad_ones_name_their_line(tmp_path):
     """A null text is an empty document (as Parquet's null); a number or a list was
     trained as its repr ("None", "5"); a bad row, bytes that are not UTF-8 and a JSON

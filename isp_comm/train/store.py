@@ -74,9 +74,12 @@ def token_dtype(vocab: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab <= 2**16 else np.dtype(np.uint32)
 
 
-def write_store(folder: str, docs: Iterable[np.ndarray], vocab: int, meta: dict | None = None) -> TokenStore:
+def write_store(
+    folder: str, docs: Iterable[np.ndarray], vocab: int, meta: dict | None = None, source: str = ""
+) -> TokenStore:
     """Write the documents ``docs`` (integer arrays, each already EOS-terminated when
-    wanted) as a store at ``folder``, atomically, and open it."""
+    wanted) as a store at ``folder``, atomically, and open it. ``source``: the ``--data``
+    they came from, named when it holds no document (else the refusal names nothing)."""
     dtype = token_dtype(vocab)
     tmp = f"{folder.rstrip(os.sep)}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -90,6 +93,10 @@ def write_store(folder: str, docs: Iterable[np.ndarray], vocab: int, meta: dict 
                     raise ValueError(f"a token id outside [0, {vocab}) in document {len(offsets) - 1}")
                 f.write(d.astype(dtype, copy=False).tobytes())
                 offsets.append(offsets[-1] + d.size)
+        if offsets[-1] == 0 and source:
+            raise ValueError(
+                f"--data {source}: it holds no documents (an empty file, or only empty files): nothing to train on"
+            )
         if offsets[-1] == 0:
             raise ValueError("no tokens to store")
         np.save(os.path.join(tmp, "index.npy"), np.asarray(offsets, dtype=np.int64))
@@ -267,7 +274,7 @@ def prepare_store(
         os.makedirs(cache_dir, exist_ok=True)
     meta = {"tokenizer": os.path.abspath(tokenizer_dir), "sources": files, "text_field": text_field}
     try:
-        return write_store(folder, docs(), len(tok), meta)
+        return write_store(folder, docs(), len(tok), meta, source=data)
     finally:
         bar.close()
 
