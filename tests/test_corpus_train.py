@@ -56,6 +56,20 @@ def test_packed_targets_and_sequence(tmp_path) -> None:
     assert r.cu_seqlens.tolist() == rows.row(2).cu_seqlens.tolist() + (rows.row(0).cu_seqlens[1:] + 8).tolist()
 
 
+def test_documents_that_are_all_empty_are_refused(tmp_path) -> None:
+    """A store whose documents are each their EOS alone (a JSON field null in every
+    row) has no target in any packed row: a run on it logged loss 0.0 at every step
+    without a word. It is refused, as training data and as held-out data; one empty
+    document among others is not."""
+    empty = write_store(str(tmp_path / "empty"), [np.array([0]) for _ in range(300)], VOCAB)
+    with pytest.raises(ValueError, match=r"--data: its 300 document\(s\) are all empty .*--text-field"):
+        TrainData(empty.tokens, empty.offsets, Slicing(2, 1, 8))
+    mixed = write_store(str(tmp_path / "mixed"), [np.append(np.arange(1, 40), 0)] * 3 + [np.array([0])] * 60, VOCAB)
+    with pytest.raises(ValueError, match=r"the held-out data: its 32 document\(s\) are all empty"):
+        TrainData(mixed.tokens, mixed.offsets, Slicing(2, 1, 8), eval_split=0.5, eval_batches=1)
+    assert len(TrainData(mixed.tokens, mixed.offsets, Slicing(2, 1, 8)).rows) == (len(mixed.tokens) - 1) // 8
+
+
 def test_eval_split_holds_out_the_last_documents(tmp_path) -> None:
     store = write_store(str(tmp_path / "s"), [np.full(10, i + 1) for i in range(20)], VOCAB)
     data = TrainData(store.tokens, store.offsets, Slicing(2, 1, 4), eval_split=0.1, eval_batches=2)

@@ -110,6 +110,19 @@ class EvalSet:
     micros: list[Micro]
 
 
+def refuse_empty_documents(tokens, offsets, what: str) -> None:
+    """Refuse documents that are each their EOS alone (or nothing): packed rows of them
+    hold no target, and a run on them logged a loss of 0.0 at every step without a
+    word (a JSON field null in every row, text the tokenizer maps to nothing). Cheap:
+    the index is read only when there are no more tokens than documents."""
+    n_docs = len(offsets) - 1
+    if len(tokens) <= n_docs and int(np.diff(np.asarray(offsets)).max(initial=0)) < 2:
+        raise ValueError(
+            f"{what}: its {n_docs} document(s) are all empty (each its EOS alone), so there is nothing to "
+            "predict: is the text under another field (isp-prepare-data --text-field NAME), or null in every row?"
+        )
+
+
 def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalSet:
     """``batches`` global batches of the held-out data, in order: its first packed rows
     (wrapping around when it holds fewer), or windows at fixed seeds."""
@@ -120,6 +133,7 @@ def eval_set(tokens, offsets, cut: Slicing, batches: int, packed: bool) -> EvalS
             "or a longer --eval-data"
         )
     if packed:
+        refuse_empty_documents(tokens, offsets, "the held-out data")
         rows = PackedRows(tokens, offsets, cut.seq)
         for b in range(batches):
             ids = [(b * cut.batch + j) % len(rows) for j in range(cut.batch)]
@@ -139,7 +153,8 @@ class TrainData:
     """What a run trains and validates on: packed rows in a resumable order when the
     documents are known (``offsets``) and ``pack`` is on, else random windows; the
     held-out batches of ``eval_split`` (the last documents, or tokens) or of
-    ``eval_source`` (tokens, offsets)."""
+    ``eval_source`` (tokens, offsets). ``data_name``: how a refusal of the data names it
+    (``--data PATH``)."""
 
     def __init__(
         self,
@@ -151,6 +166,7 @@ class TrainData:
         eval_split: float = 0.0,
         eval_source: tuple | None = None,
         eval_batches: int = 0,
+        data_name: str = "--data",
     ) -> None:
         self.cut, self.packed = cut, pack and offsets is not None
         if eval_split and offsets is not None:
@@ -163,6 +179,7 @@ class TrainData:
         if len(tokens) < cut.seq + 2:
             raise ValueError(f"--seq {cut.seq} is longer than the training data ({len(tokens)} tokens)")
         if self.packed:
+            refuse_empty_documents(tokens, offsets, data_name)
             self.rows = PackedRows(tokens, offsets, cut.seq)
             self.order = DataOrder(len(self.rows), seed=seed)
         self.eval = None

@@ -124,7 +124,10 @@ def train_data(cfg: TrainConfig, tokens, offsets, vocab: int, world: int, rank: 
         if ev_vocab > vocab:
             raise ValueError(f"--eval-data {cfg.eval_data}: token ids up to {ev_vocab - 1}, the vocabulary is {vocab}")
         eval_source = (ev_tokens, ev_offsets)
-    return TrainData(tokens, offsets, cut, cfg.pack_boundaries, cfg.seed, cfg.eval_split, eval_source, cfg.eval_batches)
+    return TrainData(
+        tokens, offsets, cut, cfg.pack_boundaries, cfg.seed, cfg.eval_split, eval_source, cfg.eval_batches,
+        data_name=f"--data {cfg.data}",
+    )  # fmt: skip
 
 
 def wrap(
