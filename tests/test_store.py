@@ -283,6 +283,26 @@ def test_parquet_and_memory_stays_flat_while_reading(tmp_path):
     assert anon_kib() - before < 8 * 1024
 
 
+def test_a_parquet_column_that_is_not_text_is_refused(tmp_path):
+    """A Parquet text column of numbers or bytes is refused with one line naming the
+    file, the column and its type, as a JSON row of a number is: the tokenizer once
+    raised on it, a traceback on rank 0 and a lost peer on the others. Strings,
+    dictionary-encoded too, are read."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from isp_comm.testing import tiny_tokenizer
+
+    tiny_tokenizer(str(tmp_path / "tok"), "one two three " * 10)
+    cases = {"ints": pa.array([1, 2]), "bytes": pa.array([b"one", b"two"]), "lists": pa.array([["one"], ["two"]])}
+    for name, column in cases.items():
+        pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
+        with pytest.raises(ValueError, match=rf"{name}\.parquet: column 'text' holds [^,]+, not text: convert it"):
+            prepare_store(str(tmp_path / f"{name}.parquet"), str(tmp_path / "tok"), progress=False)
+    pq.write_table(pa.table({"text": pa.array(["one", "two"]).dictionary_encode()}), tmp_path / "dict.parquet")
+    assert prepare_store(str(tmp_path / "dict.parquet"), str(tmp_path / "tok"), progress=False).n_docs == 2
+
+
 def test_windows_of_mapped_files_read_the_right_tokens(tmp_path):
     from isp_comm.train.batching import batch_at
     from isp_comm.train.data import read_windows

@@ -160,10 +160,26 @@ def iter_texts(files: list[str], text_field: str = "text") -> Iterator[str]:
             pf = pq.ParquetFile(path)
             if text_field not in pf.schema_arrow.names:
                 raise ValueError(f"--data {path}: no column {text_field!r} (have {pf.schema_arrow.names})")
+            _refuse_non_text_column(path, text_field, pf.schema_arrow.field(text_field).type)
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (t or "" for t in batch.column(0).to_pylist())
         else:
             raise ValueError(f"--data {path}: cannot read this kind of file (want {'/'.join(TEXT_SUFFIXES)})")
+
+
+def _refuse_non_text_column(path: str, field: str, kind) -> None:
+    """Refuse a Parquet column ``field`` whose Arrow type ``kind`` is not text (numbers,
+    bytes, lists), as a JSON row holding one is refused: the tokenizer raised on the
+    first batch, a traceback on rank 0 and a lost peer on the others."""
+    import pyarrow as pa
+
+    value = kind.value_type if pa.types.is_dictionary(kind) else kind
+    text = (pa.types.is_string, pa.types.is_large_string, getattr(pa.types, "is_string_view", lambda _: False))
+    if not any(is_text(value) for is_text in text):
+        raise ValueError(
+            f"--data {path}: column {field!r} holds {kind}, not text: convert it to strings (utf8), or for text "
+            "under another column, isp-prepare-data FILE --tokenizer DIR --text-field NAME"
+        )
 
 
 def _json_texts(path: str, field: str) -> Iterator[str]:
