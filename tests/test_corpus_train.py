@@ -214,6 +214,24 @@ def test_packed_run_resumes_bitwise_and_logs_eval(tmp_path) -> None:
         assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr[-2000:]
 
 
+def test_packed_resume_with_another_seq_of_as_many_rows_is_refused(tmp_path) -> None:
+    """A small corpus can be cut into as many rows at two --seq (2,936 tokens: 45 rows
+    at 64 and at 65), and a checkpoint's data order alone (rows, seed, tokens) then
+    took a resume with the other length, its position counting rows of another length
+    (data.md promises a refusal). The checkpoint holds the rows' length: one line."""
+    store = write_store(str(tmp_path / "s"), [np.append(np.arange(1, 40), 0) for _ in range(15)], VOCAB)
+    assert (len(store.tokens) - 1) // 32 == (len(store.tokens) - 1) // 33  # 18 rows either way
+    saved = TrainData(store.tokens, store.offsets, Slicing(2, 1, 32)).state_dict()
+    with pytest.raises(ValueError, match=r"packed rows are --seq 32 long, this run's --seq 33: .* same --seq"):
+        TrainData(store.tokens, store.offsets, Slicing(2, 1, 33)).resume(saved, 1)
+    out = str(tmp_path / "run")
+    assert _train("--data", store.path, "--steps", "2", "--out", out).returncode == 0
+    res = _train("--seq", "33", "--steps", "4", "--out", out, "--resume")
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "same --seq to resume" in lines[0], res.stderr[-2000:]
+    assert _train("--steps", "3", "--out", out, "--resume").returncode == 0
+
+
 def test_random_windows_resume_only_on_their_data(tmp_path) -> None:
     """A random-window run's checkpoint holds its windows' identity: a resume with
     another --seq or other tokens is one line; the same flags resume."""

@@ -210,6 +210,11 @@ class TrainData:
                     f"({_windows_text(self.windows())}): same --data, --seq and --eval-split to resume"
                 )
             return
+        if saved.get("seq", self.cut.seq) != self.cut.seq:
+            raise ValueError(
+                f"the checkpoint's packed rows are --seq {saved['seq']} long, this run's --seq {self.cut.seq}: the "
+                "data order counts rows of the checkpoint's length, same --seq to resume"
+            )
         if saved.get("tokens", self.identity()) != self.identity():
             theirs, mine = saved["tokens"], self.identity()
             raise ValueError(
@@ -236,11 +241,11 @@ class TrainData:
         return [self.cut.seq, *self.identity()]
 
     def state_dict(self) -> dict:
-        """What a checkpoint holds of the data: the data order at the last step taken
-        and the tokens' identity, or the random windows' identity."""
+        """What a checkpoint holds of the data: the data order at the last step taken,
+        the tokens' identity and the rows' length, or the random windows' identity."""
         if self.order is None:
             return {"windows": self.windows()}
-        return {**self.order.state_dict(), "position": self.position, "tokens": self.identity()}
+        return {**self.order.state_dict(), "position": self.position, "tokens": self.identity(), "seq": self.cut.seq}
 
     def taken(self, step: Step) -> None:
         self.position = step.position

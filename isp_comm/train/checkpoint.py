@@ -52,6 +52,9 @@ WINDOWS = "data_windows"
 DATA_TOKENS = "data_tokens"
 """A packed run's tokens: [count, checksum] (``TrainData.identity``; not in a
 checkpoint written before it, whose resume does not compare them)."""
+DATA_SEQ = "data_seq"
+"""A packed run's row length, [--seq] (not in a checkpoint written before it): two
+lengths can cut a small corpus into as many rows, which the data order alone accepted."""
 # Test-only fault injection: rank 1 kills itself when about to commit step N (its data
 # and DCP's metadata are written, the folder not yet renamed).
 KILL_AT_COMMIT_ENV = "ISP_COMM_TEST_KILL_AT_COMMIT"
@@ -174,6 +177,8 @@ def _state(
         state[DATA_ORDER] = torch.tensor([data_order[k] for k in DATA_ORDER_FIELDS], dtype=torch.int64)
         if "tokens" in data_order:
             state[DATA_TOKENS] = torch.tensor(data_order["tokens"], dtype=torch.int64)
+        if "seq" in data_order:
+            state[DATA_SEQ] = torch.tensor([data_order["seq"]], dtype=torch.int64)
     device, rank = comm.units[0].device, dist.get_rank()
     for kind, get in (("rng", torch.get_rng_state), ("cuda_rng", lambda: torch.cuda.get_rng_state(device))):
         if kind == "cuda_rng" and device.type != "cuda":
@@ -401,8 +406,9 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_orde
     wanted = {k: 0 for k in DATA_ORDER_FIELDS} if data_order is not None and DATA_ORDER in saved else None
     if data_order is not None and WINDOWS in saved:
         wanted = {"windows": [0] * 3}
-    elif wanted is not None and DATA_TOKENS in saved:
-        wanted["tokens"] = [0, 0]
+    elif wanted is not None:
+        wanted |= {"tokens": [0, 0]} if DATA_TOKENS in saved else {}
+        wanted |= {"seq": 0} if DATA_SEQ in saved else {}
     state = _state(comm, opt, 0, saved, wanted)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -417,6 +423,8 @@ def load(path: str, comm: ISPCommunicator, opt: torch.optim.Optimizer, data_orde
             data_order.update(zip(DATA_ORDER_FIELDS, state[DATA_ORDER].tolist()))
             if DATA_TOKENS in state:
                 data_order["tokens"] = state[DATA_TOKENS].tolist()
+            if DATA_SEQ in state:
+                data_order["seq"] = int(state[DATA_SEQ][0])
     for key, value in state.items():
         if key.startswith("rng/"):
             torch.set_rng_state(value)
