@@ -134,6 +134,26 @@ def test_json_rows_null_and_bad_ones_name_their_line(tmp_path):
             texts("bad.jsonl", data)
 
 
+def test_a_json_file_of_one_object_is_refused_as_such(tmp_path):
+    """A ``.json`` that is one object over several lines (a ``{"data": [...]}``
+    wrapper) was refused as "not JSON at line 1", of a valid JSON file: it is named
+    for what it is. JSON lines, a JSON list and a broken row are read as before."""
+    from isp_comm.train.store import iter_texts
+
+    docs = [{"text": "a"}, {"text": "b"}]
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": docs, "version": 1}, indent=2))
+    with pytest.raises(ValueError, match=re.escape("wrapped.json: one JSON object (keys 'data', 'version'), not doc")):
+        list(iter_texts([str(tmp_path / "wrapped.json")]))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "list.json").write_text(json.dumps(docs, indent=2))
+    assert list(iter_texts([str(tmp_path / "lines.json"), str(tmp_path / "list.json")])) == ["a", "b"] * 2
+    (tmp_path / "long.json").write_text(json.dumps({"text": "x " * 5000}))  # one row, longer than any peek
+    assert list(iter_texts([str(tmp_path / "long.json")])) == ["x " * 5000]
+    (tmp_path / "broken.json").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match=re.escape("broken.json: not JSON at line 2")):
+        list(iter_texts([str(tmp_path / "broken.json")]))
+
+
 def test_a_text_file_that_is_not_utf8_is_refused_with_its_line(tmp_path):
     """A ``.txt`` document is refused as a JSON row is: a Latin-1 file was once read with
     its bytes replaced by U+FFFD, and trained on replacement characters without a word.

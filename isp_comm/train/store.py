@@ -195,6 +195,7 @@ def _json_texts(path: str, field: str) -> Iterator[str]:
             )
         else:
             f.seek(0)
+            _refuse_one_object(path, f, field)
             rows = (
                 (f"line {n}", _loads(path, _utf8(path, raw, n), n))
                 for n, raw in enumerate(f, 1)
@@ -213,6 +214,33 @@ def _json_texts(path: str, field: str) -> Iterator[str]:
                     f"--data {path}: {where}: {field!r} holds {type(text).__name__} {text!r:.40}, not text"
                 )
             yield text or ""
+
+
+def _refuse_one_object(path: str, f, field: str) -> None:
+    """Refuse a ``.json`` file that is one JSON object over several lines (a
+    ``{"data": [...]}`` wrapper, one pretty-printed document): read as JSON lines, its
+    first line ``{`` was "not JSON at line 1", of a file that is JSON. Only a ``.json``
+    whose first line is not a JSON row is parsed whole; ``f`` is left at its start."""
+    first = next((line for line in f if line.strip(b"\xef\xbb\xbf \t\r\n")), b"").lstrip(b"\xef\xbb\xbf")
+    f.seek(0)
+    if not path.endswith(".json") or not first.lstrip().startswith(b"{"):
+        return
+    try:
+        json.loads(first)
+        return  # JSON lines
+    except ValueError:
+        pass
+    try:
+        whole = json.loads(f.read().decode("utf-8-sig"))
+    except ValueError:  # not one object either: the rows' own refusal names the line
+        whole = None
+    f.seek(0)
+    if isinstance(whole, dict):
+        keys = ", ".join(map(repr, list(whole)[:6]))
+        raise ValueError(
+            f"--data {path}: one JSON object (keys {keys}), not documents: a .json holds a list of "
+            f"{{{field!r}: ...}} objects, or one such object per line (JSON lines)"
+        )
 
 
 def _utf8(path: str, raw: bytes, line: int) -> str:
