@@ -32,6 +32,23 @@ def test_store_round_trips(tmp_path, vocab, dtype):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_a_killed_writes_temporary_folder_is_removed_by_the_next(tmp_path):
+    """A preparation killed mid-write left ``STORE.HOST.PID.tmp`` (a partial corpus)
+    that no later run removed; the next write of the same store removes it when its
+    process is gone, and keeps a live process's (a job preparing it now)."""
+    import socket
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, folder = socket.gethostname(), str(tmp_path / "s")
+    dead, live = f"{folder}.{host}.{gone.pid}.tmp", f"{folder}.{host}.{os.getppid()}.tmp"
+    for d in (dead, live):
+        os.makedirs(d)
+        (tmp_path / d / "tokens.bin").write_bytes(b"\0" * 64)
+    write_store(folder, [np.arange(5)], 50)
+    assert not os.path.exists(dead) and os.path.isdir(live)
+
+
 def test_store_refuses_ids_outside_the_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="outside"):
         write_store(str(tmp_path / "s"), [np.array([0, 70_000])], 65_536)

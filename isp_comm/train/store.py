@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ def write_store(
     wanted) as a store at ``folder``, atomically, and open it. ``source``: the ``--data``
     they came from, named when it holds no document (else the refusal names nothing)."""
     dtype = token_dtype(vocab)
-    tmp = f"{folder.rstrip(os.sep)}.{os.getpid()}.tmp"
+    remove_dead_writes(folder)
+    tmp = f"{folder.rstrip(os.sep)}.{socket.gethostname()}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     offsets = [0]
@@ -114,6 +116,34 @@ def write_store(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return open_store(folder)
+
+
+def remove_dead_writes(folder: str) -> None:
+    """Remove the temporary folders that killed writes of the store ``folder`` left on
+    this host (``FOLDER.HOST.PID.tmp`` whose process is gone): each held a partial
+    corpus (21 MB of a 40 MB JSON-lines file killed at 9 s), which no later run
+    removed. Another host's, or a live process's (a job preparing the same store), are
+    left alone."""
+    parent, base = os.path.split(os.path.abspath(folder))
+    prefix = f"{base}.{socket.gethostname()}."
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) : -len(".tmp")] if name.startswith(prefix) and name.endswith(".tmp") else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def open_store(folder: str) -> TokenStore:
