@@ -337,3 +337,27 @@ def test_transformers_model_trains_packed_under_sp(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert "packed rows" in res.stdout
     assert [s for s, r in _rows(out).items() if "eval_loss" in r] == [2, 4]
+
+
+def test_a_text_files_bytes_are_refused_for_a_model_without_a_tokenizer(tmp_path) -> None:
+    """``--model DIR`` without a tokenizer and ``--data FILE.txt`` trained the model on
+    the file's bytes as its own token ids (0-255 of its vocabulary), without a word;
+    it is one line, for --eval-data too. With --tokenizer, or a .npy of the bytes, the
+    same flags are taken."""
+    transformers = pytest.importorskip("transformers")
+    from isp_comm.testing import tiny_hf_config, tiny_tokenizer
+    from isp_comm.train.config import TrainConfig
+
+    folder = str(tmp_path / "m")
+    transformers.AutoModelForCausalLM.from_config(tiny_hf_config("llama", vocab_size=VOCAB)).save_pretrained(folder)
+    (tmp_path / "t.txt").write_text("alpha beta " * 50)
+    text, npy = str(tmp_path / "t.txt"), str(tmp_path / "t.npy")
+    np.save(npy, np.frombuffer((tmp_path / "t.txt").read_bytes(), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"^--data .*t\.txt: --model .* has no tokenizer, .* save them as a \.npy$"):
+        TrainConfig(model=folder, data=text)
+    with pytest.raises(ValueError, match=r"^--eval-data .*t\.txt: --model .* has no tokenizer"):
+        TrainConfig(model=folder, data=npy, eval_data=text, eval_every=1)
+    tiny_tokenizer(str(tmp_path / "tok"), "alpha beta " * 20)
+    assert TrainConfig(model=folder, data=text, tokenizer=str(tmp_path / "tok")).data == text
+    assert TrainConfig(model=folder, data=npy).data == npy
+    assert TrainConfig(data=text).data == text  # the reference llama: bytes are its tokens (vocabulary 256)

@@ -326,6 +326,23 @@ class TrainConfig:
 
             if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
+        self._check_bytes_for_model()
+
+    def _check_bytes_for_model(self) -> None:
+        """Refuse a ``.txt`` ``--data`` or ``--eval-data`` for a ``--model`` folder
+        without a tokenizer (and no ``--tokenizer``): its bytes (0-255) went to the model
+        as its own token ids, a pretrained model trained on 256 arbitrary tokens of its
+        vocabulary without a word (the built-in corpus under --model gets a warning)."""
+        if not self.model or self.tokenizer:
+            return
+        from isp_comm.train.hf_model import has_tokenizer
+
+        for flag, path in (("--data", self.data), ("--eval-data", self.eval_data)):
+            if path.endswith(".txt") and os.path.isfile(path) and not has_tokenizer(self.model):
+                raise ValueError(
+                    f"{flag} {path}: --model {self.model} has no tokenizer, and the file's bytes are not its token "
+                    "ids: give --tokenizer DIR (the model's), or to train on the bytes as ids, save them as a .npy"
+                )
 
     def _check_memory_breakdown(self) -> None:
         """--memory-breakdown against the flags it cannot measure, each refusal saying
