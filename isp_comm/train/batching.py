@@ -229,10 +229,13 @@ class TrainData:
 
     def identity(self) -> list[int]:
         """The training tokens' identity: their count and a checksum of 1,024 tokens
-        spread over them (another corpus of the same length differs there)."""
+        spread over them (another corpus of the same length differs there). Read with
+        ``pread`` (``read_windows``): indexed through the mapping, each token mapped its
+        page-cache folio into the rank, and the first save's identity of a 1 GiB store
+        raised every rank's peak RSS from 424 to 1,257 MiB."""
         if self._identity is None:
-            at = np.linspace(0, len(self.tokens) - 1, num=1024).astype(np.int64)
-            checksum = int(np.asarray([int(self.tokens[int(i)]) for i in at], dtype=np.int64).sum())
+            at = np.linspace(0, len(self.tokens) - 1, num=1024).astype(np.int64).tolist()
+            checksum = sum(int(w[0]) for w in read_windows(self.tokens, at, 1))
             self._identity = [len(self.tokens), checksum]
         return self._identity
 
