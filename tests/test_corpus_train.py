@@ -361,3 +361,25 @@ def test_a_text_files_bytes_are_refused_for_a_model_without_a_tokenizer(tmp_path
     assert TrainConfig(model=folder, data=text, tokenizer=str(tmp_path / "tok")).data == text
     assert TrainConfig(model=folder, data=npy).data == npy
     assert TrainConfig(data=text).data == text  # the reference llama: bytes are its tokens (vocabulary 256)
+
+
+def test_a_refusal_of_a_flag_the_resume_took_names_where_it_came_from(tmp_path, capsys) -> None:
+    """``--resume --data STORE`` of a run begun on text with ``--tokenizer`` took that
+    flag from the run and stopped with "--tokenizer needs --data, a text file to
+    tokenize", naming a flag the user had not typed; the line now says it is the run's
+    and from which file, and an empty value drops it."""
+    from isp_comm.train.config import parse_config
+
+    store, tok, out = _store(str(tmp_path / "s")), tmp_path / "tok", tmp_path / "run"
+    tok.mkdir()
+    out.mkdir()
+    (tmp_path / "c.jsonl").write_text('{"text": "a"}\n')
+    (out / "config.json").write_text(json.dumps({"data": str(tmp_path / "c.jsonl"), "tokenizer": str(tok)}))
+    with pytest.raises(SystemExit):
+        parse_config(["--resume", "--out", str(out), "--data", store])
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(
+        f"--tokenizer needs --data, a text file to tokenize (--tokenizer {tok}: the resumed run's, from "
+        f"{out / 'config.json'}; give --tokenizer anew, or an empty value to drop it)"
+    ), said
+    assert parse_config(["--resume", "--out", str(out), "--data", store, "--tokenizer", ""]).data == store

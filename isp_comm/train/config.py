@@ -552,8 +552,22 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         if taken:
             _check_resumed_layout(cfg, taken)
     except (ValueError, TypeError) as exc:
-        p.error(str(exc))
+        p.error(_name_taken_flag(str(exc), values, taken))
     return cfg
+
+
+def _name_taken_flag(message: str, values: dict, taken: dict) -> str:
+    """A refusal that starts with a flag ``--resume`` took from the run (not typed now)
+    names the file it came from: ``--resume --data STORE`` of a run begun on text took
+    its ``--tokenizer`` and stopped with "--tokenizer needs --data, a text file to
+    tokenize", which sent the user looking for a flag they had not given."""
+    named = next((k for k in taken if message.startswith(f"--{_flag(k)} ")), None)
+    if named is None or named in ("sp", "wp", "batch", "seq"):  # the layout's: _check_resumed_layout says so
+        return message
+    return (
+        f"{message} ({shown(named, values[named])}: the resumed run's, from {taken[named]}; give "
+        f"--{_flag(named)} anew, or an empty value to drop it)"
+    )
 
 
 NOT_RESUMED = frozenset(
