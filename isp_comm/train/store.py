@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from isp_comm.backends.shm import pid_alive
 from isp_comm.train.data import read_windows
 
 FORMAT = "isp-token-store-1"
@@ -132,18 +133,8 @@ def remove_dead_writes(folder: str) -> None:
         return
     for name in names:
         pid = name[len(prefix) : -len(".tmp")] if name.startswith(prefix) and name.endswith(".tmp") else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
 
 
 def open_store(folder: str) -> TokenStore:
