@@ -686,6 +686,10 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
     assert list(losses(out)) == [1, 2]
     assert not {"hang.json", "hang.txt", "hang.previous.json", "memory_breakdown.json"} & set(os.listdir(out))
+    shutil.rmtree(os.path.join(out, "checkpoints"))  # a file in the checkpoints' place: it was a traceback
+    with open(os.path.join(out, "checkpoints"), "w") as f:
+        f.write("x")
+    _one_line(_train1("--steps", "4", "--resume", "--out", out), "checkpoints is a file, not a folder of checkpoints")
 
 
 def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:

@@ -347,13 +347,13 @@ def latest(out: str) -> str | None:
 def newest(root: str) -> str | None:
     """The newest committed checkpoint of a checkpoints folder: the one ``latest`` names
     when it is complete, else the highest complete ``step_N``; ``.partial`` folders
-    never count."""
+    never count; none when ``root`` is not a folder (a file in its place)."""
     try:
         with open(os.path.join(root, LATEST)) as f:
             name = f.read().strip()
         if name and os.path.isfile(os.path.join(root, name, ".metadata")):
             return os.path.join(root, name)
-    except FileNotFoundError:
+    except OSError:  # no ``latest`` (or unreadable, or not a file): the steps decide
         pass
     done = complete_steps(root)
     return os.path.join(root, done[-1]) if done else None
