@@ -32,6 +32,7 @@ import math
 import os
 import re
 import struct
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -117,12 +118,35 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
     aliases = {names.get(k, k): v for k, v in tied_aliases(model).items()}
     wanted = {names[k]: v for k, v in state_dict.items() if k in names and names[k] not in aliases}
     with _model_only(path) as folder:
-        _load(wanted, aliases, folder, path)
+        _load(wanted, aliases, folder, path, converted_layouts(model))
 
 
-def _load(wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: str) -> None:
+def converted_layouts(model: nn.Module) -> list[str]:
+    """What transformers renames or fuses when ``from_pretrained`` reads a checkpoint of
+    ``model``'s class (``"sources -> target"`` each; empty for a model whose files hold
+    its parameters under their own names). Such a model's published checkpoints (an
+    MoE's experts one tensor per expert, fused into one parameter per block by
+    transformers 5) carry neither the model's keys nor its shapes: what a refused load
+    says, so that the user knows why and what to do."""
+    tf = sys.modules.get("transformers")  # a model of its classes exists only once it was imported
+    base = next((m for m in model.modules() if tf is not None and isinstance(m, tf.PreTrainedModel)), None)
+    if base is None:
+        return []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers 4: checkpoints hold the parameters as they are
+        return []
+    return [
+        f"{', '.join(map(str, t.source_patterns))} -> {', '.join(map(str, t.target_patterns))}"
+        for t in get_model_conversion_mapping(base, add_legacy=False)
+    ]
+
+
+def _load(wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: str, converted: list[str]) -> None:
     """Check ``wanted``'s keys and shapes against the safetensors files in ``folder``
-    (the model's files of ``path``), then read each rank's part of every tensor."""
+    (the model's files of ``path``), then read each rank's part of every tensor.
+    ``converted``: the renames and fusions transformers applies to this model's files
+    (:func:`converted_layouts`), named in the refusal of files that do not match."""
     reader = HuggingFaceStorageReader(folder)
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(wanted.keys() - stored.keys())
@@ -135,7 +159,16 @@ def _load(wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: st
     if missing or unexpected or mismatched:
         parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else ""]
         parts.append(f"shape mismatches {mismatched}" if mismatched else "")
-        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(p for p in parts if p))
+        why = ""
+        if converted:
+            why = (
+                ". This model's checkpoints are stored in another layout than its parameters, which transformers' "
+                f"from_pretrained converts while loading ({'; '.join(converted)}); load_hf_checkpoint reads only "
+                "tensors stored under the model's own names and shapes. Build the model with from_pretrained(path) "
+                "before wrapping instead (each rank holds it whole until wrapping shards it); comm.save_hf_checkpoint "
+                "then writes a folder in the model's own layout, which load_hf_checkpoint reads"
+            )
+        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(p for p in parts if p) + why)
     dcp.load(wanted, storage_reader=reader)
 
 

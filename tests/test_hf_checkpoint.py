@@ -8,6 +8,7 @@ steps, saves it back, and transformers' ``from_pretrained`` reads the result.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -234,3 +235,54 @@ def test_only_the_models_files_are_read_and_replaced(sources: str, tmp_path) -> 
     assert target == ["adapter_model.safetensors", "config.json", "model.safetensors"], target
     back = _from_pretrained(str(tmp_path / "target")).state_dict()
     assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+
+
+def _tiny_moe_config():
+    """A Mixtral of 2 blocks and 4 experts: transformers 5 fuses its per-expert
+    checkpoint tensors (``block_sparse_moe.experts.N.w1``...) into one 3-D parameter
+    per block while loading, and ``save_pretrained`` writes them back per expert."""
+    return transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+
+
+def _converted_layout(rank: int, world: int, root: str) -> dict:
+    """A converted-layout checkpoint refused, then the way the refusal names: build with
+    from_pretrained before wrapping, save, and that folder loads into a meta-built model."""
+    src, own = os.path.join(root, "moe"), os.path.join(root, "moe-own")
+    with pytest.raises(ValueError) as refused:
+        comm = ISPCommunicator(_meta_model(_tiny_moe_config()), ParallelGroups.create(wp_size=world), ISPConfig())
+        try:
+            comm.load_hf_checkpoint(src)
+        finally:
+            comm.close()
+    ref = _from_pretrained(src)
+    comm = ISPCommunicator(_from_pretrained(src), ParallelGroups.create(wp_size=world), ISPConfig())
+    comm.save_hf_checkpoint(own)
+    comm.close()
+    comm = ISPCommunicator(_meta_model(ref.config), ParallelGroups.create(wp_size=world), ISPConfig())
+    comm.load_hf_checkpoint(own)
+    loaded = comm.full_state_dict()
+    comm.close()
+    err = max((loaded[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"said": str(refused.value), "err": err}
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_that_transformers_converts_is_refused_saying_why(tmp_path) -> None:
+    """An MoE checkpoint as published (one tensor per expert) holds neither the keys nor
+    the shapes of transformers 5's fused experts: the refusal says that transformers
+    converts this model's files while loading and what to do, not only which keys
+    differ; and what it says to do (from_pretrained before wrapping, then
+    save_hf_checkpoint) gives a folder that loads bitwise."""
+    if importlib.util.find_spec("transformers.conversion_mapping") is None:
+        pytest.skip("transformers 4 stores every parameter under its own name")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_tiny_moe_config()).save_pretrained(tmp_path / "moe")
+    for r in run_ranks(_converted_layout, 2, str(tmp_path), timeout_s=100):
+        assert "unexpected keys" in r["said"] and "block_sparse_moe.experts.0.w1.weight" in r["said"]
+        assert "converts while loading" in r["said"] and "from_pretrained(path) before wrapping" in r["said"]
+        assert ".experts.*.w1.weight, .experts.*.w3.weight -> .experts.gate_up_proj" in r["said"]
+        assert r["err"] == 0.0
