@@ -273,25 +273,40 @@ class UnitSpec:
     head and the hidden-split embedding are never gathered)."""
 
 
+def shards_in_block(module: nn.Module) -> bool:
+    """Whether a block's ``module`` has its own parameters sharded along dim 0 (all of
+    them): an ``nn.Linear``, or any other module holding a matrix of its own, such as
+    an MoE's experts fused into one 3-D tensor per projection (transformers 5) or a
+    router's weight. Left whole on every rank, with their optimizer state, the experts
+    would be most of an MoE's parameters unsharded, without a word. A module with a
+    0-dim parameter stays whole (a scalar has no rows to split), as do the norms, whose
+    vectors are all they hold."""
+    own = list(module.parameters(recurse=False))
+    if not own or any(p.dim() == 0 for p in own):
+        return False
+    return isinstance(module, nn.Linear) or any(p.dim() >= 2 for p in own)
+
+
 def unit_specs(
     model: nn.Module, block_list: list[nn.Module], config: ISPConfig, head: nn.Module | None = None
 ) -> list[UnitSpec]:
-    """Each block's linears (weights and biases) along dim 0; with ``vocab_parallel``
+    """Each block's linears and other matrix holders (:func:`shards_in_block`) along
+    dim 0; with ``vocab_parallel``
     the head along the vocab; with ``shard_outer_params`` an untied embedding along its
     hidden dim and every other outer parameter along dim 0 (a weight tied to a linear
     follows the linear). In that order: blocks, vocab head, embedding, root."""
     names = {m: n for n, m in model.named_modules()}
     specs = []
     for i, block in enumerate(block_list):
-        linears = [(names[m], m) for m in block.modules() if isinstance(m, nn.Linear)]
-        sharded = {id(p) for _, m in linears for p in m.parameters(recurse=False)}
+        owners = [(names[m], m) for m in block.modules() if shards_in_block(m)]
+        sharded = {id(p) for _, m in owners for p in m.parameters(recurse=False)}
         replicated = [
             ReplicatedParam(m, pn)
             for m in block.modules()
             for pn, p in m.named_parameters(recurse=False)
             if id(p) not in sharded
         ]
-        specs.append(UnitSpec(i, block, linears, replicated))
+        specs.append(UnitSpec(i, block, owners, replicated, names=None))
     vocab = None
     if config.vocab_parallel:
         vocab = find_output_head(model, head, block_list)

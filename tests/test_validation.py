@@ -448,7 +448,7 @@ def _parametrized_worker(rank: int, world: int) -> tuple[float, str]:
 def test_a_parametrization_registered_after_wrapping_is_refused_at_the_forward() -> None:
     # before: weight_norm after wrapping computed from the shard and stopped in the
     # attention with "shape '[2, 7, 6, 6]' is invalid for input of size 252". Before
-    # wrapping it works: its tensors stay whole, replicated (SGD's fp32 parity bound)
+    # wrapping it works: its tensors are sharded with the block's (SGD's fp32 parity bound)
     for diff, said in run_ranks(_parametrized_worker, 2, timeout_s=90):
         assert diff < 2e-6, diff
         assert said.startswith("isp-comm: layers.1.mlp.gate_proj.weight is no longer a parameter"), said
