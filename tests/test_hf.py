@@ -185,3 +185,61 @@ def test_moe_experts_fused_into_3d_tensors_are_sharded(world: int, wp: int, shar
         assert len(experts) == 4 and all(shape[0] < 3 for shape in experts), (rank, experts)
         if sharding == "wp":
             assert all(shape[0] == 2 - rank % wp for shape in experts), (rank, experts)
+
+
+FAMILIES = {
+    "qwen3": dict(head_dim=8),  # q_norm / k_norm
+    "gemma2": dict(head_dim=8, sliding_window=4),  # logit softcapping, pre/post norms, scaled embedding
+    "gemma3_text": dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(),  # fused qkv_proj and gate_up_proj
+    "olmo2": dict(),  # norms after attention and MLP, q/k norms over all heads
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0),
+    "cohere": dict(),  # parallel attention and MLP, LayerNorm, logit scale, tied
+    "stablelm": dict(partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True),  # per-head norms
+    "phi": dict(partial_rotary_factor=0.5),  # biases everywhere, a head with a bias
+    "glm": dict(head_dim=8),  # partial rotary, fused gate_up_proj
+    "gpt_oss": dict(head_dim=8, num_local_experts=3, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"]),  # attention sinks, biased 3-D experts
+}  # fmt: skip
+"""transformers families a llama-class user wraps, beyond llama, qwen2 and mistral (tested
+above and in test_hf_checkpoint.py), with what each adds to a llama."""
+
+
+def _families_worker(rank: int, world: int) -> dict[str, float]:
+    """Each family of :data:`FAMILIES`, tiny, at wp ``world``: the largest difference
+    from the plain model on the whole batch after 2 SGD steps."""
+    out = {}
+    for family, extra in FAMILIES.items():
+        cfg = transformers.AutoConfig.for_model(
+            family, vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, **extra,
+        )  # fmt: skip
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+        ref, model = models
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+        opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randint(1, 37, (2 * world, 9), generator=g)
+            model(input_ids=x.chunk(world)[rank], labels=x.chunk(world)[rank]).loss.backward()
+            ref(input_ids=x, labels=x).loss.backward()
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+        sd, rsd = comm.full_state_dict(), ref.state_dict()
+        out[family] = max((sd[k] - rsd[k]).abs().max().item() for k in rsd) if sd.keys() == rsd.keys() else 1.0
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_llama_class_families_train_as_on_one_process() -> None:
+    """Qwen3, Gemma 2 and 3, Phi-3, OLMo 2, Granite, Cohere, StableLM, Phi, GLM and
+    GPT-OSS at wp 2: the same weights as the plain model after two steps (SGD's fp32
+    parity bound); what each adds to a llama is in :data:`FAMILIES`."""
+    if importlib.util.find_spec("transformers.models.gpt_oss") is None:
+        pytest.skip("this transformers lacks some of the families")
+    for errors in run_ranks(_families_worker, 2, timeout_s=180):
+        assert all(err < 2e-6 for err in errors.values()), errors
