@@ -135,6 +135,15 @@ def test_generate_on_a_wrapped_model_matches_the_plain_models() -> None:
             assert produced == (0 if "lengths" in name else 4 + 3 * rank)
 
 
+def _twins(cfg: transformers.PretrainedConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two models of ``cfg`` with the same fp32 weights: the plain one and the one to wrap."""
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        twins.append(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    return twins[0], twins[1]
+
+
 def _moe_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[float, float, list[tuple[int, ...]]]:
     """A tiny Mixtral (3 experts, uneven over 2 ranks; transformers 5 fuses each
     block's experts into one 3-D tensor per projection) at ``wp`` against the plain
@@ -144,11 +153,7 @@ def _moe_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[float, f
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2,
         max_position_embeddings=64, pad_token_id=0,
     )  # fmt: skip
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
-    ref, model = models
+    ref, model = _twins(cfg)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(state_sharding=sharding))
     experts = [tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 3]
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -214,11 +219,7 @@ def _families_worker(rank: int, world: int) -> dict[str, float]:
             family, vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, **extra,
         )  # fmt: skip
-        models = []
-        for _ in range(2):
-            torch.manual_seed(0)
-            models.append(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
-        ref, model = models
+        ref, model = _twins(cfg)
         comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
         opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
