@@ -189,6 +189,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_validation.py::test_the_last_check_no_backward_read_is_read_where_the_weights_leave_the_run[full]"
         ],
     ),
+    "an MoE's fused experts left whole": (
+        "isp_comm/discovery.py",
+        "    return isinstance(module, nn.Linear) or any(p.dim() >= 2 for p in own)\n",
+        "    return isinstance(module, nn.Linear)\n",
+        ["tests/test_hf.py::test_moe_experts_fused_into_3d_tensors_are_sharded[2-2-wp]"],
+    ),
+    "a killed rank stamped after its peer's error left unnamed": (
+        "isp_comm/train/launch.py",
+        "    rank, first = first_failure(exc)\n",
+        "    rank, first = exc.get_first_failure()\n",
+        ["tests/test_survive.py::test_a_job_ended_by_a_signalled_rank_exits_with_its_code"],
+    ),
     "a forward that returns None taken for one that raised": (
         "isp_comm/communicator.py",
         "raised=out is None and sys.exc_info()[1] is not None",
