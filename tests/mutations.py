@@ -429,8 +429,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "the outer parameters left swapped by a forward that raised": (
         "isp_comm/communicator.py",
-        "            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None), always_call=True\n",
-        "            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None), always_call=False\n",
+        "            always_call=True,\n        )\n        self._wrapper_check",
+        "            always_call=False,\n        )\n        self._wrapper_check",
         ["tests/test_engine_parity.py::test_a_forward_that_raised_puts_the_outer_parameters_back_at_once[bf16]"],
     ),
     "a shard frozen since the forward given its gradient": (
