@@ -692,6 +692,20 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     _one_line(_train1("--steps", "4", "--resume", "--out", out), "checkpoints is a file, not a folder of checkpoints")
 
 
+def test_an_lr_past_the_bound_is_refused_naming_the_bound(capsys) -> None:
+    """--lr 1e30 is finite: its refusal said "must be a finite number > 0", which the
+    user's value already was; it names the bound now."""
+    from isp_comm.train.config import parse_config
+
+    for lr in ("1e30", "1e31"):
+        with pytest.raises(SystemExit) as exit_:
+            parse_config(["--lr", lr])
+        assert exit_.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert lines == [f"isp-train: error: --lr must be a number in (0, 1e+30), got {float(lr)}"], lines
+    assert parse_config(["--lr", "1e29"]).lr == 1e29
+
+
 def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
     """TOML keys, types and values are checked with one line each (booleans strictly),
     and the config.json a run writes is accepted back by --config."""
@@ -702,8 +716,8 @@ def test_config_files_are_checked_key_by_key(tmp_path, capsys) -> None:
         'seq = "64"': "seq must be an integer",
         "steps = 2.5": "steps must be an integer",
         "kv-heads = 4": "keys use underscores: kv_heads",
-        "lr = -1.0": "--lr must be a finite number > 0",
-        "lr = inf": "--lr must be a finite number > 0",
+        "lr = -1.0": "--lr must be a number in (0, 1e+30)",
+        "lr = inf": "--lr must be a number in (0, 1e+30)",
         "weight_decay = -5.0": "--weight-decay must be >= 0",
         "seed = -1": "--seed must be >= 0",
         "steps = [": "not valid TOML",

@@ -25,6 +25,9 @@ from isp_comm.train.reporting.names import parse_report_to
 
 Device = Literal["auto", "cpu", "cuda"]
 ReplicaSync = Literal["micro", "step"]
+MAX_LR = 1e30
+"""--lr must be below this (AdamW keeps the rate as a float): the refusal names the
+bound, where it called 1e30, a finite rate, not "a finite number"."""
 
 
 @dataclass(kw_only=True)
@@ -263,8 +266,8 @@ class TrainConfig:
         self._check_memory_breakdown()
         if not self.clip >= 0:
             raise ValueError(f"--clip must be >= 0, got {self.clip}")
-        if not 0 < self.lr < 1e30:  # AdamW keeps the learning rate as a float (or refuses it)
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.lr < MAX_LR:  # AdamW keeps the learning rate as a float (or refuses it)
+            raise ValueError(f"--lr must be a number in (0, {MAX_LR:g}), got {self.lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.seed < 0:
