@@ -231,6 +231,27 @@ def test_a_package_that_fails_to_import_is_quoted_before_the_ranks_start(tmp_pat
     )
 
 
+def test_a_package_that_fails_to_import_stops_a_single_process_run_before_it_starts(tmp_path) -> None:
+    """Without --nproc-per-node (one process, no launcher) a tracker that fails to
+    import stopped the run at its first report: after the run's first line, with the
+    folder, its lock and its config already written. It is one line before anything
+    now, as under isp-train's launcher."""
+    site = tmp_path / "site" / "tensorboard"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("raise ImportError('No module named broken_dependency')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), os.getcwd()])
+    cmd = [sys.executable, "-m", "isp_comm.train", *SMALL, "--steps", "2", "--report-to", "tensorboard"]
+    res = subprocess.run([*cmd, "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and not res.stdout.strip(), res.stdout + res.stderr
+    assert lines[0] == (
+        "isp-train: error: --report-to tensorboard: the tensorboard package is installed but fails to import: "
+        "ImportError: No module named broken_dependency"
+    )
+    assert not os.path.exists(tmp_path / "run")  # stopped before anything was written
+
+
 def test_report_to_names() -> None:
     assert parse_report_to("none") == ()
     assert parse_report_to("tensorboard") == ("tensorboard",)

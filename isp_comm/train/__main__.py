@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         )
     try:  # before any rank starts: one line, exit 2
         check_layout(cfg, job_world(cfg))
-        if launching:
+        if launching or "LOCAL_RANK" not in os.environ:  # a launcher, or a process alone: no rank has started
             check_imports(parse_report_to(cfg.report_to))
     except ValueError as exc:
         fail(str(exc))
