@@ -21,7 +21,7 @@ from isp_comm import ISPCommTimeout
 from isp_comm.context import CommContext
 from isp_comm.flight import doctor
 from isp_comm.flight.diagnosis import HANG_JSON, HANG_TXT, Diagnoser, classify
-from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER, Heartbeat, StoreKeys
+from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER, POLL_S, Heartbeat, StoreKeys
 from isp_comm.flight.record import FlightRecord
 from isp_comm.flight.watchdog import Watchdog
 from isp_comm.testing import run_ranks
@@ -262,6 +262,23 @@ def test_doctor_live_asks_through_the_trigger_file(tmp_path) -> None:
     (tmp_path / "hang.previous.json").write_text(json.dumps({"header": "hang diagnosis", "lines": ["rank 1 died"]}))
     assert doctor.show(str(tmp_path)).splitlines()[1:] == ["hang diagnosis", "  rank 1 died"]
     assert "an earlier run's, set aside when the next one started" in doctor.show(str(tmp_path))
+
+
+def test_a_trigger_left_by_an_unanswered_doctor_is_not_answered_by_the_next_run(tmp_path) -> None:
+    """``isp-comm doctor --live`` on a folder with no job left its trigger file, and the
+    next run into the folder answered it unasked, writing live/ at its start; it
+    answers only a trigger written after it began."""
+    (tmp_path / LIVE_TRIGGER).write_text("0\n")  # an earlier doctor's, no job then
+    beat = Heartbeat(_record(0, STEP, 2), None, StoreKeys(0), str(tmp_path))
+    beat.start()
+    try:
+        time.sleep(3 * POLL_S)
+        assert not (tmp_path / LIVE_DIR).exists()
+        (tmp_path / "run.json").write_text(json.dumps({"world": 1}))
+        text = doctor.live(str(tmp_path), wait_s=10.0)  # a question asked now is answered
+    finally:
+        beat.close()
+    assert text.splitlines()[0] == f"isp-comm doctor: 1 of 1 ranks of {tmp_path}, now"
 
 
 def test_doctor_live_with_no_job_answering_exits_2(tmp_path, capsys) -> None:

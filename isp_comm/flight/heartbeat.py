@@ -83,6 +83,14 @@ class StoreKeys:
         return self.prefix + "teller"
 
 
+def _trigger_time(run_dir: str | None) -> float:
+    """The modification time of ``run_dir``'s live trigger, 0 where there is none."""
+    try:
+        return os.stat(os.path.join(run_dir, LIVE_TRIGGER)).st_mtime if run_dir else 0.0
+    except OSError:
+        return 0.0
+
+
 class Heartbeat:
     """Publishes ``record``'s position to ``store`` every :data:`BEAT_S` seconds; see the
     module's docstring. ``store`` may be ``None`` (no process group): then only the
@@ -96,7 +104,10 @@ class Heartbeat:
         self.wake = threading.Event()
         """Set to publish the position now (a new step began)."""
         self._thread = threading.Thread(target=self._run, name=f"isp-heartbeat-{record.rank}", daemon=True)
-        self._answered_live = 0.0
+        self._answered_live = _trigger_time(run_dir)
+        """The trigger last answered: at first the one already there, which a ``doctor
+        --live`` that no job answered left behind (this run did not exist to be asked:
+        it wrote live/ unasked at its start)."""
         self.failures = 0
         """Store operations that raised (a store gone at the end of a job): counted, not raised."""
 
