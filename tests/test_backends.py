@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from isp_comm.backends import SymmCpuBackend, TorchBackend
 from isp_comm.backends.base import symmetric_refusal
-from isp_comm.backends.symm_cpu import HOST_ENV
+from isp_comm.backends.symm_cpu import HOST_ENV, SymmHandle
 from isp_comm.errors import ISPCommTimeout
 from isp_comm.testing import run_ranks
 
@@ -193,7 +193,18 @@ def test_stalled_peer_times_out_naming_it() -> None:
     assert "all-gather" in text and "ranks [1]" in text, msg
 
 
-def _waited_at_the_backends_deadline_worker(rank: int, world: int) -> str:
+def _waited_at_the_backends_deadline_worker(rank: int, world: int, wait_s: float = 2.0, told_s: float = 0.0) -> str:
+    """Rank 0 waits ``wait_s`` for an all-gather rank 1 never joins, under the backend's
+    2 s deadline; ``told_s``: the worker's error reaches the handle that much later."""
+    if told_s:  # this rank's process only (each rank is a fresh one)
+        finish = SymmHandle._finish
+
+        def told_late(handle: SymmHandle, error: BaseException | None = None) -> None:
+            if error is not None:
+                time.sleep(told_s)
+            finish(handle, error)
+
+        SymmHandle._finish = told_late
     backend = SymmCpuBackend(timeout_s=2.0)
     group = dist.group.WORLD
     backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(10)  # set-up done
@@ -202,7 +213,7 @@ def _waited_at_the_backends_deadline_worker(rank: int, world: int) -> str:
         backend.close()
         return ""
     with pytest.raises(ISPCommTimeout) as info:
-        backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(2.0)  # as CommContext waits
+        backend.all_gather(torch.empty(world * 4), torch.ones(4), group).wait(wait_s)  # as CommContext waits
     backend.close()
     return str(info.value)
 
@@ -213,6 +224,11 @@ def test_a_wait_as_long_as_the_backends_deadline_names_the_late_rank() -> None:
     """See [Note: a deadline names who is late]."""
     text = run_ranks(_waited_at_the_backends_deadline_worker, 2, timeout_s=40)[0]
     assert "ranks [1] of group [0, 1]" in text, text
+    # the worker's deadline passed first and its error had not reached the handle when
+    # the handle's own passed: the worker had cleared the ranks it waited for, and the
+    # error said only "did not complete within" (a CI run's flake, made certain here)
+    text = run_ranks(_waited_at_the_backends_deadline_worker, 2, 2.2, 0.5, timeout_s=40)[0]
+    assert "did not complete within 2.2s" in text and "ranks [1] of group [0, 1]" in text, text
 
 
 def _out_of_step_worker(rank: int, world: int, dtypes: bool = False) -> str:

@@ -442,11 +442,12 @@ class SymmCpuBackend(Backend):
         and the waiter's usually passes first: its error said only that the
         collective did not complete. So while the worker sleeps here it keeps, in
         ``_stalled`` (a list the handles share, holding no reference to the backend),
-        which ranks it waits for, and the handle's error names them."""
-        try:
-            self._wait_flags_until(g, base, target, what)
-        finally:
-            self._stalled[0] = None
+        which ranks it waits for, and the handle's error names them. A wait that fails
+        leaves its line there: the handle's deadline may pass after the worker's error
+        and before the handle is told of it, and must still name them (it said only
+        "did not complete" in one CI run of 2026-12-05)."""
+        self._wait_flags_until(g, base, target, what)
+        self._stalled[0] = None
 
     def _wait_flags_until(self, g: _Group, base: int, target: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
