@@ -201,6 +201,13 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "    rank, first = exc.get_first_failure()\n",
         ["tests/test_survive.py::test_a_job_ended_by_a_signalled_rank_exits_with_its_code"],
     ),
+    "a failed wait's late ranks cleared before the handle is told": (
+        "isp_comm/backends/symm_cpu.py",
+        "        self._wait_flags_until(g, base, target, what)\n        self._stalled[0] = None\n",
+        "        try:\n            self._wait_flags_until(g, base, target, what)\n"
+        "        finally:\n            self._stalled[0] = None\n",
+        ["tests/test_backends.py::test_a_wait_as_long_as_the_backends_deadline_names_the_late_rank"],
+    ),
     "a forward that returns None taken for one that raised": (
         "isp_comm/communicator.py",
         "raised=out is None and sys.exc_info()[1] is not None",
