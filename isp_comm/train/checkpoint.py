@@ -120,12 +120,13 @@ def _agree(error: str | None, remove: str | None = None) -> None:
         raise CheckpointError(first)
 
 
-def _root(out: str) -> str:
+def checkpoints_folder(out: str) -> str:
+    """The run folder ``out``'s folder of checkpoints."""
     return os.path.join(out, "checkpoints")
 
 
 def _step_dir(out: str, step: int) -> str:
-    return os.path.join(_root(out), f"step_{step:06d}")
+    return os.path.join(checkpoints_folder(out), f"step_{step:06d}")
 
 
 def complete_steps(root: str) -> list[str]:
@@ -214,12 +215,12 @@ class Checkpointer:
         error = None
         if dist.get_rank() == 0:
             try:
-                os.makedirs(_root(out), exist_ok=True)
-                for name in os.listdir(_root(out)):  # a killed run's unfinished writes
+                os.makedirs(checkpoints_folder(out), exist_ok=True)
+                for name in os.listdir(checkpoints_folder(out)):  # a killed run's unfinished writes
                     if name.endswith(PARTIAL):
-                        shutil.rmtree(os.path.join(_root(out), name), ignore_errors=True)
+                        shutil.rmtree(os.path.join(checkpoints_folder(out), name), ignore_errors=True)
             except OSError as exc:
-                error = f"cannot create the checkpoint folder {_root(out)}: {root_cause(exc)}"
+                error = f"cannot create the checkpoint folder {checkpoints_folder(out)}: {root_cause(exc)}"
         _agree(error)
 
     def save(
@@ -312,10 +313,10 @@ class Checkpointer:
                 if os.path.exists(final):  # the same step saved again (e.g. after a resume)
                     shutil.rmtree(final)
                 os.replace(path, final)
-                tmp = os.path.join(_root(self.out), LATEST + ".tmp")
+                tmp = os.path.join(checkpoints_folder(self.out), LATEST + ".tmp")
                 with open(tmp, "w") as f:
                     f.write(os.path.basename(final))
-                os.replace(tmp, os.path.join(_root(self.out), LATEST))
+                os.replace(tmp, os.path.join(checkpoints_folder(self.out), LATEST))
             except OSError as exc:
                 shutil.rmtree(path, ignore_errors=True)
                 error = f"{failed}: {root_cause(exc)}; {self._kept()}"
@@ -329,7 +330,7 @@ class Checkpointer:
         that fails leaves the folder for the next one to try."""
         if not self.keep:
             return
-        root = _root(self.out)
+        root = checkpoints_folder(self.out)
         try:
             done = complete_steps(root)
         except OSError:
@@ -341,7 +342,7 @@ class Checkpointer:
 
 def latest(out: str) -> str | None:
     """The run folder ``out``'s newest committed checkpoint (:func:`newest`)."""
-    return newest(_root(out))
+    return newest(checkpoints_folder(out))
 
 
 def newest(root: str) -> str | None:

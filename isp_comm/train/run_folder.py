@@ -101,10 +101,10 @@ def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
     path = checkpoint.latest(cfg.out) if cfg.resume else None
     if cfg.resume and (path is not None or cfg.resume != "auto"):
         if path is None:
-            root = os.path.join(cfg.out, "checkpoints")
+            root = checkpoint.checkpoints_folder(cfg.out)
             if os.path.exists(root) and not os.path.isdir(root):
                 return f"--resume: {root} is a file, not a folder of checkpoints: nothing to resume from", None
-            return f"--resume: no complete checkpoint in {cfg.out}/checkpoints", None
+            return f"--resume: no complete checkpoint in {root}", None
         step = checkpoint_step(path)
         if cfg.steps <= step and cfg.resume != "auto":  # auto: a finished run (Finished, on every rank)
             return f"--resume: {path} is at step {step}; --steps {cfg.steps} must be larger to train on", None

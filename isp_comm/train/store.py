@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from isp_comm.backends.shm import pid_alive
+from isp_comm.backends.shm import owners_gone
 from isp_comm.train.data import read_windows
 
 FORMAT = "isp-token-store-1"
@@ -96,12 +96,12 @@ def write_store(
                     raise ValueError(f"a token id outside [0, {vocab}) in document {len(offsets) - 1}")
                 f.write(d.astype(dtype, copy=False).tobytes())
                 offsets.append(offsets[-1] + d.size)
-        if offsets[-1] == 0 and source:
+        if offsets[-1] == 0:
             raise ValueError(
                 f"--data {source}: it holds no documents (an empty file, or only empty files): nothing to train on"
+                if source
+                else "no tokens to store"
             )
-        if offsets[-1] == 0:
-            raise ValueError("no tokens to store")
         np.save(os.path.join(tmp, "index.npy"), np.asarray(offsets, dtype=np.int64))
         full = dict(meta or {}) | {
             "format": FORMAT,
@@ -126,14 +126,8 @@ def remove_dead_writes(folder: str) -> None:
     removed. Another host's, or a live process's (a job preparing the same store), are
     left alone."""
     parent, base = os.path.split(os.path.abspath(folder))
-    prefix = f"{base}.{socket.gethostname()}."
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix) : -len(".tmp")] if name.startswith(prefix) and name.endswith(".tmp") else ""
-        if pid.isdigit() and not pid_alive(int(pid)):
+    for name in owners_gone(parent, f"{base}.{socket.gethostname()}.", "."):
+        if name.endswith(".tmp"):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
