@@ -716,8 +716,10 @@ class ISPCommunicator:
     def load_hf_checkpoint(self, path: str) -> None:
         """Load a transformers checkpoint folder (``model.safetensors``, or shards with
         ``model.safetensors.index.json``) into the wrapped model: each rank reads only
-        its own rows of every sharded tensor. Missing or unexpected keys and shape
-        mismatches are a ``ValueError`` naming them. Collective over the world."""
+        its own rows of every sharded tensor (an MoE's, published one tensor per expert,
+        the tensors of its own experts: isp_comm/hf_layouts.py). Missing or unexpected
+        keys and shape mismatches are a ``ValueError`` naming them. Collective over the
+        world."""
         self._check_idle("load_hf_checkpoint()")
         from isp_comm import hf_checkpoint  # DCP's import, only where it is used
 
@@ -728,8 +730,9 @@ class ISPCommunicator:
         """Write the model to the folder ``path`` as transformers' ``save_pretrained``
         does (safetensors files of at most ``max_shard_bytes``, an index when there are
         several, ``config.json`` when the model has a transformers config; tied
-        weights once). Streamed: every rank writes its own shards, then the ranks
-        assemble the output files one tensor at a time. Collective over the world."""
+        weights once; an MoE's experts one tensor each, as ``save_pretrained`` writes
+        them). Every rank writes its own rows straight into the final files: no tensor
+        is assembled whole. Collective over the world."""
         self._check_idle("save_hf_checkpoint()")
         from isp_comm import hf_checkpoint
 

@@ -32,7 +32,6 @@ import math
 import os
 import re
 import struct
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from isp_comm.groups import first_error
+from isp_comm.hf_layouts import Fused, Stored, converted_layouts, stored_layout
 
 INDEX = "model.safetensors.index.json"
 
@@ -118,58 +118,108 @@ def load_hf_checkpoint(model: nn.Module, state_dict: dict[str, Any], path: str) 
     aliases = {names.get(k, k): v for k, v in tied_aliases(model).items()}
     wanted = {names[k]: v for k, v in state_dict.items() if k in names and names[k] not in aliases}
     with _model_only(path) as folder:
-        _load(wanted, aliases, folder, path, converted_layouts(model))
+        _load(model, wanted, aliases, folder, path)
 
 
-def converted_layouts(model: nn.Module) -> list[str]:
-    """What transformers renames or fuses when ``from_pretrained`` reads a checkpoint of
-    ``model``'s class (``"sources -> target"`` each; empty for a model whose files hold
-    its parameters under their own names). Such a model's published checkpoints (an
-    MoE's experts one tensor per expert, fused into one parameter per block by
-    transformers 5) carry neither the model's keys nor its shapes: what a refused load
-    says, so that the user knows why and what to do."""
-    tf = sys.modules.get("transformers")  # a model of its classes exists only once it was imported
-    base = next((m for m in model.modules() if tf is not None and isinstance(m, tf.PreTrainedModel)), None)
-    if base is None:
-        return []
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:  # transformers 4: checkpoints hold the parameters as they are
-        return []
-    return [
-        f"{', '.join(map(str, t.source_patterns))} -> {', '.join(map(str, t.target_patterns))}"
-        for t in get_model_conversion_mapping(base, add_legacy=False)
-    ]
-
-
-def _load(wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: str, converted: list[str]) -> None:
+def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], folder: str, path: str) -> None:
     """Check ``wanted``'s keys and shapes against the safetensors files in ``folder``
-    (the model's files of ``path``), then read each rank's part of every tensor.
-    ``converted``: the renames and fusions transformers applies to this model's files
-    (:func:`converted_layouts`), named in the refusal of files that do not match."""
+    (the model's files of ``path``), then read each rank's part of every tensor. Files
+    in the layout transformers publishes the model in (:mod:`isp_comm.hf_layouts`) are
+    read as such: renamed tensors under their stored names, each rank's experts from
+    their own tensors."""
     reader = HuggingFaceStorageReader(folder)
-    stored = reader.read_metadata().state_dict_metadata
-    missing = sorted(wanted.keys() - stored.keys())
-    unexpected = sorted(stored.keys() - wanted.keys() - aliases.keys())
-    mismatched = [
-        f"{k}: checkpoint {tuple(md.size)}, model {tuple(wanted[k].shape)}"
-        for k, md in stored.items()
-        if k in wanted and isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(wanted[k].shape)
-    ]
-    if missing or unexpected or mismatched:
-        parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else ""]
-        parts.append(f"shape mismatches {mismatched}" if mismatched else "")
-        why = ""
-        if converted:
-            why = (
-                ". This model's checkpoints are stored in another layout than its parameters, which transformers' "
-                f"from_pretrained converts while loading ({'; '.join(converted)}); load_hf_checkpoint reads only "
-                "tensors stored under the model's own names and shapes. Build the model with from_pretrained(path) "
-                "before wrapping instead (each rank holds it whole until wrapping shards it); comm.save_hf_checkpoint "
-                "then writes a folder in the model's own layout, which load_hf_checkpoint reads"
+    metadata = reader.read_metadata().state_dict_metadata
+    stored = {k: tuple(md.size) for k, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
+    own = {k: tuple(v.shape) for k, v in wanted.items()}
+    layout: dict[str, Stored] = {}
+    problems = _differences(own, stored, set(aliases))
+    converted = converted_layouts(model)
+    if problems and converted:  # the layout transformers publishes the model in, maybe
+        alias_shapes = {k: tuple(wanted[v].shape) for k, v in aliases.items() if v in wanted}
+        why = (
+            ". This model's checkpoints are stored in another layout than its parameters, which transformers' "
+            f"from_pretrained converts while loading ({'; '.join(converted)})"
+        )
+        try:
+            layout = stored_layout(model, {**own, **alias_shapes})
+        except ValueError as exc:
+            raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + f"{why}, and {exc}") from None
+        published = _differences(_stored_shapes(layout, own), stored, {_name(layout[k]) for k in alias_shapes})
+        if published:
+            raise ValueError(
+                f"load_hf_checkpoint({path}): "
+                + "; ".join(problems)
+                + f"{why}; in that layout: "
+                + "; ".join(published)
             )
-        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(p for p in parts if p) + why)
-    dcp.load(wanted, storage_reader=reader)
+    elif problems:
+        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems))
+    fused = {k: (layout[k], v) for k, v in wanted.items() if isinstance(layout.get(k), Fused)}
+    dcp.load({_name(layout.get(k, k)): v for k, v in wanted.items() if k not in fused}, storage_reader=reader)
+    _agreed(lambda: _read_experts(fused, folder), f"load_hf_checkpoint({path})")
+
+
+def _differences(expected: Mapping[str, tuple], stored: Mapping[str, tuple], allowed: set[str]) -> list[str]:
+    """What keeps files holding ``stored`` (name: shape) from being read as
+    ``expected``: missing keys, unexpected keys (other than ``allowed``: tied names),
+    shape mismatches; empty when they match."""
+    missing = sorted(expected.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - expected.keys() - allowed)
+    mismatched = [
+        f"{k}: checkpoint {s}, model {expected[k]}" for k, s in stored.items() if k in expected and s != expected[k]
+    ]
+    parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else ""]
+    parts.append(f"shape mismatches {mismatched}" if mismatched else "")
+    return [p for p in parts if p]
+
+
+def _name(where: Stored) -> str:
+    """The stored name of a tensor stored whole (a fused parameter has none)."""
+    return where if isinstance(where, str) else ""
+
+
+def _stored_shapes(layout: Mapping[str, Stored], own: Mapping[str, tuple]) -> dict[str, tuple]:
+    """Every stored tensor's name and shape, for the parameters ``own``."""
+    shapes: dict[str, tuple] = {}
+    for key, shape in own.items():
+        where = layout[key]
+        if isinstance(where, Fused):
+            shapes.update({c.key: tuple(where.shape) for c in where.cells})
+        else:
+            shapes[where] = shape
+    return shapes
+
+
+def _read_experts(fused: Mapping[str, tuple[Fused, Any]], folder: str) -> None:
+    """Fill each rank's rows of every fused parameter from the tensors of its own
+    experts (see [Note: one rank's experts])."""
+    if not fused:
+        return
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        files = [
+            stack.enter_context(safe_open(os.path.join(folder, n), framework="pt"))
+            for n in sorted(os.listdir(folder))
+            if n.endswith(".safetensors")
+        ]
+        where = {k: f for f in files for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        for key, (layout, value) in fused.items():
+            local, first = _expert_rows(key, value)
+            for cell, offset in layout.experts(first, local.shape[0]):
+                rows = local[cell.expert - first].narrow(layout.dim, offset, layout.shape[layout.dim])
+                rows.copy_(where[cell.key].get_tensor(cell.key))
+
+
+def _expert_rows(key: str, value: Any) -> tuple[torch.Tensor, int]:
+    """This rank's rows of fused parameter ``key`` and the index of the first: its
+    local tensor's, whole experts (wrapping shards such a parameter along dim 0)."""
+    if not isinstance(value, DTensor):
+        return value, 0
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(shape[1:]) != tuple(value.shape[1:]):
+        raise ValueError(f"{key}: sharded along {value.placements}, not along its experts (dim 0)")
+    return value.to_local(), offset[0]
 
 
 @contextlib.contextmanager
@@ -336,7 +386,10 @@ def save_hf_checkpoint(
         )
     aliases = tied_aliases(model)
     tensors = {k: v for k, v in state_dict.items() if k not in aliases}
-    files = SafetensorsFiles(path, {k: (v.shape, v.dtype) for k, v in tensors.items()}, max_shard_bytes)
+    layout = published_layout(model, {k: v.shape for k, v in tensors.items()})
+    files = SafetensorsFiles(
+        path, stored_specs(layout, {k: (v.shape, v.dtype) for k, v in tensors.items()}), max_shard_bytes
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     _agreed(lambda: files.create() if rank == 0 else None, f"save_hf_checkpoint({path})")
 
@@ -346,9 +399,9 @@ def save_hf_checkpoint(
                 if isinstance(value, DTensor):
                     rows = _own_rows(value)
                     if rows is not None:
-                        files.write(key, value.to_local(), *rows)
+                        write_stored(files, layout.get(key, key), value.to_local(), *rows)
                 elif i % world == rank:
-                    files.write(key, value)
+                    write_stored(files, layout.get(key, key), value)
         finally:
             files.close()
 
@@ -358,6 +411,44 @@ def save_hf_checkpoint(
         if config is not None and hasattr(config, "save_pretrained"):
             write_config(config, {t.dtype for t in tensors.values()}, path)
     dist.barrier()
+
+
+def published_layout(model: nn.Module, shapes: Mapping[str, torch.Size]) -> dict[str, Stored]:
+    """Where ``save_pretrained`` puts each parameter of ``shapes``
+    (:func:`~isp_comm.hf_layouts.stored_layout`); ``{}``, the parameters' own names,
+    for a model whose conversion isp-comm does not cut shard by shard (the files are
+    then in the model's own layout, which transformers 5 and ``load_hf_checkpoint`` read)."""
+    try:
+        return stored_layout(model, shapes)
+    except ValueError:
+        return {}
+
+
+def stored_specs(
+    layout: Mapping[str, Stored], specs: Mapping[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The shape and dtype of every tensor in the files of parameters ``specs``
+    (name: shape and dtype), stored as ``layout`` says."""
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, (shape, dtype) in specs.items():
+        where = layout.get(key, key)
+        if isinstance(where, Fused):
+            out.update({c.key: (where.shape, dtype) for c in where.cells})
+        else:
+            out[where] = (shape, dtype)
+    return out
+
+
+def write_stored(files: SafetensorsFiles, where: Stored, value: torch.Tensor, dim: int = 0, first: int = 0) -> None:
+    """Write ``value``, the rows from ``first`` along ``dim`` of a parameter stored at
+    ``where``: one tensor, or the tensors of the experts those rows are."""
+    if isinstance(where, str):
+        files.write(where, value, dim, first)
+        return
+    if dim != 0:
+        raise ValueError(f"{where.cells[0].key}...: sharded along dim {dim}, not along its experts (dim 0)")
+    for cell, offset in where.experts(first, value.shape[0]):
+        files.write(cell.key, value[cell.expert - first].narrow(where.dim, offset, where.shape[where.dim]))
 
 
 def _own_rows(value: DTensor) -> tuple[int, int] | None:

@@ -208,6 +208,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        finally:\n            self._stalled[0] = None\n",
         ["tests/test_backends.py::test_a_wait_as_long_as_the_backends_deadline_names_the_late_rank"],
     ),
+    "an expert's tensors read into its neighbour's rows": (
+        "isp_comm/hf_checkpoint.py",
+        "                rows = local[cell.expert - first].narrow(",
+        "                rows = local[(cell.expert - first + 1) % local.shape[0]].narrow(",
+        ["tests/test_hf_checkpoint.py::test_a_published_moe_checkpoint_is_read_expert_by_expert[mixtral-2-2-wp]"],
+    ),
+    "an expert's rows written as its neighbour's tensors": (
+        "isp_comm/hf_checkpoint.py",
+        "        files.write(cell.key, value[cell.expert - first].narrow(",
+        "        files.write(cell.key, value[(cell.expert - first + 1) % value.shape[0]].narrow(",
+        ["tests/test_hf_checkpoint.py::test_a_published_moe_checkpoint_is_read_expert_by_expert[mixtral-2-2-wp]"],
+    ),
     "a forward that returns None taken for one that raised": (
         "isp_comm/communicator.py",
         "raised=out is None and sys.exc_info()[1] is not None",

@@ -237,52 +237,146 @@ def test_only_the_models_files_are_read_and_replaced(sources: str, tmp_path) -> 
     assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
 
 
-def _tiny_moe_config():
-    """A Mixtral of 2 blocks and 4 experts: transformers 5 fuses its per-expert
-    checkpoint tensors (``block_sparse_moe.experts.N.w1``...) into one 3-D parameter
-    per block while loading, and ``save_pretrained`` writes them back per expert."""
+MOE = {
+    # 4 experts over wp 2; Mixtral's router is renamed too (block_sparse_moe.gate -> mlp.gate)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    # 3 experts over wp 2, and each WP shard's experts cut again over 2 replicas
+    "qwen3_moe": dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1),
+}
+
+
+def _tiny_moe_config(kind: str):
+    """A tiny MoE of 2 blocks: transformers 5 fuses its experts' per-expert checkpoint
+    tensors (Mixtral's ``block_sparse_moe.experts.N.w1``...) into one 3-D parameter per
+    projection while loading, and ``save_pretrained`` writes them back per expert."""
     return transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, pad_token_id=0,
+        kind, vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, pad_token_id=0, **MOE[kind],
     )  # fmt: skip
 
 
-def _converted_layout(rank: int, world: int, root: str) -> dict:
-    """A converted-layout checkpoint refused, then the way the refusal names: build with
-    from_pretrained before wrapping, save, and that folder loads into a meta-built model."""
-    src, own = os.path.join(root, "moe"), os.path.join(root, "moe-own")
-    with pytest.raises(ValueError) as refused:
-        comm = ISPCommunicator(_meta_model(_tiny_moe_config()), ParallelGroups.create(wp_size=world), ISPConfig())
-        try:
-            comm.load_hf_checkpoint(src)
-        finally:
-            comm.close()
-    ref = _from_pretrained(src)
-    comm = ISPCommunicator(_from_pretrained(src), ParallelGroups.create(wp_size=world), ISPConfig())
-    comm.save_hf_checkpoint(own)
-    comm.close()
-    comm = ISPCommunicator(_meta_model(ref.config), ParallelGroups.create(wp_size=world), ISPConfig())
-    comm.load_hf_checkpoint(own)
+def _published_moe(rank: int, world: int, root: str, wp: int, sharding: str) -> dict:
+    """A published MoE checkpoint read into a meta-built wrapped model, each rank
+    counting the tensors it reads; then saved back."""
+    import safetensors
+
+    read: list[str] = []
+    opened = safetensors.safe_open
+
+    class Counting:  # safe_open, counting get_tensor
+        def __init__(self, *args, **kwargs) -> None:
+            self.f = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.h = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.__exit__(*exc)
+
+        def __getattr__(self, name: str):
+            return getattr(self.h, name)
+
+        def get_tensor(self, key: str):
+            read.append(key)
+            return self.h.get_tensor(key)
+
+    ref = _from_pretrained(os.path.join(root, "src"))
+    groups = ParallelGroups.create(wp_size=wp)
+    comm = ISPCommunicator(_meta_model(ref.config), groups, ISPConfig(state_sharding=sharding))
+    safetensors.safe_open = Counting
+    try:
+        comm.load_hf_checkpoint(os.path.join(root, "src"))
+    finally:
+        safetensors.safe_open = opened
     loaded = comm.full_state_dict()
+    comm.save_hf_checkpoint(os.path.join(root, "out"))
+    comm.load_hf_checkpoint(os.path.join(root, "fused"))  # what isp-comm wrote before: the model's own layout
+    fused = comm.full_state_dict()
     comm.close()
-    err = max((loaded[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-    return {"said": str(refused.value), "err": err}
+    err = max(
+        max((loaded[k] - v).abs().max().item(), (fused[k] - v).abs().max().item()) for k, v in ref.state_dict().items()
+    )
+    return {"err": err, "read": [k for k in read if ".experts." in k]}
 
 
-@pytest.mark.timeout(120)
-def test_a_checkpoint_that_transformers_converts_is_refused_saying_why(tmp_path) -> None:
-    """An MoE checkpoint as published (one tensor per expert) holds neither the keys nor
-    the shapes of transformers 5's fused experts: the refusal says that transformers
-    converts this model's files while loading and what to do, not only which keys
-    differ; and what it says to do (from_pretrained before wrapping, then
-    save_hf_checkpoint) gives a folder that loads bitwise."""
+def _headers(folder) -> dict[str, tuple]:
+    """Every tensor's name and shape in a folder's safetensors files."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+    return shapes
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "kind, world, wp, sharding",
+    [("mixtral", 2, 2, "wp"), pytest.param("qwen3_moe", 4, 2, "world", marks=pytest.mark.slow)],
+)
+def test_a_published_moe_checkpoint_is_read_expert_by_expert(tmp_path, kind, world, wp, sharding) -> None:
+    """An MoE checkpoint as published (one tensor per expert and projection, what
+    ``save_pretrained`` writes; transformers 5 fuses them into one 3-D parameter per
+    projection while loading) loads into a meta-built wrapped model bitwise as
+    ``from_pretrained`` does, each rank reading the tensors of its own experts and no
+    other (a folder in the model's own, fused layout loads too: what isp-comm saved
+    before); ``save_hf_checkpoint`` writes it back in the same layout (every name and
+    shape ``save_pretrained`` wrote), which ``from_pretrained`` reads bitwise. Before,
+    such a checkpoint was refused and each rank had to build the whole model first."""
     if importlib.util.find_spec("transformers.conversion_mapping") is None:
         pytest.skip("transformers 4 stores every parameter under its own name")
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(_tiny_moe_config()).save_pretrained(tmp_path / "moe")
-    for r in run_ranks(_converted_layout, 2, str(tmp_path), timeout_s=100):
-        assert "unexpected keys" in r["said"] and "block_sparse_moe.experts.0.w1.weight" in r["said"]
-        assert "converts while loading" in r["said"] and "from_pretrained(path) before wrapping" in r["said"]
-        assert ".experts.*.w1.weight, .experts.*.w3.weight -> .experts.gate_up_proj" in r["said"]
-        assert r["err"] == 0.0
+    ref = transformers.AutoModelForCausalLM.from_config(_tiny_moe_config(kind))
+    ref.save_pretrained(tmp_path / "src", max_shard_size="60KB")  # several files and an index
+    from safetensors.torch import save_file
+
+    os.makedirs(tmp_path / "fused")
+    save_file(ref.state_dict(), tmp_path / "fused" / "model.safetensors")
+    published = _headers(tmp_path / "src")
+    experts = [k for k in published if ".experts." in k]
+    assert len(experts) == 2 * 3 * MOE[kind].get("num_local_experts", MOE[kind].get("num_experts")), experts
+    results = run_ranks(_published_moe, world, str(tmp_path), wp, sharding, timeout_s=130)
+    assert all(r["err"] == 0.0 for r in results), [r["err"] for r in results]
+    read = [k for r in results for k in r["read"]]
+    assert sorted(read) == sorted(experts)  # every expert's tensors read once, by the rank holding it
+    assert all(len(r["read"]) < len(experts) for r in results)
+    assert _headers(tmp_path / "out") == published
+    back = _from_pretrained(str(tmp_path / "out")).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("conversion", ["transpose", "interleave"])
+def test_a_conversion_that_is_not_a_cut_is_refused(monkeypatch, conversion: str) -> None:
+    """A conversion transformers applies while loading that is not a rename or experts
+    cut into parts (a transpose of a square matrix; an interleave of the experts' rows:
+    both keep every shape) is refused rather than read as a cut: its tensors would load into the wrong
+    rows without a word."""
+    if importlib.util.find_spec("transformers.conversion_mapping") is None:
+        pytest.skip("transformers 4 stores every parameter under its own name")
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Interleave, MergeModulelist, Transpose, WeightConverter
+
+    from isp_comm.hf_layouts import stored_layout
+
+    ops = {
+        # a square matrix: the stored tensor's shape is the parameter's
+        "transpose": ("self_attn.q_proj.weight_t", "self_attn.q_proj.weight", [Transpose(dim0=0, dim1=1)]),
+        "interleave": ("mlp.experts.*.gate_up.weight", "mlp.experts.gate_up_proj", [MergeModulelist(0), Interleave(1)]),
+    }
+    source, target, operations = ops[conversion]
+    monkeypatch.setattr(
+        conversion_mapping,
+        "get_model_conversion_mapping",
+        lambda *_, **__: [WeightConverter(source_patterns=source, target_patterns=target, operations=operations)],
+    )
+    model = _meta_model(_tiny_moe_config("qwen3_moe"))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="not cut into one tensor per expert and part") as refused:
+        stored_layout(model, shapes)
+    assert "from_pretrained(path) before wrapping" in str(refused.value)
+    monkeypatch.undo()
+    layout = stored_layout(model, shapes)  # the real conversion: cuts, read expert by expert
+    assert {type(w).__name__ for w in layout.values()} == {"str", "Fused"}

@@ -34,7 +34,15 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from isp_comm.errors import need_folder
-from isp_comm.hf_checkpoint import PEFT_PREFIX, SafetensorsFiles, tied_aliases, write_config
+from isp_comm.hf_checkpoint import (
+    PEFT_PREFIX,
+    SafetensorsFiles,
+    published_layout,
+    stored_specs,
+    tied_aliases,
+    write_config,
+    write_stored,
+)
 from isp_comm.models.llama import export_config_path
 from isp_comm.train import checkpoint
 from isp_comm.train.config import lora_target_names
@@ -127,7 +135,8 @@ def export_hf(
     if missing:
         raise ValueError(f"--hf: {checkpoint_dir} lacks {missing[:3]} of the model in {src}")
     specs = {k: (v.shape, stored[where[k]].properties.dtype) for k, v in wanted.items()}
-    files = SafetensorsFiles(out_dir, specs, max_shard_bytes)
+    layout = published_layout(model, {k: v.shape for k, v in wanted.items()})  # as save_pretrained writes it
+    files = SafetensorsFiles(out_dir, stored_specs(layout, specs), max_shard_bytes)
     files.create()
     try:
         for key, (shape, dtype) in specs.items():  # one tensor in memory at a time
@@ -139,7 +148,7 @@ def export_hf(
                 a = _read(reader, a_key, stored[a_key].size, stored[a_key].properties.dtype)
                 b = _read(reader, b_key, stored[b_key].size, stored[b_key].properties.dtype)
                 value = value + LORA_SCALING * (b.float() @ a.float()).to(value.dtype)
-            files.write(key, value)
+            write_stored(files, layout.get(key, key), value)
     finally:
         files.close()
     write_config(config, {dtype for _, dtype in specs.values()}, out_dir)
