@@ -127,6 +127,7 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
     in the layout transformers publishes the model in (:mod:`isp_comm.hf_layouts`) are
     read as such: renamed tensors under their stored names, each rank's experts from
     their own tensors."""
+    _readable(folder, path)
     reader = HuggingFaceStorageReader(folder)
     metadata = reader.read_metadata().state_dict_metadata
     stored = {k: tuple(md.size) for k, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
@@ -157,6 +158,23 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
     fused = {k: (layout[k], v) for k, v in wanted.items() if isinstance(layout.get(k), Fused)}
     dcp.load({_name(layout.get(k, k)): v for k, v in wanted.items() if k not in fused}, storage_reader=reader)
     _agreed(lambda: _read_experts(fused, folder), f"load_hf_checkpoint({path})")
+
+
+def _readable(folder: str, path: str) -> None:
+    """A ``ValueError`` naming the first safetensors file of ``folder`` whose header
+    cannot be read (a truncated download, another format under the name): safetensors'
+    own error names no file, and is no ``ValueError``, so a run stopped on it with a
+    traceback on every rank."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt"):
+                    pass
+            except (OSError, SafetensorError) as exc:
+                why = f"{name} cannot be read (cut short, or not safetensors): {exc}"
+                raise ValueError(f"load_hf_checkpoint({path}): {why}") from None
 
 
 def _differences(expected: Mapping[str, tuple], stored: Mapping[str, tuple], allowed: set[str]) -> list[str]:

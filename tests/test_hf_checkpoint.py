@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -73,6 +74,9 @@ def sources(tmp_path_factory) -> str:
         model = transformers.AutoModelForCausalLM.from_config(_config(arch))
         model.save_pretrained(root / arch, max_shard_size="60KB")  # several files and an index
         assert os.path.isfile(root / arch / "model.safetensors.index.json")
+    shutil.copytree(root / "llama", root / "truncated")  # a download cut short
+    cut = root / "truncated" / sorted(os.listdir(root / "truncated"))[3]  # model-00002-of-...
+    os.truncate(cut, os.path.getsize(cut) - 100)
     return str(root)
 
 
@@ -146,6 +150,7 @@ def _errors(root: str) -> dict[str, str]:
         ("unexpected", "llama", "qwen2"),
         ("shape", "llama-wide", "llama"),
         ("nothing", "llama", "no-such-folder"),
+        ("truncated", "llama", "truncated"),
     ]:
         config = _config("llama", intermediate_size=104) if arch == "llama-wide" else _config(arch)
         model = _meta_model(config)
@@ -172,6 +177,8 @@ def test_hf_round_trip(sources: str, world: int) -> None:
         assert "shape mismatches" in errors["shape"] and "model.layers.0.mlp.up_proj.weight" in errors["shape"]
         assert "(104, 48)" in errors["shape"] and "(100, 48)" in errors["shape"]
         assert "no-such-folder is not a folder" in errors["nothing"]
+        # safetensors' own error names no file (and stopped isp-train with a traceback on every rank)
+        assert "model-00002-of-" in errors["truncated"] and "cannot be read" in errors["truncated"], errors["truncated"]
     for rank_results in results:
         for r in rank_results:
             case = r["case"]
