@@ -437,6 +437,19 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
         assert len(err) == 1 and f"--model {tmp_path}" in err[0], err
 
 
+def test_a_config_transformers_refuses_is_a_value_error_naming_the_folder(tmp_path) -> None:
+    """A config.json that transformers' own checks refuse (hidden 40 over 6 heads)
+    stopped every rank with a traceback: huggingface_hub's validation error is no
+    ValueError, so isp-train did not say it in one line."""
+    from isp_comm.testing import tiny_hf_config
+    from isp_comm.train import hf_model
+
+    config = tiny_hf_config("llama", vocab_size=64).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 40, "num_attention_heads": 6}))
+    with pytest.raises(ValueError, match=f"--model {tmp_path}: transformers refuses its config.json: .*hidden size"):
+        hf_model.build_model(str(tmp_path))
+
+
 def test_a_model_folder_that_does_not_exist_is_said_so(tmp_path, capsys) -> None:
     # --model nowhere once said "no config.json in that folder", of a folder that is not there
     from isp_comm.train.config import parse_config

@@ -88,9 +88,13 @@ def build_model(path: str) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except Exception as exc:  # transformers' checks of a config raise its own classes, not only ValueError
+        said = " ".join(str(exc).split())
+        raise ValueError(f"--model {path}: transformers refuses its config.json: {said}") from None
 
 
 def has_tokenizer(path: str) -> bool:
