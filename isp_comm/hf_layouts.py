@@ -128,26 +128,29 @@ def _fused(base: nn.Module, key: str, shape: torch.Size, out: dict[str, torch.Si
         raise refused
     (cell_shape,) = cell
     parts = len(out) // experts
+    if len(cell_shape) != len(shape) - 1:
+        raise refused
     dims = [d for d in range(len(cell_shape)) if shape[d + 1] == parts * cell_shape[d]]
     dims = [d for d in dims if all(shape[i + 1] == cell_shape[i] for i in range(len(cell_shape)) if i != d)]
-    if len(cell_shape) != len(shape) - 1 or not dims:
+    if not dims:
         raise refused
     dim = dims[0]
     probe_shape = [experts] + [PROBE * (parts if d == dim else 1) for d in range(len(cell_shape))]
     probe = torch.arange(float(torch.Size(probe_shape).numel()), dtype=torch.float64).reshape(probe_shape)
-    cut = {
-        (e, p): probe[e].narrow(dim, p * PROBE, PROBE) for e in range(experts) for p in range(parts)
-    }  # what each cell must be, if the conversion only cuts
     try:
         converted = revert(base, {key: probe})
     except Exception as exc:  # an operation that needs the real sizes: not a cut
         raise refused from exc
     cells = []
-    for name, value in converted.items():
-        found = [ep for ep, want in cut.items() if want.shape == value.shape and torch.equal(want, value)]
-        if name not in out or len(found) != 1:
+    for name, value in converted.items():  # which cell: its first number says; all of it must match
+        first = int(value.reshape(-1)[0]) if name in out and value.numel() else -1
+        expert, inner = divmod(first, probe.stride(0))
+        part = inner // probe.stride(dim + 1) % (PROBE * parts) // PROBE
+        if first < 0 or expert >= experts:
             raise refused
-        cells.append(Cell(name, *found[0]))
+        if not torch.equal(probe[expert].narrow(dim, part * PROBE, PROBE), value):
+            raise refused
+        cells.append(Cell(name, expert, part))
     if len({(c.expert, c.part) for c in cells}) != len(out):
         raise refused
     return Fused(tuple(cells), cell_shape, dim)
