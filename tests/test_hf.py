@@ -192,6 +192,26 @@ def test_moe_experts_fused_into_3d_tensors_are_sharded(world: int, wp: int, shar
             assert all(shape[0] == 2 - rank % wp for shape in experts), (rank, experts)
 
 
+def test_mfu_counts_the_experts_a_token_goes_through() -> None:
+    """An MoE's fused experts count at top_k / experts of their size in the FLOPs per
+    token (MFU), as torchtitan counts an MoE: counted whole, every MoE run's MFU came
+    out experts / top_k times too high on its expert part."""
+    if importlib.util.find_spec("transformers.conversion_mapping") is None:
+        pytest.skip("transformers 4 keeps Mixtral's experts as nn.Linear modules")
+    from isp_comm.model_flops import flops_per_token
+
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    others = sum(p.numel() for p in model.parameters() if p.dim() < 3) - 37 * 32  # the embedding is no matmul
+    assert experts == 2 * 8 * (2 * 40 * 32 + 32 * 40)
+    assert flops_per_token(model, 16) == 6 * (others + experts * 2 / 8) + 12 * 2 * 32 * 16
+
+
 FAMILIES = {
     "qwen3": dict(head_dim=8),  # q_norm / k_norm
     "gemma2": dict(head_dim=8, sliding_window=4),  # logit softcapping, pre/post norms, scaled embedding
