@@ -145,7 +145,10 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
             layout = stored_layout(model, {**own, **alias_shapes})
         except ValueError as exc:
             raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + f"{why}, and {exc}") from None
-        published = _differences(_stored_shapes(layout, own), stored, {_name(layout[k]) for k in alias_shapes})
+        specs = stored_specs(layout, {k: (v.shape, v.dtype) for k, v in wanted.items()})
+        published = _differences(
+            {k: tuple(s) for k, (s, _) in specs.items()}, stored, {_name(layout[k]) for k in aliases}
+        )
         if published:
             raise ValueError(
                 f"load_hf_checkpoint({path}): "
@@ -194,18 +197,6 @@ def _differences(expected: Mapping[str, tuple], stored: Mapping[str, tuple], all
 def _name(where: Stored) -> str:
     """The stored name of a tensor stored whole (a fused parameter has none)."""
     return where if isinstance(where, str) else ""
-
-
-def _stored_shapes(layout: Mapping[str, Stored], own: Mapping[str, tuple]) -> dict[str, tuple]:
-    """Every stored tensor's name and shape, for the parameters ``own``."""
-    shapes: dict[str, tuple] = {}
-    for key, shape in own.items():
-        where = layout[key]
-        if isinstance(where, Fused):
-            shapes.update({c.key: tuple(where.shape) for c in where.cells})
-        else:
-            shapes[where] = shape
-    return shapes
 
 
 def _read_experts(fused: Mapping[str, tuple[Fused, Any]], folder: str) -> None:
