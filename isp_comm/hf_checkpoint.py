@@ -147,7 +147,7 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
             raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + f"{why}, and {exc}") from None
         specs = stored_specs(layout, {k: (v.shape, v.dtype) for k, v in wanted.items()})
         published = _differences(
-            {k: tuple(s) for k, (s, _) in specs.items()}, stored, {_name(layout[k]) for k in aliases}
+            {k: tuple(s) for k, (s, _) in specs.items()}, stored, {_name(layout.get(k, k)) for k in aliases}
         )
         if published:
             raise ValueError(
