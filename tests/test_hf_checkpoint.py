@@ -247,8 +247,10 @@ def test_only_the_models_files_are_read_and_replaced(sources: str, tmp_path) -> 
 MOE = {
     # 4 experts over wp 2; Mixtral's router is renamed too (block_sparse_moe.gate -> mlp.gate)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
-    # 3 experts over wp 2, and each WP shard's experts cut again over 2 replicas
-    "qwen3_moe": dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1),
+    # 3 experts over wp 2, and each WP shard's experts cut again over 2 replicas; the head tied
+    "qwen3_moe": dict(
+        num_experts=3, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1, tie_word_embeddings=True
+    ),
 }
 
 
@@ -340,8 +342,11 @@ def test_a_published_moe_checkpoint_is_read_expert_by_expert(tmp_path, kind, wor
     ref.save_pretrained(tmp_path / "src", max_shard_size="60KB")  # several files and an index
     from safetensors.torch import save_file
 
+    from isp_comm.hf_checkpoint import tied_aliases
+
     os.makedirs(tmp_path / "fused")
-    save_file(ref.state_dict(), tmp_path / "fused" / "model.safetensors")
+    tied = tied_aliases(ref)  # written once, as isp-comm writes them
+    save_file({k: v for k, v in ref.state_dict().items() if k not in tied}, tmp_path / "fused" / "model.safetensors")
     published = _headers(tmp_path / "src")
     experts = [k for k in published if ".experts." in k]
     assert len(experts) == 2 * 3 * MOE[kind].get("num_local_experts", MOE[kind].get("num_experts")), experts
