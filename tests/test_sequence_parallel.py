@@ -365,6 +365,39 @@ def test_local_attention_varlen_and_packed_forms() -> None:
         local_attention(q, k, v, torch.tensor([0, 9, 9, 16]))
 
 
+def test_local_attention_softcap_and_sinks_match_transformers_eager() -> None:
+    """The eager path of local_attention against the eager attention of Gemma 2
+    (logit softcapping) and GPT-OSS (sinks, one logit per head) in transformers, with
+    GQA, whole and per document (each document alone, as the packed mask gives): fp32,
+    the same operations in the same order but for the mask (added there, filled
+    here), so within 1e-6."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    from isp_comm.sequence_parallel.local import local_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g) * 3  # scores of a few units: a cap of 2 bites
+    k, v = (torch.randn(2, 2, 16, 8, generator=g) for _ in range(2))  # GQA: 2 query heads per KV head
+    sinks = torch.randn(4, generator=g)
+    module = SimpleNamespace(num_key_value_groups=2, head_dim=8, training=False, sinks=sinks)
+
+    def theirs(q, k, v, **kw):
+        s = q.shape[2]
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        eager = gpt_oss_eager if "sinks" in kw else gemma2_eager
+        extra = {} if "sinks" in kw else {"softcap": kw["softcap"]}
+        return eager(module, q, k, v, mask, scaling=0.3, **extra)[0].transpose(1, 2)
+
+    cu = torch.tensor([0, *DOCS]).cumsum(0).tolist()
+    for kw in ({"softcap": 2.0}, {"sinks": sinks}):
+        torch.testing.assert_close(local_attention(q, k, v, scale=0.3, **kw), theirs(q, k, v, **kw), rtol=0, atol=1e-6)
+        alone = torch.cat([theirs(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **kw) for a, b in zip(cu, cu[1:])], 2)
+        torch.testing.assert_close(local_attention(q, k, v, cu, scale=0.3, **kw), alone, rtol=0, atol=1e-6)
+
+
 def _host_reads_worker(rank: int, world: int) -> list[int]:
     model = build(LlamaConfig(**{**SP_CFG, "n_layers": 3}))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=2, sp_size=2), ISPConfig(activation_checkpointing=0.5))

@@ -94,6 +94,30 @@ def _sdpa(q, k, v, scale, dropout):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout)
 
 
+def _eager(q, k, v, scale, dropout, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention written out, for what neither SDPA nor flash-attn here
+    computes: logit softcapping (``softcap * tanh(scores / softcap)`` before the mask,
+    Gemma 2) and attention sinks (one logit per head joining every row's softmax and
+    dropped after it, GPT-OSS). Holds the ``[b, h, s, s]`` scores, as transformers'
+    eager attention of those models does; softmax in fp32 as theirs."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    s = q.shape[2]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    probs = F.dropout(probs, p=dropout) if dropout else probs
+    return torch.matmul(probs, v)
+
+
 def _flash(q, k, v, cuts: tuple[int, ...] | None, scale, dropout):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
@@ -127,13 +151,26 @@ def local_attention(
     cu_seqlens: torch.Tensor | Cuts | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of whole (gathered) sequences; see the module doc.
-    ``cu_seqlens``: a tensor or, to spare the host a read, host ints."""
+    ``cu_seqlens``: a tensor or, to spare the host a read, host ints. ``softcap``
+    (logit softcapping) and ``sinks`` (one per head of ``q``) take the eager path."""
     cuts = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[2])
-    if flash_attn_usable(q):
+    if softcap is not None or sinks is not None:
+
+        def attend(q, k, v):
+            return _eager(q, k, v, scale, dropout, softcap, sinks)
+
+    elif flash_attn_usable(q):
         return _flash(q, k, v, cuts, scale, dropout)
+    else:
+
+        def attend(q, k, v):
+            return _sdpa(q, k, v, scale, dropout)
+
     if cuts is None:
-        return _sdpa(q, k, v, scale, dropout)
-    pieces = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale, dropout) for a, b in zip(cuts, cuts[1:])]
+        return attend(q, k, v)
+    pieces = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
     return torch.cat(pieces, dim=2)
