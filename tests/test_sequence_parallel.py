@@ -3,6 +3,8 @@ single-process training on whole sequences, for isp_comm/models/llama.py and tra
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -424,3 +426,82 @@ def test_sp_step_reads_the_host_once() -> None:
     chunk lengths: 7 reads a step before)."""
     for reads in run_ranks(_host_reads_worker, 2, timeout_s=50):
         assert reads[1:] == [1, 1], reads
+
+
+SP_EXTRA = {
+    # scores of a few units, capped at 2: with the defaults (tiny weights, a cap of 50),
+    # ignoring the cap would change the weights after 2 steps by less than 1e-8
+    "gemma2": dict(attn_logit_softcapping=2.0, query_pre_attn_scalar=1, initializer_range=0.2),
+    "mixtral": dict(num_local_experts=3, num_experts_per_tok=2),
+    "qwen3_moe": dict(head_dim=8, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=16),
+    "olmoe": dict(num_experts=3, num_experts_per_tok=2),
+}
+
+
+def _family(family: str, **overrides):
+    """Two tiny models of ``family`` with the same fp32 weights (the plain one, the
+    one to wrap): 4 heads over 2 KV heads, 2 layers, hidden 32, as FAMILIES in
+    tests/test_hf.py describes them; sliding windows of 8 tokens, the whole sequence
+    (a shorter one is refused under SP)."""
+    import transformers
+
+    from tests.test_hf import FAMILIES
+
+    extra = {**FAMILIES.get(family, {}), **SP_EXTRA.get(family, {}), **overrides}
+    if "sliding_window" in extra:
+        extra["sliding_window"] = max(extra["sliding_window"], 8)
+    cfg = transformers.AutoConfig.for_model(
+        family, vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, use_cache=False, **extra,
+    )  # fmt: skip
+    twins = []
+    for _ in range(2):  # each its own config: SP sets the wrapped one's attention implementation
+        torch.manual_seed(0)
+        twins.append(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32))
+    return twins
+
+
+def _refused_family_worker(rank: int, world: int, case: str) -> str:
+    """What a family's attention would do that SP does not: refused on every rank."""
+    if case == "dynamic-rope":
+        _, model = _family("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    elif case == "longrope":
+        factors = [1.0] * 4
+        rope = dict(rope_type="longrope", short_factor=factors, long_factor=factors, rope_theta=1e4)
+        _, model = _family("phi3", rope_parameters={**rope, "original_max_position_embeddings": 32})
+    elif case == "bidirectional":
+        _, model = _family("gemma3_text", use_bidirectional_attention=True)
+    else:
+        _, model = _family("stablelm" if case == "unpassed-boundaries" else "llama")
+    try:
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=1, sp_size=2), ISPConfig())
+    except ValueError as exc:
+        return str(exc)
+    x, pos = torch.randint(1, 37, (1, 4)), torch.arange(4 * rank, 4 * rank + 4)[None]
+    try:
+        if case == "unpassed-boundaries":  # documents of 3 and 5 tokens
+            pos = torch.tensor([[0, 1, 2, 0], [1, 2, 3, 4]][rank])[None]
+            model(input_ids=x, position_ids=pos, cu_seq_lens_q=torch.tensor([0, 3, 8]))
+        elif case == "unknown-keyword":  # a keyword of the forward that reaches the attention function
+            model(input_ids=x, position_ids=pos, attention_bias=torch.zeros(1))
+        else:
+            model(input_ids=x, position_ids=pos)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        comm.close()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_sp_refuses_what_a_family_would_compute_otherwise() -> None:
+    """Before, both trained wrongly without a word: each rank rescaled its rotary
+    frequencies from its chunk's positions, and a keyword of the attention call that
+    the SP attention ignored changed nothing."""
+    cases = {
+        "dynamic-rope": "rotary embedding of type 'dynamic'",
+        "unknown-keyword": "the model passes attention_bias to its attention function",
+    }
+    for texts in run_ranks(_each, 2, _refused_family_worker, list(cases), timeout_s=50):
+        for text, msg in zip(texts, cases.values()):
+            assert msg in text, text
