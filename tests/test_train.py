@@ -419,6 +419,7 @@ def test_an_earlier_versions_tokenizer_cache_is_still_read(tmp_path) -> None:
 
 
 def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
+    from isp_comm.sequence_parallel.hf import SUPPORTED_MODEL_TYPES
     from isp_comm.train.config import parse_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
@@ -426,7 +427,9 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys) -> None:
         parse_config(["--model", str(tmp_path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)" in err[0]
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    assert len(err) == 1 and f"model type 'gpt2' is not supported (supported: {supported})" in err[0], err
+    assert supported.startswith("llama, mistral, qwen2, qwen3, gemma2"), supported
     # a broken config.json once said only json's "Expecting property name ...", no file;
     # a JSON list, an AttributeError
     for text in ("{'model_type': 'llama'}", "[1]"):

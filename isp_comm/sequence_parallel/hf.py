@@ -33,7 +33,10 @@ from isp_comm.context import CommContext
 from isp_comm.sequence_parallel.attention import DistributedAttention, kv_repeats
 from isp_comm.sequence_parallel.local import BoundaryCache, local_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
+    "stablelm", "phi", "glm", "gpt_oss", "mixtral", "qwen3_moe", "olmoe",
+)  # fmt: skip
 """The transformers model types whose attention the SP attention reproduces, each
 tested against the plain model (``tests/test_sequence_parallel.py``)."""
 
