@@ -63,9 +63,10 @@ class TrainConfig:
     eval_data: str = ""
     """Validation data, in any form --data takes (tokenized like it)."""
     model: str = ""
-    """A transformers model folder: config.json of type llama, mistral, qwen2 or qwen3,
-    and its safetensors weights when present (trained from them; otherwise the model
-    gets its own initialisation). Empty = the reference llama of isp_comm/models/llama.py,
+    """A transformers model folder: config.json of a type that takes sequence parallel
+    (llama, mistral, qwen2, qwen3, gemma2, phi3, mixtral, ...: docs/hf.md), and its
+    safetensors weights when present (trained from them; otherwise the model gets its
+    own initialisation). Empty = the reference llama of isp_comm/models/llama.py,
     shaped by --layers, --hidden, --heads and --kv-heads (ignored with --model)."""
     tokenizer: str = ""
     """A tokenizer folder (what transformers' AutoTokenizer reads, local files only)

@@ -2,7 +2,7 @@
 tokenized by a local tokenizer, cached next to the data.
 
 ``--model DIR`` builds the model of ``DIR/config.json`` on the meta device (fp32
-master weights, SDPA attention); isp-comm materialises it module by module while
+master weights, SDPA attention where the model has it); isp-comm materialises it module by module while
 sharding it and, when ``DIR`` holds safetensors weights, every rank then reads its
 own rows of them (:meth:`ISPCommunicator.load_hf_checkpoint`). Nothing is
 downloaded: every file is read from the folders given.
@@ -84,14 +84,20 @@ def check_model_folder(path: str) -> str:
 
 
 def build_model(path: str) -> nn.Module:
-    """The transformers causal LM of ``path/config.json`` on the meta device, in fp32."""
+    """The transformers causal LM of ``path/config.json`` on the meta device, in fp32,
+    with SDPA attention where its class has it and its own eager attention where not
+    (Gemma 2's softcapping, GPT-OSS's sinks: asking those for SDPA is an error)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_type(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
+        sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", False)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(
+                config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float32
+            )
     except Exception as exc:  # transformers' checks of a config raise its own classes, not only ValueError
         said = " ".join(str(exc).split())
         raise ValueError(f"--model {path}: transformers refuses its config.json: {said}") from None
