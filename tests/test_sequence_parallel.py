@@ -570,3 +570,30 @@ def test_sp_refuses_what_a_family_would_compute_otherwise() -> None:
     for texts in run_ranks(_each, 2, _refused_family_worker, list(cases), timeout_s=50):
         for text, msg in zip(texts, cases.values()):
             assert msg in text, text
+
+
+def _two_forwards_worker(rank: int, world: int) -> str:
+    """Two forwards, then one backward that recomputes the first's blocks: the first
+    without document boundaries, the second with them."""
+    model = _model("hf")
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=1, sp_size=2), ISPConfig(activation_checkpointing=1.0))
+    x, lo = torch.randint(0, 37, (1, 4), generator=torch.Generator().manual_seed(0)), 4 * rank
+    try:
+        plain = model(input_ids=x, position_ids=torch.arange(lo, lo + 4)[None], use_cache=False).logits
+        pos = torch.tensor([[0, 1, 2, 0], [1, 2, 3, 4]][rank])[None]  # documents of 3 and 5 tokens
+        packed = model(input_ids=x, position_ids=pos, cu_seq_lens_q=torch.tensor([0, 3, 8]), use_cache=False).logits
+        (plain.sum() + packed.sum()).backward()
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        comm.close()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_recompute_after_a_packed_forward_is_not_refused() -> None:
+    """The check that a model's layers pass its document boundaries on is made at each
+    forward's first attention call, of that forward: a block recomputed in backward
+    after a later, packed forward is not refused (before, it was: the flag was the
+    later forward's, and the recompute of the unpacked one had no boundaries)."""
+    assert run_ranks(_two_forwards_worker, 2, timeout_s=50) == ["no error", "no error"]

@@ -78,7 +78,10 @@ def apply_hf_sequence_parallel(
     _check_model(model, sp)
     sp_rank = dist.get_rank(sp_group)
     boundaries = BoundaryCache()  # one host read of cu_seq_lens_q per step, not one per layer
-    given = {"cu_seq_lens_q": False}  # whether this forward of the model was given document boundaries
+    # whether the model's forward was given document boundaries, read and cleared by its
+    # first attention call: every layer is the same code, and a recompute in backward
+    # (perhaps after a later forward) is not that forward's
+    given: dict[str, bool | None] = {"cu_seq_lens_q": None}
 
     def note_boundaries(_module: nn.Module, _args: tuple, kwargs: dict) -> None:
         given["cu_seq_lens_q"] = kwargs.get("cu_seq_lens_q") is not None
@@ -86,7 +89,7 @@ def apply_hf_sequence_parallel(
     def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         # (restarting positions without boundaries are refused once per forward, by
         # the model's pre-hook: see apply.SequenceCheck)
-        _check_call(module, query.shape[2] * sp, attention_mask, kw, given["cu_seq_lens_q"])
+        _check_call(module, query.shape[2] * sp, attention_mask, kw, bool(given.pop("cu_seq_lens_q", None)))
         sinks = kw.get("s_aux")
         if sinks is not None:  # one per head: this rank attends with its share of the heads (all_to_all's order)
             sinks = sinks.chunk(sp)[sp_rank]
