@@ -467,9 +467,8 @@ def test_a_folder_of_another_family_trains_with_sp(tmp_path, model_type: str) ->
     """isp-train --model DIR --sp 2 at world 2 for families beyond llama, mistral,
     qwen2 and qwen3 (before: "model type ... is not supported"; Gemma 2 and GPT-OSS
     then failed building with SDPA, which they lack): the loss falls on a repetitive
-    text. The dense folders hold save_pretrained's weights, which the run loads; the
-    MoE folders config.json alone (their published checkpoints hold one tensor per
-    expert, read elsewhere: docs/hf.md), so the run initialises them."""
+    text. Each folder holds save_pretrained's weights, which the run loads (an MoE's
+    one tensor per expert, each rank reading its own experts': docs/hf.md)."""
     import transformers
 
     from isp_comm.testing import tiny_hf_config, tiny_tokenizer
@@ -479,11 +478,8 @@ def test_a_folder_of_another_family_trains_with_sp(tmp_path, model_type: str) ->
     data.write_text(text)
     tok = tiny_tokenizer(str(folder), text)
     config = tiny_hf_config(model_type, vocab_size=len(tok), pad_token_id=0, **FOLDER_FAMILIES[model_type])
-    if model_type in ("gpt_oss", "qwen3_moe"):  # MoE: config.json alone
-        config.save_pretrained(folder)
-    else:
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     args = ["--model", str(folder), "--data", str(data), "--seq", "32", "--batch", "2", "--sp", "2"]
     res = isp_train(2, *args, "--steps", "8", "--lr", "1e-2", "--no-trace", "--out", out, timeout=100)
     assert res.returncode == 0, res.stderr[-3000:]
