@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER
 from isp_comm.testing import run_main
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--seq", "32"]
@@ -731,15 +732,53 @@ def test_run_folder_lifecycle(tmp_path) -> None:
     for left in ("hang.json", "hang.txt", "memory_breakdown.json"):  # an earlier run's diagnosis, breakdown
         with open(os.path.join(out, left), "w") as f:
             f.write("{}")
+    _plant_live_state(out, "notes.txt")  # the old run's doctor --live answers and a pending trigger
     res = _train1("--steps", "2", "--overwrite", "--out", out)
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
     assert list(losses(out)) == [1, 2]
     assert not {"hang.json", "hang.txt", "hang.previous.json", "memory_breakdown.json"} & set(os.listdir(out))
+    assert not os.path.exists(os.path.join(out, LIVE_TRIGGER))  # no request inherited from the old run
+    assert os.listdir(os.path.join(out, LIVE_DIR)) == ["notes.txt"]  # its answers gone; the user's file kept
     shutil.rmtree(os.path.join(out, "checkpoints"))  # a file in the checkpoints' place: it was a traceback
     with open(os.path.join(out, "checkpoints"), "w") as f:
         f.write("x")
     _one_line(_train1("--steps", "4", "--resume", "--out", out), "checkpoints is a file, not a folder of checkpoints")
+
+
+def _plant_live_state(out: str, *others: str) -> None:
+    """What an old run leaves for ``isp-comm doctor --live``: its ranks' answers in
+    ``live/`` (rank 3 of a world the next run may not have, one answer half written)
+    and a trigger no job answered; ``others``: files of the user's in ``live/``."""
+    os.makedirs(os.path.join(out, LIVE_DIR), exist_ok=True)
+    for name in ("rank0.json", "rank3.json", "rank1.json.tmp", *others):
+        with open(os.path.join(out, LIVE_DIR, name), "w") as f:
+            f.write('{"rank": 0, "asked": 1.0}')
+    with open(os.path.join(out, LIVE_TRIGGER), "w") as f:
+        f.write("1.0\n")
+
+
+def test_overwrite_clears_the_old_runs_live_state_and_nothing_else(tmp_path) -> None:
+    """--overwrite's clearing of ``isp-comm doctor --live``'s files (run_folder.clear_live):
+    a ``live/`` holding only the ranks' answers goes with them; a file the user put
+    there stays, and so does the folder; a link to a folder is left alone. Before,
+    the old run's ``live/`` and a pending trigger outlived --overwrite."""
+    from isp_comm.train.run_folder import clear_live
+
+    only = tmp_path / "only"
+    _plant_live_state(str(only))
+    clear_live(str(only))
+    assert os.listdir(only) == []
+    kept = tmp_path / "kept"
+    _plant_live_state(str(kept), "rank2.json.bak", "mine")
+    clear_live(str(kept))
+    assert os.listdir(kept) == [LIVE_DIR] and sorted(os.listdir(kept / LIVE_DIR)) == ["mine", "rank2.json.bak"]
+    linked = tmp_path / "linked"
+    _plant_live_state(str(tmp_path / "elsewhere"))
+    linked.mkdir()
+    os.symlink(tmp_path / "elsewhere" / LIVE_DIR, linked / LIVE_DIR)
+    clear_live(str(linked))
+    assert len(os.listdir(tmp_path / "elsewhere" / LIVE_DIR)) == 3
 
 
 def test_an_lr_past_the_bound_is_refused_naming_the_bound(capsys) -> None:

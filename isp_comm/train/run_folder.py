@@ -11,10 +11,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import torch.distributed as dist
 
+from isp_comm.flight.heartbeat import LIVE_DIR, LIVE_TRIGGER
 from isp_comm.groups import first_error
 from isp_comm.train import checkpoint, survive
 from isp_comm.train.config import TrainConfig, absolute, as_dict, read_config_file, saved_flags, shown
@@ -36,7 +38,8 @@ OWN = (
     "hang.previous.txt",
     "memory_breakdown.json",
 )
-"""What isp-train writes into ``--out``: all that ``--overwrite`` removes."""
+"""What isp-train writes into ``--out``: what ``--overwrite`` removes, with the live
+state of ``isp-comm doctor --live`` (:func:`clear_live`)."""
 
 
 def checkpoint_step(path: str) -> int:
@@ -122,7 +125,32 @@ def _check(cfg: TrainConfig) -> tuple[str | None, str | None]:
                 shutil.rmtree(target)
             elif os.path.exists(target):
                 os.remove(target)
+        clear_live(cfg.out)
     return None, None
+
+
+_LIVE_ANSWER = re.compile(r"rank\d+\.json(\.tmp)?")
+"""A rank's answer to ``isp-comm doctor --live`` in ``live/`` (``.tmp``: one being written)."""
+
+
+def clear_live(out: str) -> None:
+    """For ``--overwrite``: remove the old run's live state, the ranks' answers in
+    ``live/`` and a ``doctor --live`` trigger no job answered, so that a run started
+    again from scratch shows none of the old run's positions (ranks it may not have,
+    read as its own) and inherits no pending request. Only those files go: ``live/``
+    itself is removed when nothing else is in it, and anything else stays."""
+    trigger = os.path.join(out, LIVE_TRIGGER)
+    if os.path.isfile(trigger):
+        os.remove(trigger)
+    live = os.path.join(out, LIVE_DIR)
+    if not os.path.isdir(live) or os.path.islink(live):
+        return
+    for name in os.listdir(live):
+        path = os.path.join(live, name)
+        if _LIVE_ANSWER.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
+    if not os.listdir(live):
+        os.rmdir(live)
 
 
 def _set_aside_hang(out: str) -> None:
