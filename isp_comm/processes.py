@@ -57,7 +57,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
@@ -152,11 +152,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a run: Ctrl-C, and a scheduler's or a launcher's SIGTERM."""
 
 
-def leave_on_signals(code: int | None = None) -> None:
+def leave_on_signals(code: int | None = None, said: Callable[[int], str] | None = None) -> None:
     """Ctrl-C and SIGTERM end this process quietly (``SystemExit``, through every
     ``finally``) with ``code``, or 128 + the signal: for a process between its start
     and its own handlers, or on its way out after a failure it has reported, where a
     handler that raises something else (a ``KeyboardInterrupt``) prints a traceback.
+    ``said``: the signal's number to the one line printed first (to stderr), for a
+    process that must say why it stops (a launcher before its ranks start).
     Inside an import it leaves at once (``os._exit``): a process still starting has
     nothing to release; so does one already shutting down (the launcher's SIGTERM to a
     rank joining its last threads after it reported its failure), which has released it.
@@ -168,6 +170,9 @@ def leave_on_signals(code: int | None = None) -> None:
         status = 128 + signum if code is None else code
         if in_exit_callback(frame):
             return
+        if said is not None:
+            with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted
+                print(said(signum), file=sys.stderr, flush=True)
         if importing(frame) or shutting_down(frame):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted

@@ -29,6 +29,7 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "
 # a step long enough (tens of ms on one CPU core) that a kill lands between two checkpoints
 SLOW = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--batch", "8", "--seq", "128"]
 COMMON = ["--no-trace", "--log-every", "1000", "--backend", "symm"]
+NOT_STARTED = "isp-train: stopped by {} before any rank had started; nothing trained, no checkpoint"
 
 
 def _own(n: int, *args: str) -> list[str]:
@@ -501,7 +502,9 @@ def test_a_closed_terminal_ends_the_job_quietly(tmp_path) -> None:
 @pytest.mark.serial
 def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
     """Ctrl-C in the first seconds, while the launcher and then its ranks import torch:
-    exit 130 and no KeyboardInterrupt traceback (there was one from each process)."""
+    exit 130 and no KeyboardInterrupt traceback (there was one from each process). At
+    0.3 s the launcher is still importing torch, no rank started: one line says so (it
+    exited 130 without a word)."""
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}
     for delay in (0.3, 2.0):
         cmd = _own(2, *SMALL, *COMMON, "--steps", "5", "--out", str(tmp_path / f"run{delay}"))
@@ -512,6 +515,22 @@ def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
+        if delay < 1:
+            assert err.splitlines() == [NOT_STARTED.format("SIGINT")], err[-2000:]
+
+
+def test_a_launcher_is_told_from_its_command_line_before_torchs_import(monkeypatch) -> None:
+    """Who says "stopped by SIGTERM before any rank had started" while torch imports:
+    isp-train's launcher (--nproc-per-node, either spelling), not a rank it started
+    (LOCAL_RANK) nor a --plan, which starts none."""
+    from isp_comm.train.survive import launcher_asked, stopped_before_ranks
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launcher_asked(["--nproc-per-node", "2"]) and launcher_asked(["--steps", "3", "--nproc-per-node=2"])
+    assert not launcher_asked(["--steps", "3"]) and not launcher_asked(["--nproc-per-node", "2", "--plan"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not launcher_asked(["--nproc-per-node", "2"])
+    assert stopped_before_ranks(signal.SIGTERM) == NOT_STARTED.format("SIGTERM")
 
 
 _PARENT = """
@@ -964,14 +983,15 @@ class _SilentServer:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("end", ["wait", "ctrl-c"])
+@pytest.mark.parametrize("end", ["wait", "ctrl-c", "sigterm"])
 def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: str) -> None:
     """--rdzv-endpoint on a port whose holder accepts and never answers: the launcher
     asks it with torch's own client, in a thread it waits 15 s for (launch's
     ``launch.ANSWER_S``), then exits 2 with one line naming the endpoint and no
-    rank started. A Ctrl-C during that wait exits 130 quietly. Before, the launch hung
-    for as long as the holder lived (645 s, ended by killing it, then 32 lines of C++
-    frames), and Ctrl-C did nothing."""
+    rank started. A Ctrl-C (or a scheduler's SIGTERM) during that wait exits 130 (143)
+    with one line naming the signal and that no rank had started (it said nothing).
+    Before, the launch hung for as long as the holder lived (645 s, ended by killing
+    it, then 32 lines of C++ frames), and Ctrl-C did nothing."""
     server = _SilentServer()
     endpoint = f"127.0.0.1:{server.port}"
     env, temp = _own_temp(tmp_path)
@@ -981,7 +1001,7 @@ def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: st
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            if end == "ctrl-c":
+            if end != "wait":
                 # the first connection (the probe's plain connect; unfixed, torch's client), and a
                 # second for the probe's client to ask: the launcher now waits on the answer
                 deadline = time.monotonic() + 50
@@ -989,7 +1009,7 @@ def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: st
                     time.sleep(0.02)
                 assert server.accepted, "the launcher never connected to the endpoint"
                 time.sleep(1.0)
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGINT if end == "ctrl-c" else signal.SIGTERM)
             # the bound: the torch import (seconds on a loaded machine), then the 15 s wait;
             # unfixed, nothing ends it (the holder lives on): the kill below
             _, err = proc.communicate(timeout=60)
@@ -1006,7 +1026,51 @@ def test_a_port_held_by_a_silent_server_is_one_line_not_a_hang(tmp_path, end: st
         assert f"--rdzv-endpoint {endpoint} did not answer" in lines[0] and "choose a free port" in lines[0], lines
         assert took >= 15, took  # it waited the whole 15 s: a real store has that long to answer
     else:
-        assert proc.returncode == 130 and not lines, (proc.returncode, err[-3000:])
+        sig = signal.SIGINT if end == "ctrl-c" else signal.SIGTERM
+        assert proc.returncode == 128 + sig and lines == [NOT_STARTED.format(sig.name)], (proc.returncode, err)
+    assert not os.path.exists(out) and not _left_in(temp), _left_in(temp)
+
+
+def _free_port_of_ours() -> int:
+    """A free port in 29650-29749, the range these tests keep to (away from torch's
+    29400 and 29500, which other jobs on the machine use)."""
+    for port in range(29650, 29750):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no free port in 29650-29749")
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_while_waiting_for_the_other_machines_says_no_rank_started(tmp_path) -> None:
+    """--nnodes 2 with this machine alone: the launcher hosts the rendezvous store and
+    waits for the other machine; a scheduler's SIGTERM then ends it with 143 and one
+    line naming the signal and that no rank had started (it exited 143 without a
+    word), and nothing is left in the temp dir or --out."""
+    port = _free_port_of_ours()
+    env, temp = _own_temp(tmp_path)
+    out = str(tmp_path / "run")
+    flags = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--steps", "2", "--out", out]
+    proc = subprocess.Popen(_own(1, *SMALL, *COMMON, *flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60  # the torch import (seconds on a loaded machine), then the store
+        while time.monotonic() < deadline and proc.poll() is None:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.5)  # inside the rendezvous's wait for the second machine
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143 and err.splitlines() == [NOT_STARTED.format("SIGTERM")], (proc.returncode, err)
     assert not os.path.exists(out) and not _left_in(temp), _left_in(temp)
 
 

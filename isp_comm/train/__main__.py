@@ -19,10 +19,10 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch's import (seconds)
     from isp_comm.processes import leave_on_signals
+    from isp_comm.train.survive import launcher_asked, restart_refused, stopped_before_ranks
 
-    leave_on_signals()  # until the run's own handlers (launch.Stopping, signals.Signals)
-    from isp_comm.train.survive import restart_refused
-
+    # until the run's own handlers (launch.Stopping, signals.Signals); a launcher says why it stops
+    leave_on_signals(said=stopped_before_ranks if launcher_asked() else None)
     restart_refused()  # before torch's import: [Note: no restart for a mistake]
 
 import contextlib
@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from isp_comm.errors import ISPCommTimeout
-from isp_comm.processes import die_with_parent, die_with_parent_if_asked
+from isp_comm.processes import die_with_parent, die_with_parent_if_asked, leave_on_signals
 from isp_comm.train.config import TrainConfig, check_layout, fail, job_world, parse_config, resolve_device
 from isp_comm.train.launch import launch, worker_argv
 from isp_comm.train.reporting.names import check_imports, parse_report_to
+from isp_comm.train.survive import stopped_before_ranks
 
 
 def dist_backend(device: torch.device) -> str:
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
             fail(str(exc), every_rank=True)
         sys.exit(0)
     launching = bool(cfg.nproc_per_node) and "LOCAL_RANK" not in os.environ
+    if launching:  # a count from --config too: until launch.Stopping, a signal's line says no rank started
+        leave_on_signals(said=stopped_before_ranks)
     started = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # a launcher's ranks a machine (ours, or torchrun's)
     given = any(a.split("=")[0] == "--nproc-per-node" for a in (sys.argv[1:] if argv is None else argv))
     # on the command line only: isp-train's launcher takes the flag off its ranks' lines, but

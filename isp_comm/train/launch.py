@@ -7,7 +7,8 @@ The ranks are started through torch's elastic launcher API (what torchrun runs),
 SIGTERM of a preemption) reaches every rank: each saves at the next step boundary
 when ``--save-on-signal`` is on and leaves with one line (rank 0), and the launcher
 exits with 128 + the signal's number, quietly (see :class:`Stopping` for ranks that
-take long, or never stop).
+take long, or never stop). Before any rank has started, the launcher says so itself,
+in one line, and exits with the same code.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from isp_comm.backends.shm import owners_gone
 from isp_comm.processes import AfterImport, children_start_with_stops_blocked
+from isp_comm.train.survive import stopped_before_ranks
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -213,10 +215,16 @@ class Stopping:
     so, and ranks killed at the timeout another: a rank stuck in a collective or a
     save was otherwise 30 s of silence and an exit without a word. A second signal
     leaves at once: the ranks die with the launcher (:mod:`isp_comm.processes`).
+    A signal before any rank started (the rendezvous, waiting for the other machines)
+    has no rank to say why the run stopped: the launcher says it, in one line.
     """
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s, self.signum, self.at = grace_s, 0, 0.0
+        self.logs = ""
+        """The agent's folder (:func:`agent_folder`), once made: it holds something
+        once the agent has started ranks (their attempt's folder)."""
+        self.ranks_started = True
         self._notice: threading.Timer | None = None
         self._after_import = AfterImport()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,10 +241,23 @@ class Stopping:
             print(said, file=sys.stderr, flush=True)
             os._exit(128 + self.signum)
         self.signum, self.at = signum, time.monotonic()
-        self._notice = threading.Timer(NOTICE_S, self._waiting, args=(name,))
-        self._notice.daemon = True
-        self._notice.start()
+        self.ranks_started = self._any_rank_started()
+        if self.ranks_started:  # else no rank to wait for: the agent returns at once
+            self._notice = threading.Timer(NOTICE_S, self._waiting, args=(name,))
+            self._notice.daemon = True
+            self._notice.start()
         raise SignalException(f"isp-train got {name}", sigval=signal.Signals(signum))
+
+    def _any_rank_started(self) -> bool:
+        """Whether the agent has started ranks in this launch (this attempt or an
+        earlier one of ``--max-restarts``): it makes their attempt's folder in
+        :attr:`logs` as it starts them. Unreadable: taken as started (no line)."""
+        if not self.logs:
+            return False
+        try:
+            return bool(os.listdir(self.logs))
+        except OSError:
+            return True
 
     def _waiting(self, name: str) -> None:
         print(
@@ -247,7 +268,8 @@ class Stopping:
         )
 
     def exit_code(self, signum: int) -> int:
-        """128 + the signal, after one line when the ranks were killed at the timeout.
+        """128 + the signal, after one line when the ranks were killed at the timeout
+        or none had started.
         ``signum``: the agent's, for a signal it handled itself (SIGHUP, SIGQUIT: a
         closed terminal), which ends the ranks and the launcher without a wait."""
         if self._notice is not None:
@@ -255,7 +277,9 @@ class Stopping:
         if not self.signum:
             return 128 + int(signum)
         name = signal.Signals(self.signum).name
-        if time.monotonic() - self.at >= self.grace_s:
+        if not self.ranks_started:
+            print(stopped_before_ranks(self.signum), file=sys.stderr, flush=True)
+        elif time.monotonic() - self.at >= self.grace_s:
             print(
                 f"isp-train: error: ranks had not stopped {self.grace_s:.0f} s after {name} and were killed, without "
                 "a checkpoint of this step: a rank stuck in a collective (on a peer that hangs, or one that left "
@@ -302,7 +326,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))  # what the agent waits (its default)
     stopping = Stopping(grace_s)
-    logs = agent_folder()
+    logs = stopping.logs = agent_folder()
     config = LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=logs),
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's

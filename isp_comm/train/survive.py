@@ -15,6 +15,9 @@
   fails ("Connection refused"), or not, depending on which rank writes first.
 * ``no_restart`` / ``restart_refused``: a rank that failed before its first step on
   a mistake is not restarted (see [Note: no restart for a mistake]).
+* ``stopped_before_ranks``: the one line of isp-train's launcher stopped by a signal
+  before any rank started (the ranks say why a run stops once they run; before them,
+  nobody did), and ``launcher_asked``: whether the command line asks for that launcher.
 
 Imports nothing heavy: a restarted rank asks :func:`restart_refused` before torch loads.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
 import sys
 from typing import IO, TYPE_CHECKING
@@ -169,3 +173,21 @@ def restart_refused() -> None:
             flush=True,
         )
     raise SystemExit(2)
+
+
+def stopped_before_ranks(signum: int) -> str:
+    """What a launcher stopped by ``signum`` before any rank started says, as a rank 0
+    says it once they run (``isp-train: stopped by SIGTERM; ...``): the exit code
+    alone, 143 or 130, said nothing of why or how far the run got."""
+    name = signal.Signals(signum).name
+    return f"isp-train: stopped by {name} before any rank had started; nothing trained, no checkpoint"
+
+
+def launcher_asked(argv: list[str] | None = None) -> bool:
+    """Whether this process is isp-train's own launcher, as its command line says
+    before torch's import and the flags' parsing: ``--nproc-per-node`` given, not a
+    rank a launcher started (``LOCAL_RANK``) and not ``--plan`` (which starts none).
+    A count only in a ``--config`` file is seen once the flags are parsed."""
+    args = sys.argv[1:] if argv is None else argv
+    names = {a.split("=", 1)[0] for a in args}
+    return "--nproc-per-node" in names and "--plan" not in names and "LOCAL_RANK" not in os.environ
