@@ -254,12 +254,52 @@ def test_pretokenized_files_are_memory_mapped(tmp_path):
     assert isinstance(tokens, np.memmap) and vocab == 65_536
 
 
+def _ids(vocab: int, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+@pytest.mark.parametrize("vocab", [2, 256, 50_257, 151_936])
+def test_a_bin_of_uint32_tokens_is_refused_naming_the_file(tmp_path, vocab: int) -> None:
+    """A .bin is read as uint16 (nanoGPT's format): uint32 tokens were read as pairs of
+    uint16 and trained on as garbage, without a word. A sample of the file shows it
+    (every second uint16 a high half, 0 or a few); the one line names the file and
+    says to save it as .npy. Vocabularies from 2 ids to Qwen2's 151,936 (high halves
+    up to 2), and a file longer than the sample (read at its start, middle and end)."""
+    path = tmp_path / "tokens.bin"
+    _ids(vocab, 20_000).astype(np.uint32).tofile(path)
+    with pytest.raises(ValueError) as refused:
+        check_data(str(path))
+    said = str(refused.value)
+    assert said.startswith(f"--data {path}: its content looks like uint32 tokens") and "\n" not in said, said
+    assert "save the tokens as .npy" in said, said
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 4, 5, 256, 50_257, 65_536])
+@pytest.mark.parametrize("n", [128, 129, 20_000])  # 128: 64 uint32 words, the least that is sampled
+def test_a_bin_of_uint16_tokens_is_taken_whatever_its_vocabulary(tmp_path, vocab: int, n: int) -> None:
+    """No false alarm on real uint16 data: random tokens of a small vocabulary (ids small
+    in every place, as a uint32 file's high halves are) or a large one, a count that
+    fills whole uint32 words or not, and a file of zeros."""
+    path = tmp_path / "tokens.bin"
+    _ids(vocab, n).astype(np.uint16).tofile(path)
+    check_data(str(path))
+    np.zeros(n, dtype=np.uint16).tofile(path)
+    check_data(str(path))
+
+
 @pytest.mark.timeout(120)
 def test_bad_data_is_refused_before_ranks_start(tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(8, dtype=np.float64))
     np.save(tmp_path / "neg.npy", np.array([1, -1], dtype=np.int64))
     (tmp_path / "x.csv").write_text("1,2")
-    for name, text in [("f.npy", "integers"), ("neg.npy", "negative"), ("gone.npy", "no such"), ("x.csv", "kind")]:
+    _ids(50_257, 4096).astype(np.uint32).tofile(tmp_path / "u32.bin")
+    for name, text in [
+        ("f.npy", "integers"),
+        ("neg.npy", "negative"),
+        ("gone.npy", "no such"),
+        ("x.csv", "kind"),
+        ("u32.bin", "looks like uint32 tokens"),
+    ]:
         res = isp_train(1, "--data", str(tmp_path / name), "--nproc-per-node", "2", "--out", str(tmp_path / "o"))
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and "--data" in lines[0] and text in lines[0], res.stderr

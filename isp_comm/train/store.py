@@ -349,8 +349,9 @@ def _encode(tok, texts: list[str], bar) -> Iterator[np.ndarray]:
 
 def check_data(path: str) -> None:
     """Refuse a ``--data`` isp-train cannot train on, with one line naming the flag:
-    a path that does not exist, a kind it cannot read, a float ``.npy``, negative ids.
-    Cheap: a ``.npy`` is memory-mapped and scanned in chunks."""
+    a path that does not exist, a kind it cannot read, a float ``.npy``, negative ids,
+    a ``.bin`` of uint32 tokens. Cheap: a ``.npy`` is memory-mapped and scanned in
+    chunks, a ``.bin`` sampled."""
     if not os.path.exists(path):
         raise ValueError(f"--data {path}: no such file or folder")
     if os.path.isdir(path):
@@ -373,10 +374,46 @@ def check_data(path: str) -> None:
                     raise ValueError(f"--data {path}: negative token ids")
     elif path.endswith(".bin"):
         if os.path.getsize(path) < 2 or os.path.getsize(path) % 2:
-            raise ValueError(f"--data {path}: a .bin of uint16 tokens needs an even, non-zero size")
+            raise ValueError(
+                f"--data {path}: a .bin of uint16 tokens needs an even, non-zero size (tokens of another dtype: "
+                "save them as .npy, which keeps it)"
+            )
+        _refuse_uint32_bin(path)
     elif not path.endswith(TEXT_SUFFIXES):
         text = ", ".join(TEXT_SUFFIXES)
         raise ValueError(f"--data {path}: cannot read this kind of file (want .npy, .bin, a store, or text: {text})")
+
+
+BIN_SAMPLE = 4096
+"""uint32 words read at each of a .bin's start, middle and end by :func:`_refuse_uint32_bin`."""
+
+
+def _refuse_uint32_bin(path: str) -> None:
+    """Refuse a ``.bin`` whose content is evidently uint32 tokens: read as uint16, as
+    nanoGPT's format is, each id becomes two (its low half, then its high half) and the
+    run trains on garbage without a word. Evident: in a sample of up to 3 x
+    :data:`BIN_SAMPLE` words, every second uint16 is at most 3 (the high half of an id
+    below 262,144, every known vocabulary) and most of the others are larger. Real
+    uint16 tokens never show it: a small vocabulary's ids are small in both places,
+    a large one's in neither. Cheap: 48 KiB read, whatever the file's size."""
+    size = os.path.getsize(path)
+    if size % 4 or size < 256:  # not whole uint32 words, or under 64 of them: no evidence
+        return
+    words, take = size // 4, min(size // 4, BIN_SAMPLE)
+    parts = []
+    with open(path, "rb") as f:
+        for start in sorted({0, (words - take) // 2, words - take}):
+            f.seek(4 * start)
+            parts.append(np.frombuffer(f.read(4 * take), dtype=np.uint16))
+    pairs = np.concatenate(parts).reshape(-1, 2)
+    low, high = pairs[:, 0], pairs[:, 1]  # a native uint32's halves, as np.memmap reads the file
+    top = int(high.max())
+    if top <= 3 and 2 * int(np.count_nonzero(low > top)) >= len(low):
+        raise ValueError(
+            f"--data {path}: its content looks like uint32 tokens, but a .bin is read as uint16 (every second "
+            f"uint16 of {2 * len(pairs)} sampled is at most {top}, as a uint32 id's high half): save the tokens as "
+            ".npy (np.save keeps their dtype), or as uint16 if every id is below 65,536"
+        )
 
 
 def parser() -> argparse.ArgumentParser:
