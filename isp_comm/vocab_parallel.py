@@ -249,17 +249,27 @@ def find_output_head(model: nn.Module, head: nn.Module | None, blocks: list[nn.M
         inside = {id(m) for b in blocks for m in b.modules()}
         outside = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
         head = outside[-1] if outside else None
+    off = "leave vocab_parallel off for this model (isp-train: without --vocab-parallel)"
     if not isinstance(head, nn.Linear):
-        raise ValueError("vocab_parallel needs the output head as an nn.Linear: pass head=")
+        found = "no nn.Linear outside the blocks" if head is None else f"a {type(head).__name__}"
+        raise ValueError(
+            f"vocab_parallel needs the output head as an nn.Linear, and found {found}: pass the head's nn.Linear as "
+            f"ISPCommunicator(..., head=model.lm_head), or {off}"
+        )
     if head.bias is not None:
-        raise ValueError("vocab_parallel supports an output head without bias")
+        raise ValueError(
+            f"vocab_parallel supports an output head without bias, and this {type(head).__name__} has one: {off}"
+        )
     if type(head).forward is not nn.Linear.forward:
         raise ValueError(
-            f"vocab_parallel replaces the output head's forward, and {type(head).__name__} has one of its own; "
-            "leave vocab_parallel off for this model"
+            f"vocab_parallel replaces the output head's forward, and {type(head).__name__} has one of its own: {off}"
         )
     if any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(False)):
-        raise ValueError("vocab_parallel does not support a head tied to the embedding")
+        raise ValueError(
+            "vocab_parallel does not support a head tied to the embedding: untie them before wrapping "
+            "(head.weight = nn.Parameter(head.weight.detach().clone()), and tie_word_embeddings=False in a "
+            f"transformers config: the two then train apart), or {off}"
+        )
     return head
 
 
@@ -283,7 +293,9 @@ def vocab_parallel_cross_entropy(
     if tuple(logits.shape[1:-1]) != tuple(labels.shape):
         raise ValueError(
             f"vocab-sharded logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}: "
-            "expected logits [wp, *labels.shape, vocab rows]"
+            "expected logits [wp, *labels.shape, vocab rows]; pass the head's output as it came (not flattened "
+            "or sliced) and labels shaped like this rank's input ids (shift the ids, not the logits: "
+            "model(x[:, :-1]) against x[:, 1:])"
         )
     flat = logits.reshape(wp, labels.numel(), logits.shape[-1])  # also with no vocab row on this rank
     every = comm.all_gather(labels.reshape(-1), "all-gather of labels")

@@ -99,9 +99,9 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 @pytest.mark.parametrize(
     "case, said",
     [
-        ("tied", "tied to the embedding"),
+        ("tied", "tied to the embedding: untie them before wrapping (head.weight = nn.Parameter("),
         # before: ScaledHead's forward replaced silently, its scale lost
-        ("own forward", "ScaledHead has one of its own"),
+        ("own forward", "ScaledHead has one of its own: leave vocab_parallel off for this model (isp-train: "),
         # before: the loss read [wp, batch, seq, vocab/wp] logits as [batch, seq, vocab] (~3e-2 off, silently)
         ("labels", "call the model without labels and take the loss with comm.cross_entropy"),
     ],
@@ -111,6 +111,33 @@ def test_vocab_parallel_refuses_what_it_cannot_split(case: str, said: str) -> No
 
     for text in run_ranks(_refusal_worker, 2, case, timeout_s=50):
         assert said in text, text
+
+
+def test_vocab_parallel_says_what_to_do_with_a_head_it_cannot_split() -> None:
+    """The refusals that had no test, each saying what to do instead (it said only
+    what was wrong: "pass head=", or nothing): no nn.Linear outside the blocks, a head
+    with a bias, and logits or labels reshaped before the vocab-parallel loss."""
+    from isp_comm.vocab_parallel import find_output_head, vocab_parallel_cross_entropy
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+    with pytest.raises(ValueError) as refused:
+        find_output_head(torch.nn.Sequential(blocks, torch.nn.ReLU()), None, list(blocks))
+    said = str(refused.value)
+    assert "found no nn.Linear outside the blocks: pass the head's nn.Linear as ISPCommunicator(" in said, said
+    assert said.endswith("or leave vocab_parallel off for this model (isp-train: without --vocab-parallel)"), said
+    with pytest.raises(ValueError, match=r"found a ReLU: pass the head's nn.Linear as ISPCommunicator\(\.\.\., head="):
+        find_output_head(torch.nn.Sequential(blocks), torch.nn.ReLU(), list(blocks))
+    biased = torch.nn.Sequential(blocks, torch.nn.Linear(8, 37))
+    with pytest.raises(ValueError, match="without bias, and this Linear has one: leave vocab_parallel off for this"):
+        find_output_head(biased, None, list(blocks))
+    # the loss takes the head's [wp, batch, seq, rows] and labels [batch, seq]; a flattened pair is refused
+    # before any collective (comm: never reached)
+    logits, labels = torch.zeros(2, 3, 5, 10), torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(ValueError) as refused:
+        vocab_parallel_cross_entropy(logits.flatten(1, 2), labels, None, 0)  # type: ignore[arg-type]
+    said = str(refused.value)
+    assert said.startswith("vocab-sharded logits (2, 15, 10) do not match labels (3, 5)"), said
+    assert "pass the head's output as it came (not flattened or sliced) and labels shaped like" in said, said
 
 
 def _whole_worker(rank: int, world: int, vocab: int, backend: str) -> list[float | str]:
