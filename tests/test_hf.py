@@ -212,6 +212,32 @@ def test_mfu_counts_the_experts_a_token_goes_through() -> None:
     assert flops_per_token(model, 16) == 6 * (others + experts * 2 / 8) + 12 * 2 * 32 * 16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planner_traces_an_moe_and_counts_its_experts_products(dtype: torch.dtype) -> None:
+    """The meta traces under the planner's step and the memory forecast stopped in
+    torch's meta grouped_mm, which checks for bf16, on an fp32 MoE (isp-train --plan
+    --model of a Mixtral: a traceback); and the step model took the experts' grouped
+    products for element-wise bytes. A block's forward matrix FLOPs are now 2 x tokens x
+    its parameters a token goes through, as model_flops counts them."""
+    if importlib.util.find_spec("transformers.conversion_mapping") is None:
+        pytest.skip("transformers 4 keeps Mixtral's experts as nn.Linear modules")
+    from isp_comm.discovery import find_blocks
+    from isp_comm.memory_forecast.activations import trace
+    from isp_comm.planner.ops import trace_ops
+
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    blocks = list(find_blocks(model))
+    ops = trace_ops(model, blocks, 2, 16, dtype)
+    active = sum(p.numel() * (2 / 4 if p.dim() == 3 else 1) for p in blocks[0].parameters() if p.dim() > 1)
+    assert sum(f for f, _ in ops.block_fwd[0].gemm) == 2 * 2 * 16 * active
+    assert trace(model, blocks, 2, 16, dtype, None).saved[0] > 0
+
+
 FAMILIES = {
     "qwen3": dict(head_dim=8),  # q_norm / k_norm
     "gemma2": dict(head_dim=8, sliding_window=4),  # logit softcapping, pre/post norms, scaled embedding

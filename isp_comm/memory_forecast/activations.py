@@ -59,14 +59,35 @@ def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
     return op(q, k, v, dropout_p, is_causal or attn_mask is None, scale=scale)[0]
 
 
+def _meta_grouped_mm(grouped_mm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``grouped_mm`` (an MoE's experts, transformers 5) that runs on meta in any dtype:
+    torch's meta kernel checks for bf16, as the CUDA kernel wants, where the CPU kernel
+    takes fp32 too, so a meta trace of an fp32 MoE stopped there. An fp32 product goes
+    through as bf16 and comes back in its dtype: its shapes and FLOPs are the same; the
+    inputs its backward keeps are counted at bf16's size (the CPU runs' fp32 MoE only)."""
+
+    def product(a: torch.Tensor, b: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if a.device.type == "meta" and a.dtype != torch.bfloat16:
+            return grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), *args, **kwargs).to(a.dtype)
+        return grouped_mm(a, b, *args, **kwargs)
+
+    return product
+
+
 @contextlib.contextmanager
-def fused_attention() -> Iterator[None]:
-    orig = F.scaled_dot_product_attention
+def meta_kernels() -> Iterator[None]:
+    """What a meta trace runs in place of torch's own: SDPA as a fused kernel keeps it
+    (:func:`_flash_sdpa`), and grouped_mm in any dtype (:func:`_meta_grouped_mm`)."""
+    sdpa, grouped = F.scaled_dot_product_attention, getattr(F, "grouped_mm", None)
     F.scaled_dot_product_attention = _flash_sdpa
+    if grouped is not None:
+        F.grouped_mm = _meta_grouped_mm(grouped)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = orig
+        F.scaled_dot_product_attention = sdpa
+        if grouped is not None:
+            F.grouped_mm = grouped
 
 
 def _default_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -301,7 +322,7 @@ def trace(
             b.forward = compiled_forward(b, inside)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
-        with fused_attention(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
+        with meta_kernels(), _no_value_reads(), torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t):
             logits = (forward or _default_forward)(clone, ids)
     finally:
         for h in handles:

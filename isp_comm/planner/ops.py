@@ -24,8 +24,8 @@ from isp_comm.memory_forecast.activations import (
     _default_forward,
     _no_value_reads,
     _twins,
-    fused_attention,
     meta_copy,
+    meta_kernels,
 )
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
@@ -147,6 +147,10 @@ class _Recorder(TorchDispatchMode):
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
             batch = a.shape[0] if a.dim() == 3 else 1
             ops.gemm.append((2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1], _low(a)))
+        elif name == "_grouped_mm":  # an MoE's experts: (tokens x k, in) by (experts, in, out), or a weight gradient
+            a, b = args[0], args[1]
+            rows = a.shape[0] * a.shape[1] if a.dim() == 2 else a.numel()
+            ops.gemm.append((2.0 * rows * b.shape[-1], _low(a)))
         elif name in ATTENTION_FWD:
             causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("is_causal", False))
             ops.attention.append(_attention(args[0], args[1], causal, 1.0, False))
@@ -210,7 +214,7 @@ def trace_ops(
         handles.append(b.register_full_backward_hook(lambda _m, _gi, _go: rec.current.__setitem__(0, -1)))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
-        with fused_attention(), _no_value_reads():
+        with meta_kernels(), _no_value_reads():
             with rec:
                 logits = (forward or _default_forward)(clone, ids)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids.reshape(-1))
