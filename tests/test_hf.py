@@ -192,6 +192,16 @@ def test_moe_experts_fused_into_3d_tensors_are_sharded(world: int, wp: int, shar
             assert all(shape[0] == 2 - rank % wp for shape in experts), (rank, experts)
 
 
+def _meta_mixtral(experts: int):
+    """A tiny Mixtral on meta, 2 of ``experts`` a token (hidden 32, intermediate 40, 2 blocks)."""
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
 def test_mfu_counts_the_experts_a_token_goes_through() -> None:
     """An MoE's fused experts count at top_k / experts of their size in the FLOPs per
     token (MFU), as torchtitan counts an MoE: counted whole, every MoE run's MFU came
@@ -200,12 +210,7 @@ def test_mfu_counts_the_experts_a_token_goes_through() -> None:
         pytest.skip("transformers 4 keeps Mixtral's experts as nn.Linear modules")
     from isp_comm.model_flops import flops_per_token
 
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = _meta_mixtral(experts=8)
     experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)
     others = sum(p.numel() for p in model.parameters() if p.dim() < 3) - 37 * 32  # the embedding is no matmul
     assert experts == 2 * 8 * (2 * 40 * 32 + 32 * 40)
@@ -225,12 +230,7 @@ def test_the_planner_traces_an_moe_and_counts_its_experts_products(dtype: torch.
     from isp_comm.memory_forecast.activations import trace
     from isp_comm.planner.ops import trace_ops
 
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model = _meta_mixtral(experts=4)
     blocks = list(find_blocks(model))
     ops = trace_ops(model, blocks, 2, 16, dtype)
     active = sum(p.numel() * (2 / 4 if p.dim() == 3 else 1) for p in blocks[0].parameters() if p.dim() > 1)
