@@ -1074,6 +1074,32 @@ def test_a_sigterm_while_waiting_for_the_other_machines_says_no_rank_started(tmp
     assert not os.path.exists(out) and not _left_in(temp), _left_in(temp)
 
 
+@pytest.mark.timeout(60)
+def test_a_signal_while_the_launcher_makes_its_agents_folder_says_no_rank_started(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A SIGTERM that lands after the launcher's own handler is set but before the
+    launch's ``try`` (its agent's folder, its config) is answered like one during the
+    rendezvous: 143 and the one line. It escaped the ``try`` as a SignalException,
+    with a traceback. In-process, the signal sent from inside ``agent_folder``."""
+    from isp_comm.train import launch as launcher
+
+    def folder_signalled() -> str:
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs its handler at the next bytecode
+        return str(tmp_path / "agent")  # not reached: the handler raised
+
+    monkeypatch.setattr(launcher, "agent_folder", folder_signalled)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch() sets it; given back by monkeypatch
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = launcher.launch(2, 1, "", ["--steps", "1"])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert code == 143 and err.splitlines() == [NOT_STARTED.format("SIGTERM")], (code, err)
+
+
 @pytest.mark.timeout(30)
 def test_the_rendezvous_probe_passes_a_real_store_and_a_free_port() -> None:
     """A TCPStore server at the endpoint answers torch's client in milliseconds (5 s

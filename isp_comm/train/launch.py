@@ -227,6 +227,13 @@ class Stopping:
         self.ranks_started = True
         self._notice: threading.Timer | None = None
         self._after_import = AfterImport()
+
+    def arm(self) -> None:
+        """Take SIGINT and SIGTERM from here on: called first thing inside the ``try``
+        that answers its ``SignalException``, so that no signal finds it armed outside
+        (one in the agent's folder or its config escaped as a traceback). Until then,
+        the process's earlier handler answers (``leave_on_signals``: one line, exit 128
+        + the signal)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -325,21 +332,22 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         # keys with can differ (an agent restarting for a peer machine does not count it).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     grace_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))  # what the agent waits (its default)
-    stopping = Stopping(grace_s)
-    logs = stopping.logs = agent_folder()
-    config = LaunchConfig(
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
-        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nproc,
-        run_id="isp-train" if nnodes > 1 else str(uuid.uuid4()),  # every machine names the same run
-        rdzv_backend="c10d",
-        rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-    )
-    try:
+    stopping, logs = Stopping(grace_s), ""
+    try:  # armed inside: a signal while the folder and the config are made is answered too
+        stopping.arm()
+        logs = stopping.logs = agent_folder()
+        config = LaunchConfig(
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+            signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nproc,
+            run_id="isp-train" if nnodes > 1 else str(uuid.uuid4()),  # every machine names the same run
+            rdzv_backend="c10d",
+            rdzv_endpoint=rdzv_endpoint or "localhost:0",
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+        )
         if rdzv_endpoint and store_is_silent(rdzv_endpoint):  # torch would wait on it, deaf to Ctrl-C
             print(
                 f"isp-train: error: launching {nproc} ranks failed: {silent_store_failure(rdzv_endpoint)}",
@@ -359,5 +367,6 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
         )
         return 2
     finally:
-        shutil.rmtree(logs, ignore_errors=True)
+        if logs:
+            shutil.rmtree(logs, ignore_errors=True)
     return 0
