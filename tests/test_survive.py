@@ -30,6 +30,7 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "
 SLOW = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--batch", "8", "--seq", "128"]
 COMMON = ["--no-trace", "--log-every", "1000", "--backend", "symm"]
 NOT_STARTED = "isp-train: stopped by {} before any rank had started; nothing trained, no checkpoint"
+NOT_TRAINING = "isp-train: stopped by {} before training started; nothing trained, no checkpoint"
 
 
 def _own(n: int, *args: str) -> list[str]:
@@ -517,6 +518,35 @@ def test_ctrl_c_while_starting_is_quiet(tmp_path) -> None:
         assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err[-2000:])
         if delay < 1:
             assert err.splitlines() == [NOT_STARTED.format("SIGINT")], err[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.serial
+def test_ctrl_c_while_the_ranks_import_torch_says_training_had_not_started(tmp_path) -> None:
+    """Ctrl-C once the launcher has started its ranks, while they still import torch:
+    the ranks leave quietly (their handler before the run's own), and the launcher
+    says in one line that training had not started, exit 130 (it exited 130 without a
+    word: its ranks had started, and it left the saying to them). Nothing is left in
+    the temp dir."""
+    env, temp = _own_temp(tmp_path)
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "10"
+    cmd = _own(2, *SMALL, *COMMON, "--steps", "5", "--out", str(tmp_path / "run"))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60  # the launcher's torch import, seconds on a loaded machine
+        while time.monotonic() < deadline and proc.poll() is None and len(_descendants(proc.pid)) < 2:
+            time.sleep(0.02)
+        assert proc.poll() is None and len(_descendants(proc.pid)) >= 2, "no ranks started"
+        time.sleep(0.3)  # their interpreters up, deep in torch's import (seconds)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err.splitlines() == [NOT_TRAINING.format("SIGINT")], (proc.returncode, err)
+    assert not _left_in(temp), _left_in(temp)
 
 
 def test_a_launcher_is_told_from_its_command_line_before_torchs_import(monkeypatch) -> None:

@@ -75,6 +75,7 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     sharded model and its optimizer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = use_bf16(cfg, device)
+    survive.say_armed()  # the launcher's word: from here a signal's line is rank 0's
     signals = Signals(cfg.save_on_signal)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         survive.remove_stale_segments()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from isp_comm.backends.shm import owners_gone
 from isp_comm.processes import AfterImport, children_start_with_stops_blocked
-from isp_comm.train.survive import stopped_before_ranks
+from isp_comm.train.survive import ARMED_ENV, ARMED_FILE, stopped_before_ranks, stopped_before_training
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -216,7 +216,9 @@ class Stopping:
     save was otherwise 30 s of silence and an exit without a word. A second signal
     leaves at once: the ranks die with the launcher (:mod:`isp_comm.processes`).
     A signal before any rank started (the rendezvous, waiting for the other machines)
-    has no rank to say why the run stopped: the launcher says it, in one line.
+    has no rank to say why the run stopped: the launcher says it, in one line; so it
+    does when its ranks had started but not set the run's handlers (torch's import),
+    where they leave quietly (:data:`survive.ARMED_ENV`).
     """
 
     def __init__(self, grace_s: float) -> None:
@@ -266,6 +268,12 @@ class Stopping:
         except OSError:
             return True
 
+    def _ranks_armed(self) -> bool:
+        """Whether this machine's ranks set the run's own handlers in this launch (the
+        file :func:`survive.say_armed` makes): from then on rank 0 says why a run
+        stops. A restart's ranks find it made by the attempt before them."""
+        return os.path.exists(os.path.join(self.logs, ARMED_FILE))
+
     def _waiting(self, name: str) -> None:
         print(
             f"isp-train: {name}: waiting up to {self.grace_s:.0f} s for the ranks to finish their step (and save, "
@@ -275,8 +283,8 @@ class Stopping:
         )
 
     def exit_code(self, signum: int) -> int:
-        """128 + the signal, after one line when the ranks were killed at the timeout
-        or none had started.
+        """128 + the signal, after one line when the ranks were killed at the timeout,
+        none had started, or none had set the run's handlers.
         ``signum``: the agent's, for a signal it handled itself (SIGHUP, SIGQUIT: a
         closed terminal), which ends the ranks and the launcher without a wait."""
         if self._notice is not None:
@@ -286,6 +294,8 @@ class Stopping:
         name = signal.Signals(self.signum).name
         if not self.ranks_started:
             print(stopped_before_ranks(self.signum), file=sys.stderr, flush=True)
+        elif not self._ranks_armed():  # they left quietly, still importing torch or meeting
+            print(stopped_before_training(self.signum), file=sys.stderr, flush=True)
         elif time.monotonic() - self.at >= self.grace_s:
             print(
                 f"isp-train: error: ranks had not stopped {self.grace_s:.0f} s after {name} and were killed, without "
@@ -336,6 +346,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str, argv: list[str], max_res
     try:  # armed inside: a signal while the folder and the config are made is answered too
         stopping.arm()
         logs = stopping.logs = agent_folder()
+        os.environ[ARMED_ENV] = os.path.join(logs, ARMED_FILE)  # the ranks' word that their handlers are set
         config = LaunchConfig(
             logs_specs=DefaultLogsSpecs(log_dir=logs),
             signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: Stopping's

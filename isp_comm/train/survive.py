@@ -18,6 +18,9 @@
 * ``stopped_before_ranks``: the one line of isp-train's launcher stopped by a signal
   before any rank started (the ranks say why a run stops once they run; before them,
   nobody did), and ``launcher_asked``: whether the command line asks for that launcher.
+* ``stopped_before_training``: its line when its ranks had started but not yet set
+  the run's own handlers (torch's import, the rendezvous), and ``say_armed``: a
+  rank's word to it that they are set (:data:`ARMED_ENV`).
 
 Imports nothing heavy: a restarted rank asks :func:`restart_refused` before torch loads.
 """
@@ -191,3 +194,32 @@ def launcher_asked(argv: list[str] | None = None) -> bool:
     args = sys.argv[1:] if argv is None else argv
     names = {a.split("=", 1)[0] for a in args}
     return "--nproc-per-node" in names and "--plan" not in names and "LOCAL_RANK" not in os.environ
+
+
+ARMED_ENV = "ISP_TRAIN_ARMED_FILE"
+"""Set by isp-train's launcher for its ranks: the file, in its agent's folder, that its
+local rank 0 makes as it sets the run's own signal handlers (:func:`say_armed`)."""
+
+ARMED_FILE = "ranks-armed"
+"""That file's name in the launcher's agent folder."""
+
+
+def stopped_before_training(signum: int) -> str:
+    """What a launcher whose ranks started but had not set the run's handlers says
+    when ``signum`` stops it: its ranks, still importing torch or meeting, leave
+    quietly (``leave_on_signals``), so the exit code, 130 or 143, said nothing."""
+    name = signal.Signals(signum).name
+    return f"isp-train: stopped by {name} before training started; nothing trained, no checkpoint"
+
+
+def say_armed() -> None:
+    """Tell isp-train's launcher (:data:`ARMED_ENV`; a bare torchrun sets none) that
+    this machine's ranks have their run's own handlers, set just after this: from here
+    rank 0 says why a run stops, and the launcher stays quiet. Before the handlers, not
+    after: a signal in between leaves the run quiet rather than said twice."""
+    path = os.environ.get(ARMED_ENV)
+    if path and os.environ.get("LOCAL_RANK") == "0":
+        try:
+            open(path, "a").close()
+        except OSError:  # the launcher's folder gone: it is past listening
+            pass
