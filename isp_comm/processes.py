@@ -157,8 +157,9 @@ def leave_on_signals(code: int | None = None, said: Callable[[int], str] | None 
     ``finally``) with ``code``, or 128 + the signal: for a process between its start
     and its own handlers, or on its way out after a failure it has reported, where a
     handler that raises something else (a ``KeyboardInterrupt``) prints a traceback.
-    ``said``: the signal's number to the one line printed first (to stderr), for a
-    process that must say why it stops (a launcher before its ranks start).
+    ``said``: the signal's number to the one line printed first (to stderr), once (a
+    second Ctrl-C while the first unwinds says nothing more), for a process that must
+    say why it stops (a launcher before its ranks start, a process alone).
     Inside an import it leaves at once (``os._exit``): a process still starting has
     nothing to release; so does one already shutting down (the launcher's SIGTERM to a
     rank joining its last threads after it reported its failure), which has released it.
@@ -166,13 +167,15 @@ def leave_on_signals(code: int | None = None, said: Callable[[int], str] | None 
     status, and the callbacks after it still release what they hold (raised there, the
     ``SystemExit`` was printed as "Exception ignored in atexit callback", a traceback)."""
 
+    to_say = [] if said is None else [said]
+
     def leave(signum: int, frame: FrameType | None) -> None:
         status = 128 + signum if code is None else code
         if in_exit_callback(frame):
             return
-        if said is not None:
+        while to_say:  # taken before it is printed: a signal during the print says nothing more
             with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted
-                print(said(signum), file=sys.stderr, flush=True)
+                print(to_say.pop()(signum), file=sys.stderr, flush=True)
         if importing(frame) or shutting_down(frame):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed pipe; a print this interrupted

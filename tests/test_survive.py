@@ -549,6 +549,80 @@ def test_ctrl_c_while_the_ranks_import_torch_says_training_had_not_started(tmp_p
     assert not _left_in(temp), _left_in(temp)
 
 
+def _handlers_set(pid: int) -> bool:
+    """Whether ``pid`` has its own SIGTERM handler (``leave_on_signals``: Python's own
+    start sets one for SIGINT alone), from its caught signals in /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (FileNotFoundError, StopIteration):
+        return False
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["alone", "config"])
+def test_a_signal_during_torchs_import_is_one_line_alone_or_with_a_count_from_config(tmp_path, who: str) -> None:
+    """A single-process isp-train (no --nproc-per-node) Ctrl-C'd, and a launcher told
+    its count only by --config SIGTERMed, during torch's import (signalled as soon as
+    their first handler is set): exit 130 / 143 and one line saying training had not
+    started (both exited without a word: only a --nproc-per-node on the command line
+    said a launcher). The launcher goes through the console script's entry point, the
+    process alone through python -m."""
+    out = str(tmp_path / "run")
+    if who == "alone":
+        sig, cmd = signal.SIGINT, [sys.executable, "-m", "isp_comm.train", *SMALL, *COMMON, "--out", out]
+    else:
+        config = tmp_path / "flags.toml"
+        config.write_text(f'nproc_per_node = 2\nsteps = 2\nout = "{out}"\n')
+        sig, cmd = signal.SIGTERM, [sys.executable, "-c", "from isp_comm.train import main; main()"]
+        cmd += ["--config", str(config), *SMALL, *COMMON]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None and not _handlers_set(proc.pid):
+            time.sleep(0.005)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(sig)  # torch's import takes seconds: it lands there
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + sig and err.splitlines() == [NOT_TRAINING.format(sig.name)], (
+        proc.returncode,
+        err[-2000:],
+    )
+    assert not os.path.exists(out)
+
+
+def test_before_its_handlers_a_process_says_one_line_a_launchers_rank_none(monkeypatch, capsys) -> None:
+    """Which line a process says when a signal stops it before its own handlers: a
+    launcher its own, a process alone (or a launcher of a --config count) that training
+    had not started, a launcher's rank none (its launcher says it: not twice), a --plan
+    none. Said once: a second Ctrl-C while the first unwinds says nothing more."""
+    from isp_comm.processes import leave_on_signals
+    from isp_comm.train.survive import said_before_handlers, stopped_before_ranks, stopped_before_training
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert said_before_handlers(["--nproc-per-node", "2"]) is stopped_before_ranks
+    assert said_before_handlers(["--steps", "3"]) is said_before_handlers(["--config", "f"]) is stopped_before_training
+    assert said_before_handlers(["--plan"]) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert said_before_handlers(["--steps", "3"]) is None
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        leave_on_signals(said=stopped_before_training)
+        leave = signal.getsignal(signal.SIGINT)
+        for _ in range(2):
+            with pytest.raises(SystemExit) as left:
+                leave(signal.SIGINT, None)
+            assert left.value.code == 130
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert capsys.readouterr().err.splitlines() == [NOT_TRAINING.format("SIGINT")]
+
+
 def test_a_launcher_is_told_from_its_command_line_before_torchs_import(monkeypatch) -> None:
     """Who says "stopped by SIGTERM before any rank had started" while torch imports:
     isp-train's launcher (--nproc-per-node, either spelling), not a rank it started

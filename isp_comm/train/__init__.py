@@ -8,10 +8,10 @@ from __future__ import annotations
 def main(argv: list[str] | None = None) -> None:
     """``isp-train``: quiet signals first (torch's import takes seconds), then the run."""
     from isp_comm.processes import leave_on_signals
-    from isp_comm.train.survive import launcher_asked, restart_refused, stopped_before_ranks
+    from isp_comm.train.survive import restart_refused, said_before_handlers
 
-    # until the run's own handlers (launch.Stopping, signals.Signals); a launcher says why it stops
-    leave_on_signals(said=stopped_before_ranks if launcher_asked(argv) else None)
+    # until the run's own handlers (launch.Stopping, signals.Signals); one line says why it stops
+    leave_on_signals(said=said_before_handlers(argv))
     restart_refused()  # before torch's import: [Note: no restart for a mistake]
     from isp_comm.train.__main__ import main as run
 

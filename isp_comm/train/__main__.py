@@ -19,10 +19,10 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # python -m isp_comm.train: signals set before torch's import (seconds)
     from isp_comm.processes import leave_on_signals
-    from isp_comm.train.survive import launcher_asked, restart_refused, stopped_before_ranks
+    from isp_comm.train.survive import restart_refused, said_before_handlers
 
-    # until the run's own handlers (launch.Stopping, signals.Signals); a launcher says why it stops
-    leave_on_signals(said=stopped_before_ranks if launcher_asked() else None)
+    # until the run's own handlers (launch.Stopping, signals.Signals); one line says why it stops
+    leave_on_signals(said=said_before_handlers())
     restart_refused()  # before torch's import: [Note: no restart for a mistake]
 
 import contextlib

@@ -20,7 +20,9 @@
   nobody did), and ``launcher_asked``: whether the command line asks for that launcher.
 * ``stopped_before_training``: its line when its ranks had started but not yet set
   the run's own handlers (torch's import, the rendezvous), and ``say_armed``: a
-  rank's word to it that they are set (:data:`ARMED_ENV`).
+  rank's word to it that they are set (:data:`ARMED_ENV`); a process alone says it too.
+* ``said_before_handlers``: which of those lines a process says when a signal stops
+  it before its own handlers, from its command line (none for a launcher's rank).
 
 Imports nothing heavy: a restarted rank asks :func:`restart_refused` before torch loads.
 """
@@ -35,6 +37,8 @@ import sys
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch.distributed as dist
 
 LOCK_NAME = ".isp-train.lock"
@@ -223,3 +227,16 @@ def say_armed() -> None:
             open(path, "a").close()
         except OSError:  # the launcher's folder gone: it is past listening
             pass
+
+
+def said_before_handlers(argv: list[str] | None = None) -> Callable[[int], str] | None:
+    """The line isp-train says when a signal stops it before its own handlers (torch's
+    import, the flags), for ``leave_on_signals``, from its command line: a launcher's
+    :func:`stopped_before_ranks`; a process alone, or a launcher told its count only
+    by ``--config`` (unread yet), :func:`stopped_before_training` (true of both); none
+    for a launcher's rank (``LOCAL_RANK``: its launcher says it, once) or a ``--plan``
+    (nothing to train). The exit code alone, 130 or 143, said nothing."""
+    args = sys.argv[1:] if argv is None else argv
+    if "LOCAL_RANK" in os.environ or "--plan" in {a.split("=", 1)[0] for a in args}:
+        return None
+    return stopped_before_ranks if launcher_asked(args) else stopped_before_training
