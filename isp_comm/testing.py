@@ -392,8 +392,15 @@ class HostReads(torch.overrides.TorchFunctionMode):
 
 # ---- tiny Hugging Face folders (tests, the README's worked example; nothing downloaded) ----
 def tiny_hf_config(model_type: str = "llama", vocab_size: int = 300, tied: bool = False, **overrides: Any) -> Any:
-    """A transformers config of ``model_type`` (llama, mistral, qwen2, qwen3) small
-    enough for CPU tests: 2 blocks, width 48, 6 query and 2 key/value heads."""
+    """A transformers config of ``model_type`` small enough for CPU tests: 2 blocks,
+    width 48, 6 query and 2 key/value heads (qwen3: head_dim 8). Any type
+    ``AutoConfig.for_model`` knows is taken; the tests build llama, mistral, qwen2,
+    qwen3 and the other families of ``sequence_parallel.hf.SUPPORTED_MODEL_TYPES`` with
+    it. The family's other defaults stay, for ``overrides`` to shrink (as
+    ``tests/test_train.py``'s ``FOLDER_FAMILIES`` does): Gemma 2 and 3's head_dim of
+    256, GPT-OSS's of 64 and its 128 experts, Qwen3-MoE's 128 (OLMoE's 64), and Phi-3's
+    and GLM's ``pad_token_id`` past a small vocabulary (their model does not build
+    without ``pad_token_id=0``)."""
     from transformers import AutoConfig
 
     kw: dict[str, Any] = dict(
