@@ -168,6 +168,42 @@ def test_an_adapter_on_a_tied_head_is_refused() -> None:
     assert any(".lora_A." in n for n, _ in adapted.named_parameters())
 
 
+def test_the_default_targets_on_a_fused_qkv_model_name_what_to_pass(tmp_path) -> None:
+    """isp-train --model of a Phi-3 folder (one fused qkv_proj) with --lora-rank 4 and
+    the default --lora-targets (a llama's q_proj,k_proj,v_proj,o_proj): one line that
+    says the default is the cause, names the model's linears and what to pass; it said
+    "--lora-targets k_proj,q_proj,v_proj: no such linear", of a flag never typed. What
+    it suggests adapts the model (that it trains: by hand, 2 ranks at --sp 2, loss
+    down). A target given and missing says what to pass too."""
+    from isp_comm.testing import tiny_hf_config
+    from isp_comm.train.config import parse_config
+    from isp_comm.train.lora import apply_lora
+    from isp_comm.train.model import build_meta_model
+
+    folder = str(tmp_path / "phi3")
+    transformers.AutoModelForCausalLM.from_config(tiny_hf_config("phi3", pad_token_id=0)).save_pretrained(folder)
+    linears = "its linears: ['down_proj', 'gate_up_proj', 'lm_head', 'o_proj', 'qkv_proj']"
+    advice = ": pass --lora-targets o_proj,qkv_proj (its attention's projections)"
+    with pytest.raises(ValueError) as default:
+        build_meta_model(parse_config(["--model", folder, "--lora-rank", "4"]), 300, folder)
+    assert str(default.value) == (
+        "--lora-rank 4: the default --lora-targets q_proj,k_proj,v_proj,o_proj (a llama's attention projections) "
+        f"names k_proj,q_proj,v_proj, which this phi3 model lacks ({linears}){advice}"
+    )
+    with pytest.raises(ValueError) as given:
+        build_meta_model(
+            parse_config(["--model", folder, "--lora-rank", "4", "--lora-targets", "q_proj,o_proj"]), 300, folder
+        )
+    assert str(given.value) == f"--lora-targets q_proj: no such linear in this phi3 model ({linears}){advice}"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("phi3", pad_token_id=0))
+    adapted = apply_lora(model, 4, ["o_proj", "qkv_proj"])
+    assert {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in adapted.named_parameters() if ".lora_A." in n} == {
+        "o_proj",
+        "qkv_proj",
+    }
+
+
 def test_mfu_counts_a_frozen_base_at_four_flops_a_parameter() -> None:
     """MFU's FLOPs: 6 a trained parameter (forward, input and weight gradients), 4 a
     frozen one (no weight gradient); a LoRA run counted 6 for its frozen base, which

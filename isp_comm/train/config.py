@@ -147,7 +147,8 @@ class TrainConfig:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     """Comma-separated names of the linears that get LoRA adapters (the model's own
     module names; the default is the attention projections of the reference llama and
-    of llama, mistral, qwen2 and qwen3 folders)."""
+    of llama, mistral, qwen2 and qwen3 folders; a model without them, as Phi-3's fused
+    qkv_proj, is refused in one line saying what to pass)."""
     clip: float = 1.0
     """Clip the global gradient norm to this value before each step (0: no clipping)."""
     seed: int = 0

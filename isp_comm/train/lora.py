@@ -22,9 +22,10 @@ ADAPTER = "default"  # peft's adapter name
 LORA_SCALING = 2.0  # lora_alpha / r: isp-train's lora_alpha is 2 x rank
 
 
-def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
+def apply_lora(model: nn.Module, rank: int, targets: list[str], given: bool = True) -> nn.Module:
     """``model`` with LoRA adapters on the linears whose names end in ``targets``;
-    everything else frozen. Needs the ``peft`` package."""
+    everything else frozen. Needs the ``peft`` package. ``given``: ``targets`` came
+    from ``--lora-targets``, not its default (see :func:`unknown_targets`)."""
     try:
         import peft
     except ImportError as exc:
@@ -32,9 +33,7 @@ def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
     linears = {n: n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(targets) - set(linears.values()))
     if unknown:
-        raise ValueError(
-            f"--lora-targets {','.join(unknown)}: no such linear (the model has {sorted(set(linears.values()))})"
-        )
+        raise ValueError(unknown_targets(model, linears, targets, unknown, rank, given))
     tied = tied_aliases(model)
     tied_weights = set(tied) | set(tied.values())
     on_tied = sorted({leaf for n, leaf in linears.items() if leaf in targets and f"{n}.weight" in tied_weights})
@@ -45,6 +44,28 @@ def apply_lora(model: nn.Module, rank: int, targets: list[str]) -> nn.Module:
         )
     cfg = peft.LoraConfig(r=rank, lora_alpha=int(LORA_SCALING * rank), lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, cfg)
+
+
+def unknown_targets(
+    model: nn.Module, linears: dict[str, str], targets: list[str], unknown: list[str], rank: int, given: bool
+) -> str:
+    """The one line for targets the model has no linear of, with what to pass: its
+    attention's projections (the linears under a module named ``*attn*``/``*attention*``),
+    as the default's are a llama's. Of the default, it names the default, which the user
+    never typed: a Phi-3 folder (one fused ``qkv_proj``) met ``q_proj,k_proj,v_proj: no
+    such linear``, as if it had. The default is not swapped for them silently: run.json
+    records the targets, and ``isp-export --hf`` writes them in the adapter's config."""
+    names = sorted(set(linears.values()))
+    attention = list(dict.fromkeys(leaf for n, leaf in linears.items() if re.search(r"attn|attention", n, re.I)))
+    kind = getattr(getattr(model, "config", None), "model_type", "")
+    model_is = f"this {kind} model" if kind else "the model"
+    advice = f": pass --lora-targets {','.join(attention)} (its attention's projections)" if attention else ""
+    if given:
+        return f"--lora-targets {','.join(unknown)}: no such linear in {model_is} (its linears: {names}){advice}"
+    return (
+        f"--lora-rank {rank}: the default --lora-targets {','.join(targets)} (a llama's attention projections) "
+        f"names {','.join(unknown)}, which {model_is} lacks (its linears: {names}){advice or ': pass --lora-targets'}"
+    )
 
 
 def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

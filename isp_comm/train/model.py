@@ -34,7 +34,7 @@ def build_meta_model(cfg: TrainConfig, vocab: int, tok_dir: str) -> tuple[torch.
             model = build(mcfg)
     if cfg.lora_rank:  # peft adapters on the meta model; the base is frozen and never reduce-scattered
         with torch.device("meta"):
-            model = lora.apply_lora(model, cfg.lora_rank, cfg.targets())
+            model = lora.apply_lora(model, cfg.lora_rank, cfg.targets(), cfg.lora_targets != TrainConfig.lora_targets)
     return model, mcfg
 
 
