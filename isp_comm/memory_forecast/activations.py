@@ -60,16 +60,23 @@ def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 def _meta_grouped_mm(grouped_mm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``grouped_mm`` (an MoE's experts, transformers 5) that runs on meta in any dtype:
-    torch's meta kernel checks for bf16, as the CUDA kernel wants, where the CPU kernel
-    takes fp32 too, so a meta trace of an fp32 MoE stopped there. An fp32 product goes
+    """``grouped_mm`` (an MoE's experts, transformers 5) that runs on meta in any dtype
+    and at any width: torch's meta kernel checks for bf16 and for rows of a multiple of
+    16 bytes, as the CUDA kernel wants, where the CPU kernel takes fp32 and any width,
+    so a meta trace of an fp32 MoE, or of one whose widths are no multiple of 8 (a
+    tiny model's intermediate size of 100), stopped there. An fp32 product goes
     through as bf16 and comes back in its dtype: its shapes and FLOPs are the same; the
-    inputs its backward keeps are counted at bf16's size (the CPU runs' fp32 MoE only)."""
+    inputs its backward keeps are counted at bf16's size (the CPU runs' fp32 MoE only).
+    A product of unaligned widths (tokens by experts) is one expert's matrix product
+    instead: the same output, FLOPs and gradient shapes, which is all a trace reads."""
 
     def product(a: torch.Tensor, b: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if a.device.type == "meta" and a.dtype != torch.bfloat16:
-            return grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), *args, **kwargs).to(a.dtype)
-        return grouped_mm(a, b, *args, **kwargs)
+        if a.device.type != "meta":
+            return grouped_mm(a, b, *args, **kwargs)
+        low_a, low_b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        if a.dim() == 2 and b.dim() == 3 and (a.shape[-1] % 8 or b.shape[-1] % 8):  # 16 bytes of bf16
+            return (low_a @ low_b[0]).to(a.dtype)
+        return grouped_mm(low_a, low_b, *args, **kwargs).to(a.dtype)
 
     return product
 
