@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from isp_comm.groups import first_error
-from isp_comm.hf_layouts import Fused, Stored, converted_layouts, stored_layout
+from isp_comm.hf_layouts import Fused, Stored, converted_layouts, stored_layout, transformers_model
 
 INDEX = "model.safetensors.index.json"
 
@@ -135,6 +135,8 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
     layout: dict[str, Stored] = {}
     problems = _differences(own, stored, set(aliases))
     converted = converted_layouts(model)
+    if problems and quantized(model):  # no layout reads them: say why, not only which keys
+        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + quantized(model))
     if problems and converted:  # the layout transformers publishes the model in, maybe
         alias_shapes = {k: tuple(wanted[v].shape) for k, v in aliases.items() if v in wanted}
         why = (
@@ -161,6 +163,25 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
     fused = {k: (layout[k], v) for k, v in wanted.items() if isinstance(layout.get(k), Fused)}
     dcp.load({_name(layout.get(k, k)): v for k, v in wanted.items() if k not in fused}, storage_reader=reader)
     _agreed(lambda: _read_experts(fused, folder), f"load_hf_checkpoint({path})")
+
+
+def quantized(model: nn.Module) -> str:
+    """Why a checkpoint of ``model`` holds other tensors than its parameters when its
+    transformers config has a ``quantization_config`` (every published GPT-OSS is
+    MXFP4: ``gate_up_proj_blocks`` and ``_scales`` for ``gate_up_proj``; DeepSeek-V3 is
+    FP8), else ``""``. ``from_pretrained`` dequantizes such files while loading; a
+    meta-built model is built unquantized, and its files are read as they are, so the
+    missing and unexpected keys alone did not say what to do."""
+    config = getattr(transformers_model(model), "config", None)
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return ""
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return (
+        f". The folder's config.json has a quantization_config (quant_method {method}): its files hold quantized "
+        "tensors, which are read as they are, not dequantized. Save a dequantized copy first (transformers' "
+        "from_pretrained with the quantization's config and dequantize=True, then save_pretrained) and give that"
+    )
 
 
 def _readable(folder: str, path: str) -> None:

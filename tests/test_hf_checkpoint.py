@@ -392,3 +392,33 @@ def test_a_conversion_that_is_not_a_cut_is_refused(monkeypatch, conversion: str)
     monkeypatch.undo()
     layout = stored_layout(model, shapes)  # the real conversion: cuts, read expert by expert
     assert {type(w).__name__ for w in layout.values()} == {"str", "Fused"}
+
+
+def test_a_quantized_checkpoint_is_refused_saying_so(tmp_path) -> None:
+    """Every published GPT-OSS holds its experts in MXFP4 (``gate_up_proj_blocks`` and
+    ``_scales`` for ``gate_up_proj``), which ``from_pretrained`` dequantizes while
+    loading; a meta-built model is built unquantized. isp-train --model on such a folder
+    stopped with missing and unexpected keys alone: the refusal now says the files are
+    quantized and what to do. Refused before any rank reads a tensor, so no process
+    group is needed here."""
+    from safetensors.torch import save_file
+
+    from isp_comm.hf_checkpoint import load_hf_checkpoint
+
+    config = tiny_hf_config("gpt_oss", vocab_size=64, head_dim=8, num_local_experts=2, num_experts_per_tok=1)
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with torch.device("meta"):  # GPT-OSS has no SDPA attention
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    tensors = {}
+    for key, value in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [experts, out, in / 32, 16]
+            experts, rows, cols = value.shape
+            tensors[key + "_blocks"] = torch.zeros(experts, cols, rows // 32 + 1, 16, dtype=torch.uint8)
+            tensors[key + "_scales"] = torch.zeros(experts, cols, rows // 32 + 1, dtype=torch.uint8)
+        else:
+            tensors[key] = torch.zeros(value.shape)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected keys") as refused:
+        load_hf_checkpoint(model, model.state_dict(), str(tmp_path))
+    assert "quantization_config (quant_method mxfp4)" in str(refused.value)
+    assert "dequantize=True" in str(refused.value)
