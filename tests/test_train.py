@@ -488,6 +488,40 @@ def test_a_folder_of_another_family_trains_with_sp(tmp_path, model_type: str) ->
     assert curve[8] < curve[1] - 0.5, curve  # ln(vocab) ~ 5.7 at the start; the text repeats
 
 
+@pytest.mark.timeout(120)
+def test_an_moe_folder_asking_for_its_router_loss_trains_with_it(tmp_path) -> None:
+    """A folder whose config sets ``output_router_logits`` (the load-balancing loss an
+    MoE fine-tune keeps) trains with ``router_aux_loss_coef`` x that loss added, as
+    transformers adds it given labels: isp-train takes the cross entropy from the
+    logits itself, and the router's loss was left out without a word."""
+    import transformers
+
+    from isp_comm.testing import tiny_hf_config, tiny_tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 100
+    data = tmp_path / "corpus.txt"
+    data.write_text(text)
+    first = {}
+    for asked in (False, True):
+        folder = tmp_path / f"mixtral-{asked}"
+        tok = tiny_tokenizer(str(folder), text)
+        config = tiny_hf_config(
+            "mixtral", vocab_size=len(tok), pad_token_id=0, num_local_experts=3, num_experts_per_tok=2,
+            output_router_logits=asked, router_aux_loss_coef=1.0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        out = str(tmp_path / f"run-{asked}")
+        args = ["--model", str(folder), "--data", str(data), "--seq", "32", "--batch", "2", "--sp", "2"]
+        res = isp_train(2, *args, "--steps", "1", "--no-trace", "--out", out, timeout=100)
+        assert res.returncode == 0, res.stderr[-3000:]
+        first[asked] = losses(out)[1]
+    # the same weights and batch; the load-balancing loss is top_k (2) for a uniform
+    # router (experts x sum of each expert's token share x its mean probability), and
+    # a freshly initialised router is within a few hundredths of uniform
+    assert abs(first[True] - first[False] - 2.0) < 0.1, first
+
+
 def test_a_model_folder_that_does_not_exist_is_said_so(tmp_path, capsys) -> None:
     # --model nowhere once said "no config.json in that folder", of a folder that is not there
     from isp_comm.train.config import parse_config

@@ -26,8 +26,9 @@ from isp_comm.train.data import Micro, Step
 from isp_comm.train.packing import IGNORE
 
 
-def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool) -> torch.Tensor:
-    """The model's logits for ``micro`` (already on the model's device)."""
+def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool, routed: list | None = None) -> torch.Tensor:
+    """The model's logits for ``micro`` (already on the model's device); a transformers
+    MoE's router auxiliary loss, when its config asks for one, appended to ``routed``."""
     cu = micro.cu_seqlens
     if cu is not None:  # its length changes with each packing: compiled blocks take it as dynamic, never recompile
         torch._dynamo.maybe_mark_dynamic(cu, 0)
@@ -37,7 +38,10 @@ def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool) -> torch.Tensor
             cu = cu.to(micro.inputs.device, non_blocking=True)
             longest = int(micro.cu_seqlens.diff().max())
             extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        return model(input_ids=micro.inputs, position_ids=micro.positions[None], use_cache=False, **extra).logits
+        out = model(input_ids=micro.inputs, position_ids=micro.positions[None], use_cache=False, **extra)
+        if routed is not None and getattr(out, "aux_loss", None) is not None:
+            routed.append(out.aux_loss)
+        return out.logits
     if cu is None:
         return model(micro.inputs, position_ids=micro.positions)
     return model(micro.inputs, position_ids=micro.positions, cu_seqlens=cu)
@@ -53,6 +57,19 @@ def micro_loss(comm, logits: torch.Tensor, micro: Micro, step: Step, world: int)
     if step.n_targets is not None:  # packed (a step of one-token documents only has none)
         return token_sum(comm, logits, micro.targets) * (world / max(step.n_targets, 1))
     return comm.cross_entropy(logits, micro.targets, ignore_index=IGNORE) / len(step.micros)
+
+
+def router_loss(model: torch.nn.Module, routed: list, micros: int) -> torch.Tensor | float:
+    """A micro-step's share of an MoE's router auxiliary loss (``routed``: what
+    :func:`logits_of` appended), weighted by the config's ``router_aux_loss_coef``, as
+    transformers adds it to the loss given ``labels`` (``output_router_logits=True``:
+    the load-balancing loss a fine-tune of an MoE keeps). isp-train takes the cross
+    entropy from the logits itself, so this term was left out without a word. Each
+    rank's is over its own tokens, as under data parallelism; 0 without one."""
+    if not routed:
+        return 0.0
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0) or 0.0
+    return coef * sum(routed) / micros
 
 
 def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, is_hf: bool) -> dict[str, float]:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from isp_comm.errors import ISPCommTimeout
 from isp_comm.train import survive, virtual
 from isp_comm.train.config import TrainConfig
-from isp_comm.train.evaluate import evaluate, logits_of, micro_loss
+from isp_comm.train.evaluate import evaluate, logits_of, micro_loss, router_loss
 from isp_comm.train.hang import inject_fault, quiet_after_hang, raise_if_peer_lost
 from isp_comm.train.job import Job, lr_at, setup
 from isp_comm.train.memory import RunBreakdown, oom
@@ -153,8 +153,9 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
         job.comm.set_requires_replica_sync(cfg.replica_sync == "micro" or i == last)
         micro, job.where.phase = micro.to(device), "forward"
         hook.before_forward()
-        logits = logits_of(job.model, micro, bool(cfg.model))
-        loss = micro_loss(job.comm, logits, micro, batch, job.world)
+        routed: list[torch.Tensor] = []  # an MoE's router auxiliary loss, when its config asks for one
+        logits = logits_of(job.model, micro, bool(cfg.model), routed)
+        loss = micro_loss(job.comm, logits, micro, batch, job.world) + router_loss(job.model, routed, len(batch.micros))
         hook.before_backward()
         job.where.phase = "backward"
         loss.backward()
