@@ -46,6 +46,7 @@ from isp_comm.hooks.engine import BlockEngine, Phase
 from isp_comm.hooks.refresh import WeightRefresh
 from isp_comm.hooks.scheduler import SchedulerHook
 from isp_comm.hooks.unused import UnusedGradients
+from isp_comm.layout import ShardedParam
 from isp_comm.loss import cross_entropy
 from isp_comm.memory_pool import MemoryPlan, releases_reduce_buffers
 from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel
@@ -225,9 +226,7 @@ class ISPCommunicator:
         ranks now and then (:meth:`_watch_weights`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
-        self._partial_ids = frozenset(
-            id(named[fqn]) for fqn, (_, pc) in self._sharded.items() if named[fqn].numel() < pc.shape.numel()
-        )
+        self._partial_ids = frozenset(id(named[fqn]) for fqn, (unit, pc) in self._sharded.items() if _split(unit, pc))
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
             module.__deepcopy__ = refuse_deepcopy  # an instance's own: copy.deepcopy looks there
@@ -793,3 +792,16 @@ class ISPCommunicator:
         self.backend.close()
         if self._weights_check is not None and not (cut_short or failed) and sys.exc_info()[1] is None:
             self._weights_check.flush()  # after the release, not over an error on its way: the last steps' replicas
+
+
+def _split(unit: BlockUnit, piece: ShardedParam) -> bool:
+    """Whether no rank holds the sharded parameter of ``piece`` whole: the most rows
+    any rank holds (the WP chunk, cut again over the replicas with pieces) are fewer
+    than the parameter's. The same answer on every rank, as the checks that gather
+    over the parameters it picks need (:meth:`ISPCommunicator._check_rows`, the
+    weights' check): judged by this rank's own rows, a parameter of one row
+    (Qwen2-MoE's ``shared_expert_gate``) was whole on the rank holding that row and
+    part on the others, their all-gathers differed in size, and the first training
+    forward stopped with "collectives out of step" (a hang on other backends)."""
+    whole = next(sp for sp in unit.params if sp.fqn == piece.fqn)  # the WP rows, the same size on every rank
+    return -(-whole.chunk_rows // unit.replicas) < whole.rows_shape[0]
