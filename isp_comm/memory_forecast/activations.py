@@ -98,8 +98,14 @@ def meta_kernels() -> Iterator[None]:
 
 
 def _default_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    if hasattr(getattr(model, "config", None), "use_cache"):  # transformers
-        return model(input_ids=ids, use_cache=False).logits
+    """The logits of ``model`` on ``ids``. An MoE whose config asks for its router's
+    auxiliary loss (``output_router_logits``) is traced without it: a few values, and
+    with compiled blocks the router logits they returned reached that loss outside the
+    compiled trace, where torch stopped on them (isp-train --plan --compile: a traceback)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "use_cache"):  # transformers
+        routed = {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+        return model(input_ids=ids, use_cache=False, **routed).logits
     return model(ids)
 
 
