@@ -144,15 +144,10 @@ def _twins(cfg: transformers.PretrainedConfig) -> tuple[torch.nn.Module, torch.n
     return twins[0], twins[1]
 
 
-def _moe_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[float, float, list[tuple[int, ...]]]:
-    """A tiny Mixtral (3 experts, uneven over 2 ranks; transformers 5 fuses each
-    block's experts into one 3-D tensor per projection) at ``wp`` against the plain
-    model on the whole batch: SGD, 3 steps."""
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2,
-        max_position_embeddings=64, pad_token_id=0,
-    )  # fmt: skip
+def _sgd_against_plain(cfg, rank: int, world: int, wp: int, sharding: str) -> tuple[float, float, list]:
+    """The model of ``cfg`` wrapped at ``wp`` against the plain model on the whole batch:
+    SGD, 3 steps (the weights' check runs at backward 2). The largest weight and loss
+    differences, and the shapes of this rank's 3-D parameters (an MoE's experts)."""
     ref, model = _twins(cfg)
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(state_sharding=sharding))
     experts = [tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 3]
@@ -172,6 +167,18 @@ def _moe_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[float, f
     err = max((sd[k] - rsd[k]).abs().max().item() for k in rsd)
     comm.close()
     return err, loss_err, experts
+
+
+def _moe_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[float, float, list[tuple[int, ...]]]:
+    """A tiny Mixtral (3 experts, uneven over 2 ranks; transformers 5 fuses each
+    block's experts into one 3-D tensor per projection) at ``wp`` against the plain
+    model on the whole batch: SGD, 3 steps."""
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return _sgd_against_plain(cfg, rank, world, wp, sharding)
 
 
 @pytest.mark.timeout(150)
@@ -201,23 +208,7 @@ def _one_row_worker(rank: int, world: int, wp: int, sharding: str) -> tuple[floa
         moe_intermediate_size=24, shared_expert_intermediate_size=40, decoder_sparse_step=1,
         max_position_embeddings=64, pad_token_id=0,
     )  # fmt: skip
-    ref, model = _twins(cfg)
-    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp), ISPConfig(state_sharding=sharding))
-    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    loss_err = 0.0
-    for _ in range(3):  # the weights' check runs at backward 2
-        x = torch.randint(1, 37, (2 * world, 9), generator=g)
-        loss = model(input_ids=x.chunk(world)[rank], labels=x.chunk(world)[rank]).loss
-        loss.backward()
-        rloss = ref(input_ids=x, labels=x).loss
-        rloss.backward()
-        loss_err = max(loss_err, abs(comm.all_reduce(loss.detach().clone()).item() / world - rloss.item()))
-        opt.step(), ropt.step()
-        opt.zero_grad(), ropt.zero_grad()
-    sd, rsd = comm.full_state_dict(), ref.state_dict()
-    err = max((sd[k] - rsd[k]).abs().max().item() for k in rsd)
-    comm.close()
+    err, loss_err, _ = _sgd_against_plain(cfg, rank, world, wp, sharding)
     return err, loss_err
 
 
