@@ -523,12 +523,25 @@ def run(name: str) -> tuple[bool, float, str]:
         # the mutation counted as missed); a run in which nothing ran proves nothing
         env = {**os.environ, "PYTHONPATH": tmp, "ISP_SLOW": "1"}
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-        res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+        try:
+            res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+        finally:
+            _remove_stale_segments()
         lines = [line for line in res.stdout.splitlines() if line.strip()]
         last = lines[-1] if lines else ""
         if res.returncode == 0 and " passed" not in last:
             raise SystemExit(f"mutation {name!r}: no test ran ({last!r})")
         return res.returncode != 0, time.monotonic() - t0, last
+
+
+def _remove_stale_segments() -> None:
+    """Unlink the shared-memory segments whose creating process is gone, as isp-train
+    does at its start: a planted fault may leave its ranks' segments behind (one of
+    them is that fault), and a run of all of them left one in /dev/shm."""
+    from isp_comm.backends import shm
+
+    for name in shm.stale_segments():
+        shm.Segment.unlink(name)
 
 
 def main() -> int:
