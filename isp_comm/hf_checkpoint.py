@@ -134,10 +134,11 @@ def _load(model: nn.Module, wanted: dict[str, Any], aliases: dict[str, str], fol
     own = {k: tuple(v.shape) for k, v in wanted.items()}
     layout: dict[str, Stored] = {}
     problems = _differences(own, stored, set(aliases))
-    converted = converted_layouts(model)
-    if problems and quantized(model):  # no layout reads them: say why, not only which keys
-        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + quantized(model))
-    if problems and converted:  # the layout transformers publishes the model in, maybe
+    why_quantized = quantized(model) if problems else ""
+    if why_quantized:  # no layout reads them: say why, not only which keys
+        raise ValueError(f"load_hf_checkpoint({path}): " + "; ".join(problems) + why_quantized)
+    converted = converted_layouts(model) if problems else []
+    if converted:  # the layout transformers publishes the model in, maybe
         alias_shapes = {k: tuple(wanted[v].shape) for k, v in aliases.items() if v in wanted}
         why = (
             ". This model's checkpoints are stored in another layout than its parameters, which transformers' "

@@ -51,6 +51,9 @@ are already in the rotated q and k; the flash-attention lengths follow from
 _IMPLEMENTED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "is_causal"})
 """Keywords the SP attention reads: any other one is refused, never ignored."""
 
+_KNOWN_KWARGS = _NEUTRAL_KWARGS | _IMPLEMENTED_KWARGS
+"""Every keyword the SP attention takes (it checks each call's, every block's)."""
+
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 """Rotary types whose frequencies follow the longest position of the forward."""
 
@@ -153,7 +156,7 @@ def _check_model(model: nn.Module, sp: int) -> None:
 def _check_call(module: nn.Module, seq: int, attention_mask, kw: dict, boundaries_given: bool) -> None:
     """Refuse, at each attention call, what the SP attention (causal, over the whole
     sequence of ``seq`` tokens) would not reproduce: see the module doc."""
-    unknown = sorted(k for k, v in kw.items() if v is not None and k not in _NEUTRAL_KWARGS | _IMPLEMENTED_KWARGS)
+    unknown = sorted(k for k, v in kw.items() if v is not None and k not in _KNOWN_KWARGS)
     if unknown:
         raise ValueError(
             f"sequence parallel: the model passes {', '.join(unknown)} to its attention function, which the "
