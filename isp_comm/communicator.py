@@ -49,7 +49,8 @@ from isp_comm.hooks.unused import UnusedGradients
 from isp_comm.layout import ShardedParam
 from isp_comm.loss import cross_entropy
 from isp_comm.memory_pool import MemoryPlan, releases_reduce_buffers
-from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel
+from isp_comm.sequence_parallel.apply import SequenceCheck, apply_sequence_parallel, without_peft
+from isp_comm.sequence_parallel.router import experts_of, load_balancing_loss
 from isp_comm.state import ShardedState
 from isp_comm.trace import clock_for
 from isp_comm.units import BlockUnit
@@ -378,6 +379,27 @@ class ISPCommunicator:
             return cross_entropy(logits, labels, ignore_index, reduction)  # type: ignore[arg-type]
         return vocab_parallel_cross_entropy(
             logits.float(), labels, head.comm, head.vocab_start, ignore_index, reduction
+        )
+
+    def router_aux_loss(self, router_logits: Sequence[torch.Tensor]) -> torch.Tensor:
+        """An MoE's router load-balancing loss (what transformers' Mixtral, Qwen2/3-MoE,
+        OLMoE and GPT-OSS return as ``aux_loss`` given ``output_router_logits=True``;
+        pass the output's ``router_logits``), over the sequences whole: under sequence
+        parallelism transformers' ``aux_loss`` is its rank's chunk's, which is not that
+        chunk's share of the sequence's (a product of two means over tokens). Every rank
+        gets the sequences' loss as its value and its chunk's part of the gradient,
+        scaled as the chunk's cross entropy is (gradients are averaged over the ranks);
+        one all-reduce of two numbers per expert over the SP group. Without SP it equals
+        ``aux_loss``. Add ``router_aux_loss_coef`` times it to the loss, as transformers
+        does given ``labels``. See [Note: the router loss over the SP group]."""
+        g = self.groups
+        experts, top_k = experts_of(without_peft(self.model))
+        return load_balancing_loss(
+            router_logits,
+            experts,
+            top_k,
+            lambda t: self.collectives.all_reduce(t, g.sp_group, g.sp_size, "the router loss's sums over the SP group"),
+            g.sp_size,
         )
 
     @contextlib.contextmanager

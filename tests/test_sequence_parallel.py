@@ -597,3 +597,50 @@ def test_a_recompute_after_a_packed_forward_is_not_refused() -> None:
     after a later, packed forward is not refused (before, it was: the flag was the
     later forward's, and the recompute of the unpacked one had no boundaries)."""
     assert run_ranks(_two_forwards_worker, 2, timeout_s=50) == ["no error", "no error"]
+
+
+def _router_loss_worker(rank: int, world: int, families: list[str]) -> dict[str, tuple[float, float]]:
+    """Each MoE family at wp 2 x sp 2 trained on the cross entropy plus its router's
+    load-balancing loss (coefficient 1), against the plain model on each data-parallel
+    group's whole sequences (the router loss is each group's, as under data
+    parallelism): the largest weight difference after 2 SGD steps, and the first
+    step's largest router-loss difference from the plain model's ``aux_loss``."""
+    sp, wp = 2, 2
+    dp, sp_rank, dp_rank = world // sp, rank % sp, rank // sp
+    lo, hi, pos = sp_rank * SEQ // sp, (sp_rank + 1) * SEQ // sp, torch.arange(SEQ)
+    out = {}
+    for family in families:
+        ref, model = _family(family)
+        comm = ISPCommunicator(model, ParallelGroups.create(wp_size=wp, sp_size=sp), ISPConfig())
+        opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        gap = 0.0
+        for x, y in _data(dp):
+            xs, ys = x.chunk(dp)[dp_rank][:, lo:hi], y.chunk(dp)[dp_rank][:, lo:hi]
+            res = model(input_ids=xs, position_ids=pos[lo:hi][None], use_cache=False, output_router_logits=True)
+            aux = comm.router_aux_loss(res.router_logits)
+            (comm.cross_entropy(res.logits, ys) + aux).backward()
+            opt.step(), opt.zero_grad()
+            ref_loss = 0.0
+            for d, (xd, yd) in enumerate(zip(x.chunk(dp), y.chunk(dp))):
+                whole = ref(input_ids=xd, position_ids=pos[None], use_cache=False, output_router_logits=True)
+                ref_loss = ref_loss + (loss_fn(whole.logits, yd) + whole.aux_loss) / dp
+                if d == dp_rank and not gap:
+                    gap = abs(float(aux) - float(whole.aux_loss))
+            ref_loss.backward()
+            ropt.step(), ropt.zero_grad()
+        out[family] = (max_diff(comm.full_state_dict(), ref.state_dict()), gap)
+        comm.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_moes_router_loss_under_sp_is_the_whole_sequences() -> None:
+    """``comm.router_aux_loss`` at wp 2 x sp 2: the value of the plain model's
+    ``aux_loss`` on the whole sequence (float rounding: 1e-6), and training on it the
+    plain model's weights (fp32 SGD parity, summation order only, as above). Before,
+    a rank had only transformers' ``aux_loss`` of its chunk: a product of two means over
+    the chunk's tokens, which no averaging over ranks makes the sequence's."""
+    families = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
+    for result in run_ranks(_router_loss_worker, 4, families, timeout_s=110):
+        assert result.keys() == set(families), result
+        assert all(err < 2e-6 and gap < 1e-6 for err, gap in result.values()), result

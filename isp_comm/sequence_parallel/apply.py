@@ -28,7 +28,7 @@ def apply_sequence_parallel(
     their attention registry, other models via modules exposing ``attention_fn``
     (and ``n_heads`` / ``n_kv_heads``), like ``isp_comm/models/llama.py``. A peft wrapper
     (``get_base_model()``) is seen through. Returns the undo."""
-    base = _without_peft(model)
+    base = without_peft(model)
     if is_hf_model(base):
         return apply_hf_sequence_parallel(base, sp_group, backend, comm)
     hooked = [m for m in model.modules() if callable(getattr(m, "attention_fn", None))]
@@ -51,14 +51,15 @@ def apply_sequence_parallel(
     return undo
 
 
-def _without_peft(model: nn.Module) -> nn.Module:
+def without_peft(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper holds, else ``model``."""
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def boundaries_key(model: nn.Module) -> str:
     """The forward keyword of the document boundaries: transformers' flash-attention
     one for its models, ``cu_seqlens`` for models like ``isp_comm/models/llama.py``."""
-    return "cu_seq_lens_q" if is_hf_model(_without_peft(model)) else "cu_seqlens"
+    return "cu_seq_lens_q" if is_hf_model(without_peft(model)) else "cu_seqlens"
 
 
 class SequenceCheck:
@@ -85,7 +86,7 @@ class SequenceCheck:
     def __init__(self, sp_group: ProcessGroup, sp_size: int, backend: Backend, ctx: CommContext, model: nn.Module):
         self.group, self.size, self.backend, self.ctx = sp_group, sp_size, backend, ctx
         self.boundaries_key = boundaries_key(model)
-        self.batched_positions = is_hf_model(_without_peft(model))  # transformers' take [batch, seq]
+        self.batched_positions = is_hf_model(without_peft(model))  # transformers' take [batch, seq]
         self.rank = dist.get_rank(sp_group)
         self._checked: set[int] = set()
         self.paused = False

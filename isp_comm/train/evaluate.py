@@ -28,7 +28,8 @@ from isp_comm.train.packing import IGNORE
 
 def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool, routed: list | None = None) -> torch.Tensor:
     """The model's logits for ``micro`` (already on the model's device); a transformers
-    MoE's router auxiliary loss, when its config asks for one, appended to ``routed``."""
+    MoE's router logits, when its config asks for its router's auxiliary loss, appended
+    to ``routed``."""
     cu = micro.cu_seqlens
     if cu is not None:  # its length changes with each packing: compiled blocks take it as dynamic, never recompile
         torch._dynamo.maybe_mark_dynamic(cu, 0)
@@ -39,8 +40,8 @@ def logits_of(model: torch.nn.Module, micro: Micro, is_hf: bool, routed: list | 
             longest = int(micro.cu_seqlens.diff().max())
             extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         out = model(input_ids=micro.inputs, position_ids=micro.positions[None], use_cache=False, **extra)
-        if routed is not None and getattr(out, "aux_loss", None) is not None:
-            routed.append(out.aux_loss)
+        if routed is not None and getattr(out, "router_logits", None) is not None:
+            routed.append(out.router_logits)
         return out.logits
     if cu is None:
         return model(micro.inputs, position_ids=micro.positions)
@@ -59,17 +60,18 @@ def micro_loss(comm, logits: torch.Tensor, micro: Micro, step: Step, world: int)
     return comm.cross_entropy(logits, micro.targets, ignore_index=IGNORE) / len(step.micros)
 
 
-def router_loss(model: torch.nn.Module, routed: list, micros: int) -> torch.Tensor | float:
-    """A micro-step's share of an MoE's router auxiliary loss (``routed``: what
-    :func:`logits_of` appended), weighted by the config's ``router_aux_loss_coef``, as
-    transformers adds it to the loss given ``labels`` (``output_router_logits=True``:
-    the load-balancing loss a fine-tune of an MoE keeps). isp-train takes the cross
-    entropy from the logits itself, so this term was left out without a word. Each
-    rank's is over its own tokens, as under data parallelism; 0 without one."""
+def router_loss(comm, model: torch.nn.Module, routed: list, micros: int) -> torch.Tensor | float:
+    """A micro-step's share of an MoE's router auxiliary loss (``routed``: the router
+    logits :func:`logits_of` appended), weighted by the config's
+    ``router_aux_loss_coef``, as transformers adds it to the loss given ``labels``
+    (``output_router_logits=True``: the load-balancing loss a fine-tune of an MoE
+    keeps); isp-train takes the cross entropy from the logits itself. Each rank's is
+    over its own sequences, whole under sequence parallelism
+    (``comm.router_aux_loss``), as under data parallelism; 0 without one."""
     if not routed:
         return 0.0
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0) or 0.0
-    return coef * sum(routed) / micros
+    return coef * sum(comm.router_aux_loss(r) for r in routed) / micros
 
 
 def evaluate(model: torch.nn.Module, comm, data: EvalSet, device: torch.device, is_hf: bool) -> dict[str, float]:

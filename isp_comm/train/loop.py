@@ -153,9 +153,11 @@ def one_step(job: Job, hook, batch, step: int) -> tuple[float, bool, float]:
         job.comm.set_requires_replica_sync(cfg.replica_sync == "micro" or i == last)
         micro, job.where.phase = micro.to(device), "forward"
         hook.before_forward()
-        routed: list[torch.Tensor] = []  # an MoE's router auxiliary loss, when its config asks for one
+        routed: list = []  # an MoE's router logits, when its config asks for its router loss
         logits = logits_of(job.model, micro, bool(cfg.model), routed)
-        loss = micro_loss(job.comm, logits, micro, batch, job.world) + router_loss(job.model, routed, len(batch.micros))
+        loss = micro_loss(job.comm, logits, micro, batch, job.world) + router_loss(
+            job.comm, job.model, routed, len(batch.micros)
+        )
         hook.before_backward()
         job.where.phase = "backward"
         loss.backward()
