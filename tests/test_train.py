@@ -522,6 +522,30 @@ def test_an_moe_folder_asking_for_its_router_loss_trains_with_it(tmp_path) -> No
     assert abs(first[True] - first[False] - 2.0) < 0.1, first
 
 
+@pytest.mark.timeout(120)
+def test_an_moe_whose_widths_the_grouped_product_cannot_take_trains_in_bf16(tmp_path) -> None:
+    """Experts of width 100 (200 bytes a row in bf16): torch's grouped matrix product,
+    transformers' default for fused experts, needs rows of a multiple of 16 bytes, and
+    --bf16 stopped at the first forward with its RuntimeError on every rank. Now the
+    experts run transformers' eager loop, said in one line, and the run trains."""
+    import transformers
+
+    from isp_comm.testing import tiny_hf_config, tiny_tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 100
+    (tmp_path / "corpus.txt").write_text(text)
+    folder = tmp_path / "mixtral"
+    tok = tiny_tokenizer(str(folder), text)
+    config = tiny_hf_config("mixtral", vocab_size=len(tok), pad_token_id=0, num_local_experts=3, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    out = str(tmp_path / "run")
+    args = ["--model", str(folder), "--data", str(tmp_path / "corpus.txt"), "--seq", "32", "--batch", "2", "--bf16"]
+    res = isp_train(2, *args, "--steps", "2", "--no-trace", "--out", out, timeout=100)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "the experts' widths 100 are not multiples of 8" in res.stderr, res.stderr
+    assert sorted(losses(out)) == [1, 2]
+
+
 def test_a_model_folder_that_does_not_exist_is_said_so(tmp_path, capsys) -> None:
     # --model nowhere once said "no config.json in that folder", of a folder that is not there
     from isp_comm.train.config import parse_config

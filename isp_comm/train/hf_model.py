@@ -103,6 +103,26 @@ def build_model(path: str) -> nn.Module:
         raise ValueError(f"--model {path}: transformers refuses its config.json: {said}") from None
 
 
+def eager_experts_for(model: nn.Module, bf16: bool) -> str | None:
+    """Switch a transformers MoE to its eager experts (a loop over the experts, any
+    widths) where torch's grouped matrix product, transformers' default, cannot take
+    the fused experts' widths in the run's dtype: it needs rows of a multiple of 16
+    bytes (widths of multiples of 8 in bf16, 4 in fp32) and otherwise raises at the
+    first forward, on CPU and CUDA alike. Published MoEs are aligned; a small one made
+    to experiment may not be. The warning to print when it switched, else None."""
+    itemsize = 2 if bf16 else 4
+    widths = sorted({d for p in model.parameters() if p.ndim == 3 for d in p.shape[1:] if d * itemsize % 16})
+    switch = getattr(model, "set_experts_implementation", None)
+    if not widths or switch is None or getattr(model.config, "_experts_implementation", None) == "eager":
+        return None
+    switch("eager")
+    return (
+        f"the experts' widths {', '.join(map(str, widths))} are not multiples of {16 // itemsize}: torch's "
+        f"grouped matrix product cannot take them in {'bf16' if bf16 else 'fp32'}, so the experts run "
+        "transformers' eager loop (slower on a GPU)"
+    )
+
+
 def has_tokenizer(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 

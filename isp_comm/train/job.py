@@ -15,7 +15,7 @@ import torch.distributed as dist
 from isp_comm import ISPCommunicator, ISPConfig, ParallelGroups, hf_checkpoint, model_flops
 from isp_comm.discovery import find_blocks
 from isp_comm.models.llama import LlamaConfig
-from isp_comm.train import checkpoint, lora, run_folder, survive, virtual
+from isp_comm.train import checkpoint, hf_model, lora, run_folder, survive, virtual
 from isp_comm.train.batching import TrainData
 from isp_comm.train.config import TrainConfig, as_eval_data_error, check_layout, resolve_device
 from isp_comm.train.data import Slicing
@@ -93,6 +93,10 @@ def setup(cfg: TrainConfig, device: torch.device, closing: contextlib.ExitStack)
     lines, fc = memory_warnings(cfg, model, icfg, world, device) if virtual.leads(rank) else ([], None)
     if fc is not None:  # before the wrap allocates
         warn(lines)
+    # after the forecast, whose trace on meta takes the grouped product (the eager loop reads which experts are hit)
+    experts_note = hf_model.eager_experts_for(model, bf16) if cfg.model else None
+    if experts_note and virtual.leads(rank):
+        warn([experts_note])
     comm = wrap(cfg, model, icfg, world, resume_from, closing)
     if virtual.leads(rank):  # why there is no forecast: after the wrap, which refuses a mistake on its own line
         warn(lines if fc is None else [])
