@@ -220,6 +220,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        files.write(cell.key, value[(cell.expert - first + 1) % value.shape[0]].narrow(",
         ["tests/test_hf_checkpoint.py::test_a_published_moe_checkpoint_is_read_expert_by_expert[mixtral-2-2-wp]"],
     ),
+    "an MoE's router loss of each chunk alone": (
+        "isp_comm/sequence_parallel/router.py",
+        "    sum_over_group(sums)  # the sequences' counts, probability sums and token count",
+        "    pass  # mutation: each chunk's own counts and sums",
+        ["tests/test_sequence_parallel.py::test_an_moes_router_loss_under_sp_is_the_whole_sequences"],
+    ),
+    "an MoE's router loss's gradient not scaled by SP": (
+        "isp_comm/sequence_parallel/router.py",
+        "    local = experts * group_size * (share * probs).sum() / sums[-1]",
+        "    local = experts * (share * probs).sum() / sums[-1]",
+        ["tests/test_sequence_parallel.py::test_an_moes_router_loss_under_sp_is_the_whole_sequences"],
+    ),
     "a forward that returns None taken for one that raised": (
         "isp_comm/communicator.py",
         "raised=out is None and sys.exc_info()[1] is not None",
