@@ -28,9 +28,11 @@ from __future__ import annotations
 import importlib.util
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 Cuts = Sequence[int]
 
@@ -94,12 +96,17 @@ def _sdpa(q, k, v, scale, dropout):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout)
 
 
+BLOCK = 512
+"""Query rows per block of :func:`blockwise_attention`: a block's fp32 scores are
+``BLOCK x seq`` per head (64 MiB a head at 32k), whatever the sequence."""
+
+
 def _eager(q, k, v, scale, dropout, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention written out, for what neither SDPA nor flash-attn here
-    computes: logit softcapping (``softcap * tanh(scores / softcap)`` before the mask,
-    Gemma 2) and attention sinks (one logit per head joining every row's softmax and
-    dropped after it, GPT-OSS). Holds the ``[b, h, s, s]`` scores, as transformers'
-    eager attention of those models does; softmax in fp32 as theirs."""
+    """Causal attention written out, with logit softcapping and attention sinks (see
+    :func:`blockwise_attention`), for the one case that it cannot do: dropout, whose
+    mask a recompute in backward cannot replay without storing it. Holds the ``[b, h,
+    s, s]`` scores and probabilities (autograd saves them), as transformers' eager
+    attention of those models does; softmax in fp32 as theirs."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -116,6 +123,107 @@ def _eager(q, k, v, scale, dropout, softcap: float | None, sinks: torch.Tensor |
         probs = probs[..., :-1]
     probs = F.dropout(probs, p=dropout) if dropout else probs
     return torch.matmul(probs, v)
+
+
+def _block_scores(
+    q5: torch.Tensor, k: torch.Tensor, a: int, b: int, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 logits of query rows ``a:b`` against keys ``0:b`` (the later ones are
+    masked for every row): ``[batch, kv_heads, rep, b - a, b]``, capped and masked, and
+    the capped ones' ``tanh`` (``None`` without ``softcap``) for the backward.
+
+    ``q5`` is ``q`` as ``[batch, kv_heads, rep, seq, d]``: the ``rep`` query heads of a
+    KV head are one matmul's rows, so no repeated ``k`` is made (GQA)."""
+    rows = q5[:, :, :, a:b]
+    raw = torch.matmul(rows.flatten(2, 3), k[:, :, :b].transpose(2, 3)).float().mul_(scale)
+    raw = raw.unflatten(2, rows.shape[2:4])
+    tanh = None
+    if softcap is not None:
+        tanh = raw.div_(softcap).tanh_()
+        raw = tanh * softcap
+    future = torch.ones(b - a, b - a, dtype=torch.bool, device=q5.device).triu_(1)
+    raw[..., a:b].masked_fill_(future, float("-inf"))
+    return raw, tanh
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Causal attention one block of query rows at a time; see :func:`blockwise_attention`.
+
+    [Note: what blockwise attention keeps]
+    The forward keeps ``q, k, v``, the output and each row's fp32 log-sum-exp over its
+    logits and its head's sink (``lse``); the backward recomputes each block's logits
+    and probabilities ``p = exp(logit - lse)`` from them. No tensor of ``seq x seq``
+    per head is made or saved: the largest are a block's, ``BLOCK x seq`` per head
+    (fp32 scores, probabilities, their gradient). All of it is tensor ops on shapes
+    known on the host: no value is read back (no synchronisation on CUDA)."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, sinks, scale: float, softcap: float | None, block: int) -> torch.Tensor:
+        q5 = q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))
+        sink = None if sinks is None else sinks.float().view(1, *q5.shape[1:3], 1)
+        out = q5.new_empty(q5.shape[:4] + v.shape[3:])
+        lse = q5.new_empty(q5.shape[:4], dtype=torch.float32)
+        for a in range(0, q.shape[2], block):
+            b = min(a + block, q.shape[2])
+            scores, _ = _block_scores(q5, k, a, b, scale, softcap)
+            row_lse = torch.logsumexp(scores, dim=-1)
+            lse[..., a:b] = row_lse if sink is None else torch.logaddexp(row_lse, sink)
+            p = scores.sub_(lse[..., a:b, None]).exp_().to(v.dtype)  # the softmax, sink dropped
+            out[:, :, :, a:b] = torch.matmul(p.flatten(2, 3), v[:, :, :b]).unflatten(2, p.shape[2:4])
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.scale, ctx.softcap, ctx.block = scale, softcap, block
+        return out.flatten(1, 2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q5, do5 = q.unflatten(1, out.shape[1:3]), dout.unflatten(1, out.shape[1:3])
+        dq = torch.empty_like(q5)
+        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        # d(out)/d(sink) = -p_sink * out: with delta = rowsum(dout * out), d(sink) = -sum p_sink * delta
+        delta = (do5.float() * out.float()).sum(-1)
+        for a in range(0, q.shape[2], ctx.block):
+            b = min(a + ctx.block, q.shape[2])
+            scores, tanh = _block_scores(q5, k, a, b, ctx.scale, ctx.softcap)
+            p = scores.sub_(lse[..., a:b, None]).exp_()
+            rows_do = do5[:, :, :, a:b].flatten(2, 3)
+            dv[:, :, :b] += torch.matmul(p.to(v.dtype).flatten(2, 3).transpose(2, 3), rows_do).float()
+            dp = torch.matmul(rows_do, v[:, :, :b].transpose(2, 3)).float().unflatten(2, p.shape[2:4])
+            ds = dp.sub_(delta[..., a:b, None]).mul_(p)  # softmax's backward
+            if tanh is not None:
+                ds.mul_(tanh.square_().neg_().add_(1))  # d(c tanh(x / c))/dx = 1 - tanh^2
+            ds = ds.mul_(ctx.scale).to(q.dtype).flatten(2, 3)
+            dq[:, :, :, a:b] = torch.matmul(ds, k[:, :, :b]).unflatten(2, p.shape[2:4])
+            dk[:, :, :b] += torch.matmul(ds.transpose(2, 3), q5[:, :, :, a:b].flatten(2, 3)).float()
+        dsinks = None
+        if sinks is not None:
+            p_sink = torch.exp(sinks.float().view(1, *out.shape[1:3], 1) - lse)
+            dsinks = (p_sink * delta).sum((0, 3)).neg_().view(sinks.shape).to(sinks.dtype)
+        return dq.flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
+
+
+def blockwise_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Causal attention with what neither SDPA nor flash-attn here computes: logit
+    softcapping (``softcap * tanh(scores / softcap)`` before the mask, Gemma 2) and
+    attention sinks (``sinks``: one logit per head of ``q`` joining every row's softmax
+    and dropped after it, GPT-OSS), ``block`` query rows at a time, forward and
+    backward (see [Note: what blockwise attention keeps]): memory ``block x seq`` per
+    head, not ``seq x seq``. The softmax in fp32 and its probabilities in ``q``'s dtype
+    before they meet ``v``, as transformers' eager attention of those models; the
+    result depends on ``block`` only by float rounding. GQA: ``k``/``v`` may have fewer
+    heads, as ``repeat_interleave`` would share them. No dropout: see :func:`_eager`.
+    Tested on the CPU only (pure torch ops, nothing device-specific)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _BlockwiseAttention.apply(q, k, v, sinks, scale, softcap, block)
 
 
 def _flash(q, k, v, cuts: tuple[int, ...] | None, scale, dropout):
@@ -156,12 +264,15 @@ def local_attention(
 ) -> torch.Tensor:
     """Causal attention of whole (gathered) sequences; see the module doc.
     ``cu_seqlens``: a tensor or, to spare the host a read, host ints. ``softcap``
-    (logit softcapping) and ``sinks`` (one per head of ``q``) take the eager path."""
+    (logit softcapping) and ``sinks`` (one per head of ``q``) take
+    :func:`blockwise_attention`, or with ``dropout`` the written-out ``_eager``."""
     cuts = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[2])
     if softcap is not None or sinks is not None:
 
         def attend(q, k, v):
-            return _eager(q, k, v, scale, dropout, softcap, sinks)
+            if dropout:  # a dropout mask cannot be replayed in a recompute
+                return _eager(q, k, v, scale, dropout, softcap, sinks)
+            return blockwise_attention(q, k, v, scale, softcap, sinks)
 
     elif flash_attn_usable(q):
         return _flash(q, k, v, cuts, scale, dropout)
