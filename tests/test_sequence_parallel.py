@@ -452,6 +452,35 @@ def test_blockwise_attention_forward_and_gradients_match_the_written_out_attenti
             torch.testing.assert_close(mine, theirs, rtol=2e-5, atol=2e-5, msg=lambda m, where=where: f"{where}: {m}")
 
 
+def test_blockwise_attention_in_bf16_is_as_close_to_fp64_as_the_written_out_one() -> None:
+    """In bf16 (fp32 sinks, as a model's parameter in fp32 beside bf16 activations),
+    the output and every gradient are within twice the written-out attention's own
+    error against the same math in fp64: the casts around the fp32 softmax are where
+    they belong (a softmax or a gradient summed in bf16 would be far worse)."""
+    from isp_comm.sequence_parallel.local import _eager, blockwise_attention
+
+    g = torch.Generator().manual_seed(3)
+    s = 300
+    q = (torch.randn(1, 4, s, 16, generator=g) * 2).bfloat16()
+    k, v = (torch.randn(1, 2, s, 16, generator=g).bfloat16() for _ in range(2))
+    sinks, dout = torch.randn(4, generator=g), torch.randn(1, 4, s, 16, generator=g)
+
+    def run(attend, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.double().requires_grad_()]
+        if dtype == torch.bfloat16:
+            leaves[3] = sinks.clone().requires_grad_()
+        out = attend(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, dout.to(out.dtype))]
+
+    truth = run(lambda q, k, v, sk: _eager(q, k, v, None, 0.0, 2.0, sk), torch.float64)
+    eager = run(lambda q, k, v, sk: _eager(q, k, v, None, 0.0, 2.0, sk), torch.bfloat16)
+    mine = run(lambda q, k, v, sk: blockwise_attention(q, k, v, None, 2.0, sk, block=64), torch.bfloat16)
+    for what, m, e, t in zip(("out", "dq", "dk", "dv", "dsinks"), mine, eager, truth):
+        assert m.dtype == e.dtype, what
+        err, theirs = ((x.double() - t).abs().max().item() for x in (m, e))
+        assert err <= 2 * theirs, f"{what}: {err:.2e} from fp64, the written-out attention {theirs:.2e}"
+
+
 def test_local_attention_softcap_and_sinks_hold_no_seq_by_seq_tensor() -> None:
     """local_attention with softcap and sinks at s = 4096, blocks of 512: no tensor
     made in forward or backward, nor any saved for backward, holds more than a block's

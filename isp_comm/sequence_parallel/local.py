@@ -150,15 +150,26 @@ class _BlockwiseAttention(torch.autograd.Function):
     """Causal attention one block of query rows at a time; see :func:`blockwise_attention`.
 
     [Note: what blockwise attention keeps]
-    The forward keeps ``q, k, v``, the output and each row's fp32 log-sum-exp over its
-    logits and its head's sink (``lse``); the backward recomputes each block's logits
-    and probabilities ``p = exp(logit - lse)`` from them. No tensor of ``seq x seq``
+    The forward keeps ``q, k, v`` and each row's fp32 log-sum-exp over its logits and
+    its head's sink (``lse``); the backward recomputes each block's logits and
+    probabilities ``p = exp(logit - lse)`` from them, and the softmax's backward
+    from ``p`` and ``dp`` as autograd would (not from the output, rounded to ``q``'s
+    dtype: the sinks' gradient, a sum over every row, would feel that rounding). No tensor of ``seq x seq``
     per head is made or saved: the largest are a block's, ``BLOCK x seq`` per head
     (fp32 scores, probabilities, their gradient). All of it is tensor ops on shapes
     known on the host: no value is read back (no synchronisation on CUDA)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, sinks, scale: float, softcap: float | None, block: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+        block: int,
+    ) -> torch.Tensor:
         q5 = q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))
         sink = None if sinks is None else sinks.float().view(1, *q5.shape[1:3], 1)
         out = q5.new_empty(q5.shape[:4] + v.shape[3:])
@@ -170,36 +181,37 @@ class _BlockwiseAttention(torch.autograd.Function):
             lse[..., a:b] = row_lse if sink is None else torch.logaddexp(row_lse, sink)
             p = scores.sub_(lse[..., a:b, None]).exp_().to(v.dtype)  # the softmax, sink dropped
             out[:, :, :, a:b] = torch.matmul(p.flatten(2, 3), v[:, :, :b]).unflatten(2, p.shape[2:4])
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, lse)
         ctx.scale, ctx.softcap, ctx.block = scale, softcap, block
         return out.flatten(1, 2)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        q5, do5 = q.unflatten(1, out.shape[1:3]), dout.unflatten(1, out.shape[1:3])
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, sinks, lse = ctx.saved_tensors
+        q5, do5 = q.unflatten(1, lse.shape[1:3]), dout.unflatten(1, lse.shape[1:3])
         dq = torch.empty_like(q5)
         dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        # d(out)/d(sink) = -p_sink * out: with delta = rowsum(dout * out), d(sink) = -sum p_sink * delta
-        delta = (do5.float() * out.float()).sum(-1)
+        sink = None if sinks is None else sinks.float().view(1, *lse.shape[1:3], 1)
+        dsink = None if sinks is None else torch.zeros_like(sink)
         for a in range(0, q.shape[2], ctx.block):
             b = min(a + ctx.block, q.shape[2])
             scores, tanh = _block_scores(q5, k, a, b, ctx.scale, ctx.softcap)
             p = scores.sub_(lse[..., a:b, None]).exp_()
             rows_do = do5[:, :, :, a:b].flatten(2, 3)
             dv[:, :, :b] += torch.matmul(p.to(v.dtype).flatten(2, 3).transpose(2, 3), rows_do).float()
-            dp = torch.matmul(rows_do, v[:, :, :b].transpose(2, 3)).float().unflatten(2, p.shape[2:4])
-            ds = dp.sub_(delta[..., a:b, None]).mul_(p)  # softmax's backward
+            ds = torch.matmul(rows_do, v[:, :, :b].transpose(2, 3)).float().unflatten(2, p.shape[2:4]).mul_(p)
+            # softmax's backward: p * (dp - delta), delta = rowsum(p * dp) (the sink's dp is 0)
+            delta = ds.sum(-1)
+            ds.sub_(p.mul_(delta[..., None]))
+            if sink is not None:  # d(out)/d(sink) = -p_sink * out, so d(sink) = -sum(p_sink * delta)
+                dsink -= (torch.exp(sink - lse[..., a:b]) * delta).sum((0, 3), keepdim=True)
             if tanh is not None:
                 ds.mul_(tanh.square_().neg_().add_(1))  # d(c tanh(x / c))/dx = 1 - tanh^2
             ds = ds.mul_(ctx.scale).to(q.dtype).flatten(2, 3)
             dq[:, :, :, a:b] = torch.matmul(ds, k[:, :, :b]).unflatten(2, p.shape[2:4])
             dk[:, :, :b] += torch.matmul(ds.transpose(2, 3), q5[:, :, :, a:b].flatten(2, 3)).float()
-        dsinks = None
-        if sinks is not None:
-            p_sink = torch.exp(sinks.float().view(1, *out.shape[1:3], 1) - lse)
-            dsinks = (p_sink * delta).sum((0, 3)).neg_().view(sinks.shape).to(sinks.dtype)
+        dsinks = None if sinks is None else dsink.view(sinks.shape).to(sinks.dtype)
         return dq.flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
