@@ -481,6 +481,24 @@ def test_blockwise_attention_in_bf16_is_as_close_to_fp64_as_the_written_out_one(
         assert err <= 2 * theirs, f"{what}: {err:.2e} from fp64, the written-out attention {theirs:.2e}"
 
 
+def test_local_attention_softcap_with_dropout_drops() -> None:
+    """Dropout cannot be replayed by a recompute: with softcap or sinks it takes the
+    written-out attention, mask and all (the same draws under the same seed), and is
+    never dropped silently."""
+    from isp_comm.sequence_parallel.local import _eager, local_attention
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    sinks = torch.randn(2, generator=g)
+    for kw in ({"softcap": 2.0}, {"sinks": sinks}):
+        torch.manual_seed(0)
+        dropped = local_attention(q, k, v, dropout=0.5, **kw)
+        torch.manual_seed(0)
+        written_out = _eager(q, k, v, None, 0.5, kw.get("softcap"), kw.get("sinks"))
+        assert torch.equal(dropped, written_out)
+        assert not torch.allclose(dropped, local_attention(q, k, v, **kw))
+
+
 def test_local_attention_softcap_and_sinks_hold_no_seq_by_seq_tensor() -> None:
     """local_attention with softcap and sinks at s = 4096, blocks of 512: no tensor
     made in forward or backward, nor any saved for backward, holds more than a block's
