@@ -90,7 +90,7 @@ class FullState:
             sp.user(flat[off : off + sp.valid_rows * sp.inner].view(sp.shard_shape)).copy_(t)
         out = torch.empty(ways * layout.numel, dtype=flat.dtype, device=unit.device)
         handle = self.backend.all_gather(out, flat, group)
-        self.ctx.record(handle, "all-gather", group, flat, unit.index, "outer")
+        self.ctx.record(handle, "all-gather", group, flat, unit.index, "full state")
         self.ctx.wait(handle, f"gather of block {unit.index}")
         return layout, out
 

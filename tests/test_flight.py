@@ -146,6 +146,26 @@ def test_classify_names_the_rank_out_of_step_and_the_one_behind() -> None:
     )
 
 
+def test_classify_names_where_two_ranks_parted_with_no_majority_to_judge_by() -> None:
+    """Rank 0 alone gathered the full state dict (as under ``if rank == 0:``) while
+    rank 1 trained on: same-sized gathers paired up, and the wait that timed out came
+    later. Before, two ranks had no majority, and the diagnosis only said where each
+    waited, not where they parted."""
+    alone = [("all-gather", 0, "full state"), ("all-gather", 1, "full state")] + STEP
+    records = {0: _record(0, STEP + alone, 6), 1: _record(1, STEP * 3, 8)}
+    snaps = {r: rec.snapshot() for r, rec in records.items()}
+    for e in snaps[0]["entries"] + snaps[1]["entries"]:
+        e["group"] = "0,1"
+    d = classify(snaps, {}, 2, time.time())
+    assert not d.out_of_step
+    assert d.parted is not None and d.parted.startswith(
+        "the ranks parted at collective #4 over ranks [0,1]: rank 0 issued an all-gather of block 0 "
+        "(full state, 16 B, float32); rank 1 issued an all-gather of block 0 (forward, 16 B, float32). "
+        "Every rank makes the same calls"
+    ), d.parted
+    assert "comm.full_state_dict()" in d.parted and d.parted in d.lines
+
+
 def test_classify_tells_a_rank_held_up_from_one_behind_and_each_groups_waits_apart() -> None:
     """World 4 at WP 2, rank 3 silent. Rank 1 waits in its replica group's gather with
     rank 3, so it has not issued what rank 0 waits for in their WP group: held up, not

@@ -10,7 +10,12 @@ own (see [Note: why a thread answers for the rank]). After a short window:
 - a rank that did not answer is **not responding** (stopped or dead); its last
   heartbeat says where it was;
 - a rank whose collective at some sequence number of a group differs from the
-  majority's at the same number is **out of step** (it issued something else);
+  majority's at the same number is **out of step** (it issued something else); where
+  no majority can judge (two ranks, or a tie), the first number at which the ranks
+  **parted** is named with what each issued there (one rank alone called
+  ``comm.full_state_dict()`` while its peer trained on: the collectives of the two
+  matched in size and paired up until they did not, and the wait that timed out was
+  far past the cause);
 - a rank that answered but has not yet issued what the others wait for is **behind**
   when it computes, and **held up** when it waits itself (on a rank named on its own
   line: it is not the cause).
@@ -103,6 +108,8 @@ class Diagnosis:
     not_responding: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     finished: dict[int, str] = field(default_factory=dict)
     out_of_step: dict[int, str] = field(default_factory=dict)
+    parted: str | None = None
+    """Where no majority names a rank out of step: the first collective at which the ranks differ."""
     behind: dict[int, str] = field(default_factory=dict)
     held_up: dict[int, str] = field(default_factory=dict)
     waiting: dict[str, list[int]] = field(default_factory=dict)
@@ -132,20 +139,34 @@ def _not_responding_line(r: int, beat: dict[str, Any] | None, now: float) -> str
     return f"rank {r} is not responding (stopped or dead; last heard {now - beat['time']:.1f} s ago{tail})"
 
 
-def _first_divergence(records: dict[int, dict[str, Any]]) -> dict[int, str]:
-    """Per rank out of step: the first (group, seq) where its collective differs from
-    the majority's of the ranks that recorded that number."""
+def _by_seq(records: dict[int, dict[str, Any]]) -> dict[tuple[str, int], dict[int, dict[str, Any]]]:
+    """Every rank's entry at each ``(group, seq)``."""
     at: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     for r, rec in records.items():
         for e in rec.get("entries", []):
             at.setdefault((e["group"], e["seq"]), {})[r] = e
+    return at
+
+
+def _first_divergence(records: dict[int, dict[str, Any]]) -> tuple[dict[int, str], str | None]:
+    """Per rank out of step: the first (group, seq) where its collective differs from
+    the majority's of the ranks that recorded that number. Then, where ranks differ
+    with no majority to judge by (two ranks, a tie), the first such collective, said
+    with what each rank issued there (see the module's note)."""
     found: dict[int, tuple[float, str]] = {}
-    for (group, seq), by_rank in at.items():
+    parted: tuple[float, str] | None = None
+    for (group, seq), by_rank in _by_seq(records).items():
         if len(by_rank) < 2:
             continue
         votes = Counter(_signature(e) for e in by_rank.values())
         (major, n_major), *rest = votes.most_common()
-        if not rest or n_major * 2 <= len(by_rank):  # all agree, or no majority to judge by
+        if not rest:  # all agree
+            continue
+        if n_major * 2 <= len(by_rank):  # no majority to judge by
+            first = min(e["issued"] for e in by_rank.values())
+            if parted is None or first < parted[0]:
+                said = "; ".join(f"rank {r} issued {_what(e)}" for r, e in sorted(by_rank.items()))
+                parted = (first, f"the ranks parted at collective #{seq} over ranks [{group}]: {said}. {_SAME_CALLS}")
             continue
         majority = sorted(r for r, e in by_rank.items() if _signature(e) == major)
         example = by_rank[majority[0]]
@@ -157,7 +178,14 @@ def _first_divergence(records: dict[int, dict[str, Any]]) -> dict[int, str]:
                 f"rank {r} is out of step: its collective #{seq} over ranks [{group}] is {_what(e)} "
                 f"where {_ranks(majority)} issued {_what(example)}",
             )
-    return {r: line for r, (_, line) in found.items()}
+    return {r: line for r, (_, line) in found.items()}, (parted[1] if parted else None)
+
+
+_SAME_CALLS = (
+    "Every rank makes the same calls in the same order: forwards and backwards, and "
+    "comm.full_state_dict(), comm.save_hf_checkpoint() and comm.clip_grad_norm_(), "
+    "which are collective (not under `if rank == 0`)"
+)
 
 
 def _late_peer(
@@ -188,7 +216,7 @@ def classify(
     for r in range(world):
         if r not in records:
             d.not_responding[r] = beats.get(r)
-    d.out_of_step = _first_divergence(records)
+    d.out_of_step, d.parted = _first_divergence(records)
     for r, rec in records.items():
         if rec.get("closed"):
             last = ", ".join(f"#{n} over ranks [{g}]" for g, n in sorted(rec.get("issued", {}).items()))
@@ -207,6 +235,7 @@ def classify(
                 _late_peer(d, peer, prec.get("waiting"), at, r, w, records)
     d.lines = [_not_responding_line(r, b, now) for r, b in sorted(d.not_responding.items())]
     d.lines += [d.out_of_step[r] for r in sorted(d.out_of_step)]
+    d.lines += [d.parted] if d.parted and not d.out_of_step else []
     d.lines += [d.behind[r] for r in sorted(d.behind) if r not in d.out_of_step]
     d.lines += [d.held_up[r] for r in sorted(d.held_up) if r not in d.out_of_step and r not in d.behind]
     d.lines += [d.finished[r] for r in sorted(d.finished)]

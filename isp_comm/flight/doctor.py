@@ -89,5 +89,6 @@ def live(run: str, wait_s: float = 4 * POLL_S + 3.0) -> str:
     lines = [_position(records[r], now) for r in sorted(records)]
     d = classify(records, {}, n, now)
     lines += [d.out_of_step[r] for r in sorted(d.out_of_step)]  # "behind" needs one instant: answers differ
+    lines += [d.parted] if d.parted and not d.out_of_step else []
     lines += [f"rank {r} did not answer within {wait_s:.0f} s (stopped, dead or finished)" for r in d.not_responding]
     return "\n".join([f"isp-comm doctor: {len(records)} of {n} ranks of {run}, now"] + [f"  {x}" for x in lines])
