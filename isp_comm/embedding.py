@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from isp_comm.vocab_parallel import WPComm
+from isp_comm.vocab_parallel import ONE_SHAPE, WPComm
 
 
 def supports_hidden_split(embedding: nn.Embedding) -> bool:
@@ -52,7 +52,8 @@ class _HiddenSplitLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         # ids: this rank's tokens; shard: [vocab, cols] (cols <= chunk, this rank's columns),
         # the master; looked up in ``dtype`` (param_dtype) when set
-        every = comm.all_gather(ids, "all-gather of token ids for the hidden-split embedding")  # [wp, *ids]
+        # the label says what the ranks need where a backend that compares sizes itself refuses them (shared memory)
+        every = comm.all_gather(ids, f"all-gather of token ids for the hidden-split embedding ({ONE_SHAPE})")
         cols = shard.shape[1]
         try:
             mine = F.embedding(every, shard if dtype is None else shard.to(dtype))  # [wp, *ids, cols]

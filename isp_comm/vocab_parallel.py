@@ -30,6 +30,10 @@ from isp_comm.backends.base import Backend, Handle
 from isp_comm.context import CommContext
 
 _MAX_DIMS = 7  # the dimensions whose sizes WPComm.check_one_shape compares
+ONE_SHAPE = "every rank of a WP group feeds inputs of one shape here: pad to one length, or pack"
+"""What the WP group's gathers of each other's tokens need, in their wait's label: the
+shared-memory backend compares sizes itself, so :meth:`WPComm.check_on_host` leaves
+them to it, and its "collectives out of step" is prefixed by the label."""
 
 
 class WPComm:
@@ -125,7 +129,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: WPComm) -> torch.Tensor:
         ctx.comm = comm
-        return comm.all_gather(x, "all-gather of hidden states for the vocab-parallel head")
+        return comm.all_gather(x, f"all-gather of hidden states for the vocab-parallel head ({ONE_SHAPE})")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
