@@ -197,9 +197,15 @@ class ISPCommunicator:
         self._orig_forwards: list[tuple[nn.Module, Any]] = []
         for unit in self.units:
             self._wrap_forward(unit, checkpointed=unit.index < n_ckpt)
-        self._root_handle = model.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward())
+        # kept out of dynamo's tracing, as the blocks' forwards are, so torch.compile(model) runs them eagerly
+        # (traced, the prefetch's collective failed inside dynamo; [Note: compiled blocks] in hooks/compiled.py)
+        self._root_handle = model.register_forward_pre_hook(
+            torch._disable_dynamo(lambda _m, _a: self._root_pre_forward())
+        )
         self._root_post_handle = model.register_forward_hook(  # [Note: a forward that raised]
-            lambda _m, _a, out: self.engine.root_post_forward(raised=out is None and sys.exc_info()[1] is not None),
+            torch._disable_dynamo(
+                lambda _m, _a, out: self.engine.root_post_forward(raised=out is None and sys.exc_info()[1] is not None)
+            ),
             always_call=True,
         )
         self._wrapper_check = model.register_forward_pre_hook(refuse_data_parallel_outside, prepend=True)

@@ -102,6 +102,7 @@ class HiddenSplitEmbedding:
         self.embedding, self.hidden, self.chunk, self.comm, self.dtype = embedding, hidden, chunk, comm, dtype
         self.checking = False
 
+    @torch._disable_dynamo  # its collectives run eagerly under torch.compile(model): [Note: compiled blocks]
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embedding
         (self.comm.check_one_shape if self.checking else self.comm.check_on_host)(

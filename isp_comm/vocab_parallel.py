@@ -204,6 +204,7 @@ class VocabParallelHead:
         self.chunk_rows, self.vocab_size = chunk_rows, vocab_size
         self.whole = False
 
+    @torch._disable_dynamo  # its collectives run eagerly under torch.compile(model): [Note: compiled blocks]
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.whole and torch.is_grad_enabled() and (x.requires_grad or self.head.weight.requires_grad):
             raise RuntimeError(
