@@ -24,6 +24,7 @@ from isp_comm.context import CommContext
 from isp_comm.discovery import (
     CLOSED_SHARDS,
     MATRIX_OPTIMIZERS,
+    ReplacedParameters,
     build_units,
     find_blocks,
     outer_replicated,
@@ -32,6 +33,7 @@ from isp_comm.discovery import (
     refuse_data_parallel_outside,
     refuse_deepcopy,
     refuse_matrix_optimizer,
+    refuse_replaced_parameters,
     refuse_save_pretrained,
     target_device,
     validate,
@@ -132,6 +134,7 @@ class ISPCommunicator:
             self.backend.close()
             raise
 
+        self._replaced = ReplacedParameters(model)  # kept weakly; refused at a step ([Note] in discovery.py)
         built = self._built = build_units(model, block_list, groups, config, device, head)
         self.units, self.vocab_unit, self.embed_unit, self.root = built.blocks, built.vocab, built.embed, built.root
         replicated_all = self._index_shards(device)
@@ -233,6 +236,7 @@ class ISPCommunicator:
         ranks now and then (:meth:`_watch_weights`)."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         self._wrapped_ids = frozenset(id(p) for p in named.values())
+        self._replaced.keep_replaced(self._wrapped_ids)
         self._partial_ids = frozenset(id(named[fqn]) for fqn, (unit, pc) in self._sharded.items() if _split(unit, pc))
         self._no_copies = [self.model, *(u.block for u in (*self.units, self.vocab_unit, self.embed_unit) if u)]
         for module in self._no_copies:
@@ -491,7 +495,10 @@ class ISPCommunicator:
             if isinstance(opt, MATRIX_OPTIMIZERS):
                 refuse_matrix_optimizer(opt)
             self._state.hook_optimizer(opt)  # [Note: the optimizer's own state dict]
-        if any(id(p) not in self._wrapped_ids for p in held):  # not all this model's: another's, or added
+        if any(id(p) not in self._wrapped_ids for p in held):  # not all this model's: another's, added, replaced
+            replaced = self._replaced.held_by(held)
+            if replaced:
+                refuse_replaced_parameters(replaced)
             added = {id(p) for p in held}
             names = [
                 n

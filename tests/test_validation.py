@@ -371,6 +371,23 @@ def test_parameters_added_after_wrapping_are_refused_at_the_step(world1) -> None
     comm.close()
 
 
+def test_parameters_collected_before_wrapping_are_refused_at_the_step(world1) -> None:
+    # before: param groups built from named_parameters() ahead of the wrap held the full
+    # weights wrapping replaced by shards; the optimizer, made after the wrap, stepped
+    # those, and the blocks never trained, without a word (an outside review)
+    model = tiny()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    comm = ISPCommunicator(model, world1)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    model(torch.randint(0, 11, (2, 8))).sum().backward()
+    with pytest.raises(ValueError, match=r"as they were before wrapping \(layers.0.attn.q_proj.weight, "):
+        opt.step()
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # collected after wrapping: trains
+    torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]).step()
+    comm.close()
+
+
 def _ema_worker(rank: int, world: int) -> tuple[list[str], float]:
     """Matrix-aware optimizers on wp-2 shards (refused), and the EMA recipe the deep
     copy's refusal gives: AveragedModel before wrapping, its module wrapped too."""
