@@ -329,6 +329,7 @@ def test_steps_that_did_not_go_as_planned_train_on_like_a_plain_loop(shard_outer
     for r in run_ranks(_unplanned_worker, 2, shard_outer, timeout_s=150):
         assert r["logits"] < 1e-5 and r["weights"] < 1e-5, r
         assert "a second backward over one forward (retain_graph=True)" in r["second"], r
+        assert "(loss1 + loss2).backward()" in r["second"], r  # what a multi-loss loop does instead
         assert r["phase_after_abort"] == "BACKWARD", r  # the case needs the backward begun
 
 

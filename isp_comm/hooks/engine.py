@@ -395,7 +395,8 @@ class BlockEngine:
             raise RuntimeError(
                 "isp-comm: a backward through the wrapped model's blocks that no forward of the model with grad "
                 "began: a second backward over one forward (retain_graph=True), or one through blocks called "
-                "outside the model's forward, is not supported (run the model's forward again for each backward)"
+                "outside the model's forward, is not supported (several losses of one forward: one backward of their "
+                "sum, (loss1 + loss2).backward(); else run the model's forward again for each backward)"
             )
         if self.unused is not None and self.phase is not Phase.BACKWARD:
             # after a deferred backward, no sharded gradient is made afresh (see [Note: replica reductions deferred])
