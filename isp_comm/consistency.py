@@ -243,10 +243,12 @@ class WeightsCheck:
             raise RuntimeError(
                 f"isp-comm: the replicated parameters {few_names(names)} "
                 f"differ across ranks (ranks {apart[names[0]]} from rank 0) at backward {ended}: every rank steps "
-                "them on the same averaged gradient, so a gradient was changed by a figure of one rank's own before "
-                "a step. torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "
+                "them on the same averaged gradient, so a gradient or a step was changed by a figure of one rank's "
+                "own. torch.nn.utils.clip_grad_norm_ on the wrapped model scales by this rank's norm (use "
                 "comm.clip_grad_norm_); torch.amp.GradScaler lets one rank skip a step its peer takes (use "
-                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler)"
+                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler); a learning rate or a skipped step "
+                "decided from this rank's own loss (ReduceLROnPlateau fed it, a NaN check) parts them too "
+                "(all-reduce the figure first)"
             )
         alike = alike_in(every[:, n:], [name for name, _ in self.partial], self.rows_groups)
         if alike:

@@ -572,13 +572,15 @@ def test_ranks_feeding_different_shapes_are_told_what_to_do_on_shared_memory() -
 
 def _clip_worker(rank: int, world: int, clip: str) -> list[str]:
     """Four steps of AdamW at wp 2 clipped by ``clip`` ("torch": torch's
-    clip_grad_norm_ on the wrapped model; "comm": the communicator's): what each
-    backward said."""
+    clip_grad_norm_ on the wrapped model; "comm": the communicator's; "plateau": the
+    communicator's, with ReduceLROnPlateau fed a figure of this rank's own, as its own
+    evaluation loss would be): what each backward said."""
     from tests.parity import TINY
 
     model = build(LlamaConfig(**TINY))
     comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig(backend="torch"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
     said = []
     for step in range(4):
         x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(step * world + rank))
@@ -591,6 +593,8 @@ def _clip_worker(rank: int, world: int, clip: str) -> list[str]:
             comm.clip_grad_norm_(0.1)
         opt.step()
         opt.zero_grad()
+        if clip == "plateau":
+            plateau.step(-step if rank == 0 else 0.0)  # rank 0 improves, rank 1 does not: its rate falls
     comm.close()
     return said
 
@@ -629,7 +633,7 @@ def test_the_last_check_no_backward_read_is_read_where_the_weights_leave_the_run
 
 
 @pytest.mark.timeout(100)
-@pytest.mark.parametrize("clip", ["torch", "comm"])
+@pytest.mark.parametrize("clip", ["torch", "comm", "plateau"])
 def test_replicas_stepped_apart_stop_the_run_and_say_why(clip: str) -> None:
     # before: torch's clip_grad_norm_ on the wrapped model scaled each rank's
     # gradients by its own shards' norm, the replicated parameters parted and the run
@@ -638,6 +642,9 @@ def test_replicas_stepped_apart_stop_the_run_and_say_why(clip: str) -> None:
         if clip == "comm":
             assert said == ["ran"] * 4, said
             continue
-        assert said[0] == "ran" and len(said) == 2, said  # compared at backward 2, after one step
-        assert said[1].startswith("isp-comm: the replicated parameters embed.weight") and "ranks [1]" in said[1]
-        assert "comm.clip_grad_norm_" in said[1], said
+        # torch's clip: compared at backward 2, after one step; the plateau's rates part at the third step
+        assert said[:-1] == ["ran"] * (1 if clip == "torch" else 3), said
+        assert said[-1].startswith("isp-comm: the replicated parameters embed.weight") and "ranks [1]" in said[-1]
+        assert "comm.clip_grad_norm_" in said[-1], said
+        if clip == "plateau":  # a learning rate of one rank's own: said too (before, only clip and scaler were)
+            assert "ReduceLROnPlateau" in said[-1], said
