@@ -133,7 +133,6 @@ class ISPCommunicator:
         except Exception:
             self.backend.close()
             raise
-
         self._replaced = ReplacedParameters(model)  # kept weakly; refused at a step ([Note] in discovery.py)
         built = self._built = build_units(model, block_list, groups, config, device, head)
         self.units, self.vocab_unit, self.embed_unit, self.root = built.blocks, built.vocab, built.embed, built.root
