@@ -452,6 +452,22 @@ def test_blockwise_attention_forward_and_gradients_match_the_written_out_attenti
             torch.testing.assert_close(mine, theirs, rtol=2e-5, atol=2e-5, msg=lambda m, where=where: f"{where}: {m}")
 
 
+def test_blockwise_attention_passes_gradcheck_in_fp64() -> None:
+    """On fp64 inputs the softmax and the gradients' sums stay in fp64 (fp32 is the
+    floor, never a ceiling), so autograd's gradcheck holds for q, k, v and the sinks,
+    GQA, softcap and sinks together, over several blocks; rounded to fp32 they miss
+    its tolerance by orders of magnitude."""
+    from isp_comm.sequence_parallel.local import blockwise_attention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    for softcap, sk in ((None, sinks), (2.0, None), (2.0, sinks)):
+        attend = lambda q, k, v, sk, cap=softcap: blockwise_attention(q, k, v, 0.7, cap, sk, block=2)  # noqa: E731
+        assert torch.autograd.gradcheck(attend, (q, k, v, sk))
+
+
 def test_blockwise_attention_in_bf16_is_as_close_to_fp64_as_the_written_out_one() -> None:
     """In bf16 (fp32 sinks, as a model's parameter in fp32 beside bf16 activations),
     the output and every gradient are within twice the written-out attention's own

@@ -125,6 +125,12 @@ def _eager(q, k, v, scale, dropout, softcap: float | None, sinks: torch.Tensor |
     return torch.matmul(probs, v)
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the softmax and the gradients' sums: fp32, or ``t``'s if wider
+    (fp64 inputs, as gradcheck's, are never rounded to fp32)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _block_scores(
     q5: torch.Tensor, k: torch.Tensor, a: int, b: int, scale: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -135,7 +141,7 @@ def _block_scores(
     ``q5`` is ``q`` as ``[batch, kv_heads, rep, seq, d]``: the ``rep`` query heads of a
     KV head are one matmul's rows, so no repeated ``k`` is made (GQA)."""
     rows = q5[:, :, :, a:b]
-    raw = torch.matmul(rows.flatten(2, 3), k[:, :, :b].transpose(2, 3)).float().mul_(scale)
+    raw = torch.matmul(rows.flatten(2, 3), k[:, :, :b].transpose(2, 3)).to(_acc(q5)).mul_(scale)
     raw = raw.unflatten(2, rows.shape[2:4])
     tanh = None
     if softcap is not None:
@@ -150,8 +156,8 @@ class _BlockwiseAttention(torch.autograd.Function):
     """Causal attention one block of query rows at a time; see :func:`blockwise_attention`.
 
     [Note: what blockwise attention keeps]
-    The forward keeps ``q, k, v`` and each row's fp32 log-sum-exp over its logits and
-    its head's sink (``lse``); the backward recomputes each block's logits and
+    The forward keeps ``q, k, v`` and each row's log-sum-exp (fp32, :func:`_acc`) over
+    its logits and its head's sink (``lse``); the backward recomputes each block's logits and
     probabilities ``p = exp(logit - lse)`` from them, and the softmax's backward
     from ``p`` and ``dp`` as autograd would (not from the output, rounded to ``q``'s
     dtype: the sinks' gradient, a sum over every row, would feel that rounding). No tensor of ``seq x seq``
@@ -171,9 +177,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         block: int,
     ) -> torch.Tensor:
         q5 = q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))
-        sink = None if sinks is None else sinks.float().view(1, *q5.shape[1:3], 1)
+        sink = None if sinks is None else sinks.to(_acc(q)).view(1, *q5.shape[1:3], 1)
         out = q5.new_empty(q5.shape[:4] + v.shape[3:])
-        lse = q5.new_empty(q5.shape[:4], dtype=torch.float32)
+        lse = q5.new_empty(q5.shape[:4], dtype=_acc(q))
         for a in range(0, q.shape[2], block):
             b = min(a + block, q.shape[2])
             scores, _ = _block_scores(q5, k, a, b, scale, softcap)
@@ -191,16 +197,16 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, sinks, lse = ctx.saved_tensors
         q5, do5 = q.unflatten(1, lse.shape[1:3]), dout.unflatten(1, lse.shape[1:3])
         dq = torch.empty_like(q5)
-        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        sink = None if sinks is None else sinks.float().view(1, *lse.shape[1:3], 1)
+        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+        sink = None if sinks is None else sinks.to(lse.dtype).view(1, *lse.shape[1:3], 1)
         dsink = None if sinks is None else torch.zeros_like(sink)
         for a in range(0, q.shape[2], ctx.block):
             b = min(a + ctx.block, q.shape[2])
             scores, tanh = _block_scores(q5, k, a, b, ctx.scale, ctx.softcap)
             p = scores.sub_(lse[..., a:b, None]).exp_()
             rows_do = do5[:, :, :, a:b].flatten(2, 3)
-            dv[:, :, :b] += torch.matmul(p.to(v.dtype).flatten(2, 3).transpose(2, 3), rows_do).float()
-            ds = torch.matmul(rows_do, v[:, :, :b].transpose(2, 3)).float().unflatten(2, p.shape[2:4]).mul_(p)
+            dv[:, :, :b] += torch.matmul(p.to(v.dtype).flatten(2, 3).transpose(2, 3), rows_do).to(lse.dtype)
+            ds = torch.matmul(rows_do, v[:, :, :b].transpose(2, 3)).to(lse.dtype).unflatten(2, p.shape[2:4]).mul_(p)
             # softmax's backward: p * (dp - delta), delta = rowsum(p * dp) (the sink's dp is 0)
             delta = ds.sum(-1)
             ds.sub_(p.mul_(delta[..., None]))
@@ -210,7 +216,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 ds.mul_(tanh.square_().neg_().add_(1))  # d(c tanh(x / c))/dx = 1 - tanh^2
             ds = ds.mul_(ctx.scale).to(q.dtype).flatten(2, 3)
             dq[:, :, :, a:b] = torch.matmul(ds, k[:, :, :b]).unflatten(2, p.shape[2:4])
-            dk[:, :, :b] += torch.matmul(ds.transpose(2, 3), q5[:, :, :, a:b].flatten(2, 3)).float()
+            dk[:, :, :b] += torch.matmul(ds.transpose(2, 3), q5[:, :, :, a:b].flatten(2, 3)).to(lse.dtype)
         dsinks = None if sinks is None else dsink.view(sinks.shape).to(sinks.dtype)
         return dq.flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
@@ -229,8 +235,8 @@ def blockwise_attention(
     attention sinks (``sinks``: one logit per head of ``q`` joining every row's softmax
     and dropped after it, GPT-OSS), ``block`` query rows at a time, forward and
     backward (see [Note: what blockwise attention keeps]): memory ``block x seq`` per
-    head, not ``seq x seq``. The softmax in fp32 and its probabilities in ``q``'s dtype
-    before they meet ``v``, as transformers' eager attention of those models; the
+    head, not ``seq x seq``. The softmax in fp32 (fp64 for fp64 inputs) and its
+    probabilities in ``q``'s dtype before they meet ``v``, as transformers' eager attention of those models; the
     result depends on ``block`` only by float rounding. GQA: ``k``/``v`` may have fewer
     heads, as ``repeat_interleave`` would share them. No dropout: see :func:`_eager`.
     Tested on the CPU only (pure torch ops, nothing device-specific)."""
