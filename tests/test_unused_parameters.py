@@ -40,7 +40,7 @@ def _model(pooler: bool = True):
     plan = {"depth": None, "mlp": True}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_tables(self.cfg, torch.arange(input_ids.shape[1]))
+        cos, sin = rope_tables(self.cfg, torch.arange(input_ids.shape[1], device=input_ids.device))
         h = self.embed(input_ids)
         for layer in self.layers[: plan["depth"]]:
             h = layer(h, cos, sin, None)
