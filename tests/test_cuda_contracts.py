@@ -86,7 +86,7 @@ def test_torch_has_what_the_cuda_paths_use() -> None:
         assert callable(getattr(torch.cuda.Event, name)), name
     for name in ("wait_stream", "wait_event", "synchronize"):
         assert callable(getattr(torch.cuda.Stream, name)), name
-    inspect.signature(torch.cuda.Stream.__new__).bind(torch.cuda.Stream, device=torch.device("cuda", 0))
+    inspect.signature(torch.cuda.Stream.__new__).bind(torch.cuda.Stream, device=torch.device("cuda", 0), priority=-1)
     for fn in (torch.cuda.current_stream, torch.cuda.synchronize):
         inspect.signature(fn).bind(torch.device("cuda", 0))
     inspect.signature(torch.cuda.can_device_access_peer).bind(torch.device("cuda", 0), 1)
@@ -420,8 +420,8 @@ def _alloc_beside_worker(rank: int, world: int) -> dict:
             fake.in_flight = False
 
     class Runtime(HostRuntime):
-        def stream(self, _device: torch.device) -> Stream:
-            self.streams.append(Stream(len(self.streams) + 1))
+        def stream(self, _device: torch.device, priority: int = 0) -> Stream:
+            self.streams.append(Stream(len(self.streams) + 1, priority))
             return self.streams[-1]
 
     api = nvshmem_backend.NvshmemApi(Checked(fake, nvshmem), _Device, Checked(FakeBindings(fake), nvshmem_bindings))

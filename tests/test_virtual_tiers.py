@@ -28,6 +28,7 @@ import torch
 
 from isp_comm import ISPConfig
 from isp_comm.backends.tiers import INTER, INTRA, Demand, TierSchedule
+from isp_comm.backends.virtual import TIER_PRIORITY
 from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.planner.links import ProfileLink, collective_demand
 from isp_comm.planner.profile import COLLECTIVES, Link, from_target
@@ -264,8 +265,8 @@ def test_the_virtual_world_runs_nvlink_and_infiniband_at_once_and_shares_each() 
 
 # ---- the CUDA path on the host: streams as clocks of device time --------------------------------
 class _Stream:
-    def __init__(self, name: str) -> None:
-        self.name, self.t = name, 0.0
+    def __init__(self, name: str, priority: int = 0) -> None:
+        self.name, self.t, self.priority = name, 0.0, priority
         self.cuda_stream = id(self)
 
     def wait_stream(self, other: _Stream) -> None:
@@ -306,8 +307,8 @@ class TimedRuntime:
         self.streams: list[_Stream] = []
         self.recorded: list[tuple[int, str]] = []  # (tensor id, stream) of record_stream
 
-    def stream(self, _device) -> _Stream:
-        self.streams.append(_Stream(f"side {len(self.streams)}"))
+    def stream(self, _device, priority: int = 0) -> _Stream:
+        self.streams.append(_Stream(f"side {len(self.streams)}", priority))
         return self.streams[-1]
 
     def current_stream(self, _device) -> _Stream:
@@ -373,6 +374,7 @@ def _tiers_on_streams(rank: int, world: int) -> dict:
             ends.append(rt.compute.t)
         got[case] = ends
         got[case + "_recorded"] = rt.recorded
+        got[case + "_priorities"] = sorted(s.priority for s in rt.streams)
         backend.close()
     rt = TimedRuntime()
     backend = VirtualBackend(torch.device("cpu"), ProfileLink(flat_h100(8), "torch"), runtime=rt, delay=rt)
@@ -394,6 +396,9 @@ def test_the_cuda_path_gives_the_same_order_on_streams() -> None:
     # caller's): it ends at 14 ms; the first ended at 4 ms, hidden behind the compute
     assert got["compute_between"] == pytest.approx([10 * ms, 14 * ms], abs=1e-9)
     assert got["nvlink_and_ib_recorded"] == [] and got["recorded_by_default"] == 2  # its input and output
+    # two groups' streams at the default priority, the two tiers' ahead of them: a spin
+    # must not queue behind the blocks of the kernel that fills the GPU when it starts
+    assert got["nvlink_and_ib_priorities"] == [TIER_PRIORITY, TIER_PRIORITY, 0, 0]
 
 
 # ---- the step model's schedule of the replicas' collectives, by hand ------------------------------

@@ -41,8 +41,9 @@ LANES = ("gather", "reduce", "all_to_all")
 class CudaRuntime:
     """``torch.cuda``'s streams and events, as the CUDA backends use them."""
 
-    def stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device)
+    def stream(self, device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+        """A new stream; ``priority`` < 0 is higher (torch maps it into the device's range)."""
+        return torch.cuda.Stream(device=device, priority=priority)
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -69,8 +70,8 @@ class CudaRuntime:
 class _HostStream:
     """A stream whose work has run by the time it is issued (the host's order)."""
 
-    def __init__(self, handle: int) -> None:
-        self.cuda_stream = handle
+    def __init__(self, handle: int, priority: int = 0) -> None:
+        self.cuda_stream, self.priority = handle, priority
 
     def __cuda_stream__(self) -> tuple[int, int]:  # the CUDA stream protocol's (version, handle)
         return (0, self.cuda_stream)
@@ -111,8 +112,8 @@ class HostRuntime:
         self.device: torch.device | None = None
         """The device a :meth:`device_context` made current (tests read it)."""
 
-    def stream(self, _device: torch.device) -> _HostStream:
-        self.streams.append(_HostStream(len(self.streams) + 1))
+    def stream(self, _device: torch.device, priority: int = 0) -> _HostStream:
+        self.streams.append(_HostStream(len(self.streams) + 1, priority))
         return self.streams[-1]
 
     def current_stream(self, _device: torch.device) -> _HostStream:
@@ -192,11 +193,12 @@ class Lanes:
         self.runtime, self._deadline_s = runtime, deadline_s
         self._streams: dict[tuple[str, str, torch.device], Any] = {}
 
-    def stream(self, group_name: str, lane: str, device: torch.device):
+    def stream(self, group_name: str, lane: str, device: torch.device, priority: int = 0):
+        """The lane's stream, made with ``priority`` the first time it is asked for."""
         key = (group_name, lane, device)
         s = self._streams.get(key)
         if s is None:
-            s = self._streams[key] = self.runtime.stream(device)
+            s = self._streams[key] = self.runtime.stream(device, priority)
         return s
 
     def run(self, group_name: str, lane: str, device: torch.device, tensors, body, what: str = "", group=None):
