@@ -239,6 +239,25 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             default=False,
         ),
         Step(
+            "virtual-8b-profile",
+            180,
+            _virtual(
+                out,
+                "virtual_8b_profile",
+                *layout_8b,
+                "--systems",
+                "isp-comm,fsdp2,isp-comm compiled,fsdp2 compiled",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+                "--profile",
+            ),
+            "the four 8B systems in their fastest layouts, then a step of each under torch.profiler: "
+            "device time by kind of kernel side by side",
+            default=False,
+        ),
+        Step(
             "virtual-70b",
             480,
             _virtual(out, "virtual_70b", "--config", "llama3-70b", "--repeats", "1", "--steps", "2"),

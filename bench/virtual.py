@@ -51,7 +51,9 @@ RSS (CPU). Over ``--repeats`` processes: the median, with the range. Prints a
 markdown table per configuration and writes OUT/virtual.json (--out, default
 bench/results/local): per system, ``runs`` holds each process's figures (one entry
 per process run) and each figure's summary over them, ``{"median", "min", "max",
-"runs"}``.
+"runs"}``. ``--breakdown`` and ``--profile`` end each process with one more step,
+under the memory breakdown or ``torch.profiler`` (``bench/kernel_profile.py``: its
+device time by kind of kernel), and print them side by side.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out, markdown_table, progress, save_results  # noqa: E402
+from bench.kernel_profile import profile_step, profile_table  # noqa: E402
 from isp_comm.models.llama import LlamaConfig  # noqa: E402
 from isp_comm.testing import run_virtual  # noqa: E402
 from isp_comm.train.metrics import peak_rss_bytes  # noqa: E402
@@ -366,9 +369,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_system(rank: int, world: int, run: Run, system: str, steps: int, breakdown: bool = False) -> dict:
+def run_system(rank: int, world: int, run: Run, system: str, steps: int, extras: tuple[str, ...] = ()) -> dict:
     """One process: build, two warm-up steps, ``steps`` timed ones (runs in a virtual
-    world); ``breakdown``: then one more step under the memory breakdown."""
+    world); then, as ``extras`` asks, one more step under ``torch.profiler``
+    ("profile") and one under the memory breakdown ("breakdown")."""
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -425,7 +429,10 @@ def run_system(rank: int, world: int, run: Run, system: str, steps: int, breakdo
         "all_gathers": statistics.median(gathers),
         **_peak(device),
     }
-    if breakdown:
+    if "profile" in extras:
+        batches = draw()
+        out["profile"] = profile_step(lambda: step(batches), device)
+    if "breakdown" in extras:
         out["breakdown"] = measure_breakdown(lambda: step(draw()), comm, opt, model)
     comm.close()
     return out
@@ -610,12 +617,15 @@ def bench_config(
     kind: str = "any",
     systems: tuple[str, ...] | None = None,
     breakdown: bool = False,
+    profile: bool = False,
 ) -> dict:
     """Every system (or ``systems``), ``repeats`` processes each, and the planner's
     prediction. ``layout="best"``: isp-comm in the fastest layout of ``kind`` that
     fits, FSDP2 in its own fastest that fits (full or hybrid sharding).
     ``breakdown``: each eager system's processes end with one step under the memory
-    breakdown (compiled code is not seen inside, and compute-only is isp-comm's)."""
+    breakdown (compiled code is not seen inside, and compute-only is isp-comm's);
+    ``profile``: each process ends with one step under ``torch.profiler``
+    (``bench/kernel_profile.py``), the median-step run's kept."""
     device = _device()
     lay, said = (fixed_layout(cfg), None) if layout == "fixed" else best_layout(cfg, device, kind)
     run = Run(cfg, lay)
@@ -634,9 +644,13 @@ def bench_config(
         built = system.removesuffix(IN_FSDP2_LAYOUT)
         for r in range(repeats):
             progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            broken_down = breakdown and built in BREAKDOWN_SYSTEMS
-            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, broken_down, timeout_s=timeout_s))
-        result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0] if k != "breakdown"}}
+            extras = (*(("breakdown",) if breakdown and built in BREAKDOWN_SYSTEMS else ()), *(("profile",) * profile))
+            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, extras, timeout_s=timeout_s))
+        own = ("breakdown", "profile")  # kept whole, not summarised
+        result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0] if k not in own}}
+        if "profile" in runs[0]:
+            middle = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+            result["systems"][system]["profile"] = middle["profile"]
         if "breakdown" in runs[0]:
             result["systems"][system]["breakdown"] = median_breakdown([r["breakdown"] for r in runs])
     result["systems"]["planner"] = predict(run, device)
@@ -828,6 +842,10 @@ def main() -> None:
         "--breakdown", action="store_true",
         help="then one more step of each eager system under the memory breakdown: its peak by part, side by side",
     )  # fmt: skip
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="then one more step of each system under torch.profiler: its device time by kind, side by side",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=0, help="processes per system (default: 3; 1 with --quick)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after two warm-up steps")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a process may take")
@@ -854,7 +872,7 @@ def main() -> None:
         cfg = {**CONFIGS, **QUICK, **SCALED}[name]
         systems = tuple(args.systems.split(",")) if args.systems else None
         res = bench_config(
-            name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems, args.breakdown
+            name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems, args.breakdown, args.profile
         )
         res["target"] = res["systems"]["planner"]["target"]
         results.append(res)
@@ -863,6 +881,9 @@ def main() -> None:
         print(f"\n{notes(res)}")
         if args.breakdown:
             print(f"\n{breakdown_tables(res)}")
+        profiled = {k: s["profile"] for k, s in res["systems"].items() if "profile" in s}
+        if profiled:
+            print(f"\n{profile_table(profiled)}")
     if args.scaling:
         print("\n### scaling\n")
         print(scaling_table(results, peak))

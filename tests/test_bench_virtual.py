@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ def test_help_describes_it_in_a_whole_sentence() -> None:
 def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> None:
     # tiny-n8-world: independent sharding (weights over WP 2, state over all 8) beside FSDP2
     cmd = [sys.executable, os.path.join(ROOT, "bench", "virtual.py"), "--quick", "--config", config]
-    cmd += ["--steps", "1", "--breakdown", "--out", str(tmp_path)]
+    cmd += ["--steps", "1", "--breakdown", "--profile", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {ln.split("|")[1].strip(): ln for ln in res.stdout.splitlines() if ln.startswith("| ")}
@@ -60,11 +61,16 @@ def test_quick_prints_isp_comm_and_fsdp2_side_by_side(tmp_path, config: str) -> 
     for name in ("isp-comm", "fsdp2"):
         b = systems[name]["breakdown"]
         assert sum(b["parts"].values()) == b["tracked"] > 0 and b["parts"].get("other", 0) <= 0.02 * b["tracked"], b
+    # --profile: every system's profiled step by kind, side by side
+    assert "One step under torch.profiler, ms by kind" in res.stdout, res.stdout
+    for name in ("isp-comm", "fsdp2", "compute-only"):
+        prof = systems[name]["profile"]
+        assert prof["kinds"]["matrix products"] > 0 and prof["wall_ms"] > 0, prof
 
 
 def _summaries(system: dict) -> list[dict]:
-    """A system's figures summarised over its runs (every key but ``runs`` and the breakdown's)."""
-    return [v for k, v in system.items() if k not in ("runs", "breakdown") and isinstance(v, dict)]
+    """A system's figures summarised over its runs (every key but ``runs``, the breakdown's and the profile's)."""
+    return [v for k, v in system.items() if k not in ("runs", "breakdown", "profile") and isinstance(v, dict)]
 
 
 @pytest.mark.slow
@@ -173,3 +179,42 @@ def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
         assert built[name][0] == as_built and built[name][1].sp == fsdp["sp"] == 1, built[name]
         assert built[name][1] == built["fsdp2"][1]
     assert "planner compiled" not in result["systems"]  # the planner plans isp-comm's own layout only
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("at::cuda::(anonymous namespace)::spin_kernel(long)", "virtual spin"),  # torch.cuda._sleep
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matrix products"),
+        ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "matrix products"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>", "attention"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
+        ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda(at::TensorIteratorBase&)>", "copies"),
+        ("Memcpy DtoD (Device -> Device)", "copies"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "other"),
+        ("aten::addmm", "matrix products"),
+    ],
+)
+def test_kernels_are_sorted_by_what_their_names_say(name: str, kind: str) -> None:
+    """bench/kernel_profile.py: kernel names as torch 2.11's CUDA build and inductor
+    give them (a triton kernel that copies is compiled code, not a copy)."""
+    sys.path.insert(0, ROOT)
+    from bench.kernel_profile import kind_of
+
+    assert kind_of(name) == kind
+
+
+def test_a_profiled_step_is_summed_by_kind() -> None:
+    """On CPU the clock is the aten operators' self time: a product and a copy land in
+    their kinds, the rest in "other", the top entries by time."""
+    sys.path.insert(0, ROOT)
+    from bench.kernel_profile import profile_step, profile_table
+
+    a, b = torch.randn(256, 256), torch.empty(256, 256)
+    got = profile_step(lambda: (b.copy_(a @ a), b.relu_()), torch.device("cpu"))
+    kinds = got["kinds"]
+    assert kinds["matrix products"] > 0 and kinds["copies"] > 0 and kinds["other"] > 0, got
+    assert kinds["virtual spin"] == kinds["attention"] == 0, got
+    ms = [t["ms"] for t in got["top"]]
+    assert ms == sorted(ms, reverse=True) and abs(sum(kinds.values()) - sum(ms)) < 1e-6 * max(ms), got
+    assert "| matrix products |" in profile_table({"a": got, "b": got})

@@ -97,6 +97,13 @@ def test_torch_has_what_the_cuda_paths_use() -> None:
     inspect.signature(dist.get_backend_config).bind(dist.group.WORLD)
     inspect.signature(dist.all_gather_object).bind([None], None, group=None)
     assert "timeout" in (dist.Work.wait.__doc__ or "") and callable(dist.Work.is_completed)
+    # bench/kernel_profile.py: a kernel's row of key_averages, by its device type
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    assert DeviceType.CUDA != DeviceType.CPU
+    for name in ("self_device_time_total", "self_cpu_time_total", "device_type", "key", "count"):
+        assert hasattr(FunctionEventAvg(), name), name
 
 
 # ---- point by point ---------------------------------------------------------------------
