@@ -19,7 +19,7 @@ done those (see docs/gpus.md for what each proves):
 
 ``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
 checks (``virtual-time``, ``virtual-8b``, ``virtual-8b-best``,
-``virtual-8b-best-compiled``, ``virtual-8b-same-layout``, ``virtual-8b-breakdown``, ``virtual-70b``,
+``virtual-8b-same-layout``, ``virtual-8b-breakdown``, ``virtual-8b-profile``, ``virtual-70b``,
 ``virtual-70b-world``, ``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
 run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
 the named checks; any selection must fit in 540 s.
@@ -187,17 +187,11 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         ),
         Step(
             "virtual-8b-best",
-            360,
-            _virtual(out, "virtual_8b_best", *best_8b, "--systems", "isp-comm,fsdp2,compute-only"),
-            "one rank of Llama-3-8B at N=8 in the planner's fastest layout, eager: isp-comm, FSDP2 in its own "
-            "fastest, compute-only, the planner",
-            default=False,
-        ),
-        Step(
-            "virtual-8b-best-compiled",
-            300,
-            _virtual(out, "virtual_8b_best_compiled", *best_8b, "--systems", "isp-comm compiled,fsdp2 compiled"),
-            "the same, every block compiled (as isp-train --compile and torchtitan)",
+            420,
+            _virtual(out, "virtual_8b_best", *best_8b, "--systems", "isp-comm,fsdp2,isp-comm compiled,fsdp2 compiled"),
+            "one rank of Llama-3-8B at N=8 in the planner's fastest layout, isp-comm and FSDP2 (in its own "
+            "fastest), eager and compiled per block (as isp-train --compile and torchtitan), three rounds, the "
+            "planner (379 s for the same 12 processes and a breakdown at 6909a49, H100)",
             default=False,
         ),
         Step(

@@ -47,7 +47,8 @@ run's; what the comparison checks is the compute, the memory and the overlap.
 Measured per process: ``--steps`` steps after two warm-up steps; the median step,
 exposed communication (isp-comm: its waits, ``comm.stats()``; FSDP2: its step less
 the compute-only step, derived), peak allocated and reserved memory (CUDA) or peak
-RSS (CPU). Over ``--repeats`` processes: the median, with the range. Prints a
+RSS (CPU). Over ``--repeats`` processes, run in rounds (every system once a round,
+so that a drift of the machine falls on all alike): the median, with the range. Prints a
 markdown table per configuration and writes OUT/virtual.json (--out, default
 bench/results/local): per system, ``runs`` holds each process's figures (one entry
 per process run) and each figure's summary over them, ``{"median", "min", "max",
@@ -638,21 +639,10 @@ def bench_config(
             fsdp_lay, fsdp_said = best_layout(cfg, device, "fsdp2")
             fsdp_run = Run(cfg, fsdp_lay)
             result["fsdp2_layout"], result["fsdp2_search"] = dataclasses.asdict(fsdp_lay), fsdp_said
-    for system in systems or SYSTEMS:
-        runs = []
-        which = fsdp_run if system.startswith("fsdp2") or system.endswith(IN_FSDP2_LAYOUT) else run
-        built = system.removesuffix(IN_FSDP2_LAYOUT)
-        for r in range(repeats):
-            progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
-            extras = (*(("breakdown",) if breakdown and built in BREAKDOWN_SYSTEMS else ()), *(("profile",) * profile))
-            runs.append(run_virtual(run_system, cfg.world, 0, which, built, steps, extras, timeout_s=timeout_s))
-        own = ("breakdown", "profile")  # kept whole, not summarised
-        result["systems"][system] = {"runs": runs, **{k: _summary(runs, k) for k in runs[0] if k not in own}}
-        if "profile" in runs[0]:
-            middle = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
-            result["systems"][system]["profile"] = middle["profile"]
-        if "breakdown" in runs[0]:
-            result["systems"][system]["breakdown"] = median_breakdown([r["breakdown"] for r in runs])
+    chosen = systems or SYSTEMS
+    runs = _rounds(name, cfg, chosen, repeats, steps, timeout_s, run, fsdp_run, breakdown, profile)
+    for system in chosen:
+        result["systems"][system] = _summarise(runs[system])
     result["systems"]["planner"] = predict(run, device)
     if any(s.endswith("compiled") and s.startswith("isp-comm") for s in result["systems"]):
         result["systems"]["planner compiled"] = predict(run, device, compiled=True)
@@ -666,6 +656,33 @@ def bench_config(
             s["exposed_comm_s"] = _summary(s["runs"], "exposed_comm_s")
             s["exposed_comm_derived"] = "step_s less compute-only's median step_s"
     return _finish(result, cfg, lay)
+
+
+def _rounds(name, cfg, systems, repeats, steps, timeout_s, run, fsdp_run, breakdown, profile) -> dict[str, list]:
+    """Each system's ``repeats`` processes, run in rounds (every system once a round,
+    in order), so that a drift of the machine's speed falls on every system alike;
+    each system's runs, by name."""
+    runs: dict[str, list] = {s: [] for s in systems}
+    for r in range(repeats):
+        for system in systems:
+            which = fsdp_run if system.startswith("fsdp2") or system.endswith(IN_FSDP2_LAYOUT) else run
+            built = system.removesuffix(IN_FSDP2_LAYOUT)
+            progress(f"bench/virtual.py: {name} {system} run {r + 1}/{repeats}")
+            extras = (*(("breakdown",) if breakdown and built in BREAKDOWN_SYSTEMS else ()), *(("profile",) * profile))
+            runs[system].append(run_virtual(run_system, cfg.world, 0, which, built, steps, extras, timeout_s=timeout_s))
+    return runs
+
+
+def _summarise(runs: list[dict]) -> dict:
+    """A system's runs, each figure's summary over them, its breakdown (the median
+    tracked peak's run) and its profile (the median step's run)."""
+    own = ("breakdown", "profile")  # kept whole, not summarised
+    out = {"runs": runs, **{k: _summary(runs, k) for k in runs[0] if k not in own}}
+    if "profile" in runs[0]:
+        out["profile"] = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]["profile"]
+    if "breakdown" in runs[0]:
+        out["breakdown"] = median_breakdown([r["breakdown"] for r in runs])
+    return out
 
 
 def _finish(result: dict, cfg: Config, lay) -> dict:

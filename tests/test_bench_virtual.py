@@ -218,3 +218,25 @@ def test_a_profiled_step_is_summed_by_kind() -> None:
     ms = [t["ms"] for t in got["top"]]
     assert ms == sorted(ms, reverse=True) and abs(sum(kinds.values()) - sum(ms)) < 1e-6 * max(ms), got
     assert "| matrix products |" in profile_table({"a": got, "b": got})
+
+
+def test_repeats_run_in_rounds(monkeypatch) -> None:
+    """``--repeats 2`` of two systems: a, b, a, b (each system once a round), so that a
+    drift of the machine's speed falls on both; each system's runs summarised apart."""
+    sys.path.insert(0, ROOT)
+    import bench.virtual as virtual
+
+    calls = []
+
+    def record(fn, world, rank, run, system, steps, extras, timeout_s):
+        calls.append(system)
+        return {"step_s": float(len(calls)), "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
+
+    monkeypatch.setattr(virtual, "run_virtual", record)
+    monkeypatch.setattr(virtual, "predict", lambda run, device=None, compiled=False: {"step_s": 1.0, "target": "x"})
+    result = virtual.bench_config(
+        "tiny-n4", virtual.QUICK["tiny-n4"], 2, 1, 60.0, "fixed", "any", ("isp-comm", "fsdp2")
+    )
+    assert calls == ["isp-comm", "fsdp2", "isp-comm", "fsdp2"]
+    assert [r["step_s"] for r in result["systems"]["isp-comm"]["runs"]] == [1.0, 3.0]
+    assert result["systems"]["fsdp2"]["step_s"] == {"median": 3.0, "min": 2.0, "max": 4.0, "runs": 2}
