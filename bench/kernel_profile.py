@@ -19,12 +19,21 @@ import torch
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # torch.cuda._sleep's kernel: the virtual backend's modelled collectives, on side streams
     ("virtual spin", ("spin_kernel",)),
-    ("matrix products", ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    # inductor's kernels, whatever aten operators they were fused from (their names
+    # may carry "_scaled_dot_product_flash_attention" or "mm")
     ("compiled (triton)", ("triton",)),
+    # before the products: PyTorch's flash kernels name cutlass::bfloat16_t in their
+    # template arguments, memory-efficient attention is fmha_cutlass*, cuDNN's is
+    # cudnn_generated_fort_native_sdpa_sm90_flash_*_wgmma_*
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    (
+        "matrix products",
+        ("gemm", "gemv", "cublas", "cutlass", "xmma", "nvjet", "wgmma", "aten::mm", "aten::addmm", "aten::bmm"),
+    ),
     ("copies", ("copy", "memcpy", "memset", "aten::cat")),
 )
-"""Each kind and the name fragments (lower case) that mark its kernels or operators."""
+"""Each kind and the name fragments (lower case) that mark its kernels or operators,
+in the order they are tried."""
 OTHER = "other"
 TOP = 15
 """Entries kept by time, beside the kinds."""
@@ -42,7 +51,11 @@ def _entries(prof, cuda: bool) -> list[tuple[str, int, float]]:
 
     rows = []
     for e in prof.key_averages():
-        if cuda and e.device_type == DeviceType.CUDA:  # a kernel, its own time
+        if getattr(e, "is_user_annotation", False):
+            # a record_function's span on the GPU's timeline (FSDP2's "FSDP::...", a compiled
+            # region's): device type CUDA, but its kernels are rows of their own
+            continue
+        if cuda and e.device_type == DeviceType.CUDA:  # a kernel, a copy or a memset: its own time
             us = e.self_device_time_total
         elif not cuda and e.key.startswith("aten::"):
             us = e.self_cpu_time_total

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -188,6 +189,18 @@ def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matrix products"),
         ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "matrix products"),
         ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>", "attention"),
+        # the names as the profiler gives them, template arguments and all: cutlass and
+        # wgmma in them are attention's, not a matrix product's
+        (
+            "void pytorch_flash::flash_fwd_kernel<pytorch_flash::Flash_fwd_kernel_traits<128, 64, 64, 4, 0, 0, "
+            "cutlass::bfloat16_t, pytorch_flash::Flash_kernel_traits<128, 64, 64, 4, cutlass::bfloat16_t>>, "
+            "0, 1, 0, 0, 1, 1, 0>(pytorch_flash::Flash_fwd_params)",
+            "attention",
+        ),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+        ("triton_poi_fused__scaled_dot_product_flash_attention_transpose_0", "compiled (triton)"),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, __nv_bfloat16, __nv_bfloat16, float>", "matrix products"),
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
         ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda(at::TensorIteratorBase&)>", "copies"),
         ("Memcpy DtoD (Device -> Device)", "copies"),
@@ -202,6 +215,30 @@ def test_kernels_are_sorted_by_what_their_names_say(name: str, kind: str) -> Non
     from bench.kernel_profile import kind_of
 
     assert kind_of(name) == kind
+
+
+def test_a_record_functions_span_on_the_gpu_is_not_a_kernel() -> None:
+    """A ``record_function``'s span projected on the GPU's timeline (Kineto's
+    GPU_USER_ANNOTATION: FSDP2's "FSDP::all_gather_copy_in", a compiled region's) has
+    device type CUDA and covers kernels that are rows of their own: it is not counted,
+    as torch's own table leaves it out of its device total."""
+    sys.path.insert(0, ROOT)
+    from torch.autograd import DeviceType
+
+    from bench.kernel_profile import _entries
+
+    def row(key: str, us: float, annotation: bool) -> object:
+        return types.SimpleNamespace(
+            key=key, count=1, device_type=DeviceType.CUDA, self_device_time_total=us, is_user_annotation=annotation
+        )
+
+    prof = types.SimpleNamespace(
+        key_averages=lambda: [
+            row("FSDP::all_gather_copy_in", 900.0, True),
+            row("Memcpy DtoD (Device -> Device)", 5.0, False),
+        ]
+    )
+    assert _entries(prof, cuda=True) == [("Memcpy DtoD (Device -> Device)", 1, 0.005)]
 
 
 def test_a_profiled_step_is_summed_by_kind() -> None:
