@@ -28,7 +28,7 @@ import torch
 
 from isp_comm import ISPConfig
 from isp_comm.backends.tiers import INTER, INTRA, Demand, TierSchedule
-from isp_comm.backends.virtual import TIER_PRIORITY
+from isp_comm.backends.virtual import SPIN_PRIORITY
 from isp_comm.models.llama import LlamaConfig, build
 from isp_comm.planner.links import ProfileLink, collective_demand
 from isp_comm.planner.profile import COLLECTIVES, Link, from_target
@@ -380,7 +380,22 @@ def _tiers_on_streams(rank: int, world: int) -> dict:
     backend = VirtualBackend(torch.device("cpu"), ProfileLink(flat_h100(8), "torch"), runtime=rt, delay=rt)
     backend.all_gather(torch.empty(8), torch.empty(1), groups.wp_group).wait(1.0)
     got["recorded_by_default"] = len(rt.recorded)
+    rt = TimedRuntime()  # 4 ms on NVLink and 1 ms of latency, twice in one group
+    backend = VirtualBackend(torch.device("cpu"), _WithLatency(), runtime=rt, delay=rt, record_streams=False)
+    for _ in range(2):
+        backend.all_gather(torch.empty(8), torch.empty(1), groups.wp_group).wait(1.0)
+    got["latency"], got["latency_priorities"] = rt.compute.t, sorted(s.priority for s in rt.streams)
     return got
+
+
+class _WithLatency:
+    """Every collective: 4 ms on NVLink, then 1 ms of latency."""
+
+    def demand(self, op: str, ranks: tuple[int, ...], nbytes: int) -> Demand:
+        return Demand(1e-3, ((INTRA, 4e-3),))
+
+    def describe(self) -> str:
+        return "4 ms on NVLink and 1 ms of latency"
 
 
 @pytest.mark.timeout(120)
@@ -398,7 +413,11 @@ def test_the_cuda_path_gives_the_same_order_on_streams() -> None:
     assert got["nvlink_and_ib_recorded"] == [] and got["recorded_by_default"] == 2  # its input and output
     # two groups' streams at the default priority, the two tiers' ahead of them: a spin
     # must not queue behind the blocks of the kernel that fills the GPU when it starts
-    assert got["nvlink_and_ib_priorities"] == [TIER_PRIORITY, TIER_PRIORITY, 0, 0]
+    assert got["nvlink_and_ib_priorities"] == [SPIN_PRIORITY, SPIN_PRIORITY, 0, 0]
+    # the latency holds the group (the second starts after the first's 5 ms) and spins on
+    # a high-priority stream of the group's own, as the tiers do
+    assert got["latency"] == pytest.approx(10 * ms, abs=1e-9)
+    assert got["latency_priorities"] == [SPIN_PRIORITY, SPIN_PRIORITY, 0]
 
 
 # ---- the step model's schedule of the replicas' collectives, by hand ------------------------------

@@ -40,15 +40,18 @@ each collective starts:
 - one stream per tier, shared by every group: it waits for the start event and
   spins (``torch.cuda._sleep``, calibrated against CUDA events at set-up) for the
   collective's seconds on that tier, so that a tier serves its parts in issue order.
-  The tier streams are high-priority (:data:`TIER_PRIORITY`): a spin is one block,
+  The streams that spin are high-priority (:data:`SPIN_PRIORITY`): a spin is one block,
   and at default priority it queued behind the blocks of whatever kernel filled the
   GPU when its start event fired (a copy, a matrix product), so a collective
   started late by that kernel's length. On an H100 (6909a49, default priority),
   4 ms on NVLink and 4 ms on InfiniBand issued together took 5.85 ms, behind the
   2 GB copy of the first; at high priority the block scheduler places the spin's
-  block ahead of the waiting ones, as FSDP2's own collective streams are;
-- the group's stream then waits for each tier's end, spins the latency, and records
-  the event the caller's stream waits on.
+  block ahead of the waiting ones. Priorities order pending blocks and preempt no
+  running one: a kernel whose blocks hold every SM until it ends (a persistent
+  one) can still hold a spin back. FSDP2's own streams are at -1, the spins above;
+- the group's stream then waits for each tier's end, has the group's latency spun
+  (on a stream of the group's own, at the tiers' priority), and records the event
+  the caller's stream waits on.
 
 The output is written on the group's stream while the tiers spin, as NCCL's kernels
 copy while the bytes cross the link: a collective takes the longer of its copy and
@@ -82,9 +85,11 @@ from isp_comm.errors import ISPCommTimeout
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BUS = "bus"
 """The one tier of a :class:`FlatLink`."""
-TIER_PRIORITY = -1
-"""The tier streams' CUDA priority (lower is higher; 0 the default): see [Note: the
-virtual backend on CUDA]."""
+SPIN_PRIORITY = -64
+"""The CUDA priority of the streams that spin (the tiers', each group's latency):
+lower is higher, 0 the default, and torch maps a value past its range to the highest
+priority it has, ahead of FSDP2's own streams (-1). See [Note: the virtual backend on
+CUDA]."""
 
 
 class LinkModel(Protocol):
@@ -340,25 +345,28 @@ class VirtualBackend(Backend):
         backend on CUDA])."""
         lanes, rt, delay = self._lanes, self._lanes.runtime, self._delay
 
+        def spin_after(group_name: str, lane: str, after, seconds: float):
+            """``seconds`` spun on the lane's high-priority stream once ``after`` fired; the end."""
+            spin_stream = lanes.stream(group_name, lane, self.device, SPIN_PRIORITY)
+            spin_stream.wait_event(after)
+            with rt.use(spin_stream):
+                if delay is not None:
+                    delay.spin(seconds)
+                end = rt.event()
+                end.record(spin_stream)
+            return end
+
         def body(stream) -> None:
             start = rt.event()
             start.record(stream)
             write()
-            ends = []
-            for tier, seconds in demand.tiers:
-                if seconds <= 0:
-                    continue
-                tier_stream = lanes.stream("virtual tiers", tier, self.device, TIER_PRIORITY)
-                tier_stream.wait_event(start)
-                with rt.use(tier_stream):
-                    if delay is not None:
-                        delay.spin(seconds)
-                    ends.append(rt.event())
-                    ends[-1].record(tier_stream)
+            ends = [spin_after("virtual tiers", tier, start, s) for tier, s in demand.tiers if s > 0]
             for end in ends:
                 stream.wait_event(end)
-            if delay is not None:
-                delay.spin(demand.latency_s)
+            if demand.latency_s > 0:  # the group's, after its last part (its own stream: a spin queues on none)
+                parts_done = rt.event()
+                parts_done.record(stream)
+                stream.wait_event(spin_after(group.group_name, "virtual latency", parts_done, demand.latency_s))
 
         kept = tensors if self.record_streams else ()
         return lanes.run(group.group_name, "virtual", self.device, kept, body, what, group)
