@@ -37,13 +37,20 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], alig
 def save_results(name: str, args: object, rows: list) -> str:
     """Write ``{"args": ..., "machine": ..., "rows": ...}`` to ``OUT/NAME.json``
     (``args.out``, else bench/results/local); returns the path. ``machine``: cores,
-    torch and its CPU capability (the CPU kernels, and so some figures, depend on it)."""
+    torch and its CPU capability (the CPU kernels, and so some figures, depend on it);
+    with CUDA, the GPU, its memory, and torch's CUDA and NCCL versions."""
     import torch
 
     folder = getattr(args, "out", None) or LOCAL
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.json")
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    if torch.cuda.is_available():
+        import torch.distributed as dist
+
+        props = torch.cuda.get_device_properties(0)
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None
+        machine.update(gpu=props.name, gpu_mib=props.total_memory // 2**20, cuda=torch.version.cuda, nccl=nccl)
     args = vars(args) if hasattr(args, "__dict__") else args
     with open(path, "w") as f:
         json.dump({"args": {k: _portable(v) for k, v in args.items()}, "machine": machine, "rows": rows}, f, indent=1)

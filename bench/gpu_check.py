@@ -234,7 +234,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         ),
         Step(
             "virtual-8b-profile",
-            180,
+            240,
             _virtual(
                 out,
                 "virtual_8b_profile",

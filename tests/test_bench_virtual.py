@@ -277,3 +277,26 @@ def test_repeats_run_in_rounds(monkeypatch) -> None:
     assert calls == ["isp-comm", "fsdp2", "isp-comm", "fsdp2"]
     assert [r["step_s"] for r in result["systems"]["isp-comm"]["runs"]] == [1.0, 3.0]
     assert result["systems"]["fsdp2"]["step_s"] == {"median": 3.0, "min": 2.0, "max": 4.0, "runs": 2}
+
+
+def test_results_name_the_gpu_they_ran_on(tmp_path, monkeypatch) -> None:
+    """bench/common.save_results: with CUDA, the machine record names the GPU, its
+    memory and torch's CUDA and NCCL (an H100 run's folder lacked them)."""
+    import argparse
+    import types
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, ROOT)
+    from bench.common import save_results
+
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=81559 * 2**20)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with open(save_results("x", argparse.Namespace(out=str(tmp_path)), [])) as f:
+        machine = json.load(f)["machine"]
+    assert machine["gpu"] == "NVIDIA H100 80GB HBM3" and machine["gpu_mib"] == 81559, machine
+    assert machine["cuda"] == "13.0" and machine["nccl"] == "2.28.9", machine
