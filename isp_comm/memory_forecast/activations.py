@@ -166,12 +166,16 @@ def _as_is(gm: torch.fx.GraphModule, _example_inputs: object) -> torch.fx.GraphM
     return gm
 
 
-def compiled_forward(block: nn.Module, inside: list[bool]) -> Callable[..., object]:
+def compiled_forward(
+    block: nn.Module, inside: list[bool], compiler: Callable[..., Callable[..., object]] = _as_is
+) -> Callable[..., object]:
     """``block``'s forward as a compiled block runs it, for the trace ([Note: what a
     compiled block saves]): each call traces AOTAutograd's joint graph at the call's
     shapes, splits it with inductor's partitioner and runs the forward part (nothing
     is compiled to code). While it traces, ``inside[0]`` is set and the returned
-    function calls the original forward (the tracer calls the block again)."""
+    function calls the original forward (the tracer calls the block again).
+    ``compiler``: what AOTAutograd makes of the forward and backward graphs (the
+    planner's step logs their runs); by default they run as they are."""
     import torch.utils._pytree as pytree
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -203,7 +207,7 @@ def compiled_forward(block: nn.Module, inside: list[bool]) -> Callable[..., obje
                 inside[0], torch.compiler._is_compiling_flag = False, compiling
 
         run = aot_function(
-            call, fw_compiler=_as_is, bw_compiler=_as_is, partition_fn=partition,
+            call, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
             decompositions=select_decomp_table(), num_params_buffers=len(state),
         )  # fmt: skip
         return run(state, *(leaves[i] for i in where))

@@ -24,9 +24,11 @@ from isp_comm.memory_forecast.activations import (
     _default_forward,
     _no_value_reads,
     _twins,
+    compiled_forward,
     meta_copy,
     meta_kernels,
 )
+from isp_comm.planner.fusion import StorageLog
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
 ATTENTION_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"}
@@ -123,13 +125,42 @@ def _attention(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bac
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, n_blocks: int) -> None:
+    """Each operator, into the piece running. With ``log`` (compiled blocks) every
+    operator's storages are also logged, and the element-wise operators of a compiled
+    graph's run are left to :meth:`fuse` ([Note: fused regions]); while AOTAutograd
+    traces a block (``tracing``), nothing runs and nothing is recorded."""
+
+    def __init__(self, n_blocks: int, log: StorageLog | None = None) -> None:
         super().__init__()
         self.current = [-1]
         self.backward = [False]
         self.fwd = [Ops() for _ in range(n_blocks)]
         self.bwd = [Ops() for _ in range(n_blocks)]
         self.outer_fwd, self.outer_bwd = Ops(), Ops()
+        self.log, self.tracing = log, 0
+        self.inside = [False]  # a compiled block's tracer is calling it again: not a block's call
+        self.outputs: dict[int, object] = {}  # each block's first forward output
+
+    def enter(self, i: int, back: bool) -> Callable[..., None]:
+        """A hook: block ``i``'s forward (or, ``back``, its backward) begins."""
+
+        def hook(*_a: object, **_k: object) -> None:
+            if not (self.inside[0] or self.tracing):  # AOTAutograd's joint trace runs the hooks too
+                self.current[0], self.backward[0] = i, back
+
+        return hook
+
+    def leave(self, i: int, back: bool) -> Callable[..., None]:
+        """A hook: block ``i``'s forward (or backward) ends; its first output is kept."""
+
+        def hook(_m: nn.Module, _a: object, out: object) -> None:
+            if self.inside[0] or self.tracing:
+                return
+            self.current[0], self.backward[0] = -1, back
+            if not back:
+                self.outputs.setdefault(i, out)
+
+        return hook
 
     def _ops(self) -> Ops:
         i, back = self.current[0], self.backward[0]
@@ -140,8 +171,17 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.tracing:
+            return out
         name = func.overloadpacket.__name__
         ops = self._ops()
+        if self.log is not None and name not in FREE:
+            cut = name in GEMMS or name == "_grouped_mm" or name in ATTENTION_FWD or name in ATTENTION_BWD
+            self.log.record([args, kwargs], out, cut)
+            if self.log.running is not None and not cut:
+                return out  # fused: costed by its region (fuse), launched by it
+        if self.log is not None and self.log.running is not None and name in FREE:
+            return out  # a view inside generated code: no dispatch
         ops.dispatches += 1
         if name in GEMMS:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
@@ -161,6 +201,44 @@ class _Recorder(TorchDispatchMode):
             ops.moved.append(float(_nbytes(list(args)) + _nbytes(out)))
         return out
 
+    def compiler(self, gm: Callable[..., object], _example_inputs: object) -> Callable[..., object]:
+        """AOTAutograd's compiler for a block's forward and backward graphs: the graph
+        run as it is, its run logged as one compiled graph of the piece running."""
+
+        def run(args: list) -> object:  # boxed: AOTAutograd passes the list of inputs
+            paused, self.tracing = self.tracing, 0
+            self.log.begin(self._ops())
+            try:
+                out = gm(*args)
+            finally:
+                self.tracing = paused
+            self.log.end(out)
+            return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def fuse(self) -> None:
+        """Each compiled graph run's fused regions into its piece: one kernel each, of
+        its external bytes, and one host dispatch for the graph itself."""
+        for ops, regions in self.log.regions():
+            ops.moved.extend(regions)
+            ops.dispatches += len(regions) + 1
+
+
+def _traced_quietly(forward: Callable[..., object], rec: _Recorder) -> Callable[..., object]:
+    """``forward`` (a compiled block's) with the recorder deaf while AOTAutograd traces
+    it: only its graphs' runs are operators of the step (:meth:`_Recorder.compiler`)."""
+
+    def quiet(*args: object, **kwargs: object) -> object:
+        rec.tracing += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            rec.tracing -= 1
+
+    return quiet
+
 
 def trace_ops(
     model: nn.Module,
@@ -170,31 +248,20 @@ def trace_ops(
     param_dtype: torch.dtype | None,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     copies: dict | None = None,
+    compiled: bool = False,
 ) -> StepOps:
     """The operators of one micro-step of a rank (``batch`` sequences of ``seq``
     tokens), forward and backward, with the loss (fp32 cross-entropy of the logits).
     ``copies``: where the meta copy of the model is kept between calls (see
-    :func:`~isp_comm.memory_forecast.activations.meta_copy`)."""
+    :func:`~isp_comm.memory_forecast.activations.meta_copy`); ``compiled``: the blocks
+    run as ``torch.compile`` runs them (isp-train ``--compile``: the blocks alone),
+    their graphs' element-wise operators fused ([Note: fused regions])."""
     clone, blocks = meta_copy(model, block_list, param_dtype, copies)
     n = len(blocks)
-    rec = _Recorder(n)
+    rec = _Recorder(n, StorageLog() if compiled else None)
     twin_of = _twins(blocks)
-    outputs: dict[int, object] = {}
-    handles = []
-
-    def enter(i: int, back: bool):
-        def hook(*_a, **_k):
-            rec.current[0], rec.backward[0] = i, back
-
-        return hook
-
-    def leave(i: int, back: bool):
-        def hook(_m, _a, out):
-            rec.current[0], rec.backward[0] = -1, back
-            if not back:
-                outputs.setdefault(i, out)
-
-        return hook
+    outputs, inside, handles = rec.outputs, rec.inside, []
+    enter, leave = rec.enter, rec.leave
 
     def same_as(i: int):
         def fwd(*args, **kwargs):
@@ -204,6 +271,7 @@ def trace_ops(
 
         return fwd
 
+    own = [b.__dict__.get("forward") for b in blocks]  # a forward set on the instance (accelerate's hooks)
     for i, b in enumerate(blocks):
         if i in twin_of:
             b.forward = same_as(i)
@@ -211,7 +279,9 @@ def trace_ops(
         handles.append(b.register_forward_pre_hook(enter(i, False), with_kwargs=True))
         handles.append(b.register_forward_hook(leave(i, False)))
         handles.append(b.register_full_backward_pre_hook(enter(i, True)))
-        handles.append(b.register_full_backward_hook(lambda _m, _gi, _go: rec.current.__setitem__(0, -1)))
+        handles.append(b.register_full_backward_hook(leave(i, True)))
+        if compiled:
+            b.forward = _traced_quietly(compiled_forward(b, inside, rec.compiler), rec)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
         with meta_kernels(), _no_value_reads():
@@ -223,10 +293,15 @@ def trace_ops(
     finally:
         for h in handles:
             h.remove()
-        for i in twin_of:
-            del blocks[i].forward
+        for b, own_forward in zip(blocks, own):  # the copy is traced again (``copies``)
+            if own_forward is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = own_forward
         for p in clone.parameters():
             p.grad = None
+    if compiled:
+        rec.fuse()
     for i, j in twin_of.items():
         rec.fwd[i], rec.bwd[i] = rec.fwd[j], rec.bwd[j]
     return StepOps(rec.fwd, rec.bwd, rec.outer_fwd, rec.outer_bwd)

@@ -248,14 +248,16 @@ def _costs(
     sizes: tuple[int, int, int, int, int],
     memo: dict,
     world_sharded: bool,
+    compiled: bool = False,
 ) -> _Costs:
     """The pieces' costs (``sizes``: world, wp, sp, sequences and tokens per rank);
-    ``world_sharded``: ``state_sharding="world"``."""
+    ``world_sharded``: ``state_sharding="world"``; ``compiled``: the blocks compiled
+    ([Note: fused regions] in ``isp_comm/planner/fusion.py``)."""
     world, wp, sp, batch, seq = sizes
     blocks = memo["blocks"]
-    tkey = ("ops", batch, seq, config.param_dtype)
+    tkey = ("ops", batch, seq, config.param_dtype, compiled)
     if tkey not in memo:
-        memo[tkey] = trace_ops(model, blocks, batch, seq, config.param_dtype, copies=memo)
+        memo[tkey] = trace_ops(model, blocks, batch, seq, config.param_dtype, copies=memo, compiled=compiled)
     traced: StepOps = memo[tkey]
     skey = ("sizes", wp, config.shard_outer_params, config.vocab_parallel, config.param_dtype, config.reduce_dtype)
     if skey not in memo:
@@ -586,6 +588,7 @@ def step_time(
     memo: dict | None = None,
     state_sharding: str | None = None,
     deferred_replica_sync: bool = False,
+    compiled: bool = False,
 ) -> StepTime:
     """The predicted step (see the module note). ``batch``: sequences per micro-step over
     the whole job (each rank gets ``batch / (world / sp)`` of ``seq / sp`` tokens, as
@@ -593,7 +596,10 @@ def step_time(
     the same model (traces and layouts); ``state_sharding``: one of
     :data:`STATE_SHARDINGS` (default: the config's, else ``"wp"``);
     ``deferred_replica_sync``: the micro-steps but the last defer their replica
-    reductions (``ISPCommunicator.set_requires_replica_sync``)."""
+    reductions (``ISPCommunicator.set_requires_replica_sync``); ``compiled``: every
+    block compiled, as ``isp-train --compile`` runs them (the outside stays eager): their
+    element-wise operators fused into kernels ([Note: fused regions] in
+    ``isp_comm/planner/fusion.py``)."""
     config = config or ISPConfig()
     memo = {} if memo is None else memo
     sharding = state_sharding or getattr(config, "state_sharding", "wp")
@@ -608,7 +614,7 @@ def step_time(
         memo["blocks"] = list(find_blocks(model))
     if "n_params" not in memo:
         memo["n_params"] = sum(1 for p in model.parameters() if p.requires_grad)
-    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo, world_sharded)
+    c = _costs(model, config, prof, (world, wp, sp, batch // dp, seq // sp), memo, world_sharded, compiled)
     clock = _Clock(prof.overlap)
     exposed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "host": 0.0}
