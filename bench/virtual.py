@@ -468,8 +468,9 @@ def measure_breakdown(
 
 def predict(run: Run, device: torch.device | None = None, compiled: bool = False) -> dict:
     """The planner's step and memory for the same layout, on the same links, on the
-    device the run is on; ``compiled``: the memory of compiled blocks (the step is
-    the eager one: the step model does not know what inductor fuses)."""
+    device the run is on; ``compiled``: every block compiled, its memory (what
+    inductor keeps) and its step (what inductor fuses: [Note: fused regions] in
+    ``isp_comm/planner/fusion.py``)."""
     from isp_comm.memory_forecast import forecast
     from isp_comm.planner.memory import device_memory
     from isp_comm.planner.step import step_time
@@ -479,7 +480,7 @@ def predict(run: Run, device: torch.device | None = None, compiled: bool = False
     model = _meta_model(cfg)
     icfg = _isp_config(cfg, lay)
     shape = {"world": lay.world, "wp": lay.wp, "sp": lay.sp, "batch": lay.batch, "seq": cfg.seq}
-    st = step_time(model, icfg, prof, **shape, grad_accum=lay.grad_accum)
+    st = step_time(model, icfg, prof, **shape, grad_accum=lay.grad_accum, compiled=compiled)
     out = {"step_s": st.step_s, "comm_s": sum(st.comm_s.values()), "exposed_comm_s": sum(st.exposed_comm.values())}
     out["target"] = prof.name
     if prof.device == "cuda":
@@ -770,7 +771,10 @@ def notes(result: dict) -> str:
     else:
         lines.append(f"- planner: predicted from {target}'s published figures, nothing of it measured")
     if "planner compiled" in result["systems"]:
-        lines.append("- planner compiled: the memory of compiled blocks (what inductor keeps); the eager step")
+        lines.append(
+            "- planner compiled: compiled blocks, their memory (what inductor keeps) and their step (what inductor "
+            "fuses: each chain of element-wise operators one kernel of its external bytes)"
+        )
     if any(s.get("exposed_comm_derived") for s in result["systems"].values()):
         lines.append("- FSDP2's exposed comm: its step less the compute-only step (derived: its waits are not timed)")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ never above the eager one, the outside left eager, and the eager step unmoved.""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -220,3 +221,31 @@ def test_the_eager_llama3_8b_step_on_h100_did_not_move() -> None:
     prof = profiles.from_target(parse_target("h100x8"))
     st = step_time(_meta(build, cfg), icfg, prof, world=8, wp=8, sp=1, batch=8, seq=8192)
     assert st.step_s == 0.9936894399433073
+
+
+def _planned(*flags: str) -> tuple[str, float]:
+    """``isp-train --plan`` on h100x8 with ``flags``: its step line and ``step_s``."""
+    from tests.test_planner import _plan
+
+    res = _plan("--target", "h100x8", "--layers", "2", "--hidden", "256", "--heads", "4", "--batch", "8", *flags)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    return next(line for line in lines if line.startswith("predicted step")), json.loads(lines[-1])["step_s"]
+
+
+@pytest.mark.timeout(200)
+def test_plan_with_compile_prints_the_compiled_step() -> None:
+    eager_line, eager = _planned()
+    compiled_line, compiled = _planned("--compile")
+    assert eager_line.startswith("predicted step: ") and compiled_line.startswith("predicted step (compiled blocks): ")
+    assert compiled < eager
+
+
+def test_bench_virtual_predicts_the_compiled_step() -> None:
+    """bench/virtual.py's planner rows: "planner compiled" is the compiled step, not the eager one."""
+    from bench import virtual
+
+    cfg = virtual.QUICK["tiny-n4"]
+    run = virtual.Run(cfg, virtual.fixed_layout(cfg))
+    eager, compiled = virtual.predict(run), virtual.predict(run, compiled=True)
+    assert compiled["step_s"] < eager["step_s"] and compiled["target"] == eager["target"]

@@ -126,7 +126,7 @@ class _Planner:
         return step_time(
             self.model, isp_config(c, self.bf16), self.prof, world=self.world, wp=c.wp or self.world, sp=c.sp,
             batch=c.batch, seq=c.seq, grad_accum=c.grad_accum, memo=self.memo,
-            deferred_replica_sync=c.replica_sync == "step",
+            deferred_replica_sync=c.replica_sync == "step", compiled=c.compile,
         )  # fmt: skip
 
 
@@ -154,7 +154,8 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
     )
     ph, ex = st.phases, st.exposed_comm
     print(
-        f"predicted step: {st.step_s:.4g} s, {st.tokens_per_s:,.0f} tokens/s"
+        f"predicted step{' (compiled blocks)' if cfg.compile else ''}: {st.step_s:.4g} s, "
+        f"{st.tokens_per_s:,.0f} tokens/s"
         + (f", MFU {st.mfu_pct:.1f}%" if st.mfu_pct else "")
         + f"; forward {ph['forward']:.4g} s, backward {ph['backward']:.4g} s (recompute included), optimizer "
         f"{ph['optimizer']:.4g} s, loop {ph['host']:.4g} s; exposed communication: forward {ex['forward']:.3g} s, "
