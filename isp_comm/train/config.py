@@ -128,7 +128,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile every transformer block (the torchtitan recipe); the first step's
     time, compilation included, is reported apart. The memory forecast (and
-    ``--plan``) then counts what a compiled block keeps for backward."""
+    ``--plan``) then counts what a compiled block keeps for backward, and ``--plan``
+    (``--search`` too) times its fused kernels ([Note: fused regions])."""
     peak_tflops: float = 0.0
     """The device's peak bf16 TFLOP/s for MFU (0: from a table of known GPUs; MFU is
     left out for an unknown one and on cpu)."""
