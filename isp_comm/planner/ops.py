@@ -33,6 +33,8 @@ from isp_comm.planner.fusion import StorageLog
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
 ATTENTION_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"}
 ATTENTION_BWD = {"_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"}
+CUTS = GEMMS | ATTENTION_FWD | ATTENTION_BWD | {"_grouped_mm"}
+"""What inductor calls a library for and fuses nothing into (the regions' cuts)."""
 FREE = {  # views and metadata: a dispatch, no bytes moved
     "view",
     "_unsafe_view",
@@ -175,13 +177,15 @@ class _Recorder(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         ops = self._ops()
-        if self.log is not None and name not in FREE:
-            cut = name in GEMMS or name == "_grouped_mm" or name in ATTENTION_FWD or name in ATTENTION_BWD
-            self.log.record([args, kwargs], out, cut)
-            if self.log.running is not None and not cut:
-                return out  # fused: costed by its region (fuse), launched by it
-        if self.log is not None and self.log.running is not None and name in FREE:
-            return out  # a view inside generated code: no dispatch
+        if self.log is not None:
+            in_graph = self.log.running is not None
+            if name in FREE:
+                if in_graph:
+                    return out  # a view inside generated code: no dispatch
+            else:
+                self.log.record([args, kwargs], out, name in CUTS)
+                if in_graph and name not in CUTS:
+                    return out  # fused: costed and launched by its region (fuse)
         ops.dispatches += 1
         if name in GEMMS:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
