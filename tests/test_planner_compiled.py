@@ -82,7 +82,7 @@ def test_a_region_reads_once_and_writes_what_leaves_it() -> None:
     """The log's rules alone: a chain read from one input writes only its end; a
     value read by a product is written; a fill costs nothing; a broadcast weight is
     read at its own size; a sum of a product and a value that product read is a kernel
-    of its own (as the residual across an MLP)."""
+    of its own (as the residual across an MLP); an input written in place is written."""
     log = StorageLog()
     x, w = torch.empty(8, 16, device="meta"), torch.empty(16, device="meta")
     log.begin("piece")
@@ -100,9 +100,12 @@ def test_a_region_reads_once_and_writes_what_leaves_it() -> None:
     log.record([p, a], d, cut=False)
     log.end((c, d))
     log.record([a], a.sum(), cut=False)  # the backward reads a: it was written
-    ((owner, regions),) = log.regions()
+    log.begin("in place")
+    log.record([x, 2.0], x.mul_(2.0), cut=False)  # the graph's input, written in place: written back
+    log.end(())
+    (owner, regions), (_, in_place) = log.regions()
     assert owner == "piece" and addressed_bytes(w.expand(8, 16)) == 64
-    assert regions == [512 + 64 + 512 + 512, 512 * 3]
+    assert regions == [512 + 64 + 512 + 512, 512 * 3] and in_place == [512 + 512]
 
 
 def _llama(layers: int = 2) -> nn.Module:

@@ -17,9 +17,10 @@ into regions, each costed as one kernel of its external bytes:
   them: one kernel cannot both feed a product and wait for it. So a residual sum
   kept across the MLP is written out (the sum after the down projection cannot be in
   its kernel), and a weight's cast joins the norm that reads it (nothing lies between);
-* a region reads each storage it does not write once (the bytes a view addresses,
-  at most the storage's), and writes each storage it makes that is read outside it,
-  returned by the graph, or that lives outside the graph (written in place).
+* a region reads once each storage it did not make (the bytes the views it reads
+  address, at most the storage's; an input it writes in place is read too), and
+  writes each storage that is read outside it, returned by the graph, or that it did
+  not make (written in place).
 
 Program order is not the cut: in SwiGLU the up projection runs between the gate's
 SiLU and the product of the two, yet nothing flows from SiLU into that projection, so
@@ -64,6 +65,8 @@ def _bits(mask: int) -> list[int]:
 def _tensors(x: object) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
+    if isinstance(x, dict):
+        return _tensors(list(x.values()))
     if isinstance(x, (list, tuple)):
         return [t for y in x for t in _tensors(y)]
     return []
@@ -101,7 +104,7 @@ class StorageLog:
         self.readers: dict[int, set[int]] = {}  # storage -> events reading it
         self.storage_bytes: dict[int, int] = {}
         self.born: dict[int, int] = {}  # storage -> the first event that touched it
-        self.alive: list[torch.UntypedStorage] = []
+        self.alive: dict[int, torch.UntypedStorage] = {}
         self.running: _Graph | None = None
 
     def record(self, args: object, out: object, cut: bool) -> None:
@@ -112,17 +115,20 @@ class StorageLog:
             reads[(key, t.storage_offset(), tuple(t.shape), tuple(t.stride()))] = addressed_bytes(t)
             self.readers.setdefault(key, set()).add(index)
             self.born.setdefault(key, index)
-            self.storage_bytes.setdefault(key, t.untyped_storage().nbytes())
-            self.alive.append(t.untyped_storage())
+            self._keep(key, t)
         for t in _tensors(out):
             key = storage_of(t)
             writes[key] = writes.get(key, 0) + addressed_bytes(t)
             self.born.setdefault(key, index)
-            self.storage_bytes.setdefault(key, t.untyped_storage().nbytes())
-            self.alive.append(t.untyped_storage())
+            self._keep(key, t)
         self.events.append(_Event(reads, writes, cut))
         if self.running is not None:
             self.running.events.append(index)
+
+    def _keep(self, key: int, t: torch.Tensor) -> None:
+        if key not in self.alive:
+            self.alive[key] = t.untyped_storage()
+            self.storage_bytes[key] = self.alive[key].nbytes()
 
     def begin(self, owner: object) -> None:
         """A compiled graph starts running, charged to ``owner``."""
@@ -133,7 +139,8 @@ class StorageLog:
         """The running graph returned ``outputs``."""
         assert self.running is not None
         self.running.outputs = {storage_of(t) for t in _tensors(outputs)}
-        self.alive.extend(t.untyped_storage() for t in _tensors(outputs))
+        for t in _tensors(outputs):
+            self._keep(storage_of(t), t)
         self.running = None
 
     def regions(self) -> list[tuple[object, list[float]]]:
@@ -165,9 +172,8 @@ class StorageLog:
             regions.append(mine)
             for pos_ in _bits(mine[0]):
                 region_of[pos_] = len(regions) - 1
-        made_by = {k: g.events[p] for k, p in made.items()}
         kept = sorted((r[2] for r in regions if r is not None), key=min)
-        return [float(self._external(set(m), made_by, g)) for m in kept]
+        return [float(self._external(set(m), g)) for m in kept]
 
     @staticmethod
     def _fusable(a: list, b: list, above: list[int], cuts: int) -> bool:
@@ -176,22 +182,27 @@ class StorageLog:
         members, depends = a[0] | b[0], a[1] | b[1]
         return not any(above[c] & members for c in _bits(depends & cuts))
 
-    def _fresh(self, key: int, made: dict[int, int]) -> bool:
-        """Whether the graph made ``key``: its first operator in the whole trace is the
-        graph's, and writes it without reading it (not an input written in place)."""
+    def _maker(self, key: int) -> int | None:
+        """The operator that made storage ``key``: its first in the whole trace, when
+        that one writes it without reading it (else it came from outside the trace's
+        operators, or the first saw it as an input written in place)."""
         first = self.born[key]
-        return made.get(key) == first and all(view[0] != key for view in self.events[first].reads)
+        made = key in self.events[first].writes and all(view[0] != key for view in self.events[first].reads)
+        return first if made else None
 
-    def _external(self, region: set[int], made: dict[int, int], g: _Graph) -> int:
-        """Bytes a region reads from memory and writes to it."""
+    def _external(self, region: set[int], g: _Graph) -> int:
+        """Bytes a region reads from memory and writes to it: what it reads of storages
+        it did not make, and what it writes that leaves it (read by another operator,
+        returned by the graph, or a storage it did not make, written in place)."""
         written = {k for e in region for k in self.events[e].writes}
-        views = {view: n for e in region for view, n in self.events[e].reads.items() if view[0] not in written}
+        own = {k for k in written if self._maker(k) in region}
+        views = {view: n for e in region for view, n in self.events[e].reads.items() if view[0] not in own}
         reads: dict[int, int] = {}
         for (k, *_), nbytes in views.items():
             reads[k] = reads.get(k, 0) + nbytes
         total = sum(min(n, self.storage_bytes[k]) for k, n in reads.items())
         for k in written:
             used = any(r not in region for r in self.readers.get(k, ()))
-            if used or k in g.outputs or not self._fresh(k, made):
+            if used or k in g.outputs or k not in own:
                 total += min(self.storage_bytes[k], max(self.events[e].writes.get(k, 0) for e in region))
         return total
