@@ -311,8 +311,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "one stream for every tier (CUDA)": (
         "isp_comm/backends/virtual.py",
-        'lanes.stream("virtual tiers", tier, self.device)',
-        'lanes.stream("virtual tiers", "one", self.device)',
+        'spin_after("virtual tiers", tier, start, s)',
+        'spin_after("virtual tiers", "one", start, s)',
         ["tests/test_virtual_tiers.py::test_the_cuda_path_gives_the_same_order_on_streams"],
     ),
     "compiled blocks traced as eager ones": (
@@ -499,6 +499,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            if create:\n                Segment.unlink(name)\n            raise SharedMemoryError(_cannot(",
         "            raise SharedMemoryError(_cannot(",
         ["tests/test_backends.py::test_a_segment_that_cannot_be_mapped_is_a_shared_memory_error_and_leaves_nothing"],
+    ),
+    "virtual spins at the default priority": (
+        "isp_comm/backends/virtual.py",
+        "SPIN_PRIORITY = -64\n",
+        "SPIN_PRIORITY = 0\n",
+        ["tests/test_virtual_tiers.py::test_the_cuda_path_gives_the_same_order_on_streams"],
+    ),
+    "compiled regions fused across a matrix product": (
+        "isp_comm/planner/fusion.py",
+        "        return not any(above[c] & members for c in _bits(depends & cuts))",
+        "        return True",
+        ["tests/test_planner_compiled.py::test_a_region_reads_once_and_writes_what_leaves_it"],
     ),
 }
 
