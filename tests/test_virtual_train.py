@@ -134,9 +134,11 @@ def test_virtual_memory_against_real_runs_and_across_worlds(tmp_path) -> None:
     model's gloo run peaked 953 MiB against the virtual run's 719, +33%); the torch
     backend runs them as broadcasts and reduces on CPU (see [Note: gloo's gather and
     reduce-scatter on CPU]): 766 MiB (757-780, 3 runs; symm 760, virtual 719-729).
-    (2) Virtual N=8 lower than N=2 by the sharded state's share, 16 bytes x the block
-    parameters x (1/2 - 1/8) = 151 MB, within 25% (RSS keeps what the allocator does
-    not return; runs differ by a few MiB)."""
+    (2) Virtual N=8 lower than N=2 by what is sharded over the N: the state, 16 bytes x
+    the block parameters, and the two reduce-scatter outputs kept on CPU, 4 bytes x the
+    largest block each, x (1/2 - 1/8) = 162 MiB, within 25% (RSS keeps what the
+    allocator does not return: 158-166 MiB in four runs alone, 182 in a CI run beside
+    other tests; counting the state alone, 144 MiB, left that run 1.9 MiB outside)."""
     common = [*BIG, "--steps", "3"]
     real = {}
     for backend in ("symm", "torch"):
@@ -152,7 +154,7 @@ def test_virtual_memory_against_real_runs_and_across_worlds(tmp_path) -> None:
         v[n] = peak_mib(out)
     for backend in ("torch", "symm"):
         assert abs(v[2] - real[backend]) <= 0.12 * real[backend], (backend, v, real)
-    share = 16 * BIG_BLOCK_PARAMS * (1 / 2 - 1 / 8) / 2**20
+    share = (16 * BIG_BLOCK_PARAMS + 2 * 4 * BIG_BLOCK_PARAMS // 4) * (1 / 2 - 1 / 8) / 2**20
     assert abs((v[2] - v[8]) - share) <= 0.25 * share, (v, share)
 
 
