@@ -48,12 +48,17 @@ def _span(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
 
 
+def _predicted(profile: str, flags: list[str]) -> dict[str, float]:
+    """``isp-train --plan``'s step for ``flags`` on ``profile``, eager and compiled."""
+    return {m: predict(profile, 1, [*flags, *extra])[0]["step_s"] for m, extra in MODES.items()}
+
+
 def run(profile: str, repeats: int, steps: int) -> list[dict]:
     """Every point's predictions, then ``repeats`` rounds of its runs, eager and compiled."""
     rows = []
     for name, flags in GRID:
         row = {"point": name, "flags": flags, "measured": {m: [] for m in MODES}}
-        row["predicted"] = {m: predict(profile, 1, [*flags, *extra])[0]["step_s"] for m, extra in MODES.items()}
+        row["predicted"] = _predicted(profile, flags)
         rows.append(row)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
@@ -70,7 +75,7 @@ def rescore(profile: str, results: str) -> list[dict]:
     with open(results) as f:
         rows = json.load(f)["rows"]
     for row in rows:
-        row["predicted"] = {m: predict(profile, 1, [*row["flags"], *extra])[0]["step_s"] for m, extra in MODES.items()}
+        row["predicted"] = _predicted(profile, row["flags"])
     return rows
 
 

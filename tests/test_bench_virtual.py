@@ -155,26 +155,33 @@ def test_fsdp2_is_planned_with_its_own_loss() -> None:
     assert _with_fsdp2_loss(fc, {"forward": 10, "backward": 12}).phases["backward"] == fc.phases["backward"]
 
 
+def _recorded(monkeypatch):
+    """bench/virtual.py with its processes recorded, not run: the module, and the
+    (system, run) of each process in order; the n-th process's step takes n seconds."""
+    sys.path.insert(0, ROOT)
+    import bench.virtual as virtual
+
+    recorded = []
+
+    def record(fn, world, rank, run, system, steps, extras, timeout_s):
+        recorded.append((system, run))
+        return {"step_s": float(len(recorded)), "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
+
+    monkeypatch.setattr(virtual, "run_virtual", record)
+    monkeypatch.setattr(virtual, "predict", lambda run, device=None, compiled=False: {"step_s": 1.0, "target": "x"})
+    return virtual, recorded
+
+
 def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
     """``--systems isp-comm@fsdp2``: isp-comm built as itself (eager, or compiled with
     ``isp-comm compiled@fsdp2``) in FSDP2's fastest layout, so that the two compare in
     one layout; plain ``isp-comm`` keeps its own. Each process is recorded, not run."""
-    sys.path.insert(0, ROOT)
-    import bench.virtual as virtual
-
-    calls = []
-
-    def record(fn, world, rank, run, system, steps, breakdown, timeout_s):
-        calls.append((system, run.layout))
-        return {"step_s": 1.0, "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
-
-    monkeypatch.setattr(virtual, "run_virtual", record)
-    monkeypatch.setattr(virtual, "predict", lambda run, device=None, compiled=False: {"step_s": 1.0, "target": "x"})
+    virtual, recorded = _recorded(monkeypatch)
     systems = ("isp-comm", "isp-comm@fsdp2", "isp-comm compiled@fsdp2", "fsdp2")
     result = virtual.bench_config("tiny-n4", virtual.QUICK["tiny-n4"], 1, 1, 60.0, "best", "any", systems)
     own, fsdp = result["layout"], result["fsdp2_layout"]
     assert own != fsdp  # the tiny config's fastest isp-comm layout uses SP, FSDP2's cannot
-    built = {s: (b, lay) for s, (b, lay) in zip(systems, calls)}
+    built = {s: (b, lay) for s, (b, lay) in zip(systems, [(c[0], c[1].layout) for c in recorded])}
     assert built["isp-comm"][0] == "isp-comm" and built["isp-comm"][1].sp == own["sp"]
     for name, as_built in (("isp-comm@fsdp2", "isp-comm"), ("isp-comm compiled@fsdp2", "isp-comm compiled")):
         assert built[name][0] == as_built and built[name][1].sp == fsdp["sp"] == 1, built[name]
@@ -260,21 +267,11 @@ def test_a_profiled_step_is_summed_by_kind() -> None:
 def test_repeats_run_in_rounds(monkeypatch) -> None:
     """``--repeats 2`` of two systems: a, b, a, b (each system once a round), so that a
     drift of the machine's speed falls on both; each system's runs summarised apart."""
-    sys.path.insert(0, ROOT)
-    import bench.virtual as virtual
-
-    calls = []
-
-    def record(fn, world, rank, run, system, steps, extras, timeout_s):
-        calls.append(system)
-        return {"step_s": float(len(calls)), "comm_s": 0.1, "exposed_comm_s": 0.0, "all_gathers": 1}
-
-    monkeypatch.setattr(virtual, "run_virtual", record)
-    monkeypatch.setattr(virtual, "predict", lambda run, device=None, compiled=False: {"step_s": 1.0, "target": "x"})
+    virtual, recorded = _recorded(monkeypatch)
     result = virtual.bench_config(
         "tiny-n4", virtual.QUICK["tiny-n4"], 2, 1, 60.0, "fixed", "any", ("isp-comm", "fsdp2")
     )
-    assert calls == ["isp-comm", "fsdp2", "isp-comm", "fsdp2"]
+    assert [c[0] for c in recorded] == ["isp-comm", "fsdp2", "isp-comm", "fsdp2"]
     assert [r["step_s"] for r in result["systems"]["isp-comm"]["runs"]] == [1.0, 3.0]
     assert result["systems"]["fsdp2"]["step_s"] == {"median": 3.0, "min": 2.0, "max": 4.0, "runs": 2}
 
