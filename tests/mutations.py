@@ -294,6 +294,16 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_virtual_tiers.py::test_the_step_models_traffic_on_each_tier_by_hand",
         ],
     ),
+    "NICs charged the least a node needs, not NCCL's ring": (
+        "isp_comm/planner/links.py",
+        "        parts.append((INTER, twice * (n - 1) / (n * fewest) * nbytes, twice * (nodes - 1)))",
+        "        parts.append((INTER, twice * (n - fewest) / (n * fewest) * nbytes, twice * (nodes - 1)))",
+        [
+            "tests/test_virtual_tiers.py::test_a_collectives_time_from_published_figures",
+            "tests/test_virtual_tiers.py::test_groups_spread_unevenly_over_nodes_go_at_the_pace_of_their_thinnest_node",
+            "tests/test_virtual_tiers.py::test_the_step_models_traffic_on_each_tier_by_hand",
+        ],
+    ),
     "halved traffic on the virtual flat link": (
         "isp_comm/backends/virtual.py",
         "    share = (n - 1) / n * nbytes",

@@ -104,9 +104,11 @@ def test_a_collectives_time_from_published_figures() -> None:
     prof = h100(8)  # 8 nodes of 8 H100s
     nv_ag = 7 * LAT_NVLINK + 7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL)  # WP 8 inside a node: 20.4 ms
     ib_ag = 7 * LAT_IB + 7 / 8 * GIB8 / (IB * IB_NCCL)  # 8 replicas, one a node: 170.9 ms
-    # a WP group of 16 on 2 nodes: 7/8 of 8 GiB inside each node, and across the 2 nodes
-    # 1/2 of the 1/8 of the buffer each local rank carries; the longer part, both latencies
-    hier = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL), 1 / 2 * GIB8 / 8 / (IB * IB_NCCL))
+    # a WP group of 16 on 2 nodes, NCCL's ring over the 16 with a channel a NIC: 7/8 of 8
+    # GiB on each GPU's NVLink, and on each NIC 15/16 of the 1/8 of the buffer its
+    # channels carry (every chunk but one passes each link of a ring); the longer part,
+    # both latencies (7 steps inside a node, 1 across)
+    hier = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL), 15 / 16 * GIB8 / 8 / (IB * IB_NCCL))
     cases = [
         ("all_gather", tuple(range(8)), nv_ag),
         ("reduce_scatter", tuple(range(0, 64, 8)), ib_ag),
@@ -124,24 +126,24 @@ def test_a_collectives_time_from_published_figures() -> None:
     assert collective_time(prof, "torch", "all_gather", 16, GIB8) == pytest.approx(hier, rel=1e-9)
     d = collective_demand(prof, "torch", "all_gather", tuple(range(16)), GIB8)
     assert d.on(INTRA) == pytest.approx(7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL), rel=1e-9)
-    assert d.on(INTER) == pytest.approx(GIB8 / 16 / (IB * IB_NCCL), rel=1e-9)
+    assert d.on(INTER) == pytest.approx(15 / 128 * GIB8 / (IB * IB_NCCL), rel=1e-9)
 
 
 def test_groups_spread_unevenly_over_nodes_go_at_the_pace_of_their_thinnest_node() -> None:
     """A WP group of 12 on nodes of 8 holds 8 ranks on one node and 4 on the next: the
-    node of 4 receives the 8/12 of the buffer held elsewhere through its 4 NICs. And a
+    ring's crossings of the node of 4, 11/12 of the buffer, go through its 4 NICs. And a
     layout's groups differ: at WP 6, ranks 0-5 stay in node 0, ranks 6-11 span two."""
     from isp_comm.planner.links import slowest_group
 
     prof = h100(6)  # 6 nodes of 8 H100s, world 48
     nv = GIB8 / (NVLINK * NVLINK_NCCL)
     ib = GIB8 / (IB * IB_NCCL)
-    wp12 = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * nv, 8 / 12 / 4 * ib)  # the node of 4 sets the pace
+    wp12 = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * nv, 11 / 12 / 4 * ib)  # the node of 4 sets the pace
     assert ProfileLink(prof, "torch").seconds("all_gather", tuple(range(12)), GIB8) == pytest.approx(wp12, rel=1e-9)
     assert slowest_group(prof, "torch", "all_gather", 12, 48, False, GIB8).seconds == pytest.approx(wp12, rel=1e-9)
     # WP 6: group 0 inside node 0 (5/6 on NVLink); group 1 has 2 ranks on node 0 and
-    # 4 on node 1: the pair receives 4/6 of the buffer through 2 NICs
-    wp6 = 3 * LAT_NVLINK + 1 * LAT_IB + max(3 / 4 * nv, 4 / 6 / 2 * ib)
+    # 4 on node 1: the pair carries the ring's 5/6 of the buffer through 2 NICs
+    wp6 = 3 * LAT_NVLINK + 1 * LAT_IB + max(3 / 4 * nv, 5 / 6 / 2 * ib)
     assert slowest_group(prof, "torch", "all_gather", 6, 48, False, GIB8).seconds == pytest.approx(wp6, rel=1e-9)
     # the replicas of WP 6 (8 ranks strided by 6): ranks 0, 6, 12, ... lie 2 to a node
     # on some nodes, 1 on others; a node holding 1 receives 7/8 through its one NIC
@@ -182,9 +184,9 @@ def test_the_step_models_traffic_on_each_tier_by_hand() -> None:
     whole = (2 * 512 * 256 + 5 * 256) * 4
     wp_ag = 7 / 8 * block / NVLINK  # the WP group: ranks 0-7, one node
     rep = 1 / 2 * (block / 8) / IB  # the WP shard over the 2 replicas
-    # the world's all-reduce over 16 ranks on 2 nodes: 2 x 7/8 inside, 2 x 1/2 of 1/8 across
-    world_ar = max(2 * 7 / 8 * whole / NVLINK, 2 * 1 / 2 * whole / 8 / IB)
-    small = max(2 * 7 / 8 * 8 / NVLINK, 2 * 1 / 2 * 8 / 8 / IB)  # the loss and the flag: 8 bytes each
+    # the world's all-reduce over 16 ranks on 2 nodes: 2 x 7/8 inside, 2 x 15/16 of 1/8 across
+    world_ar = max(2 * 7 / 8 * whole / NVLINK, 2 * 15 / 16 * whole / 8 / IB)
+    small = max(2 * 7 / 8 * 8 / NVLINK, 2 * 15 / 16 * 8 / 8 / IB)  # the loss and the flag: 8 bytes each
     kw = {"world": 16, "wp": 8, "sp": 1, "batch": 16, "seq": 64}
     memo: dict = {}
     for sharding, accum in (("wp", 1), ("world", 1), ("world", 2)):
@@ -198,7 +200,8 @@ def test_the_step_models_traffic_on_each_tier_by_hand() -> None:
         }
         assert st.comm_s == pytest.approx(expected, rel=1e-9), sharding
         inter = (2 if world else 0) * rep + accum * 2 * (1 if world else 2) * rep
-        assert st.link_busy_s[INTER] == pytest.approx(inter + accum * whole / 8 / IB + 2 * 8 / 8 / IB, rel=1e-9)
+        across = 2 * 15 / 16 * (accum * whole + 2 * 8) / 8 / IB  # the world's all-reduces' part across
+        assert st.link_busy_s[INTER] == pytest.approx(inter + across, rel=1e-9)
     with pytest.raises(ValueError, match="state_sharding must be one of wp, world"):
         step_time(model, ISPConfig(), prof, **kw, state_sharding="replica")
 

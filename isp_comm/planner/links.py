@@ -14,28 +14,33 @@ each (``per_node`` ranks to a node, rank ``r`` on node ``r // per_node``):
 - ``m = 1``, inside a node: a ring over NVLink, ``(n-1)/n x B`` on tier ``intra``;
 - ``k = 1``, one rank a node (a replica group, strided by wp >= per_node): a ring
   over the NICs, ``(n-1)/n x B`` on tier ``inter``;
-- both, hierarchical (a WP group of 16 on nodes of 8): inside each node a ring
-  over the ``k`` local ranks, ``(k-1)/k x B`` on ``intra``, and across nodes a ring
-  over the ``m`` ranks of one local index on ``B / k`` of the buffer, ``(m-1)/m x
-  B / k`` on ``inter``. This is the least a node's NICs must carry: node j must
-  receive the ``(m-1)/m`` of the buffer held elsewhere, through its ``k`` NICs.
-  NCCL's rings reach it by crossing each node boundary once per channel, one NIC a
-  channel (a flat ring charged ``(n-1)/n x B`` to one NIC would carry every byte
-  ``k`` times). The two parts move at once (pipelined chunks).
+- both (a WP group of 16 on nodes of 8): NCCL's ring over all ``n`` ranks, one
+  channel a NIC. Each channel's ring crosses every node boundary once, and each
+  link of a ring carries ``(n-1)/n`` of the channel's part (every chunk but one
+  passes it), so a GPU's NIC carries ``(n-1)/n x B / k`` on ``inter``, and its
+  NVLink ``(k-1)/k x B`` on ``intra`` (the channels that leave the node through
+  another GPU's NIC). That is NCCL's own tuning model (``src/graph/tuning.cc``:
+  a ring's bus bandwidth is its channels times their inter-node speed, its
+  algorithm bandwidth ``n/(n-1)`` of that), and more than the least a node must
+  receive, ``(m-1)/m x B / k``: the ring carries the node's own chunks around
+  too (1.125 times the least for 8 nodes, 1.875 times for 2). The two parts move
+  at once (pipelined chunks).
 - a group spread unevenly (a WP group of 12 on nodes of 8: 8 ranks on one node, 4
-  on the next): node j, holding ``c_j`` of the ranks, receives the ``(n-c_j)/n`` of
-  the buffer held elsewhere through its ``c_j`` NICs; the node with the fewest sets
-  the pace, ``max_j (n-c_j)/(n c_j) x B`` on ``inter`` (``(m-1)/m x B / k`` when
-  every ``c_j = k``), and the fullest node's ring ``max_j (c_j-1)/c_j x B`` on
-  ``intra``. The rings of one layout's groups can differ in shape (WP 6 on nodes of
-  8: ranks 0-5 stay in node 0, ranks 6-11 span two); :func:`layout_groups` gives one
-  of each shape, and the planner times the slowest.
+  on the next): node j, holding ``c_j`` of the ranks, spreads the ring's
+  crossings over its ``c_j`` NICs; the node with the fewest sets the pace,
+  ``max_j (n-1)/(n c_j) x B`` on ``inter``, and the fullest node's ring ``max_j
+  (c_j-1)/c_j x B`` on ``intra``. The rings of one layout's groups can differ in
+  shape (WP 6 on nodes of 8: ranks 0-5 stay in node 0, ranks 6-11 span two);
+  :func:`layout_groups` gives one of each shape, and the planner times the slowest.
 
 An all-reduce is a reduce-scatter then an all-gather: twice the bytes on each tier
 and twice the ring steps. An all-to-all sends ``(k-1)/n x B`` to the ranks of its
 own node and ``(n-k)/n x B`` to the others, through its own NIC. Latency: one
 ``latency_s`` per ring step, ``k-1`` of the intra link's and ``m-1`` of the inter
-link's (``n-1`` of one link's when only one tier is used). Bandwidth: the link's
+link's (``n-1`` of one link's when only one tier is used): a hierarchical count,
+not the flat ring's ``n-1`` steps, since for the small messages where latency
+counts NCCL picks its tree or its low-latency protocols (a ring of 1,024 ranks at
+8 us a step would charge an 8-byte all-reduce 16 ms). Bandwidth: the link's
 per-rank ``bytes_per_s`` times NCCL's fraction at the message size ``B``
 (``Link.curve``). Each tier then serves collectives as [Note: tiers of links] in
 ``isp_comm/backends/tiers.py`` says.
@@ -74,7 +79,7 @@ def collective_demand(prof: Profile, backend: str, op: str, ranks: tuple[int, ..
     else:  # one rank a node (a flat ring over the NICs), or hierarchical
         if most > 1:
             parts.append((INTRA, twice * (most - 1) / most * nbytes, twice * (most - 1)))
-        parts.append((INTER, twice * (n - fewest) / (n * fewest) * nbytes, twice * (nodes - 1)))
+        parts.append((INTER, twice * (n - 1) / (n * fewest) * nbytes, twice * (nodes - 1)))
     latency, tiers = 0.0, []
     for tier, moved, steps in parts:
         link = links[tier][op]
