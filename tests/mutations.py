@@ -296,13 +296,19 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "NICs charged the least a node needs, not NCCL's ring": (
         "isp_comm/planner/links.py",
-        "        parts.append((INTER, twice * (n - 1) / (n * fewest) * nbytes, twice * (nodes - 1)))",
-        "        parts.append((INTER, twice * (n - fewest) / (n * fewest) * nbytes, twice * (nodes - 1)))",
+        "        parts.append((INTER, ring / fewest, inter_steps))",
+        "        parts.append((INTER, twice * (n - fewest) / (n * fewest) * nbytes, inter_steps))",
         [
             "tests/test_virtual_tiers.py::test_a_collectives_time_from_published_figures",
             "tests/test_virtual_tiers.py::test_groups_spread_unevenly_over_nodes_go_at_the_pace_of_their_thinnest_node",
             "tests/test_virtual_tiers.py::test_the_step_models_traffic_on_each_tier_by_hand",
         ],
+    ),
+    "an all-reduce across nodes timed in its ring's steps, not its tree's": (
+        "isp_comm/planner/links.py",
+        "            intra_steps, inter_steps = 2 * (most - 1), 2 * math.ceil(math.log2(nodes))",
+        "            intra_steps, inter_steps = 2 * (n - nodes), 2 * (nodes - 1)",
+        ["tests/test_virtual_tiers.py::test_a_collectives_time_from_published_figures"],
     ),
     "halved traffic on the virtual flat link": (
         "isp_comm/backends/virtual.py",

@@ -104,16 +104,33 @@ def test_a_collectives_time_from_published_figures() -> None:
     prof = h100(8)  # 8 nodes of 8 H100s
     nv_ag = 7 * LAT_NVLINK + 7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL)  # WP 8 inside a node: 20.4 ms
     ib_ag = 7 * LAT_IB + 7 / 8 * GIB8 / (IB * IB_NCCL)  # 8 replicas, one a node: 170.9 ms
-    # a WP group of 16 on 2 nodes, NCCL's ring over the 16 with a channel a NIC: 7/8 of 8
-    # GiB on each GPU's NVLink, and on each NIC 15/16 of the 1/8 of the buffer its
-    # channels carry (every chunk but one passes each link of a ring); the longer part,
-    # both latencies (7 steps inside a node, 1 across)
-    hier = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL), 15 / 16 * GIB8 / 8 / (IB * IB_NCCL))
+    # a WP group of 16 on 2 nodes, NCCL's ring over the 16, its channels spread over the
+    # NICs: each link of a ring carries 15/16 of a channel's part (every chunk but one),
+    # 7 of a node's 8 GPUs pass it on over NVLink (7/8 x 15/16 of 8 GiB), and each NIC
+    # carries 15/16 of the 1/8 of the buffer its channels take; the longer part, and the
+    # ring's 15 steps, 14 inside a node and 1 across
+    hier = (
+        14 * LAT_NVLINK
+        + 1 * LAT_IB
+        + max(7 / 8 * 15 / 16 * GIB8 / (NVLINK * NVLINK_NCCL), 15 / 16 * GIB8 / 8 / (IB * IB_NCCL))
+    )
     cases = [
         ("all_gather", tuple(range(8)), nv_ag),
         ("reduce_scatter", tuple(range(0, 64, 8)), ib_ag),
         ("all_gather", tuple(range(16)), hier),
         ("all_reduce", tuple(range(8)), 2 * 7 * LAT_NVLINK + 2 * 7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL)),
+        # an all-reduce over 16 ranks on 2 nodes: twice the ring's bytes on each tier, in its
+        # tree's steps (2 x 7 along the chain inside a node, 2 x 1 across the two nodes)
+        ("all_reduce", tuple(range(16)), 14 * LAT_NVLINK + 2 * LAT_IB + 2 * (hier - 14 * LAT_NVLINK - LAT_IB)),
+        # the world's all-reduce, 64 ranks on 8 nodes: the tree's 2 x 7 steps inside and
+        # 2 x log2(8) across (its ring would take 2 x 63), the ring's bytes
+        (
+            "all_reduce",
+            tuple(range(64)),
+            14 * LAT_NVLINK
+            + 6 * LAT_IB
+            + max(2 * 7 / 8 * 63 / 64 * GIB8 / (NVLINK * NVLINK_NCCL), 2 * 63 / 64 * GIB8 / 8 / (IB * IB_NCCL)),
+        ),
         # an all-to-all over 16 ranks on 2 nodes: 7/16 of the input to its node, 8/16 out of its NIC
         ("all_to_all", tuple(range(16)), 7 * LAT_NVLINK + 1 * LAT_IB + 8 / 16 * GIB8 / (IB * IB_NCCL)),
     ]
@@ -125,7 +142,7 @@ def test_a_collectives_time_from_published_figures() -> None:
     assert collective_time(prof, "torch", "reduce_scatter", 8, GIB8, 64) == pytest.approx(ib_ag, rel=1e-9)
     assert collective_time(prof, "torch", "all_gather", 16, GIB8) == pytest.approx(hier, rel=1e-9)
     d = collective_demand(prof, "torch", "all_gather", tuple(range(16)), GIB8)
-    assert d.on(INTRA) == pytest.approx(7 / 8 * GIB8 / (NVLINK * NVLINK_NCCL), rel=1e-9)
+    assert d.on(INTRA) == pytest.approx(105 / 128 * GIB8 / (NVLINK * NVLINK_NCCL), rel=1e-9)
     assert d.on(INTER) == pytest.approx(15 / 128 * GIB8 / (IB * IB_NCCL), rel=1e-9)
 
 
@@ -138,16 +155,16 @@ def test_groups_spread_unevenly_over_nodes_go_at_the_pace_of_their_thinnest_node
     prof = h100(6)  # 6 nodes of 8 H100s, world 48
     nv = GIB8 / (NVLINK * NVLINK_NCCL)
     ib = GIB8 / (IB * IB_NCCL)
-    wp12 = 7 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * nv, 11 / 12 / 4 * ib)  # the node of 4 sets the pace
+    wp12 = 10 * LAT_NVLINK + 1 * LAT_IB + max(7 / 8 * 11 / 12 * nv, 11 / 12 / 4 * ib)  # the node of 4 sets the pace
     assert ProfileLink(prof, "torch").seconds("all_gather", tuple(range(12)), GIB8) == pytest.approx(wp12, rel=1e-9)
     assert slowest_group(prof, "torch", "all_gather", 12, 48, False, GIB8).seconds == pytest.approx(wp12, rel=1e-9)
     # WP 6: group 0 inside node 0 (5/6 on NVLink); group 1 has 2 ranks on node 0 and
     # 4 on node 1: the pair carries the ring's 5/6 of the buffer through 2 NICs
-    wp6 = 3 * LAT_NVLINK + 1 * LAT_IB + max(3 / 4 * nv, 5 / 6 / 2 * ib)
+    wp6 = 4 * LAT_NVLINK + 1 * LAT_IB + max(3 / 4 * 5 / 6 * nv, 5 / 6 / 2 * ib)
     assert slowest_group(prof, "torch", "all_gather", 6, 48, False, GIB8).seconds == pytest.approx(wp6, rel=1e-9)
     # the replicas of WP 6 (8 ranks strided by 6): ranks 0, 6, 12, ... lie 2 to a node
     # on some nodes, 1 on others; a node holding 1 receives 7/8 through its one NIC
-    rep = 1 * LAT_NVLINK + 5 * LAT_IB + max(1 / 2 * nv, 7 / 8 * ib)  # 6 nodes: 2, 1, 1, 2, 1, 1
+    rep = 2 * LAT_NVLINK + 5 * LAT_IB + max(1 / 2 * 7 / 8 * nv, 7 / 8 * ib)  # 6 nodes: 2, 1, 1, 2, 1, 1
     assert slowest_group(prof, "torch", "reduce_scatter", 8, 48, True, GIB8).seconds == pytest.approx(rep, rel=1e-9)
 
 
@@ -185,8 +202,8 @@ def test_the_step_models_traffic_on_each_tier_by_hand() -> None:
     wp_ag = 7 / 8 * block / NVLINK  # the WP group: ranks 0-7, one node
     rep = 1 / 2 * (block / 8) / IB  # the WP shard over the 2 replicas
     # the world's all-reduce over 16 ranks on 2 nodes: 2 x 7/8 inside, 2 x 15/16 of 1/8 across
-    world_ar = max(2 * 7 / 8 * whole / NVLINK, 2 * 15 / 16 * whole / 8 / IB)
-    small = max(2 * 7 / 8 * 8 / NVLINK, 2 * 15 / 16 * 8 / 8 / IB)  # the loss and the flag: 8 bytes each
+    world_ar = max(2 * 7 / 8 * 15 / 16 * whole / NVLINK, 2 * 15 / 16 * whole / 8 / IB)
+    small = max(2 * 7 / 8 * 15 / 16 * 8 / NVLINK, 2 * 15 / 16 * 8 / 8 / IB)  # the loss and the flag: 8 bytes each
     kw = {"world": 16, "wp": 8, "sp": 1, "batch": 16, "seq": 64}
     memo: dict = {}
     for sharding, accum in (("wp", 1), ("world", 1), ("world", 2)):

@@ -12,7 +12,7 @@ and for each tier the seconds its bytes would take that tier alone. Then:
 
 - **The tiers run at once.** A collective inside a node and one across nodes,
   issued together, each take their own time; a collective that uses both tiers (a
-  group spanning nodes with several ranks in each, hierarchical) takes the longer
+  group spanning nodes with several ranks in each, NCCL's ring) takes the longer
   of its two parts, the parts moving concurrently as NCCL's pipelined rings do.
 - **A tier serves one collective at a time, in issue order.** A collective's part
   on a tier starts when the tier is done with the parts issued before it. Two 4 ms

@@ -14,12 +14,13 @@ each (``per_node`` ranks to a node, rank ``r`` on node ``r // per_node``):
 - ``m = 1``, inside a node: a ring over NVLink, ``(n-1)/n x B`` on tier ``intra``;
 - ``k = 1``, one rank a node (a replica group, strided by wp >= per_node): a ring
   over the NICs, ``(n-1)/n x B`` on tier ``inter``;
-- both (a WP group of 16 on nodes of 8): NCCL's ring over all ``n`` ranks, one
-  channel a NIC. Each channel's ring crosses every node boundary once, and each
-  link of a ring carries ``(n-1)/n`` of the channel's part (every chunk but one
-  passes it), so a GPU's NIC carries ``(n-1)/n x B / k`` on ``inter``, and its
-  NVLink ``(k-1)/k x B`` on ``intra`` (the channels that leave the node through
-  another GPU's NIC). That is NCCL's own tuning model (``src/graph/tuning.cc``:
+- both (a WP group of 16 on nodes of 8): NCCL's ring over all ``n`` ranks, its
+  channels spread evenly over each node's ``k`` NICs. Each channel's ring crosses
+  every node boundary once, and each link of a ring carries ``(n-1)/n`` of the
+  channel's part (every chunk but one passes it), so a GPU's NIC carries
+  ``(n-1)/n x B / k`` on ``inter``, and its NVLink ``(k-1)/k x (n-1)/n x B`` on
+  ``intra`` (of a node's ``k`` GPUs, ``k-1`` pass a channel's part on over NVLink,
+  the last over its NIC). That is NCCL's own tuning model (``src/graph/tuning.cc``:
   a ring's bus bandwidth is its channels times their inter-node speed, its
   algorithm bandwidth ``n/(n-1)`` of that), and more than the least a node must
   receive, ``(m-1)/m x B / k``: the ring carries the node's own chunks around
@@ -27,20 +28,24 @@ each (``per_node`` ranks to a node, rank ``r`` on node ``r // per_node``):
   at once (pipelined chunks).
 - a group spread unevenly (a WP group of 12 on nodes of 8: 8 ranks on one node, 4
   on the next): node j, holding ``c_j`` of the ranks, spreads the ring's
-  crossings over its ``c_j`` NICs; the node with the fewest sets the pace,
-  ``max_j (n-1)/(n c_j) x B`` on ``inter``, and the fullest node's ring ``max_j
-  (c_j-1)/c_j x B`` on ``intra``. The rings of one layout's groups can differ in
-  shape (WP 6 on nodes of 8: ranks 0-5 stay in node 0, ranks 6-11 span two);
-  :func:`layout_groups` gives one of each shape, and the planner times the slowest.
+  crossings over its ``c_j`` NICs, each carrying ``(n-1)/(n c_j) x B``; the node
+  with the fewest sets the pace on ``inter``, and the fullest node's ``(c_j-1)/c_j
+  x (n-1)/n x B`` on ``intra`` (assuming the channels divide evenly over its NICs;
+  NCCL's own tuner reads only the average ranks a node). The rings of one
+  layout's groups can differ in shape (WP 6 on nodes of 8: ranks 0-5 stay in
+  node 0, ranks 6-11 span two); :func:`layout_groups` gives one of each shape,
+  and the planner times the slowest.
 
-An all-reduce is a reduce-scatter then an all-gather: twice the bytes on each tier
-and twice the ring steps. An all-to-all sends ``(k-1)/n x B`` to the ranks of its
-own node and ``(n-k)/n x B`` to the others, through its own NIC. Latency: one
-``latency_s`` per ring step, ``k-1`` of the intra link's and ``m-1`` of the inter
-link's (``n-1`` of one link's when only one tier is used): a hierarchical count,
-not the flat ring's ``n-1`` steps, since for the small messages where latency
-counts NCCL picks its tree or its low-latency protocols (a ring of 1,024 ranks at
-8 us a step would charge an 8-byte all-reduce 16 ms). Bandwidth: the link's
+An all-reduce is a reduce-scatter then an all-gather: twice the bytes on each tier.
+An all-to-all sends ``(k-1)/n x B`` to the ranks of its own node and ``(n-k)/n x
+B`` to the others, through its own NIC. Latency: one ``latency_s`` per step, as
+NCCL's tuning model counts them. An all-gather or a reduce-scatter runs the ring's
+``n-1`` steps, ``m-1`` of them between nodes and ``n-m`` inside (NCCL has no tree
+for them). An all-reduce inside a node runs twice the ring's; across nodes NCCL's
+tuner takes the faster of its ring and its tree, and the model takes the tree's
+``2 (k-1)`` steps inside a node and ``2 ceil(log2 m)`` between nodes with the
+ring's bytes (a double binary tree moves as many bytes a rank as the ring, in
+fewer steps). An all-to-all: ``k-1`` and ``m-1``. Bandwidth: the link's
 per-rank ``bytes_per_s`` times NCCL's fraction at the message size ``B``
 (``Link.curve``). Each tier then serves collectives as [Note: tiers of links] in
 ``isp_comm/backends/tiers.py`` says.
@@ -51,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 
 from isp_comm.backends.tiers import INTER, INTRA, NONE, Demand
 from isp_comm.planner.profile import Profile, interp
@@ -76,10 +82,15 @@ def collective_demand(prof: Profile, backend: str, op: str, ranks: tuple[int, ..
             parts.append((INTER, (n - fewest) / n * nbytes, nodes - 1))
     elif nodes == 1:
         parts.append((INTRA, twice * (n - 1) / n * nbytes, twice * (n - 1)))
-    else:  # one rank a node (a flat ring over the NICs), or hierarchical
+    else:  # NCCL's ring over the n, crossing nodes on channels spread over each node's NICs
+        ring = twice * (n - 1) / n * nbytes
+        if op == "all_reduce":  # its tree's steps: up and down a chain in a node, a binary tree across
+            intra_steps, inter_steps = 2 * (most - 1), 2 * math.ceil(math.log2(nodes))
+        else:  # the ring's n - 1 steps, m - 1 of them between nodes
+            intra_steps, inter_steps = n - nodes, nodes - 1
         if most > 1:
-            parts.append((INTRA, twice * (most - 1) / most * nbytes, twice * (most - 1)))
-        parts.append((INTER, twice * (n - 1) / (n * fewest) * nbytes, twice * (nodes - 1)))
+            parts.append((INTRA, (most - 1) / most * ring, intra_steps))
+        parts.append((INTER, ring / fewest, inter_steps))
     latency, tiers = 0.0, []
     for tier, moved, steps in parts:
         link = links[tier][op]
