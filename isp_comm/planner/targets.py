@@ -100,10 +100,10 @@ _H100 = Target(
     gemm_efficiency=0.70,  # cuBLAS bf16 GEMMs of LLM shapes: ~650-750 TFLOP/s measured publicly on H100 SXM
     attention_efficiency=0.50,  # FlashAttention-2 forward+backward on H100: ~35-50% (Dao 2023); FA3 higher
     elementwise_efficiency=0.80,
-    # per step: above NCCL's own tuning figures (its Simple ring 3.4 us a NVLink step and
-    # 14 a network step, plus 8.4 a collective; nccl-tests' small all_reduce on 8x H100
+    # per step: above NCCL's own tuning figures on NVLink (its Simple ring 3.4 us a step
+    # plus 8.4 a collective, its low-latency one about 0.5; nccl-tests' small all_reduce on 8x H100
     # takes ~10-20 us in all, low-latency protocol), so small collectives are overstated;
-    # kept as the planner's GPU comparisons ran with it (docs/planner.md, Limits)
+    # kept as the planner's GPU comparisons ran with it (docs/planner.md, "What it does not model")
     latency_intra_s=8e-6,
     latency_inter_s=15e-6,
     op_host_s=8e-6,  # eager PyTorch dispatch + cudaLaunchKernel, per operator
