@@ -41,13 +41,13 @@ An all-to-all sends ``(k-1)/n x B`` to the ranks of its own node and ``(n-k)/n x
 B`` to the others, through its own NIC. Latency: one ``latency_s`` per step, as
 NCCL's tuning model counts them. An all-gather or a reduce-scatter runs the ring's
 ``n-1`` steps, ``m-1`` of them between nodes and ``n-m`` inside (NCCL has no tree
-for them; its PAT algorithm, for one rank a node, is not modelled). An all-reduce inside a node runs twice the ring's; across nodes NCCL's
-tuner takes the faster of its ring and its tree, and the model takes the tree's
-``2 (k-1)`` steps inside a node and ``2 ceil(log2 m)`` between nodes with the
-ring's bytes (a double binary tree moves as many bytes a rank as the ring, in
-fewer steps). An all-to-all: ``k-1`` and ``m-1``. Bandwidth: the link's
-per-rank ``bytes_per_s`` times NCCL's fraction at the message size ``B``
-(``Link.curve``). Each tier then serves collectives as [Note: tiers of links] in
+for them; its PAT algorithm, for one rank a node, is not modelled). An all-reduce
+inside a node runs twice the ring's; across nodes NCCL's tuner takes the faster of
+its ring and its tree, and the model takes the tree's ``2 (k-1)`` steps inside a
+node and ``2 ceil(log2 m)`` between nodes with the ring's bytes (a double binary
+tree moves as many bytes a rank as the ring, in fewer steps). An all-to-all:
+``k-1`` and ``m-1``. Bandwidth: the link's per-rank ``bytes_per_s`` times NCCL's
+fraction at the message size ``B`` (``Link.curve``). Each tier then serves collectives as [Note: tiers of links] in
 ``isp_comm/backends/tiers.py`` says.
 """
 
