@@ -342,7 +342,7 @@ class ShardedState:
         grads = [p.grad for p in params]
         for g in opt.param_groups:
             if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0  # its dtype and device kept
         for p in params:
             p.grad = None
         for p in missing:

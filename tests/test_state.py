@@ -367,6 +367,38 @@ def test_a_fresh_optimizers_state_dict_leaves_its_training_as_it_was() -> None:
         assert all(a == 0.0 and (r == 0.0 or k == "sgd-dampening") for k, (a, r) in out.items()), out
 
 
+class _LrKept(torch.optim.SGD):
+    """SGD whose learning rate is a float64 tensor, as a capturable or fused optimizer's
+    lives on the parameters' device: each step notes what the group's lr was."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=torch.tensor(0.1, dtype=torch.float64), foreach=False)
+        self.seen: list[tuple[torch.dtype, torch.device, float]] = []
+
+    def step(self, closure=None):
+        lr = self.param_groups[0]["lr"]
+        self.seen.append((lr.dtype, lr.device, float(lr)))
+        return super().step(closure)
+
+
+def _tensor_lr_worker(rank: int, world: int) -> list:
+    model = _model()
+    comm = ISPCommunicator(model, ParallelGroups.create(wp_size=world), ISPConfig())
+    opt = _LrKept(model.parameters())
+    comm.optimizer_state_dict(opt)  # a fresh optimizer: its states made by a step at lr 0
+    lr = opt.param_groups[0]["lr"]
+    comm.close()
+    return [*opt.seen, (lr.dtype, lr.device, float(lr))]
+
+
+@pytest.mark.timeout(60)
+def test_the_states_step_keeps_a_tensor_learning_rates_dtype_and_device() -> None:
+    # the lr-0 step used torch.tensor(0.0): float32 on the CPU, which a CUDA lr tensor
+    # (capturable or fused Adam) would meet as a device mismatch
+    for seen in run_ranks(_tensor_lr_worker, 2, timeout_s=50):
+        assert seen == [(torch.float64, torch.device("cpu"), 0.0), (torch.float64, torch.device("cpu"), 0.1)], seen
+
+
 def _in_place_worker(rank: int, world: int, root: str) -> dict[str, float]:
     """A resume whose optimizer states ``dcp.load`` filled in place, with no
     ``load_optimizer_state_dict`` after it, against the uninterrupted run."""
