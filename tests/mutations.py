@@ -391,6 +391,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        missing = [] if opt.state else params\n",
         ["tests/test_unused_parameters.py::test_a_checkpoint_of_parameters_not_yet_stepped_resumes[wp2]"],
     ),
+    "the states' lr-0 step with a CPU float32 lr for a tensor one": (
+        "isp_comm/state.py",
+        'g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0',
+        'g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0',
+        ["tests/test_state.py::test_the_states_step_keeps_a_tensor_learning_rates_dtype_and_device"],
+    ),
     "unused parameters decided by each rank alone (find_unused_parameters)": (
         "isp_comm/hooks/unused.py",
         '        self.collectives.all_reduce(used, self.group, self.size, "all-reduce of the parameters\' use")',
