@@ -47,8 +47,8 @@ its ring and its tree, and the model takes the tree's ``2 (k-1)`` steps inside a
 node and ``2 ceil(log2 m)`` between nodes with the ring's bytes (a double binary
 tree moves as many bytes a rank as the ring, in fewer steps). An all-to-all:
 ``k-1`` and ``m-1``. Bandwidth: the link's per-rank ``bytes_per_s`` times NCCL's
-fraction at the message size ``B`` (``Link.curve``). Each tier then serves collectives as [Note: tiers of links] in
-``isp_comm/backends/tiers.py`` says.
+fraction at the message size ``B`` (``Link.curve``). Each tier then serves
+collectives as [Note: tiers of links] in ``isp_comm/backends/tiers.py`` says.
 """
 
 from __future__ import annotations
