@@ -355,6 +355,35 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_plan_on_a_network_of_one_nic_a_node_picks_the_state_over_the_world() -> None:
+    """--network-gbit 400: 2 nodes of 8 H100s with one 400 Gb/s NIC each. The plan says
+    so in its header and its step is longer than on the DGX's eight NICs for a layout
+    whose gathers cross nodes; the search's fastest then keeps the gathers inside a node
+    (WP 8, the state over the world), and its command lines leave the flag out (it
+    describes the cluster, not the run). Misplaced, it is refused in one line."""
+    shape = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--batch", "32", "--target", "h100x8"]
+    steps = {}
+    for gbit in ("3200", "400"):
+        res = _plan(*shape, "--nodes", "2", "--network-gbit", gbit, "--wp", "16")
+        assert res.returncode == 0, res.stderr[-2000:]
+        steps[gbit] = json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
+        assert ("400 Gbit/s a node across nodes" in res.stdout.splitlines()[0]) == (gbit == "400")
+    assert steps["400"] > steps["3200"]
+    for gbit, fastest in (("3200", "--wp 16 "), ("400", "--wp 8 ")):  # full sharding first on the eight NICs
+        res = _plan(*shape, "--nodes", "2", "--network-gbit", gbit, "--search")
+        assert res.returncode == 0, res.stderr[-2000:]
+        first = next(line for line in res.stdout.splitlines() if line.startswith("1: "))
+        assert fastest in first and ("--state-sharding world" in first) == (gbit == "400"), first
+        assert "network" not in first
+    res = _plan(*shape, "--network-gbit", "400")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "isp-train: error: --network-gbit is the bandwidth between a --target's nodes: give it with --target and "
+        "--nodes 2 or more"
+    ]
+
+
+@pytest.mark.timeout(120)
 def test_plan_of_a_target_says_where_its_world_came_from() -> None:
     """A --batch the target's world does not divide names --target and --nodes (it gave
     "world / sp = 16" alone), and a --nproc-per-node the target's count contradicts is

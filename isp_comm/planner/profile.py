@@ -219,7 +219,7 @@ def from_target(cluster: Cluster) -> Profile:
 
     def links(curve_intra, curve_inter) -> dict[str, dict[str, Link]]:
         intra = Link(latency_s=t.latency_intra_s, bytes_per_s=t.nvlink_bytes_per_s, curve=[[*p] for p in curve_intra])
-        inter = Link(latency_s=t.latency_inter_s, bytes_per_s=t.ib_bytes_per_s, curve=[[*p] for p in curve_inter])
+        inter = Link(latency_s=t.latency_inter_s, bytes_per_s=cluster.ib_bytes_per_s, curve=[[*p] for p in curve_inter])
         return {"intra": dict.fromkeys(COLLECTIVES, intra), "inter": dict.fromkeys(COLLECTIVES, inter)}
 
     flat = [[1.0, 1.0]]

@@ -189,13 +189,38 @@ class Cluster:
     per_node: int
     """Devices (GPUs, or CPU ranks) per node."""
     nodes: int
+    network_bytes_per_s: float = 0.0
+    """A node's bandwidth across nodes, all its NICs together (--network-gbit); 0: the
+    target's, one NIC a device."""
 
     @property
     def world(self) -> int:
         return self.per_node * self.nodes
 
+    @property
+    def ib_bytes_per_s(self) -> float:
+        """Each device's bandwidth across nodes: the target's NIC, or its share of the
+        node's network when one is given.
+
+        [Note: a node with fewer NICs than GPUs]
+        NCCL spreads a node's channels over its NICs, and a ring crosses each node's
+        boundary once a channel, so a group with k ranks on each node sends
+        (n-1)/n x B out of the node whatever the NIC count (links.py): k NICs carry a
+        k-th of it each, one NIC all of it. Charging each rank 1/k of the bytes at
+        1/per_node of the node's bandwidth gives that one NIC's time for a group that
+        fills its nodes. A group with fewer ranks on a node (a replica group: one) is
+        charged the same share, as in an SPMD step every rank of the node sends its
+        group's part at the same moment, and the per_node groups share the node's NICs.
+        """
+        if self.network_bytes_per_s:
+            return self.network_bytes_per_s / self.per_node
+        return self.target.ib_bytes_per_s
+
     def describe(self) -> str:
-        return f"{self.target.name}x{self.per_node}, {self.nodes} node{'s' if self.nodes > 1 else ''}"
+        text = f"{self.target.name}x{self.per_node}, {self.nodes} node{'s' if self.nodes > 1 else ''}"
+        if self.network_bytes_per_s:
+            text += f", {self.network_bytes_per_s * 8 / 1e9:g} Gbit/s a node across nodes"
+        return text
 
 
 def gpu_target(device_name: str) -> str:
@@ -205,9 +230,10 @@ def gpu_target(device_name: str) -> str:
     return next((t for t in TARGETS if TARGETS[t].device == "cuda" and t in name), "")
 
 
-def parse_target(text: str, nodes: int = 1) -> Cluster:
-    """``NAME`` or ``NAMExG`` (``h100x8``: 8 per node) and a node count, or a
-    ``ValueError`` naming what --target takes."""
+def parse_target(text: str, nodes: int = 1, network_gbit: float = 0.0) -> Cluster:
+    """``NAME`` or ``NAMExG`` (``h100x8``: 8 per node), a node count and, where given,
+    a node's network bandwidth across nodes in Gbit/s, or a ``ValueError`` naming what
+    --target takes."""
     m = re.fullmatch(r"([a-z0-9]+?)(?:x(\d+))?", text.strip().lower())
     known = ", ".join(TARGETS)
     if not m or m.group(1) not in TARGETS:
@@ -218,4 +244,8 @@ def parse_target(text: str, nodes: int = 1) -> Cluster:
         raise ValueError(f"--target {text!r}: xG must be at least 1")
     if nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
-    return Cluster(target=target, per_node=per_node, nodes=nodes)
+    if not 0 <= network_gbit < float("inf"):  # 0: not given
+        raise ValueError(
+            f"--network-gbit must be > 0 (a node's bandwidth across nodes, all its NICs together), got {network_gbit}"
+        )
+    return Cluster(target=target, per_node=per_node, nodes=nodes, network_bytes_per_s=network_gbit * 1e9 / 8)

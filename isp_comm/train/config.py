@@ -203,6 +203,11 @@ class TrainConfig:
     no device of that kind is needed here."""
     nodes: int = 1
     """With --target: how many nodes of it."""
+    network_gbit: float = 0.0
+    """With --target and --nodes: a node's bandwidth across nodes, in Gbit/s, all its
+    NICs together, as a cluster's sheet gives it (the GPU targets' default is one NIC a
+    GPU: 8 x 400 = 3200 on h100x8; a node with one 400 Gb/s NIC: 400). Each GPU is
+    given its share (docs/planner.md)."""
     profile: str = ""
     """With --plan: a profile file (bench/calibrate.py writes one) instead of this
     machine's cached calibration."""
@@ -379,10 +384,15 @@ class TrainConfig:
             )
         if self.nodes > 1 and not self.target:
             raise ValueError("--nodes needs --target (the nodes of that kind)")
+        if self.network_gbit and not (self.target and self.nodes > 1):
+            raise ValueError(
+                "--network-gbit is the bandwidth between a --target's nodes: give it with --target and "
+                "--nodes 2 or more"
+            )
         if self.target:
             from isp_comm.planner.targets import parse_target
 
-            cluster = parse_target(self.target, self.nodes)  # one line naming the known targets
+            cluster = parse_target(self.target, self.nodes, self.network_gbit)  # one line naming the known targets
             if self.plan and self.nproc_per_node and self.nproc_per_node != cluster.per_node:
                 # it was ignored without a word: the plan was for the target's GPUs a node
                 n, name = self.nproc_per_node, cluster.target.name
@@ -579,7 +589,7 @@ def _name_taken_flag(message: str, values: dict, taken: dict) -> str:
 NOT_RESUMED = frozenset(
     {
         *("out", "resume", "overwrite"),  # where the run is, and how this command treats it
-        *("plan", "target", "nodes", "profile", "recalibrate", "search"),  # a plan asked of this command
+        *("plan", "target", "nodes", "network_gbit", "profile", "recalibrate", "search"),  # a plan asked of it
         *("nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts"),  # how it is launched now
         "init_from",  # read by a new run only
     }

@@ -30,7 +30,8 @@ uses the nominal ``cpu`` target (the tests set it: calibrating takes a minute).
 ``quick``: it calibrates with fewer sizes and steps, once (not repeated when noisy), a
 rough profile cached under a name of its own (tests of the calibration's coordination)."""
 NOT_FLAGS = {
-    "plan", "target", "nodes", "profile", "search", "recalibrate", "nproc_per_node", "nnodes", "rdzv_endpoint",
+    "plan", "target", "nodes", "network_gbit", "profile", "search", "recalibrate", "nproc_per_node", "nnodes",
+    "rdzv_endpoint",
 }  # fmt: skip
 """Flags of planning, not of the run a search prints (``device`` too, when planning a --target)."""
 LAYOUT_FLAGS = {
@@ -47,7 +48,7 @@ def planning_profile(cfg: TrainConfig, world: int) -> tuple[profiles.Profile, in
     """The profile to plan on and the world: --target's (its GPUs per node x --nodes),
     --profile's, or this machine's (calibrated once and cached)."""
     if cfg.target:
-        cluster = parse_target(cfg.target, cfg.nodes)
+        cluster = parse_target(cfg.target, cfg.nodes, cfg.network_gbit)
         return profiles.from_target(cluster), cluster.world
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.nproc_per_node or world
     if cfg.profile:

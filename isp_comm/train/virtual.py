@@ -82,7 +82,7 @@ def link_model(cfg) -> LinkModel:
     if cfg.profile:
         prof = profiles.load(cfg.profile)
     else:
-        prof = profiles.from_target(parse_target(cfg.target, cfg.nodes))
+        prof = profiles.from_target(parse_target(cfg.target, cfg.nodes, cfg.network_gbit))
     return ProfileLink(prof, backend_of(cfg.backend, prof))  # the backend --plan times for these flags
 
 
