@@ -20,9 +20,9 @@ done those (see docs/gpus.md for what each proves):
 ``tests-gpu`` (the rest of tests/gpu, which passed at 2590e51) and the virtual world's
 checks (``virtual-time``, ``virtual-8b``, ``virtual-8b-best``,
 ``virtual-8b-same-layout``, ``virtual-8b-breakdown``, ``virtual-8b-profile``, ``virtual-70b``,
-``virtual-70b-world``, ``virtual-scaling``: docs/virtual.md, docs/sharding.md) do not fit beside them: they
-run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only`` runs the preamble and
-the named checks; any selection must fit in 540 s.
+``virtual-70b-world``, ``virtual-70b-1nic``, ``virtual-scaling``: docs/virtual.md, docs/sharding.md) do
+not fit beside them: they run only when named, e.g. ``--only virtual-time,virtual-8b``. ``--only``
+runs the preamble and the named checks; any selection must fit in 540 s.
 
 Each step runs in a process group of its own (in the runner's session) under its own
 timeout: past it, or when the runner is interrupted, the group gets SIGINT (pytest
@@ -279,6 +279,26 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
             ),
             "one rank of Llama-3-70B at N=64 in the planner's best layout with the state over the world, "
             "FSDP2 in its own best that fits 80 GB",
+            default=False,
+        ),
+        Step(
+            "virtual-70b-1nic",
+            480,
+            _virtual(
+                out,
+                "virtual_70b_1nic",
+                "--config",
+                "llama3-70b-8k-1nic",
+                "--layout",
+                "best",
+                "--systems",
+                "isp-comm,fsdp2,compute-only",
+                "--repeats",
+                "1",
+                "--steps",
+                "2",
+            ),
+            "the same on nodes of one 400 Gb/s NIC each: the planner's best layout of any kind, FSDP2 in its own",
             default=False,
         ),
         Step(

@@ -86,6 +86,9 @@ class Config:
     world: int
     target: str
     """The link model's target (``h100x8``: 8 per node); nodes = world / per node."""
+    network_gbit: float = 0.0
+    """A node's bandwidth across nodes in Gbit/s, as isp-train's --network-gbit (0: the
+    target's, one NIC a GPU)."""
     model: LlamaConfig
     seq: int
     batch_per_rank: int = 1
@@ -135,6 +138,9 @@ CONFIGS = {
         world=64, target="h100x8", model=_llama(128256, 8192, 28672, 80, 64, 8, 8192), seq=8192, memory_gib=80.0
     ),
 }
+# the same 70B job on nodes of one 400 Gb/s NIC each, where the planner expects the state
+# over the world to lead full sharding (docs/sharding.md); by name only
+CONFIGS["llama3-70b-8k-1nic"] = dataclasses.replace(CONFIGS["llama3-70b-8k"], network_gbit=400.0)
 SCALING = ("llama3-8b", "llama3-8b-n64", "llama3-8b-n1024")
 """``--scaling``: these in the planner's best layout each, tokens/s/GPU against the first's."""
 QUICK = {  # on CPU: fp32, the nominal cpu target's links (5 GB/s in a node of N), under 5 minutes
@@ -225,7 +231,7 @@ def _profile(cfg: Config, device: torch.device | None = None):
 
     target = _target(cfg, device or _device())
     per_node = parse_target(target).per_node
-    return profiles.from_target(parse_target(target, max(cfg.world // per_node, 1)))
+    return profiles.from_target(parse_target(target, max(cfg.world // per_node, 1), cfg.network_gbit))
 
 
 def _device() -> torch.device:
@@ -873,7 +879,8 @@ def main() -> None:
     add_out(ap)
     args = ap.parse_args()
     table_of = QUICK if args.quick else CONFIGS
-    names = args.config or (list(SCALING) if args.scaling else [n for n in table_of if n not in SCALING[1:]])
+    named_only = (*SCALING[1:], "llama3-70b-8k-1nic")
+    names = args.config or (list(SCALING) if args.scaling else [n for n in table_of if n not in named_only])
     if args.scaling:
         args.layout, args.systems = "best", args.systems or "isp-comm"
     repeats = args.repeats or (1 if args.quick else 3)

@@ -109,10 +109,11 @@ def test_quick_best_layout_runs_both_systems_eager_and_compiled(tmp_path) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_gpu_runs_of_independent_sharding_plan_their_layouts() -> None:
-    """What ``--config llama3-70b-8k --layout best --kind world`` and ``--scaling`` will
-    run on a GPU, planned here on meta (h100x8's published figures): isp-comm's
-    fastest layout with its state over the world that fits 80 GB, FSDP2's own fastest
-    (no SP, full or hybrid sharding), and a layout for each of N = 8, 64 and 1,024."""
+    """What ``--config llama3-70b-8k --layout best --kind world``, ``--config
+    llama3-70b-8k-1nic --layout best`` and ``--scaling`` will run on a GPU, planned here
+    on meta (h100x8's published figures): isp-comm's fastest layout with its state over
+    the world that fits 80 GB, FSDP2's own fastest (no SP, full or hybrid sharding), the
+    same on one NIC a node, and a layout for each of N = 8, 64 and 1,024."""
     import torch
 
     sys.path.insert(0, ROOT)
@@ -125,6 +126,12 @@ def test_the_gpu_runs_of_independent_sharding_plan_their_layouts() -> None:
     assert fsdp.sp == 1 and fsdp.state_sharding == "wp" and not fsdp.vocab_parallel, fsdp
     worlds = [best_layout(CONFIGS[name], cpu)[0].world for name in SCALING]
     assert worlds == [8, 64, 1024], worlds
+    # one 400 Gb/s NIC a node: the fastest of any kind keeps its gathers inside a node
+    # and puts the state over the world, ahead of FSDP2's own fastest
+    lay, said = best_layout(CONFIGS["llama3-70b-8k-1nic"], cpu)
+    assert (lay.wp, lay.state_sharding) == (8, "world") and "400 Gbit/s a node" in said["target"], said
+    _, fsdp_said = best_layout(CONFIGS["llama3-70b-8k-1nic"], cpu, "fsdp2")
+    assert said["step_s"] < fsdp_said["step_s"]
 
 
 def test_fsdp2_is_planned_with_its_own_loss() -> None:
