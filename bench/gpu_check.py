@@ -108,6 +108,8 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
     shared = "tests/gpu/test_gpu_shared.py"
     layout_8b = ("--config", "llama3-8b", "--layout", "best")
     best_8b = (*layout_8b, "--repeats", "3")  # the 8B goals, medians of 3
+    # the 70B jobs of the independent sharding: one process a system, 2 timed steps
+    once_70b = ("--layout", "best", "--systems", "isp-comm,fsdp2,compute-only", "--repeats", "1", "--steps", "2")
     pip = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels]
     return [
         Step("wheels", 20, pip if wheels else ["echo", no_wheels], "carried nvshmem4py wheels"),
@@ -261,22 +263,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step(
             "virtual-70b-world",
             480,
-            _virtual(
-                out,
-                "virtual_70b_world",
-                "--config",
-                "llama3-70b-8k",
-                "--layout",
-                "best",
-                "--kind",
-                "world",
-                "--systems",
-                "isp-comm,fsdp2,compute-only",
-                "--repeats",
-                "1",
-                "--steps",
-                "2",
-            ),
+            _virtual(out, "virtual_70b_world", "--config", "llama3-70b-8k", "--kind", "world", *once_70b),
             "one rank of Llama-3-70B at N=64 in the planner's best layout with the state over the world, "
             "FSDP2 in its own best that fits 80 GB",
             default=False,
@@ -284,20 +271,7 @@ def steps(out: str, work: str, wheels: list[str], no_wheels: str = "no wheels ca
         Step(
             "virtual-70b-1nic",
             480,
-            _virtual(
-                out,
-                "virtual_70b_1nic",
-                "--config",
-                "llama3-70b-8k-1nic",
-                "--layout",
-                "best",
-                "--systems",
-                "isp-comm,fsdp2,compute-only",
-                "--repeats",
-                "1",
-                "--steps",
-                "2",
-            ),
+            _virtual(out, "virtual_70b_1nic", "--config", "llama3-70b-8k-1nic", *once_70b),
             "the same on nodes of one 400 Gb/s NIC each: the planner's best layout of any kind, FSDP2 in its own",
             default=False,
         ),
