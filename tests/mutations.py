@@ -313,6 +313,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_planner.py::test_a_plan_on_a_network_of_one_nic_a_node_picks_the_state_over_the_world",
         ],
     ),
+    "a node's network divided by the nodes, not by its GPUs": (
+        "isp_comm/planner/targets.py",
+        "            return self.network_bytes_per_s / self.per_node",
+        "            return self.network_bytes_per_s / self.nodes",
+        ["tests/test_virtual_tiers.py::test_a_node_with_one_nic_shares_it_among_its_gpus"],
+    ),
     "an all-reduce across nodes timed in its ring's steps, not its tree's": (
         "isp_comm/planner/links.py",
         "            intra_steps, inter_steps = 2 * (most - 1), 2 * math.ceil(math.log2(nodes))",

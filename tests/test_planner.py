@@ -356,26 +356,31 @@ def test_plan_refuses_a_bad_target_in_one_line() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_plan_on_a_network_of_one_nic_a_node_picks_the_state_over_the_world() -> None:
-    """--network-gbit 400: 2 nodes of 8 H100s with one 400 Gb/s NIC each. The plan says
-    so in its header and its step is longer than on the DGX's eight NICs for a layout
-    whose gathers cross nodes; the search's fastest then keeps the gathers inside a node
-    (WP 8, the state over the world), and its command lines leave the flag out (it
-    describes the cluster, not the run). Misplaced, it is refused in one line."""
-    shape = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--batch", "32", "--target", "h100x8"]
+    """--network-gbit 400: 2 nodes of 8 H100s with one 400 Gb/s NIC each, for an
+    8B-wide model (4 blocks of width 4096, seq 4096: a third of the peak, so the links
+    matter). Full sharding over the 16 gathers across the nodes, WP 8 with the state
+    over the world only its replica collectives: on the DGX's eight NICs the first is
+    the faster, on one NIC the second, and the search's fastest follows. The plan says
+    so in its header, the search's command lines leave the flag out (it describes the
+    cluster, not the run), and misplaced it is refused in one line."""
+    shape = ["--layers", "4", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "4096"]
+    shape += ["--batch", "16", "--bf16", "--target", "h100x8", "--nodes", "2"]
+    full, world = ["--wp", "16"], ["--wp", "8", "--state-sharding", "world"]
     steps = {}
     for gbit in ("3200", "400"):
-        res = _plan(*shape, "--nodes", "2", "--network-gbit", gbit, "--wp", "16")
-        assert res.returncode == 0, res.stderr[-2000:]
-        steps[gbit] = json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
-        assert ("400 Gbit/s a node across nodes" in res.stdout.splitlines()[0]) == (gbit == "400")
-    assert steps["400"] > steps["3200"]
-    for gbit, fastest in (("3200", "--wp 16 "), ("400", "--wp 8 ")):  # full sharding first on the eight NICs
-        res = _plan(*shape, "--nodes", "2", "--network-gbit", gbit, "--search")
+        for name, layout in (("full", full), ("world", world)):
+            res = _plan(*shape, "--network-gbit", gbit, *layout)
+            assert res.returncode == 0, res.stderr[-2000:]
+            steps[gbit, name] = json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
+            assert ("400 Gbit/s a node across nodes" in res.stdout.splitlines()[0]) == (gbit == "400")
+        res = _plan(*shape, "--network-gbit", gbit, "--search")
         assert res.returncode == 0, res.stderr[-2000:]
         first = next(line for line in res.stdout.splitlines() if line.startswith("1: "))
-        assert fastest in first and ("--state-sharding world" in first) == (gbit == "400"), first
-        assert "network" not in first
-    res = _plan(*shape, "--network-gbit", "400")
+        assert ("--state-sharding world" in first) == (gbit == "400") and "network" not in first, first
+    assert steps["3200", "full"] < steps["3200", "world"] and steps["400", "world"] < steps["400", "full"], steps
+    # full sharding loses more to the thinner network: all its gathers cross it
+    assert steps["400", "full"] - steps["3200", "full"] > steps["400", "world"] - steps["3200", "world"], steps
+    res = _plan("--layers", "2", "--target", "h100x8", "--network-gbit", "400")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "isp-train: error: --network-gbit is the bandwidth between a --target's nodes: give it with --target and "

@@ -203,14 +203,21 @@ class Cluster:
         node's network when one is given.
 
         [Note: a node with fewer NICs than GPUs]
-        NCCL spreads a node's channels over its NICs, and a ring crosses each node's
-        boundary once a channel, so a group with k ranks on each node sends
-        (n-1)/n x B out of the node whatever the NIC count (links.py): k NICs carry a
-        k-th of it each, one NIC all of it. Charging each rank 1/k of the bytes at
-        1/per_node of the node's bandwidth gives that one NIC's time for a group that
-        fills its nodes. A group with fewer ranks on a node (a replica group: one) is
-        charged the same share, as in an SPMD step every rank of the node sends its
-        group's part at the same moment, and the per_node groups share the node's NICs.
+        NCCL gives each channel of a ring one NIC, rotating over the node's NICs, and a
+        channel's ring crosses each node's boundary once, so a group with k ranks on
+        each node sends (n-1)/n x B out of the node whatever the NIC count (links.py):
+        c NICs carry a c-th of it each. Charging each rank 1/k of the bytes at
+        1/per_node of the node's bandwidth gives that time for a group that fills its
+        nodes. A group with fewer ranks on a node (a replica group: one) is charged the
+        same share, as in an SPMD step every rank of the node sends its group's part at
+        the same moment and the per_node groups share the node's NICs (each group's
+        communicator plans as if it had them alone). An even share, so approximate:
+        where a node's ranks are split between groups that cross nodes and groups that
+        do not (WP 6 on nodes of 8), a crossing group is charged for traffic the others
+        never send, up to 2x too much on a thin network; a GPU far from its NIC (no
+        GPUDirect RDMA, no PXN for groups without the NIC's own GPU) can fall below its
+        share; and NCCL's share of the link is read at the group's message size, not
+        at the NIC's combined traffic.
         """
         if self.network_bytes_per_s:
             return self.network_bytes_per_s / self.per_node
