@@ -396,8 +396,8 @@ def test_plan_of_a_target_says_where_its_world_came_from() -> None:
     for flags, words in [
         (
             ["--target", "h100", "--nodes", "2", "--batch", "8"],
-            "--batch 8 must be divisible by world / sp = 16 (the world of --target h100 --nodes 2: 8 GPUs a node x "
-            "2 nodes)",
+            "--batch 8 must be divisible by world / sp = 16; it is the whole job's sequences a step: --batch 16 "
+            "would do (the world of --target h100 --nodes 2: 8 GPUs a node x 2 nodes)",
         ),
         (
             ["--target", "h100x8", "--nproc-per-node", "4"],
@@ -408,6 +408,9 @@ def test_plan_of_a_target_says_where_its_world_came_from() -> None:
         res = _plan("--layers", "2", *flags)
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and words in lines[0], res.stderr
+    # a refusal the world did not cause is not given the world's origin
+    res = _plan("--layers", "2", "--target", "h100x8", "--sp", "8", "--heads", "4", "--hidden", "64")
+    assert res.returncode == 2 and "--heads 4 must be divisible" in res.stderr and "the world of" not in res.stderr
     res = _plan("--layers", "2", "--target", "h100x8", "--nproc-per-node", "8")  # the same count: no contradiction
     assert res.returncode == 0 and "world 8" in res.stdout.splitlines()[0], res.stderr[-2000:]
 

@@ -234,6 +234,7 @@ def test_isp_train_replica_sync_step(tmp_path) -> None:
     for out, sync in ((a, "step"), (b, "micro")):
         res = isp_train(4, *common, "--replica-sync", sync, "--out", out)
         assert res.returncode == 0, res.stderr[-3000:]
+        assert "world 4, wp 2, sp 1, 2 replicas, state over world, backend" in res.stdout + res.stderr  # its first line
     # fp32: the sums' order (a rank's micro-steps summed before the replicas'), a few
     # ulps (5e-7 seen at step 2)
     assert max(abs(losses(a)[s] - losses(b)[s]) for s in (1, 2, 3)) < 2e-6, (losses(a), losses(b))
@@ -243,6 +244,7 @@ def test_isp_train_replica_sync_step(tmp_path) -> None:
     res, plain = _plan(*plan, "--replica-sync", "step"), _plan(*plan)
     assert res.returncode == 0 and plain.returncode == 0, res.stderr[-2000:] + plain.stderr[-2000:]
     assert "deferred gradient sums" in res.stdout and "deferred gradient sums" not in plain.stdout, res.stdout
+    assert "world 4, wp 2, sp 1, 2 replicas, state over wp, batch" in plain.stdout.splitlines()[0], plain.stdout
 
 
 def _wrapped_and_plain(rank: int, world: int, copies: int) -> tuple:

@@ -170,13 +170,14 @@ def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) 
     """The ``top`` fastest that fit (or, when none does, the smallest), with the
     command line of each."""
     fitting = [r for r in ranked if r.fits]
+    tried = f"{len(ranked)} layouts searched (the layout flags given set only the plan above)"
     lines = [
-        f"{len(ranked)} layouts, {len(fitting)} fit (at most {100 * (1 - MARGIN):.0f}% of the device's memory at "
+        f"{tried}, {len(fitting)} fit (at most {100 * (1 - MARGIN):.0f}% of the device's memory at "
         "their highest phase); the fastest:"
     ]
     shown = fitting[:top]
     if not shown:
-        lines[0] = f"{len(ranked)} layouts, none fits; the smallest:"
+        lines[0] = f"{tried}, none fits; the smallest:"
         shown = ranked[:top]
     lines.append("| # | wp | sp | replicas | state over | ckpt | shard-outer | vocab-parallel | micro-batch x accum | "
                  "replica sync | step s | tokens/s | MFU % | device MiB | fits |")  # fmt: skip
@@ -184,11 +185,12 @@ def table(ranked: list[Ranked], command: Callable[[Layout], str], top: int = 5) 
     for i, r in enumerate(shown, 1):
         lay, st = r.layout, r.step
         assert st is not None  # the shown ones are timed
+        step = f"{st.step_s:.3f}" if st.step_s >= 1 else f"{st.step_s:.4g}"  # a toy's steps all read 0.009
         lines.append(
             f"| {i} | {lay.wp} | {lay.sp} | {lay.world // lay.wp} | {lay.state_sharding} | {lay.ckpt:g} | "
             f"{'yes' if lay.shard_outer else 'no'} | "
             f"{'yes' if lay.vocab_parallel else 'no'} | {lay.batch} x {lay.grad_accum} | {lay.replica_sync} | "
-            f"{st.step_s:.3f} | "
+            f"{step} | "
             f"{st.tokens_per_s:,.0f} | {st.mfu_pct:.1f} | {r.memory.device_total / 2**20:,.0f} | "
             f"{'yes' if r.fits else '**no**'} |"
         )

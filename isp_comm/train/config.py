@@ -444,8 +444,12 @@ def check_layout(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
     if cfg.wp and world % cfg.wp:
         raise ValueError(f"--wp {cfg.wp} does not divide the world size {world}")
-    if cfg.batch % (world // cfg.sp):
-        raise ValueError(f"--batch {cfg.batch} must be divisible by world / sp = {world // cfg.sp}")
+    if cfg.batch % (groups := world // cfg.sp):
+        near = -(-cfg.batch // groups) * groups
+        raise ValueError(
+            f"--batch {cfg.batch} must be divisible by world / sp = {groups}; it is the whole job's sequences a "
+            f"step: --batch {near} would do"
+        )
     if cfg.seq % cfg.sp:
         raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
     if not cfg.model:

@@ -105,9 +105,11 @@ def write_run_files(job: Job, start: int) -> None:
     groups, comm = job.comm.groups, job.comm
     if cfg.virtual_world:
         tqdm.write(virtual.first_line(cfg, comm.backend.link))
+    replicas = groups.replica_size
+    layout = f", {replicas} replicas, state over {comm.config.state_sharding}" if replicas > 1 else ""
     tqdm.write(
         f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
-        f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}, backend {comm.backend.name}, "
+        f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}{layout}, backend {comm.backend.name}, "
         f"{job.n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trainable in rank {job.rank}'s shards), "
         f"data {len(job.tokens)} tokens ({job.data.describe()}), vocabulary {job.vocab}, "
         f"unigram entropy {unigram_entropy(job.tokens, job.vocab):.3f} nats"

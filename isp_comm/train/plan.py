@@ -134,10 +134,12 @@ class _Planner:
 def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceMemory, st: StepTime) -> None:
     """The table, the parts outside it, whether it fits, and the predicted step."""
     prof, world, fc, cuda = planner.prof, planner.world, mem.forecast, planner.prof.device == "cuda"
+    replicas = world // (cfg.wp or world)
+    layout = f", {replicas} replicas, state over {cfg.state_sharding}" if replicas > 1 else ""
     print(
         f"isp-train --plan: {prof.device}{' bf16' if planner.bf16 else ''}, world {world}, wp {cfg.wp or world}, "
-        f"sp {cfg.sp}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank ({'CUDA allocated' if cuda else 'RSS'}); "
-        f"on {prof.name} ({prof.source})"
+        f"sp {cfg.sp}{layout}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank "
+        f"({'CUDA allocated' if cuda else 'RSS'}); on {prof.name} ({prof.source})"
     )
     print(fc.table(planner.baseline))
     if fc.shm_bytes:
@@ -210,6 +212,8 @@ def _check_layout(cfg: TrainConfig, world: int) -> None:
     try:
         check_layout(cfg, cluster.world)
     except ValueError as exc:
+        if "world" not in str(exc):  # a refusal of the heads or the sequence: the world is not the cause
+            raise
         unit = "GPU" if cluster.target.device == "cuda" else "rank"
         per_node = f"{cluster.per_node} {unit}{'s' if cluster.per_node > 1 else ''} a node"
         nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
