@@ -224,17 +224,19 @@ def _spans(out: str, name: str) -> dict[int, int]:
 @pytest.mark.timeout(300)
 def test_isp_train_replica_sync_step(tmp_path) -> None:
     """isp-train --replica-sync step at world 4 (wp 2 x 2, the state over the world,
-    3 micro-steps a step) trains as --replica-sync micro, with the whole gradients'
+    3 micro-steps a step, one of the two blocks checkpointed) trains as --replica-sync micro, with the whole gradients'
     all-reduce once a step, not once a micro-step; --plan counts the sums it keeps."""
     from tests.test_planner import _plan
     from tests.test_train import SMALL, isp_train, losses
 
     a, b = str(tmp_path / "step"), str(tmp_path / "micro")
-    common = [*SMALL, "--steps", "3", "--grad-accum", "3", "--wp", "2", "--state-sharding", "world"]
+    common = [*SMALL, "--steps", "3", "--grad-accum", "3", "--wp", "2", "--state-sharding", "world", "--ckpt", "0.5"]
     for out, sync in ((a, "step"), (b, "micro")):
         res = isp_train(4, *common, "--replica-sync", sync, "--out", out)
         assert res.returncode == 0, res.stderr[-3000:]
-        assert "world 4, wp 2, sp 1, 2 replicas, state over world, backend" in res.stdout + res.stderr  # its first line
+        # its first line says the layout: the replicas, the state's group, the blocks checkpointed
+        words = "world 4, wp 2, sp 1, 2 replicas, state over world, 1 of 2 blocks checkpointed, backend"
+        assert words in res.stdout + res.stderr, res.stdout[-2000:]
     # fp32: the sums' order (a rank's micro-steps summed before the replicas'), a few
     # ulps (5e-7 seen at step 2)
     assert max(abs(losses(a)[s] - losses(b)[s]) for s in (1, 2, 3)) < 2e-6, (losses(a), losses(b))
