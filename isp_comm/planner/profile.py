@@ -237,7 +237,8 @@ def from_target(cluster: Cluster) -> Profile:
         }
     return Profile(
         name=cluster.describe(),
-        source=f"target {t.name}: published figures (isp_comm/planner/targets.py), not measured",
+        source=f"target {t.name}: {'published' if t.device == 'cuda' else 'nominal'} figures "
+        "(isp_comm/planner/targets.py), not measured",
         device=t.device,
         per_node=cluster.per_node,
         nodes=cluster.nodes,

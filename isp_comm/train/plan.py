@@ -151,8 +151,9 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
     if cuda:
         print(f"reserved (max_memory_reserved) forecast: {mem.reserved / 2**20:.1f} MiB")
     verdict = "fits" if mem.fits else "does NOT fit"
+    of = f"{mem.capacity / 2**20:,.0f} MiB" + ("" if cuda else " (a rank's share of the host's memory)")
     print(
-        f"device holds at most {mem.device_total / 2**20:,.1f} MiB of {mem.capacity / 2**20:,.0f} MiB: {verdict} "
+        f"device holds at most {mem.device_total / 2**20:,.1f} MiB of {of}: {verdict} "
         f"(a plan keeps {100 * planner_memory.MARGIN:.0f}% free)"
     )
     ph, ex = st.phases, st.exposed_comm

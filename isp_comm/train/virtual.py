@@ -108,7 +108,8 @@ def first_line(cfg, link: LinkModel) -> str:
     return (
         f"isp-train: VIRTUAL run: rank {cfg.virtual_rank} of {cfg.virtual_world}; real: this rank's shards, "
         f"gathered blocks, activations, optimizer state, compute and schedule; modelled: every collective's "
-        f"time ({link.describe()}), its data (this rank's own bytes); no checkpoint"
+        f"time ({link.describe()}), its data (this rank's own bytes); no checkpoint; tok/s below: the whole "
+        f"job's, at this machine's compute"
     )
 
 
