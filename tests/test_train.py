@@ -257,6 +257,7 @@ def test_the_reference_llama_has_llamas_mlp_width() -> None:
         (["--backend", "nvshmem", "--device", "cpu"], "backend 'nvshmem' needs CUDA parameters"),  # no second line
         (["--steps", "0"], "--steps must be >= 1"),
         (["--ckpt", "2"], "--ckpt must be in [0, 1]"),
+        (["--rdzv-endpoint", "HOST:PORT"], "in place of HOST:PORT (node0:29500)"),  # pasted from --search's lines
         (["--comm-timeout", "inf"], "--comm-timeout must be in (0, 1e+09] seconds"),  # was an OverflowError traceback
         (["--comm-timeout", "1e20"], "--comm-timeout must be in (0, 1e+09] seconds"),  # a timedelta's overflow
         (["--data", "/nonexistent/file.txt"], "no such file"),

@@ -294,6 +294,11 @@ class TrainConfig:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
         if self.nnodes < 1 or (self.nnodes > 1 and not (self.nproc_per_node and self.rdzv_endpoint)):
             raise ValueError("--nnodes > 1 needs --nproc-per-node and --rdzv-endpoint HOST:PORT on every machine")
+        if self.rdzv_endpoint.upper().startswith("HOST:") or self.rdzv_endpoint.upper().endswith(":PORT"):
+            raise ValueError(  # as --plan --search prints it
+                f"--rdzv-endpoint {self.rdzv_endpoint}: put the first node's address and a free port in place of "
+                "HOST:PORT (node0:29500), the same on every node"
+            )
         if self.resume not in (True, False, "auto"):
             raise ValueError(f"--resume takes no value or auto, got {self.resume!r}")
         if self.max_restarts and not self.nproc_per_node:
