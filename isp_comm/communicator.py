@@ -141,7 +141,7 @@ class ISPCommunicator:
         self._plan, self.pool, self.rs_buffers = buffers.plan, buffers.pool, buffers.rs_buffers
         self.engine = self._make_engine(replicated_all)
         self.engine.outer = outer_replicated(model, block_list, self.sharded_units)
-        self._install_forwards(round(config.activation_checkpointing * len(block_list)))
+        self._install_forwards(config.checkpointed_blocks(len(block_list)))
         self._closed = False
         self._flight = attach(self.ctx, groups.world_size, config.diagnosis_dir)  # see isp_comm/flight
 

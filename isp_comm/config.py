@@ -186,6 +186,12 @@ class ISPConfig:
     ``[0, debug_delay_s)`` drawn from a per-rank generator, to show that timing
     cannot change results."""
 
+    def checkpointed_blocks(self, n_blocks: int) -> int:
+        """How many of ``n_blocks`` blocks, from the first, ``activation_checkpointing``
+        recomputes: the fraction of them, rounded (0.1 of 4 blocks is none). The
+        communicator, the memory forecast and the step model all count with it."""
+        return round(self.activation_checkpointing * n_blocks)
+
     def __post_init__(self) -> None:
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):

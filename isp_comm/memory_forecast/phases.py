@@ -90,7 +90,7 @@ def forecast(
     layouts, w = _layouts_and_weights(model, block_list, config, head, world, wp, optimizer, memo)
     plan = pool_plan(layouts, config, wp)
     shm = host_shared_memory(plan, layouts, config, device, (world, wp), w.replicated, local_world)
-    n_ckpt = round(config.activation_checkpointing * len(block_list))
+    n_ckpt = config.checkpointed_blocks(len(block_list))
     traced = _traced(model, block_list, config, (world, wp, sp, batch, seq), forward, memo, compiled)
     acts = [traced.inputs[i] if i < n_ckpt else traced.saved[i] for i in range(len(block_list))]
     heap, in_heap = nvshmem_heap(plan, layouts, config, device, (world, wp), w.replicated)

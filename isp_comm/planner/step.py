@@ -275,7 +275,7 @@ def _costs(
 
     fwd, bwd = [piece(o) for o in traced.block_fwd], [piece(o) for o in traced.block_bwd]
     outer = [compute_parts(traced.outer_fwd, prof, slowdown), compute_parts(traced.outer_bwd, prof, slowdown)]
-    n_ckpt = round(config.activation_checkpointing * len(blocks))
+    n_ckpt = config.checkpointed_blocks(len(blocks))
 
     cp = _copies(config, prof, (world, wp), slowdown, memo[skey][0], memo[("layouts", *skey[1:])][0], world_sharded)
     compute = {k: sum(p.get(k, 0.0) for p in [*fwd, *bwd, *fwd[:n_ckpt], *outer]) for k in COMPUTE_KINDS}

@@ -441,10 +441,22 @@ def as_eval_data_error(exc: ValueError) -> ValueError:
 def check_layout(cfg: TrainConfig, world: int) -> None:
     """The flags against the world, before any rank starts (and before ``--plan``
     calibrates): a ``ValueError`` naming the flag (not the internal field) for --wp or
-    --sp that does not divide the world, a --batch that world / sp does not divide, a
-    --seq that --sp does not, and for the reference llama's --heads and --kv-heads
-    that --sp cannot split (its all-to-all splits the heads; a --model folder's heads
-    are checked where its model is built)."""
+    --sp that does not divide the world, a --batch that world / sp does not divide
+    (:func:`check_world`), a --seq that --sp does not, and for the reference llama's
+    --heads and --kv-heads that --sp cannot split (its all-to-all splits the heads; a
+    --model folder's heads are checked where its model is built)."""
+    check_world(cfg, world)
+    if cfg.seq % cfg.sp:
+        raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
+    if not cfg.model:
+        if cfg.heads % cfg.sp:
+            raise ValueError(f"--heads {cfg.heads} must be divisible by --sp {cfg.sp} (each SP rank takes whole heads)")
+        check_heads(cfg.heads, cfg.kv_heads, cfg.sp)
+
+
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """What the world size decides: --sp and --wp dividing it, --batch divided by
+    world / sp."""
     if world % cfg.sp:
         raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}")
     if cfg.wp and world % cfg.wp:
@@ -455,12 +467,6 @@ def check_layout(cfg: TrainConfig, world: int) -> None:
             f"--batch {cfg.batch} must be divisible by world / sp = {groups}; it is the whole job's sequences a "
             f"step: --batch {near} would do"
         )
-    if cfg.seq % cfg.sp:
-        raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
-    if not cfg.model:
-        if cfg.heads % cfg.sp:
-            raise ValueError(f"--heads {cfg.heads} must be divisible by --sp {cfg.sp} (each SP rank takes whole heads)")
-        check_heads(cfg.heads, cfg.kv_heads, cfg.sp)
 
 
 def check_heads(heads: int, kv_heads: int, sp: int) -> None:

@@ -108,7 +108,7 @@ def write_run_files(job: Job, start: int) -> None:
     replicas = groups.replica_size
     layout = f", {replicas} replicas, state over {comm.config.state_sharding}" if replicas > 1 else ""
     if cfg.ckpt:  # the blocks --ckpt's fraction comes to (0.1 of 4 blocks: none)
-        layout += f", {round(cfg.ckpt * len(comm.units))} of {len(comm.units)} blocks checkpointed"
+        layout += f", {comm.config.checkpointed_blocks(len(comm.units))} of {len(comm.units)} blocks checkpointed"
     tqdm.write(
         f"isp-train: {job.device.type}{' bf16' if job.bf16 else ''}{' compiled' if cfg.compile else ''}, "
         f"world {job.world}, wp {groups.wp_size}, sp {groups.sp_size}{layout}, backend {comm.backend.name}, "

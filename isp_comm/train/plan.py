@@ -19,7 +19,7 @@ from isp_comm.planner.step import StepTime, step_time
 from isp_comm.planner.targets import gpu_target, parse_target
 from isp_comm.processes import usable_cores
 from isp_comm.train import hf_model
-from isp_comm.train.config import TrainConfig, check_heads, check_layout, resolve_device
+from isp_comm.train.config import TrainConfig, check_heads, check_layout, check_world, resolve_device
 from isp_comm.train.metrics import proc_status_bytes
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.sources import load_tokens
@@ -203,23 +203,22 @@ def _heads(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _check_layout(cfg: TrainConfig, world: int) -> None:
-    """:func:`check_layout` for the world planned; with --target, a refusal says that
-    world came from --target and --nodes (it gave "world / sp = 16" for a --batch 8
-    and left the user to guess where 16 came from)."""
+    """:func:`check_layout` for the world planned; with --target, a refusal the world
+    caused says that world came from --target and --nodes (it gave "world / sp = 16"
+    for a --batch 8 and left the user to guess where 16 came from)."""
     if not cfg.target:
         check_layout(cfg, world)
         return
     cluster = parse_target(cfg.target, cfg.nodes)
     try:
-        check_layout(cfg, cluster.world)
+        check_world(cfg, cluster.world)
     except ValueError as exc:
-        if "world" not in str(exc):  # a refusal of the heads or the sequence: the world is not the cause
-            raise
         unit = "GPU" if cluster.target.device == "cuda" else "rank"
         per_node = f"{cluster.per_node} {unit}{'s' if cluster.per_node > 1 else ''} a node"
         nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
         where = f"the world of --target {cfg.target} --nodes {cfg.nodes}: {per_node} x {nodes}"
         raise ValueError(f"{exc} ({where})") from None
+    check_layout(cfg, cluster.world)  # the rest: the sequence and the heads against --sp
 
 
 def plan(cfg: TrainConfig, world: int) -> None:
