@@ -292,17 +292,9 @@ class TrainConfig:
             raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (use --device cpu)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
-        if self.nnodes < 1 or (self.nnodes > 1 and not (self.nproc_per_node and self.rdzv_endpoint)):
-            raise ValueError("--nnodes > 1 needs --nproc-per-node and --rdzv-endpoint HOST:PORT on every machine")
-        if self.rdzv_endpoint.upper().startswith("HOST:") or self.rdzv_endpoint.upper().endswith(":PORT"):
-            raise ValueError(  # as --plan --search prints it
-                f"--rdzv-endpoint {self.rdzv_endpoint}: put the first node's address and a free port in place of "
-                "HOST:PORT (node0:29500), the same on every node"
-            )
+        self._check_launch()
         if self.resume not in (True, False, "auto"):
             raise ValueError(f"--resume takes no value or auto, got {self.resume!r}")
-        if self.max_restarts and not self.nproc_per_node:
-            raise ValueError("--max-restarts needs --nproc-per-node (under torchrun, give torchrun --max-restarts)")
         if self.keep_checkpoints < 0:
             raise ValueError(f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}")
         if self.resume and self.overwrite:
@@ -343,6 +335,18 @@ class TrainConfig:
             if not self.data or is_pretokenized(self.data):
                 raise ValueError("--tokenizer needs --data, a text file to tokenize")
         self._check_bytes_for_model()
+
+    def _check_launch(self) -> None:
+        """The flags isp-train launches the ranks with."""
+        if self.nnodes < 1 or (self.nnodes > 1 and not (self.nproc_per_node and self.rdzv_endpoint)):
+            raise ValueError("--nnodes > 1 needs --nproc-per-node and --rdzv-endpoint HOST:PORT on every machine")
+        if self.rdzv_endpoint.upper().startswith("HOST:") or self.rdzv_endpoint.upper().endswith(":PORT"):
+            raise ValueError(  # as --plan --search prints it
+                f"--rdzv-endpoint {self.rdzv_endpoint}: put the first node's address and a free port in place of "
+                "HOST:PORT (node0:29500), the same on every node"
+            )
+        if self.max_restarts and not self.nproc_per_node:
+            raise ValueError("--max-restarts needs --nproc-per-node (under torchrun, give torchrun --max-restarts)")
 
     def _check_bytes_for_model(self) -> None:
         """Refuse a ``.txt`` ``--data`` or ``--eval-data`` for a ``--model`` folder
