@@ -320,7 +320,7 @@ def _fsdp2(run: Run, system: str, device: torch.device):
 
     cfg, lay = run.cfg, run.layout
     model = _meta_model(cfg)
-    n_ckpt = round(lay.ckpt * len(model.layers))
+    n_ckpt = _isp_config(cfg, lay).checkpointed_blocks(len(model.layers))  # the blocks isp-comm checkpoints
     for i in range(len(model.layers)):
         block = checkpoint_wrapper(model.layers[i]) if i < n_ckpt else model.layers[i]
         model.layers[i] = torch.compile(block) if system.endswith("compiled") else block

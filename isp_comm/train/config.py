@@ -450,6 +450,11 @@ def check_layout(cfg: TrainConfig, world: int) -> None:
     --heads and --kv-heads that --sp cannot split (its all-to-all splits the heads; a
     --model folder's heads are checked where its model is built)."""
     check_world(cfg, world)
+    check_shape(cfg)
+
+
+def check_shape(cfg: TrainConfig) -> None:
+    """What --sp decides of the model's shape: the sequence and the heads it splits."""
     if cfg.seq % cfg.sp:
         raise ValueError(f"--seq {cfg.seq} must be divisible by --sp {cfg.sp}")
     if not cfg.model:

@@ -19,7 +19,7 @@ from isp_comm.planner.step import StepTime, step_time
 from isp_comm.planner.targets import gpu_target, parse_target
 from isp_comm.processes import usable_cores
 from isp_comm.train import hf_model
-from isp_comm.train.config import TrainConfig, check_heads, check_layout, check_world, resolve_device
+from isp_comm.train.config import TrainConfig, check_heads, check_layout, check_shape, check_world, resolve_device
 from isp_comm.train.metrics import proc_status_bytes
 from isp_comm.train.model import build_meta_model, isp_config, use_bf16
 from isp_comm.train.sources import load_tokens
@@ -218,7 +218,7 @@ def _check_layout(cfg: TrainConfig, world: int) -> None:
         nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
         where = f"the world of --target {cfg.target} --nodes {cfg.nodes}: {per_node} x {nodes}"
         raise ValueError(f"{exc} ({where})") from None
-    check_layout(cfg, cluster.world)  # the rest: the sequence and the heads against --sp
+    check_shape(cfg)
 
 
 def plan(cfg: TrainConfig, world: int) -> None:
