@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -371,6 +372,16 @@ def test_isp_train_reports_each_ranks_breakdown_beside_its_forecast(tmp_path) ->
         for part in EXACT:
             have, want = got["ranks"][0]["phases"][ph].get(part, 0), got["forecast"][ph].get(part, 0)
             assert abs(have - want) <= SCALARS, (ph, part, have, want)
+    # each phase's line puts the tracked peak beside the forecast's tensors, its runtime
+    # apart (it once printed the whole forecast: 2.4 MiB tracked beside 7.0 forecast);
+    # the printed figures are rounded to 0.1 MiB, of about 2 MiB here: 10%
+    lines = re.findall(
+        r"  (\w+): tracked peak ([\d.]+) MiB, forecast ([\d.]+) MiB of tensors \(and ([\d.]+) MiB of runtime",
+        res.stdout,
+    )
+    assert [ph for ph, *_ in lines] == got["phases"], res.stdout
+    for ph, tracked, tensors, runtime in lines:
+        assert abs(float(tracked) - float(tensors)) <= 0.1 * float(tracked) and float(runtime) > 0, (ph, res.stdout)
 
 
 def test_what_runs_untracked_is_never_counted() -> None:

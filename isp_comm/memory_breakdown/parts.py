@@ -38,6 +38,17 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
 """Category -> the parts it holds (a part belongs to the first category one of whose
 names it starts with: ``activations (2/4 blocks checkpointed)`` is an activation)."""
 
+RUNTIME = "runtime"
+"""The start of the forecast's parts that no tensor holds (gloo's buffers, what the
+low-precision CPU kernels keep, the planner's calibrated runtime): resident memory the
+forecast counts and a tensor tracker never sees."""
+
+
+def tensor_parts(forecast_parts: Mapping[str, int]) -> dict[str, int]:
+    """The forecast's parts a tracker can see: all but its runtime lines."""
+    return {part: nbytes for part, nbytes in forecast_parts.items() if not part.startswith(RUNTIME)}
+
+
 OTHER = "other"
 """Tracked tensors no owner, hook or phase accounts for (the breakdown's tests bound it)."""
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from isp_comm.memory_breakdown.parts import OTHER, by_category, category, forecast_part, part_order
+from isp_comm.memory_breakdown.parts import OTHER, by_category, category, forecast_part, part_order, tensor_parts
 
 MIB = 2**20
 
@@ -95,22 +95,27 @@ class Breakdown:
 
     def table(self, phase: str, forecast_parts: Mapping[str, int] | None = None) -> str:
         """A markdown table of the phase's peak: part, category, measured MiB (and the
-        forecast's MiB and the difference when given), then the tracked total and the
-        device lines."""
+        forecast's MiB and the difference when given), then the tracked total against
+        the forecast's tensors, the forecast's runtime lines (no tensor holds them) and
+        the device lines."""
         fc = forecast_parts is not None
         head = "| part | category | measured MiB |" + (" forecast MiB | measured - forecast |" if fc else "")
         rows = [head, "|---|---|---:|" + ("---:|---:|" if fc else "")]
-        entries = self.against(phase, forecast_parts or {})
+        tensors = tensor_parts(forecast_parts or {})
+        entries = self.against(phase, tensors)
         if not fc:
             entries = [(n, 0, b) for n, b in self.phases[phase].items()]
         for part, want, got in entries:
             cells = f"| {part} | {category(part)} | {got / MIB:.2f} |"
             rows.append(cells + (f" {want / MIB:.2f} | {(got - want) / MIB:+.2f} |" if fc else ""))
-        total = sum(forecast_parts.values()) if fc else 0
+        total = sum(tensors.values())
         rows.append(
             f"| **tracked peak** | | **{self.tracked[phase] / MIB:.2f}** |"
             + (f" **{total / MIB:.2f}** | {(self.tracked[phase] - total) / MIB:+.2f} |" if fc else "")
         )
+        for part, nbytes in (forecast_parts or {}).items():
+            if part not in tensors:
+                rows.append(f"| {part} | forecast only: no tensor holds it | | {nbytes / MIB:.2f} | |")
         lines = {**self.device[phase], **{f"of the untracked, at the end: {k}": v for k, v in self.untracked.items()}}
         for line, nbytes in lines.items():
             rows.append(f"| {line} | device | {nbytes / MIB:.2f} |" + (" | |" if fc else ""))

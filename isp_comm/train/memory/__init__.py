@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from isp_comm.memory_breakdown import MemoryBreakdown
+from isp_comm.memory_breakdown.parts import tensor_parts
 from isp_comm.memory_breakdown.result import MIB, Breakdown
 from isp_comm.train import virtual
 
@@ -101,7 +102,13 @@ class RunBreakdown:
         head = f"isp-train: memory breakdown of rank {self.job.rank}, steps {first}-{last}"
         lines = [f"{head} (every rank's in {FILE}; the forecast is rank 0's):"]
         for ph in phases:
-            fc = f", forecast {self.forecast.peak(ph) / MIB:.1f} MiB" if forecast and ph in forecast else ""
+            fc = ""
+            if forecast and ph in forecast:  # a tracker sees tensors: the forecast's runtime lines apart
+                tensors = sum(tensor_parts(forecast[ph]).values())
+                runtime = sum(forecast[ph].values()) - tensors
+                fc = f", forecast {tensors / MIB:.1f} MiB of tensors" + (
+                    f" (and {runtime / MIB:.1f} MiB of runtime no tensor holds)" if runtime else ""
+                )
             lines.append(f"  {ph}: tracked peak {b.tracked[ph] / MIB:.1f} MiB{fc}")
         top = max(phases, key=lambda ph: b.tracked[ph])
         lines += ["", f"the {top} phase's peak, by part:", b.table(top, forecast.get(top) if forecast else None)]
