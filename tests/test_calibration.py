@@ -184,6 +184,21 @@ def test_a_noisy_calibration_is_not_cached_but_kept_beside_the_cache(tmp_path) -
     assert os.listdir(tmp_path) == ["entry.noisy.json"] and len(said) == 2
 
 
+def test_a_plan_on_a_noisy_profile_says_so_in_its_header(tmp_path) -> None:
+    # a noisy calibration is kept beside the cache for --profile, and a plan on it
+    # said so only in the profile's JSON: its header read as a steady one's
+    path = str(tmp_path / "noisy.json")
+    _profile(probe_spread=0.18, steady=False).save(path)
+    cmd = [sys.executable, "-m", "isp_comm.train", "--plan", "--profile", path, "--layers", "2", "--hidden", "64"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    header = res.stdout.splitlines()[0]
+    assert "a noisy calibration: speed probes 18% apart" in header and "the limit is 10%" in header, header
+    _profile().save(path)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "noisy" not in res.stdout.splitlines()[0], res.stdout[:500]
+
+
 def test_recalibrate_is_a_plan_of_this_machine() -> None:
     for flags, ok in ((["--recalibrate"], False), (["--plan", "--recalibrate", "--target", "h100"], False),
                       (["--plan", "--recalibrate"], True)):  # fmt: skip

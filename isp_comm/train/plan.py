@@ -136,10 +136,12 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
     prof, world, fc, cuda = planner.prof, planner.world, mem.forecast, planner.prof.device == "cuda"
     replicas = world // (cfg.wp or world)
     layout = f", {replicas} replicas, state over {cfg.state_sharding}" if replicas > 1 else ""
+    # a noisy calibration given by --profile said so only in its JSON (a cached one is never noisy)
+    noisy = "" if prof.noise.get("steady", True) else f"; a noisy calibration: {profiles.describe_noise(prof.noise)}"
     print(
         f"isp-train --plan: {prof.device}{' bf16' if planner.bf16 else ''}, world {world}, wp {cfg.wp or world}, "
         f"sp {cfg.sp}{layout}, batch {cfg.batch}, seq {cfg.seq}; MiB per rank "
-        f"({'CUDA allocated' if cuda else 'RSS'}); on {prof.name} ({prof.source})"
+        f"({'CUDA allocated' if cuda else 'RSS'}); on {prof.name} ({prof.source}{noisy})"
     )
     print(fc.table(planner.baseline))
     if fc.shm_bytes:
