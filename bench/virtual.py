@@ -172,6 +172,29 @@ SCALED = {
     # the same without isp-comm's pool: each block's gathered buffer made and freed around its use, as FSDP2's
     "llama3-8b-64th-unpooled": dataclasses.replace(_LLAMA3_8B_64TH, memory_pool=False),
 }
+LAYOUT_FIELDS = ("ckpt", "shard_outer", "vocab_parallel", "wp", "state_sharding")
+"""A :class:`Config`'s fixed layout: what ``--layout best`` replaces by the planner's."""
+
+
+def distinct_jobs(names: list[str]) -> tuple[list[str], list[str]]:
+    """``--layout best``'s configurations: the names, less those whose job (everything
+    but :data:`LAYOUT_FIELDS`) an earlier one has, since the planner gives both the same
+    layout (``tiny-n8-world`` is ``tiny-n8`` in another layout); and a line for each
+    left out."""
+    everything = {**CONFIGS, **QUICK, **SCALED}
+    defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name in LAYOUT_FIELDS}
+    kept: list[tuple[Config, str]] = []  # a model's config is not hashable
+    said = []
+    for name in names:
+        job = dataclasses.replace(everything[name], **defaults)
+        same = next((other for j, other in kept if j == job), None)
+        if same is not None:
+            said.append(f"bench/virtual.py: {name} is {same}'s job in another layout: --layout best runs it once")
+            continue
+        kept.append((job, name))
+    return [name for _, name in kept], said
+
+
 SYSTEMS = ("isp-comm", "fsdp2", "compute-only")
 """``--layout fixed``: eager runs."""
 BEST_SYSTEMS = ("isp-comm", "isp-comm compiled", "fsdp2", "fsdp2 compiled", "compute-only")
@@ -883,6 +906,10 @@ def main() -> None:
     names = args.config or (list(SCALING) if args.scaling else [n for n in table_of if n not in named_only])
     if args.scaling:
         args.layout, args.systems = "best", args.systems or "isp-comm"
+    if args.layout == "best":
+        names, said = distinct_jobs(names)
+        for line in said:
+            print(line)
     repeats = args.repeats or (1 if args.quick else 3)
     if any(n in CONFIGS for n in names) and not torch.cuda.is_available():
         ap.error(f"the GPU configurations need CUDA: run with --quick (or --config {', '.join(SCALED)}) on CPU")

@@ -196,6 +196,22 @@ def test_isp_comm_runs_in_fsdp2s_layout_when_asked(monkeypatch) -> None:
     assert "planner compiled" not in result["systems"]  # the planner plans isp-comm's own layout only
 
 
+def test_best_layout_runs_a_job_once_whatever_its_fixed_layouts() -> None:
+    """``--layout best`` replaces a configuration's layout by the planner's, so two
+    configurations that differ only in their fixed layouts are one job there:
+    ``--quick --layout best`` ran tiny-n8-world as tiny-n8 again (a review's catch)."""
+    sys.path.insert(0, ROOT)
+    import bench.virtual as virtual
+
+    names, said = virtual.distinct_jobs(list(virtual.QUICK))
+    assert names == ["tiny-n4", "tiny-n8"] and said == [
+        "bench/virtual.py: tiny-n8-world is tiny-n8's job in another layout: --layout best runs it once"
+    ]
+    # a system's knob is not a layout: the pooled and unpooled 64th of the 8B stay two runs
+    assert virtual.distinct_jobs(list(virtual.SCALED)) == (list(virtual.SCALED), [])
+    assert virtual.distinct_jobs(list(virtual.CONFIGS))[0] == list(virtual.CONFIGS)
+
+
 @pytest.mark.parametrize(
     "name, kind",
     [
