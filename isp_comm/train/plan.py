@@ -136,7 +136,7 @@ def _print_plan(cfg: TrainConfig, planner: _Planner, mem: planner_memory.DeviceM
     prof, world, fc, cuda = planner.prof, planner.world, mem.forecast, planner.prof.device == "cuda"
     replicas = world // (cfg.wp or world)
     layout = f", {replicas} replicas, state over {cfg.state_sharding}" if replicas > 1 else ""
-    # a noisy calibration given by --profile said so only in its JSON (a cached one is never noisy)
+    # a noisy calibration (given by --profile, or measured for this plan and not cached) says so here too
     noisy = "" if prof.noise.get("steady", True) else f"; a noisy calibration: {profiles.describe_noise(prof.noise)}"
     print(
         f"isp-train --plan: {prof.device}{' bf16' if planner.bf16 else ''}, world {world}, wp {cfg.wp or world}, "
