@@ -313,18 +313,6 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_planner.py::test_a_plan_on_a_network_of_one_nic_a_node_picks_the_state_over_the_world",
         ],
     ),
-    "an embedding's gradient counted through the blocks' backward": (
-        "isp_comm/memory_forecast/phases.py",
-        "    made = repl - w.replicated_last if at < n else repl",
-        "    made = repl",
-        ["tests/test_memory_breakdown.py::test_breakdown_on_2_ranks_adds_up_and_lines_up_with_the_forecast"],
-    ),
-    "an embedding's cast counted as kept past the forward": (
-        "isp_comm/memory_forecast/weights.py",
-        "    kept = [c for p, c in zip(cast, casts) if id(p) not in embedding_only]",
-        "    kept = casts",
-        ["tests/test_memory_breakdown.py::test_breakdown_on_2_ranks_adds_up_and_lines_up_with_the_forecast"],
-    ),
     "a node's network divided by the nodes, not by its GPUs": (
         "isp_comm/planner/targets.py",
         "            return self.network_bytes_per_s / self.per_node",

@@ -22,13 +22,20 @@ UNATTRIBUTED = 0.02
 EXACT = ("master shards", "replicated params", "pool slots and landing", "reduce-scatter buffers", "optimizer state")
 """Parts the forecast counts from the engine's own decisions: equal, but for AdamW's
 step counts (a 4-byte tensor per parameter, which the forecast leaves out)."""
-TOTAL = 0.02
-"""The forecast's tensors at each phase's largest moment against the tracked peak: each
-moment is a sum of lines, some of them bounds (the head's cast counted to the backward's
-end, though its backward frees it; the activation gradients' largest block), which at
-these small shapes (a head as large as a block) came to 0.4% over at the 2-rank bf16
-point; without [Note: what an embedding leaves] (the embedding's cast and gradient
-counted through the blocks' backward) it was 6.8% over there."""
+UNDER = 0.02
+"""How far the forecast's tensors at a phase's largest moment may fall under its tracked
+peak: a forecast under the peak calls a layout a fit that runs out of memory. At these
+points they came within 0.2% under."""
+OVER = 0.08
+"""How far over. Some of the forecast's lines are bounds, which at these small shapes (a
+head and an embedding as large as a block) add up to 6.8% over the 2-rank bf16 point's
+backward: the embedding's bf16 cast counted to the backward's end (autograd keeps none:
+an embedding's backward needs its indices, not its weight) and its gradient through the
+blocks' backward (it is made last). Counting them where they live was tried (2026-12-06)
+and undone: an outside review measured it 2.5% under where the backward peaks at block
+0's gradients beside the embedding's, the block's unsharded gradients there twice the
+forecast's line (10.5 MiB against 5.25: bf16 gradients being packed into the fp32
+reduce-scatter input), which the bounds had covered."""
 SCALARS = 4096
 LINGERING = 16
 """The clip's two fp64 partial norms (``ShardedState.clip_grad_norm_``): gloo's worker thread
@@ -72,7 +79,7 @@ def _check(b: Breakdown, pt: Point) -> None:
     assert abs(b.phases["forward"]["logits and loss"] - want) <= SCALARS + 0.01 * want, b.phases["forward"]
     for ph, unseen_there in (("forward", unseen), ("backward", 0), ("optimizer", 0)):  # the phases' totals
         total = sum(tensor_parts(fc.phases[ph]).values()) - unseen_there
-        assert abs(total - b.tracked[ph]) <= TOTAL * b.tracked[ph], (ph, total, b.tracked[ph], fc.phases[ph])
+        assert -UNDER * b.tracked[ph] <= total - b.tracked[ph] <= OVER * b.tracked[ph], (ph, total, b.tracked[ph])
     assert "allocator slack and runtime" in b.device["forward"]
 
 

@@ -23,15 +23,12 @@ shards, replicated parameters, pool):
 
 * ``wrap``: one module's full weights, materialised before its rows are taken;
 * ``forward``: cast copies and the outer gather, the saved activations of every
-  block (only the input of a checkpointed one), then the logits and the loss (by
-  then autograd keeps no cast of an embedding's weight: [Note: what an embedding
-  leaves] in :mod:`.weights`);
+  block (only the input of a checkpointed one), then the logits and the loss;
 * ``backward``: the largest moment of the walk from the loss back to the
   embedding: the activations still to be used, the gradient shards of the blocks
   already walked, the block's full (unsharded) weight gradients before they are
   packed, a checkpointed block's recomputation, and the replicated parameters'
-  gradients (full size, master dtype; an embedding's only at the end); and its end,
-  every gradient shard written;
+  gradients (full size, master dtype); and its end, every gradient shard written;
 * ``optimizer``: gradients of everything plus the optimizer's temporaries;
 * ``save`` / ``async_save`` / ``load``: DCP's per-item copies; the async save's
   staging holds a whole copy of the model and optimizer shards (on CUDA these are

@@ -166,18 +166,8 @@ def _layouts_and_weights(
     layouts, replicated = memo[key]
     wkey = (*key, "weights", optimizer)
     if wkey not in memo:
-        memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype, _embedding_only(model))
+        memo[wkey] = weights(layouts, replicated, optimizer, config.param_dtype)
     return layouts, memo[wkey]
-
-
-def _embedding_only(model: nn.Module) -> frozenset[int]:
-    """The ids of the parameters that only embeddings use (a weight tied to a head is
-    not one): see [Note: what an embedding leaves] in ``weights.py``."""
-    embedding: set[int] = set()
-    other: set[int] = set()
-    for m in model.modules():
-        (embedding if isinstance(m, nn.Embedding) else other).update(id(p) for p in m.parameters(recurse=False))
-    return frozenset(embedding - other)
 
 
 def _checkpoints(phases: dict, steady: dict[str, int], w: Weights, device: str) -> dict[str, int]:
@@ -371,8 +361,7 @@ def _accumulated(acc: _Accumulation, w: Weights, later: list[int], at: int | Non
         return [{"gradient shards": w.grad_shards + acc.head_whole, "replicated grads": 2 * repl}]
     if at is None:
         return [{}]
-    made = repl - w.replicated_last if at < n else repl  # an embedding's comes last: [Note: what an embedding leaves]
-    return [{"gradient shards": later[at + 1] if at < n else w.grad_shards, "replicated grads": made}]
+    return [{"gradient shards": later[at + 1] if at < n else w.grad_shards, "replicated grads": repl}]
 
 
 def _step(
@@ -400,9 +389,7 @@ def _step(
     then its end, every shard written. ``acc``: what a later micro-step of an
     accumulation holds of the earlier ones' ([Note: what an accumulation holds])."""
     pairs, slots = made
-    # every cast while the model's forward runs; from the loss on, those autograd keeps
-    # ([Note: what an embedding leaves]; the head's, freed at its backward, counted to the end)
-    casts, kept_casts = {"cast copies": w.casts}, {"cast copies": w.casts_kept}
+    step_parts = {**steady, "cast copies": w.casts}
     loss_fwd, loss_bwd, logits = loss_bytes(traced, vocab_parallel)
     n = len(acts)
     act_label = f"activations ({n_ckpt}/{n} blocks checkpointed)" if n_ckpt else "activations"
@@ -413,13 +400,8 @@ def _step(
     kept = list(itertools.accumulate(acts))  # activations of blocks 0..i, still to be used at block i
     later = list(itertools.accumulate([g for *_, g in reversed(blocks)], initial=head_grad))[::-1]
     before = max(_accumulated(acc, w, later, None), key=lambda m: sum(m.values()))
-    forward_acts = {**outer, act_label: sum(acts) + traced.outer_saved}
-    forward = max(
-        ({**casts, **forward_acts, "logits and loss": logits, **before},  # the model's forward ends
-         {**kept_casts, **forward_acts, "logits and loss": loss_fwd, **before}),  # its loss
-        key=lambda m: sum(m.values()),
-    )  # fmt: skip
-    moments = [{**kept_casts, **outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, **before}]
+    forward = {**step_parts, **outer, act_label: sum(acts) + traced.outer_saved, "logits and loss": loss_fwd, **before}
+    moments = [{**outer, act_label: kept[-1] + traced.outer_saved, "logits and loss": loss_bwd, **before}]
 
     def recomputed(i: int) -> int:
         """A checkpointed block's recomputation, beside the input its checkpoint kept
@@ -429,7 +411,6 @@ def _step(
 
     for i, (lay, tr, _) in enumerate(blocks):
         block = {
-            **kept_casts,
             act_label: kept[i] + traced.outer_saved,
             "block gradients (unsharded)": sum(sp_.full_numel for sp_, t in zip(lay.params, tr) if t)
             * lay.gather_dtype.itemsize,
@@ -439,9 +420,8 @@ def _step(
             **({"pool slots and landing": slots[i]} if slots[i] else {}),
         }
         moments += [{**block, **grads} for grads in _accumulated(acc, w, later, i)]
-    moments.append({**kept_casts, **max(_accumulated(acc, w, later, n), key=lambda m: sum(m.values()))})  # its end
-    largest = max(moments, key=lambda m: sum(m.values()))
-    return {"forward": {**steady, **forward}, "backward": {**steady, **largest}}
+    moments.append(max(_accumulated(acc, w, later, n), key=lambda m: sum(m.values())))  # its end
+    return {"forward": forward, "backward": {**step_parts, **max(moments, key=lambda m: sum(m.values()))}}
 
 
 def _evaluate(steady: dict[str, int], w: Weights, traced: Traced) -> dict[str, int]:

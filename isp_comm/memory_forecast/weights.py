@@ -78,8 +78,6 @@ class Weights:
     replicated_trainable: list[int]  # each trainable replicated parameter
     opt_state: int  # the optimizer's state of every trainable parameter
     casts: int  # replicated parameters cast to param_dtype for a step
-    casts_kept: int  # of them, what autograd keeps past the forward (see [Note: what an embedding leaves])
-    replicated_last: int  # trainable replicated parameters' gradients made at the backward's end (the same Note)
     outer_gather: int  # the outer parameters' unit, gathered once per step outside the pool
     wp_summed: int  # trainable shards of the vocab head and split embedding (all-reduced whole; none with pieces)
     refresh: int  # with pieces: the replica all-gather's send and landing buffers (see hooks/refresh.py)
@@ -96,25 +94,14 @@ def weights(
     replicated: list[nn.Parameter],
     optimizer: Optimizer,
     param_dtype: torch.dtype | None,
-    embedding_only: frozenset[int] = frozenset(),
 ) -> Weights:
-    """The weights' parts of every phase (see :class:`Weights`). ``embedding_only``:
-    the ids of the parameters only embeddings use.
-
-    [Note: what an embedding leaves]
-    An embedding's backward needs its indices, not its weight: autograd keeps no cast
-    of a weight that only embeddings use past the forward (the root's post-forward
-    puts the master back and the cast is freed), and its gradient is the backward's
-    last, made after every block's. Every other replicated parameter (a head, a final
-    norm, a weight tied between the embedding and the head) is kept cast for its
-    module's backward, which precedes the blocks', and its gradient exists from then."""
+    """The weights' parts of every phase (see :class:`Weights`)."""
     trainable_shards = [b for _, lay, tr in layouts for b in trainable_bytes(lay, tr)]
     repl_trainable = [p.numel() * p.element_size() for p in replicated if p.requires_grad]
     per_param_state = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}[optimizer]
-    cast = [p for p in replicated if param_dtype is not None and p.dtype != param_dtype]
-    casts = [p.numel() * param_dtype.itemsize for p in cast] if param_dtype is not None else []
-    kept = [c for p, c in zip(cast, casts) if id(p) not in embedding_only]
-    last = [p.numel() * p.element_size() for p in replicated if p.requires_grad and id(p) in embedding_only]
+    casts = 0
+    if param_dtype is not None:
+        casts = sum(p.numel() * param_dtype.itemsize for p in replicated if p.dtype != param_dtype)
     root = next((lay for i, lay, _ in layouts if i == -1), None)
     module_bytes: dict[int, int] = {}  # a sharded module is made real whole, then its rows are taken
     for _, lay, _ in layouts:
@@ -133,9 +120,7 @@ def weights(
         replicated=sum(p.numel() * p.element_size() for p in replicated),
         replicated_trainable=repl_trainable,
         opt_state=per_param_state * (sum(trainable_shards) + sum(repl_trainable)),
-        casts=sum(casts),
-        casts_kept=sum(kept),
-        replicated_last=sum(last),
+        casts=casts,
         outer_gather=root.gathered_numel * root.gather_dtype.itemsize if root is not None else 0,
         wp_summed=sum(
             b for (i, lay, tr) in layouts if i in (-2, -3) and lay.replicas == 1 for b in trainable_bytes(lay, tr)
