@@ -34,8 +34,8 @@ an embedding's backward needs its indices, not its weight) and its gradient thro
 blocks' backward (it is made last). Counting them where they live was tried (2026-12-06)
 and undone: an outside review measured it 2.5% under where the backward peaks at block
 0's gradients beside the embedding's, the block's unsharded gradients there twice the
-forecast's line (10.5 MiB against 5.25: bf16 gradients being packed into the fp32
-reduce-scatter input), which the bounds had covered."""
+forecast's line (10.5 MiB against 5.25, while the bf16 gradients are packed into the
+fp32 reduce-scatter input; not yet traced to the tensor), which the bounds had covered."""
 SCALARS = 4096
 LINGERING = 16
 """The clip's two fp64 partial norms (``ShardedState.clip_grad_norm_``): gloo's worker thread
