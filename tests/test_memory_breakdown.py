@@ -269,7 +269,7 @@ def test_breakdown_follows_the_slots_made_and_freed_without_the_pool() -> None:
     (p0, _), fc_pooled = measure_breakdown(pooled), forecast_point(pooled)
 
     def tensors(parts: dict[str, int]) -> int:
-        return sum(v for k, v in parts.items() if not k.startswith("runtime"))
+        return sum(tensor_parts(parts).values())
 
     for ph in ("forward", "optimizer"):
         assert fc.phases[ph]["pool slots and landing"] == send, (ph, fc.phases[ph])
@@ -495,5 +495,5 @@ def test_shared_segments_count_the_pages_a_rank_holds_at_the_examples_shape() ->
     assert 0 <= parts[scratch] - want[scratch] <= 3 * page, (parts[scratch], want[scratch])  # ctrl, 2 scratch
     fault_around = ISPConfig().max_inflight_reduce_scatter * (64 << 10)  # a window per peer's input read
     assert 0 <= parts[peers] - want[peers] <= fault_around + 3 * page, (parts[peers], want[peers])
-    tensors = sum(v for k, v in want.items() if not k.startswith("runtime"))
+    tensors = sum(tensor_parts(want).values())
     assert abs(b.tracked["backward"] - tensors) <= 0.02 * tensors, (b.tracked["backward"], tensors)
