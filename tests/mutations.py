@@ -313,6 +313,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
             "tests/test_planner.py::test_a_plan_on_a_network_of_one_nic_a_node_picks_the_state_over_the_world",
         ],
     ),
+    "a block's activation gradients counted twice in the backward's forecast": (
+        "isp_comm/memory_forecast/phases.py",
+        '"activation gradients": 2 * hidden + traced.largest[i] +',
+        '"activation gradients": 4 * hidden + 2 * traced.largest[i] +',
+        ["tests/test_memory_breakdown.py::test_breakdown_on_2_ranks_adds_up_and_lines_up_with_the_forecast"],
+    ),
     "a node's network divided by the nodes, not by its GPUs": (
         "isp_comm/planner/targets.py",
         "            return self.network_bytes_per_s / self.per_node",
