@@ -172,6 +172,8 @@ SCALED = {
     # the same without isp-comm's pool: each block's gathered buffer made and freed around its use, as FSDP2's
     "llama3-8b-64th-unpooled": dataclasses.replace(_LLAMA3_8B_64TH, memory_pool=False),
 }
+EVERY_CONFIG = {**CONFIGS, **QUICK, **SCALED}
+"""Every configuration ``--config`` names."""
 LAYOUT_FIELDS = ("ckpt", "shard_outer", "vocab_parallel", "wp", "state_sharding")
 """A :class:`Config`'s fixed layout: what ``--layout best`` replaces by the planner's."""
 
@@ -181,12 +183,11 @@ def distinct_jobs(names: list[str]) -> tuple[list[str], list[str]]:
     but :data:`LAYOUT_FIELDS`) an earlier one has, since the planner gives both the same
     layout (``tiny-n8-world`` is ``tiny-n8`` in another layout); and a line for each
     left out."""
-    everything = {**CONFIGS, **QUICK, **SCALED}
     defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name in LAYOUT_FIELDS}
     kept: list[tuple[Config, str]] = []  # a model's config is not hashable
     said = []
     for name in names:
-        job = dataclasses.replace(everything[name], **defaults)
+        job = dataclasses.replace(EVERY_CONFIG[name], **defaults)
         same = next((other for j, other in kept if j == job), None)
         if same is not None:
             said.append(f"bench/virtual.py: {name} is {same}'s job in another layout: --layout best runs it once")
@@ -872,7 +873,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--quick", action="store_true", help="tiny configurations on CPU (under 5 minutes)")
     ap.add_argument(
-        "--config", choices=[*CONFIGS, *QUICK, *SCALED], action="append",
+        "--config", choices=list(EVERY_CONFIG), action="append",
         help=f"only these (repeatable); {', '.join(SCALED)} runs on CPU, named only",
     )  # fmt: skip
     ap.add_argument(
@@ -924,7 +925,7 @@ def main() -> None:
     peak = peak_tflops(_device())
     results = []
     for name in names:
-        cfg = {**CONFIGS, **QUICK, **SCALED}[name]
+        cfg = EVERY_CONFIG[name]
         systems = tuple(args.systems.split(",")) if args.systems else None
         res = bench_config(
             name, cfg, repeats, args.steps, args.timeout, args.layout, args.kind, systems, args.breakdown, args.profile
